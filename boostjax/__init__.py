@@ -1,0 +1,41 @@
+"""boostjax: training for low-rank bottleneck LLMs (CoLA, SVD, LaX) and their full-rank baselines.
+
+The public API is imported lazily, so `boostjax.devices.simulate(n)` (and the CLI) can still set
+the number of simulated CPU devices before JAX starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # configuration
+    "Config": "boostjax.config", "ModelConfig": "boostjax.config", "TrainConfig": "boostjax.config",
+    "ConfigError": "boostjax.config", "preset": "boostjax.config", "PRESETS": "boostjax.config",
+    "validate": "boostjax.config",
+    # models
+    "LLaMA": "boostjax.models.llama", "param_count": "boostjax.models.flops",
+    "flops_per_token": "boostjax.models.flops",
+    # data
+    "ByteTokenizer": "boostjax.data", "load_corpus": "boostjax.data", "BatchIterator": "boostjax.data",
+    # training
+    "train": "boostjax.train", "TrainResult": "boostjax.train", "NonFiniteLoss": "boostjax.train",
+    "init_model": "boostjax.train", "load_run": "boostjax.run", "simulate_devices": "boostjax.devices",
+    # interop
+    "from_hf": "boostjax.hf", "to_hf": "boostjax.hf",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'boostjax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,126 @@
+"""`boostjax` command line: a thin layer over the Python API.
+
+Every `ModelConfig` / `TrainConfig` field is a flag (`--d-model`, `--lr`, ...); `--model` selects the
+model kind and `--preset` the shapes. Bad configurations exit with status 2 and one line naming
+the field and the fix, before JAX compiles anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from typing import Any, Callable, Sequence
+
+from boostjax.config import (MODEL_KINDS, PRESETS, Config, ConfigError, ModelConfig, TrainConfig,
+                             parse_mesh, preset, validate)
+
+_RENAMED = {"kind": "model"}  # config field -> flag name where they differ
+_HELP = {
+    "kind": "model kind: dense LLaMA or a low-rank variant",
+    "n_kv_heads": "key/value heads for grouped-query attention (0 = n_heads)",
+    "rank": "rank r of every low-rank projection",
+    "dtype": "compute dtype (parameters stay fp32)",
+    "data": "corpus: '' = this Python's standard library sources; a .bin token file, a text file or a folder",
+    "strategy": "tensor-parallel strategy",
+    "mesh": "device mesh, e.g. data=2,model=4 ('' = one device; CPU devices are simulated as needed)",
+    "remat": "rematerialisation: none, full (per block), lowrank (keep r-dim latents, no collective recomputed)",
+    "out": "run folder (config.json, metrics.jsonl, checkpoints/); an existing run there is resumed",
+}
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + _RENAMED.get(f.name, f.name).replace("_", "-")
+        kind = hints[f.name]
+        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": _HELP.get(f.name, "")}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = kind if kind in (int, float) else str
+            choices = typing.get_args(kind)
+            if choices:
+                kw["choices"] = choices
+        kw["help"] = (kw["help"] + f" (default: {f.default!r})").strip()
+        group.add_argument(flag, **kw)
+
+
+def _config(args: argparse.Namespace) -> Config:
+    names = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    model = preset(args.preset, **{k: v for k, v in given.items() if k in names(ModelConfig)})
+    train = TrainConfig(**{k: v for k, v in given.items() if k in names(TrainConfig)})
+    return validate(Config(model, train))
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    sizes = parse_mesh(cfg.train.mesh)
+    if sizes:
+        from boostjax.devices import simulate_devices  # noqa: PLC0415
+
+        n = 1
+        for v in sizes.values():
+            n *= v
+        simulate_devices(n)
+    from boostjax.train import NonFiniteLoss, train  # noqa: PLC0415 (after the device count is set)
+
+    try:
+        result = train(cfg)
+    except NonFiniteLoss as e:
+        print(f"boostjax: {e}", file=sys.stderr)
+        return 1
+    print(result.summary)
+    return 0
+
+
+def _cmd_export_hf(args: argparse.Namespace) -> int:
+    from boostjax.hf import to_hf  # noqa: PLC0415
+    from boostjax.run import load_run  # noqa: PLC0415
+
+    cfg, model, step = load_run(args.run, args.step)
+    path = to_hf(model, args.out, dtype=args.dtype)
+    print(f"exported step {step} of {args.run} ({cfg.model.kind}) to {path} in Hugging Face LLaMA layout")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="boostjax", description="Train low-rank bottleneck LLMs (CoLA, SVD, LaX) and full-rank LLaMA in JAX."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a model (resumes if --out holds a run)")
+    p.add_argument("--preset", default="tiny", help=f"model shapes: one of {', '.join(PRESETS)}")
+    _add_fields(p, ModelConfig, "model (override the preset)")
+    _add_fields(p, TrainConfig, "training")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("export-hf", help="write a full-rank run's latest checkpoint in Hugging Face LLaMA layout")
+    p.add_argument("--run", required=True, help="run folder written by boostjax train (--out)")
+    p.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.set_defaults(func=_cmd_export_hf)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except ConfigError as e:
+        print(f"boostjax: error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as e:
+        print(f"boostjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Typed configuration: model shapes, training hyperparameters, presets and validation.
+
+Every field is overridable from the CLI (`--d-model 256`, `--lr 3e-4`, ...). `validate` runs before
+anything is compiled and raises `ConfigError` with one line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+ModelKind = Literal["llama", "cola", "svd", "lax"]
+MODEL_KINDS: tuple[str, ...] = ("llama", "cola", "svd", "lax")
+LOW_RANK_KINDS: tuple[str, ...] = ("cola", "svd", "lax")
+STRATEGIES: tuple[str, ...] = ("none", "fullrank-tp", "vanilla-tp", "btp")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+REMAT: tuple[str, ...] = ("none", "full", "lowrank")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of a (low-rank) LLaMA. `rank` is ignored by the dense `llama` kind."""
+
+    kind: ModelKind = "cola"
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0  # 0 means "same as n_heads" (no grouped-query attention)
+    d_ff: int = 352
+    rank: int = 32
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 4096
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def low_rank(self) -> bool:
+        return self.kind in LOW_RANK_KINDS
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything `boostjax train` needs besides the model shapes."""
+
+    steps: int = 600
+    batch: int = 16
+    seq: int = 128
+    seed: int = 0
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    clip: float = 1.0
+    dtype: str = "float32"  # compute dtype; parameters and optimizer state stay fp32
+    out: str = "runs/default"
+    data: str = ""  # "" = the built-in corpus (this interpreter's standard library sources)
+    data_dtype: str = "uint16"  # element type of pre-tokenised .bin files
+    ckpt_every: int = 100
+    keep_ckpts: int = 3
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    strategy: str = "none"
+    mesh: str = ""  # "data=D,model=T"; "" = one device
+    remat: str = "none"
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        return cls(model=ModelConfig(**d.get("model", {})), train=TrainConfig(**d.get("train", {})))
+
+
+def _shape(d: int, layers: int, heads: int, d_ff: int, r: int, **kw: Any) -> ModelConfig:
+    return ModelConfig(d_model=d, n_layers=layers, n_heads=heads, d_ff=d_ff, rank=r, **kw)
+
+
+# DESIGN.md section 1 (r = d/4); vocabulary: the byte-level tokenizer unless overridden.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": _shape(128, 4, 4, 352, 32),
+    "60m": _shape(512, 8, 8, 1376, 128),
+    "130m": _shape(768, 12, 12, 2048, 256),
+    "350m": _shape(1024, 24, 16, 2736, 256),
+    "1b": _shape(2048, 24, 32, 5472, 512),
+    "3b": _shape(3072, 28, 24, 8192, 768),
+    "7b": _shape(4096, 32, 32, 11008, 1024),
+    "13b": _shape(5120, 40, 40, 13824, 1280),
+    "30b": _shape(8192, 36, 64, 22016, 2048),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """The model shapes of a named preset, with field overrides (`kind="llama"`, ...)."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise ConfigError(f"preset: unknown preset {name!r}; fix: use one of {', '.join(PRESETS)}")
+    return replace(PRESETS[key], **overrides)
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """'data=2,model=4' -> {'data': 2, 'model': 4}; '' -> {}."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, size = part.partition("=")
+        if not sep or not size.strip().isdigit() or int(size) < 1:
+            raise ConfigError(f"mesh: cannot read {part!r}; fix: write it like data=2,model=4")
+        if name.strip() not in ("data", "stage", "model"):
+            raise ConfigError(f"mesh: unknown axis {name!r}; fix: use the axes data, stage and model")
+        out[name.strip()] = int(size)
+    return out
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate_model(m: ModelConfig) -> None:
+    _need(m.kind in MODEL_KINDS, f"model.kind: unknown kind {m.kind!r}; fix: use one of {', '.join(MODEL_KINDS)}")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "rank", "max_seq_len"):
+        v = getattr(m, name)
+        _need(v > 0, f"model.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
+    _need(m.n_kv_heads >= 0, f"model.n_kv_heads: must be >= 0, got {m.n_kv_heads}; fix: pass 0 (= n_heads) or a divisor of n_heads")
+    _need(m.d_model % m.n_heads == 0,
+          f"model.d_model: {m.d_model} is not divisible by n_heads={m.n_heads}; fix: choose d_model a multiple of n_heads")
+    _need(m.head_dim % 2 == 0, f"model.d_model: head_dim={m.head_dim} must be even for RoPE; fix: make d_model/n_heads even")
+    _need(m.n_heads % m.kv_heads == 0,
+          f"model.n_kv_heads: n_heads={m.n_heads} is not divisible by n_kv_heads={m.kv_heads}; fix: choose a divisor of n_heads")
+    if m.low_rank:
+        kv_dim = m.kv_heads * m.head_dim
+        limit = min(m.d_model, m.d_ff, kv_dim)
+        _need(m.rank <= limit,
+              f"model.rank: r={m.rank} exceeds the smallest projection width {limit}; fix: pass --rank <= {limit}")
+    _need(m.norm_eps > 0, f"model.norm_eps: must be positive, got {m.norm_eps}; fix: pass e.g. --norm-eps 1e-5")
+    _need(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}; fix: pass e.g. --init-std 0.02")
+
+
+def validate_train(t: TrainConfig, m: ModelConfig) -> None:
+    for name in ("steps", "batch", "seq", "ckpt_every", "keep_ckpts", "log_every", "eval_every", "eval_batches"):
+        v = getattr(t, name)
+        _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
+    _need(t.lr > 0, f"train.lr: must be positive, got {t.lr}; fix: pass e.g. --lr 1e-3")
+    _need(0 <= t.warmup < t.steps or t.warmup == 0,
+          f"train.warmup: {t.warmup} must be smaller than steps={t.steps}; fix: lower --warmup")
+    _need(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio: {t.min_lr_ratio} outside [0, 1]; fix: pass e.g. 0.1")
+    _need(0.0 <= t.b1 < 1.0 and 0.0 <= t.b2 < 1.0, "train.b1/b2: betas must lie in [0, 1); fix: e.g. --b1 0.9 --b2 0.95")
+    _need(t.clip >= 0, f"train.clip: must be >= 0 (0 disables), got {t.clip}; fix: pass e.g. --clip 1.0")
+    _need(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}; fix: pass e.g. 0.01")
+    _need(t.dtype in DTYPES, f"train.dtype: unknown dtype {t.dtype!r}; fix: use one of {', '.join(DTYPES)}")
+    _need(t.data_dtype in ("uint16", "uint32"), f"train.data_dtype: {t.data_dtype!r}; fix: use uint16 or uint32")
+    _need(t.seq <= m.max_seq_len, f"train.seq: {t.seq} exceeds model.max_seq_len={m.max_seq_len}; fix: lower --seq or raise --max-seq-len")
+    _need(t.strategy in STRATEGIES, f"train.strategy: unknown strategy {t.strategy!r}; fix: use one of {', '.join(STRATEGIES)}")
+    _need(t.remat in REMAT, f"train.remat: unknown remat {t.remat!r}; fix: use one of {', '.join(REMAT)}")
+    parse_mesh(t.mesh)
+
+
+def validate(cfg: Config) -> Config:
+    """Raise `ConfigError` on the first invalid field; return the config unchanged otherwise."""
+    validate_model(cfg.model)
+    validate_train(cfg.train, cfg.model)
+    return cfg
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]

@@ -1,0 +1,191 @@
+"""LLaMA with dense or low-rank (CoLA, SVD, LaX) projections, written once for every TP strategy.
+
+Parameters are stored `[in, out]`. Low-rank projections that share an input are grouped: the
+attention's q/k/v down-projections are one `a_qkv: [d, 3, r]` tensor (one GEMM, one collective),
+the MLP's gate/up are `a_gate_up: [d, 2, r]`; up-projections with distinct inputs and equal shapes
+(`b_kv`, `b_gate_up`) run as one batched GEMM. A TP strategy only changes how these tensors are
+sliced (`boostjax.sharding.specs`) and which `Collectives` hook communicates.
+
+Activations tagged with `checkpoint_name` (remat and offload policies select them by name):
+`boundary` (block input), `qkv_latent`/`qkv`, `attn_out`, `o_latent`, `mid`,
+`gate_up_latent`/`gate_up`, `mlp_hidden`, `down_latent` (and `*_latent_stats` for the norm).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int
+
+from boostjax.config import ModelConfig
+from boostjax.models import ops
+from boostjax.sharding.collectives import LOCAL, Collectives, vocab_parallel_cross_entropy
+
+LATENT_NAMES = ("qkv_latent", "o_latent", "gate_up_latent", "down_latent")
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # communication-free low-rank checkpointing: keep what crossed a collective (the r-dim latents
+    # and the norm statistics), recompute every d-dim activation locally.
+    "lowrank": jax.checkpoint_policies.save_only_these_names(
+        *LATENT_NAMES, *(n + "_stats" for n in LATENT_NAMES)
+    ),
+}
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+
+
+def _sigma(kind: str) -> Callable[[Array], Array]:
+    """The nonlinearity between the factors: SiLU for CoLA and LaX, none for SVD-style."""
+    return (lambda h: h) if kind == "svd" else jax.nn.silu
+
+
+class Attention(nnx.Module):
+    """Pre-norm causal self-attention (RoPE, optional grouped-query heads)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, r, std = cfg.d_model, cfg.rank, cfg.init_std
+        he, ke = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.cfg = cfg
+        self.norm = nnx.Param(jnp.ones((d,), jnp.float32))
+        if cfg.low_rank:
+            self.a_qkv = _param(rngs, (d, 3, r), d**-0.5)
+            self.b_q = _param(rngs, (r, he), std)
+            self.b_kv = _param(rngs, (2, r, ke), std)
+            self.a_o = _param(rngs, (he, r), he**-0.5)
+            self.b_o = _param(rngs, (r, d), std)
+            if cfg.kind == "lax":  # latent crossing gates: k <- q, v <- k, o <- v
+                self.cross = nnx.Param(jnp.zeros((3,), jnp.float32))
+        else:
+            self.w_q = _param(rngs, (d, he), std)
+            self.w_k = _param(rngs, (d, ke), std)
+            self.w_v = _param(rngs, (d, ke), std)
+            self.w_o = _param(rngs, (he, d), std)
+
+    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives) -> Float[Array, "b t d"]:
+        cfg, e = self.cfg, self.cfg.head_dim
+        b, t, _ = x_btd.shape
+        if cfg.low_rank:
+            sigma = _sigma(cfg.kind)
+            z_btgr = ops.online_norm_down(x_btd, self.norm[...], self.a_qkv[...], coll,
+                                          d_model=cfg.d_model, eps=cfg.norm_eps, name="qkv_latent")
+            hq, hk, hv = (sigma(z_btgr[:, :, i]) for i in range(3))
+            if cfg.kind == "lax":
+                c = self.cross[...].astype(x_btd.dtype)
+                hk, hv = hk + c[0] * hq, hv + c[1] * hk
+            q = coll.reduce_up(hq @ self.b_q[...])
+            kv_btgk = coll.reduce_up(jnp.einsum("btgr,grk->btgk", jnp.stack([hk, hv], 2), self.b_kv[...]))
+            k, v = kv_btgk[:, :, 0], kv_btgk[:, :, 1]
+        else:
+            xn_btd = ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps)
+            q, k, v = (checkpoint_name(xn_btd @ w[...], "qkv") for w in (self.w_q, self.w_k, self.w_v))
+        q_bthe = ops.apply_rope(q.reshape(b, t, -1, e), cos_te, sin_te)
+        k_btke = ops.apply_rope(k.reshape(b, t, -1, e), cos_te, sin_te)
+        o_btx = ops.causal_attention(q_bthe, k_btke, v.reshape(b, t, -1, e)).reshape(b, t, -1)
+        if cfg.low_rank:
+            h_btr = coll.reduce_latent(o_btx @ self.a_o[...], name="o_latent")
+            h_btr = _sigma(cfg.kind)(h_btr)
+            if cfg.kind == "lax":
+                h_btr = h_btr + self.cross[...].astype(x_btd.dtype)[2] * hv
+            return coll.reduce_up(h_btr @ self.b_o[...])
+        return coll.reduce_row(o_btx @ self.w_o[...])
+
+
+class MLP(nnx.Module):
+    """Pre-norm SwiGLU MLP: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, r, std = cfg.d_model, cfg.d_ff, cfg.rank, cfg.init_std
+        self.cfg = cfg
+        self.norm = nnx.Param(jnp.ones((d,), jnp.float32))
+        if cfg.low_rank:
+            self.a_gate_up = _param(rngs, (d, 2, r), d**-0.5)
+            self.b_gate_up = _param(rngs, (2, r, f), std)
+            self.a_down = _param(rngs, (f, r), f**-0.5)
+            self.b_down = _param(rngs, (r, d), std)
+            if cfg.kind == "lax":  # up <- gate, down <- up
+                self.cross = nnx.Param(jnp.zeros((2,), jnp.float32))
+        else:
+            self.w_gate = _param(rngs, (d, f), std)
+            self.w_up = _param(rngs, (d, f), std)
+            self.w_down = _param(rngs, (f, d), std)
+
+    def __call__(self, x_btd, coll: Collectives) -> Float[Array, "b t d"]:
+        cfg = self.cfg
+        if cfg.low_rank:
+            sigma = _sigma(cfg.kind)
+            z_btgr = ops.online_norm_down(x_btd, self.norm[...], self.a_gate_up[...], coll,
+                                          d_model=cfg.d_model, eps=cfg.norm_eps, name="gate_up_latent")
+            hg, hu = sigma(z_btgr[:, :, 0]), sigma(z_btgr[:, :, 1])
+            if cfg.kind == "lax":
+                hu = hu + self.cross[...].astype(x_btd.dtype)[0] * hg
+            gu_btgf = coll.reduce_up(jnp.einsum("btgr,grf->btgf", jnp.stack([hg, hu], 2), self.b_gate_up[...]))
+            gate, up = gu_btgf[:, :, 0], gu_btgf[:, :, 1]
+        else:
+            xn_btd = ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps)
+            gate = checkpoint_name(xn_btd @ self.w_gate[...], "gate_up")
+            up = checkpoint_name(xn_btd @ self.w_up[...], "gate_up")
+        hidden_btf = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+        if cfg.low_rank:
+            h_btr = _sigma(cfg.kind)(coll.reduce_latent(hidden_btf @ self.a_down[...], name="down_latent"))
+            if cfg.kind == "lax":
+                h_btr = h_btr + self.cross[...].astype(x_btd.dtype)[1] * hu
+            return coll.reduce_up(h_btr @ self.b_down[...])
+        return coll.reduce_row(hidden_btf @ self.w_down[...])
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives = LOCAL):
+        x_btd = checkpoint_name(x_btd, "boundary")
+        h_btd = checkpoint_name(x_btd + self.attn(x_btd, cos_te, sin_te, coll), "mid")
+        return h_btd + self.mlp(h_btd, coll)
+
+
+class LLaMA(nnx.Module):
+    """Decoder-only LLaMA. `model(tokens)` gives logits; `model.loss(tokens, targets)` the mean CE."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
+        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.norm = nnx.Param(jnp.ones((cfg.d_model,), jnp.float32))
+        self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
+
+    def features(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
+                 remat: str | Callable | None = "none") -> Float[Array, "b t d"]:
+        """Final-normed hidden states (full width, after the one BTP gather)."""
+        cfg = self.cfg
+        cos_te, sin_te = ops.rope_tables(tokens_bt.shape[1], cfg.head_dim, cfg.rope_theta)
+        x_btd = ops.embed_lookup(self.embed[...], tokens_bt)
+        policy = resolve_remat(remat)
+        for layer in self.layers:
+            if policy is None:
+                x_btd = layer(x_btd, cos_te, sin_te, coll)
+            else:
+                x_btd = nnx.remat(lambda blk, x: blk(x, cos_te, sin_te, coll), policy=policy)(layer, x_btd)
+        x_btd = coll.gather_features(x_btd)
+        return ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps)
+
+    def __call__(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
+                 remat: str | Callable | None = "none") -> Float[Array, "b t v"]:
+        x_btd = self.features(tokens_bt, coll, remat)
+        return jnp.einsum("btd,dv->btv", x_btd, self.head[...], preferred_element_type=jnp.float32)
+
+    def loss(self, tokens_bt: Int[Array, "b t"], targets_bt: Int[Array, "b t"],
+             coll: Collectives = LOCAL, remat: str | Callable | None = "none") -> Float[Array, ""]:
+        return vocab_parallel_cross_entropy(self(tokens_bt, coll, remat), targets_bt, coll)
+
+
+def resolve_remat(remat: Any) -> Callable | None:
+    """A remat name from `REMAT_POLICIES`, a `jax.checkpoint` policy callable, or None."""
+    return REMAT_POLICIES[remat] if isinstance(remat, str) else remat

@@ -1,0 +1,78 @@
+"""Stateless pieces of the LLaMA block: RMSNorm, Online-RMSNorm down-projection, RoPE, attention.
+
+Shape letters: b batch, t time (sequence), d model width, r rank, f feed-forward width, h query
+heads, k kv heads, e head dim, g group (grouped projections), v vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int
+
+from boostjax.sharding.collectives import Collectives
+
+
+def rms_norm(x_btd: Float[Array, "b t d"], g_d: Float[Array, "d"], eps: float) -> Float[Array, "b t d"]:
+    """`g ⊙ x / rms(x)` with the statistics in fp32 (Hugging Face LLaMA's order of operations)."""
+    xf = x_btd.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+    return g_d.astype(x_btd.dtype) * xf.astype(x_btd.dtype)
+
+
+def online_norm_down(
+    x_btd: Float[Array, "b t d"],
+    g_d: Float[Array, "d"],
+    a_dgr: Float[Array, "d g r"],
+    coll: Collectives,
+    *,
+    d_model: int,
+    eps: float,
+    name: str,
+) -> Float[Array, "b t g r"]:
+    """`RMSNorm(x) @ A` computed as `((g ⊙ x) @ A) / rms(x)` (Online-RMSNorm).
+
+    Under BTP, `x` and `g` hold this device's `d/TP` slice and `A` its rows: the partial products
+    and the partial `Σ x²` are summed by one collective. The statistics stay in fp32.
+    """
+    ss_bt1 = jnp.sum(jnp.square(x_btd.astype(jnp.float32)), axis=-1, keepdims=True)
+    z_btgr = jnp.einsum("btd,dgr->btgr", x_btd * g_d.astype(x_btd.dtype), a_dgr)
+    z_btgr, ss_bt1 = coll.reduce_latent(z_btgr, ss_bt1, name=name)
+    inv_bt11 = jax.lax.rsqrt(ss_bt1 / d_model + eps)[..., None]
+    return (z_btgr.astype(jnp.float32) * inv_bt11).astype(x_btd.dtype)
+
+
+def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[Float[Array, "t e"], Float[Array, "t e"]]:
+    """cos/sin tables for rotate-half RoPE (the Hugging Face LLaMA convention), in fp32."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    ang_te = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    ang_te = jnp.concatenate([ang_te, ang_te], axis=-1)
+    return jnp.cos(ang_te), jnp.sin(ang_te)
+
+
+def apply_rope(x_bthe: Float[Array, "b t h e"], cos_te, sin_te) -> Float[Array, "b t h e"]:
+    half = x_bthe.shape[-1] // 2
+    rot = jnp.concatenate([-x_bthe[..., half:], x_bthe[..., :half]], axis=-1)
+    out = x_bthe.astype(jnp.float32) * cos_te[:, None, :] + rot.astype(jnp.float32) * sin_te[:, None, :]
+    return out.astype(x_bthe.dtype)
+
+
+def causal_attention(
+    q_bthe: Float[Array, "b t h e"], k_btke: Float[Array, "b t k e"], v_btke: Float[Array, "b t k e"]
+) -> Float[Array, "b t h e"]:
+    """Causal softmax attention with grouped-query heads (h a multiple of k); softmax in fp32."""
+    b, t, h, e = q_bthe.shape
+    kv = k_btke.shape[2]
+    q_btkge = q_bthe.reshape(b, t, kv, h // kv, e)
+    s_bkgts = jnp.einsum("btkge,bske->bkgts", q_btkge, k_btke, preferred_element_type=jnp.float32)
+    s_bkgts = s_bkgts / jnp.sqrt(jnp.float32(e))
+    mask_ts = jnp.tril(jnp.ones((t, t), dtype=bool))
+    s_bkgts = jnp.where(mask_ts, s_bkgts, jnp.finfo(jnp.float32).min)
+    p_bkgts = jax.nn.softmax(s_bkgts, axis=-1).astype(v_btke.dtype)
+    o_btkge = jnp.einsum("bkgts,bske->btkge", p_bkgts, v_btke)
+    return checkpoint_name(o_btkge.reshape(b, t, h * e), "attn_out").reshape(b, t, h, e)
+
+
+def embed_lookup(table_vd: Float[Array, "v d"], tokens_bt: Int[Array, "b t"]) -> Float[Array, "b t d"]:
+    return jnp.take(table_vd, tokens_bt, axis=0)

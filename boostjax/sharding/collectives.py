@@ -1,0 +1,91 @@
+"""Where a tensor-parallel strategy puts its collectives.
+
+The LLaMA block (`boostjax.models.llama`) is written once. It calls the hooks below at the three
+places a TP strategy may need a collective; each strategy turns on exactly one of them:
+
+- `latent`   after every low-rank down-projection `A` (d -> r): BTP's psum of `[b, t, r]`, carrying
+             the Online-RMSNorm sum of squares in the same collective;
+- `up`       after every low-rank up-projection `B` (r -> d_out): vanilla low-rank TP;
+- `row`      after the row-parallel dense projections `o` and `down`: Megatron full-rank TP.
+
+On one device (`LOCAL`) every hook is the identity, so the same code is the single-device
+reference. Outputs of the hooks are tagged with `checkpoint_name`, so remat policies can save
+exactly what crossed a collective and recompute the rest without communicating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+
+@dataclass(frozen=True)
+class Collectives:
+    axis: str | None = None  # the tensor-parallel mesh axis inside shard_map; None on one device
+    latent: bool = False  # psum after low-rank down-projections (BTP)
+    up: bool = False  # psum after low-rank up-projections (vanilla low-rank TP)
+    row: bool = False  # psum after row-parallel dense projections (Megatron TP)
+    features_sharded: bool = False  # residual stream sharded along d (BTP): gather before the head
+
+    def _psum(self, on: bool, *xs):
+        if on and self.axis is not None:
+            return jax.lax.psum(xs, self.axis)
+        return xs
+
+    def reduce_latent(self, z, ss=None, *, name: str):
+        """Sum partial down-projections (and the norm's Σx², in the same collective)."""
+        if ss is None:
+            (z,) = self._psum(self.latent, z)
+            return checkpoint_name(z, name)
+        z, ss = self._psum(self.latent, z, ss)
+        return checkpoint_name(z, name), checkpoint_name(ss, name + "_stats")
+
+    def reduce_up(self, y):
+        (y,) = self._psum(self.up, y)
+        return y
+
+    def reduce_row(self, y):
+        (y,) = self._psum(self.row, y)
+        return y
+
+    def gather_features(self, x_btd):
+        """Gather the d-sharded residual stream once, before the LM head."""
+        if self.features_sharded and self.axis is not None:
+            return jax.lax.all_gather(x_btd, self.axis, axis=x_btd.ndim - 1, tiled=True)
+        return x_btd
+
+    # -- vocabulary-parallel cross-entropy --------------------------------------------------------
+    def vocab_offset(self, v_local: int):
+        if self.axis is None:
+            return 0
+        return jax.lax.axis_index(self.axis) * v_local
+
+    def vocab_max(self, x):
+        return jax.lax.pmax(x, self.axis) if self.axis is not None else x
+
+    def vocab_sum(self, x):
+        return jax.lax.psum(x, self.axis) if self.axis is not None else x
+
+
+LOCAL = Collectives()
+
+
+def vocab_parallel_cross_entropy(logits_btv, targets_bt, coll: Collectives = LOCAL):
+    """Mean token cross-entropy when each device holds a slice of the vocabulary.
+
+    No device ever materialises the full `[b, t, vocab]` logits: max, log-sum-exp and the target
+    logit are each reduced over the model axis as `[b, t]` tensors.
+    """
+    logits_btv = logits_btv.astype(jnp.float32)
+    v_local = logits_btv.shape[-1]
+    m_bt = coll.vocab_max(jax.lax.stop_gradient(jnp.max(logits_btv, axis=-1)))
+    sumexp_bt = coll.vocab_sum(jnp.sum(jnp.exp(logits_btv - m_bt[..., None]), axis=-1))
+    lse_bt = jnp.log(sumexp_bt) + m_bt
+    local_t = targets_bt - coll.vocab_offset(v_local)
+    mine = (local_t >= 0) & (local_t < v_local)
+    picked = jnp.take_along_axis(logits_btv, jnp.clip(local_t, 0, v_local - 1)[..., None], axis=-1)[..., 0]
+    target_bt = coll.vocab_sum(jnp.where(mine, picked, 0.0))
+    return jnp.mean(lse_bt - target_bt)

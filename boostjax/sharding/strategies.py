@@ -1,0 +1,110 @@
+"""Placing a training step on a mesh: the loss under `shard_map` for each TP strategy, plus data
+parallelism over the `data` axis.
+
+`placement(cfg, graphdef, params)` returns the loss function and how to put parameters and batches
+on devices. With no mesh and strategy "none" it is the plain single-device reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from boostjax.config import Config, ConfigError, ModelConfig, parse_mesh
+from boostjax.sharding.specs import COLLECTIVES, KINDS, param_specs
+
+
+@dataclass(frozen=True)
+class Placement:
+    loss_fn: Callable[[Any, dict], jax.Array]
+    put_params: Callable[[Any], Any]
+    put_batch: Callable[[dict], dict]
+    mesh: Mesh | None = None
+    specs: Any = None
+
+
+def check_strategy(model: ModelConfig, strategy: str, tp: int) -> None:
+    """Raise `ConfigError` (one line: field and fix) when a strategy cannot shard this model."""
+    if model.kind not in KINDS[strategy]:
+        want = " or ".join(KINDS[strategy])
+        raise ConfigError(f"train.strategy: {strategy} does not serve model kind {model.kind!r}; fix: use --model {want}"
+                          f" or another --strategy")
+    if strategy == "none" and tp > 1:
+        raise ConfigError("train.mesh: a model axis > 1 needs a TP strategy; fix: pass --strategy btp, vanilla-tp or fullrank-tp")
+    if tp == 1:
+        return
+    needs = {"vocab_size": model.vocab_size}
+    if strategy in ("fullrank-tp", "btp"):
+        needs |= {"n_heads": model.n_heads, "n_kv_heads": model.kv_heads, "d_ff": model.d_ff}
+    if strategy == "btp":
+        needs |= {"d_model": model.d_model}
+    if strategy == "vanilla-tp":
+        needs |= {"rank": model.rank}
+    for name, value in needs.items():
+        if value % tp:
+            raise ConfigError(f"model.{name}: {value} is not divisible by the TP size {tp} ({strategy}); "
+                              f"fix: choose --{name.replace('_', '-')} a multiple of {tp} or a smaller model axis")
+
+
+def make_mesh(spec: str) -> Mesh | None:
+    """The `data x model` mesh of a `--mesh` string over all devices ('' -> None: one device)."""
+    sizes = parse_mesh(spec)
+    if not sizes:
+        return None
+    if sizes.get("stage", 1) != 1:
+        raise ConfigError("train.mesh: pipeline stages are not supported by this strategy; fix: drop stage=")
+    d, t = sizes.get("data", 1), sizes.get("model", 1)
+    n = jax.device_count()
+    if d * t > n or (jax.process_count() > 1 and d * t != n):
+        raise ConfigError(f"train.mesh: data={d} x model={t} = {d * t} devices but {n} are visible; "
+                          f"fix: pick sizes whose product is {n}")
+    return Mesh(np.asarray(jax.devices()[: d * t]).reshape(d, t), ("data", "model"))
+
+
+def shard_loss_fn(cfg: Config, graphdef, mesh: Mesh, specs: Any) -> Callable[[Any, dict], jax.Array]:
+    """The mean loss over the global batch, computed by `shard_map` with the strategy's collectives."""
+    from boostjax.step import cast_params  # noqa: PLC0415
+
+    coll = COLLECTIVES[cfg.train.strategy]
+    if mesh.shape["model"] == 1:
+        coll = COLLECTIVES["none"]
+        specs = jax.tree.map(lambda _: P(), specs, is_leaf=lambda x: isinstance(x, P))
+
+    def local(params, inputs_bt, targets_bt):
+        model = nnx.merge(graphdef, cast_params(params, cfg.train.dtype))
+        return jax.lax.pmean(model.loss(inputs_bt, targets_bt, coll, cfg.train.remat), "data")
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
+    return lambda params, batch: sharded(params, batch["inputs"], batch["targets"])
+
+
+def placement(cfg: Config, graphdef, params_like: Any) -> Placement:
+    from boostjax.step import local_loss_fn  # noqa: PLC0415
+
+    mesh = make_mesh(cfg.train.mesh)
+    tp = mesh.shape["model"] if mesh is not None else 1
+    check_strategy(cfg.model, cfg.train.strategy, tp)
+    if mesh is None:
+        if cfg.train.strategy != "none":
+            raise ConfigError(f"train.mesh: strategy {cfg.train.strategy} needs a mesh; fix: pass --mesh data=1,model=2")
+        return Placement(local_loss_fn(cfg, graphdef), lambda p: jax.device_put(p),
+                         lambda b: jax.device_put(b))
+    if cfg.train.batch % mesh.shape["data"]:
+        raise ConfigError(f"train.batch: {cfg.train.batch} is not divisible by data={mesh.shape['data']}; "
+                          f"fix: pass --batch a multiple of {mesh.shape['data']}")
+    specs = param_specs(cfg.train.strategy, params_like)
+    p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    b_shard = NamedSharding(mesh, P("data"))
+    return Placement(
+        loss_fn=shard_loss_fn(cfg, graphdef, mesh, specs),
+        put_params=lambda p: jax.device_put(p, p_shard),
+        put_batch=lambda b: jax.device_put(b, b_shard),
+        mesh=mesh,
+        specs=specs,
+    )
