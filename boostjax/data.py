@@ -1,0 +1,325 @@
+"""Data: byte-level tokenizer, corpora and a deterministic, resumable, process-sharded batch iterator.
+
+Corpora are 1-D token arrays (uint8/uint16/uint32, possibly memory-mapped):
+
+- default (`--data ""`): the `*.py` sources of the running interpreter's standard library, read as
+  bytes (byte-level tokens, vocab 256). No download. Files are sorted by relative POSIX path; each is
+  followed by ``b"\\n\\n"``. File number ``i`` goes to validation iff ``i % 50 == 49`` (about 2%).
+- a ``.bin`` file: pre-tokenised ids (``--data-dtype`` uint16/uint32), memory-mapped; the last
+  ``val_fraction`` of the tokens is the validation split.
+- any other file: plain text, byte-tokenised, split like a ``.bin`` file.
+- a directory: every ``*.txt``/``*.md``/``*.py`` file under it, split by file like the stdlib corpus
+  (falls back to the last ``val_fraction`` of tokens when that leaves a split empty, e.g. < 50 files).
+
+`BatchIterator` draws batch ``k`` as a pure function of ``(seed, k)``: the global batch's window starts
+come from ``np.random.default_rng([seed, k])`` and each process takes its contiguous block of rows, so
+batches are deterministic, resumable from ``state()`` and independent of the process count.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sysconfig
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+TOKEN_DTYPES: tuple[str, ...] = ("uint8", "uint16", "uint32")
+TEXT_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".py")
+VAL_EVERY: int = 50  # file i is a validation file iff i % VAL_EVERY == VAL_EVERY - 1
+FILE_SEP: bytes = b"\n\n"
+MIN_SPLIT_TOKENS: int = 2  # a split must hold at least one (input, target) pair
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: ``vocab_size == 256``, lossless for any text."""
+
+    vocab_size: int = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        """``text`` -> uint8 ids of its UTF-8 bytes."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Ids -> text; invalid UTF-8 sequences become U+FFFD."""
+        ids_n = np.asarray(ids).reshape(-1)
+        if ids_n.size and (ids_n.min() < 0 or ids_n.max() >= self.vocab_size):
+            raise ValueError(
+                f"ByteTokenizer.decode: ids must be in [0, 256), got range "
+                f"[{ids_n.min()}, {ids_n.max()}]; fix: decode with the tokenizer that produced them"
+            )
+        return ids_n.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Train and validation token streams (1-D; uint8/uint16/uint32; np.memmap allowed)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    name: str
+
+    def __post_init__(self) -> None:
+        for split in ("train", "val"):
+            arr = getattr(self, split)
+            if arr.ndim != 1 or arr.dtype.name not in TOKEN_DTYPES:
+                raise ValueError(
+                    f"Corpus.{split}: need a 1-D array of {'/'.join(TOKEN_DTYPES)}, "
+                    f"got shape {arr.shape} dtype {arr.dtype}"
+                )
+
+
+# ----------------------------------------------------------------------------- corpora
+
+
+def _stdlib_root() -> pathlib.Path:
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def _walk_files(
+    root: pathlib.Path, suffixes: tuple[str, ...], skip_dirs: tuple[str, ...] = ()
+) -> list[pathlib.Path]:
+    """Regular files under ``root`` with one of ``suffixes``, sorted by relative POSIX path.
+
+    Does not follow directory symlinks (no cycles, no files counted twice).
+    """
+    found: list[tuple[str, pathlib.Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs]
+        for fname in filenames:
+            if fname.endswith(suffixes):
+                path = pathlib.Path(dirpath, fname)
+                if path.is_file():
+                    found.append((path.relative_to(root).as_posix(), path))
+    found.sort(key=lambda item: item[0])
+    return [path for _, path in found]
+
+
+def stdlib_sources() -> list[pathlib.Path]:
+    """Every ``*.py`` under this interpreter's stdlib (no site/dist-packages), sorted by relative path."""
+    return _walk_files(_stdlib_root(), (".py",), skip_dirs=("site-packages", "dist-packages"))
+
+
+def _tail_split(tokens: np.ndarray, val_fraction: float, name: str) -> Corpus:
+    """Last ``val_fraction`` of ``tokens`` is validation; both splits are views (no copy)."""
+    n_val = int(round(len(tokens) * val_fraction))
+    n_train = len(tokens) - n_val
+    if n_val < MIN_SPLIT_TOKENS or n_train < MIN_SPLIT_TOKENS:
+        raise ValueError(
+            f"data: split too small for {name}: {len(tokens)} tokens with val_fraction={val_fraction} "
+            f"gives train={n_train}, val={n_val} (need >= {MIN_SPLIT_TOKENS} each); "
+            f"fix: use more data or a different val_fraction"
+        )
+    return Corpus(train=tokens[:n_train], val=tokens[n_train:], name=name)
+
+
+def _files_corpus(files: list[pathlib.Path], name: str, val_fraction: float) -> Corpus:
+    """Concatenate files (each followed by FILE_SEP); file i is validation iff i % 50 == 49."""
+    chunks = [path.read_bytes() + FILE_SEP for path in files]
+    if all(len(c) == len(FILE_SEP) for c in chunks):
+        raise ValueError(
+            f"data: empty corpus {name}: {len(files)} files, all empty; fix: point --data at real text"
+        )
+    is_val = [i % VAL_EVERY == VAL_EVERY - 1 for i in range(len(chunks))]
+    train = np.frombuffer(b"".join(c for c, v in zip(chunks, is_val) if not v), dtype=np.uint8)
+    val = np.frombuffer(b"".join(c for c, v in zip(chunks, is_val) if v), dtype=np.uint8)
+    if len(train) < MIN_SPLIT_TOKENS or len(val) < MIN_SPLIT_TOKENS:
+        # Too few files for a per-file split (e.g. < 50): fall back to the tail of the stream.
+        return _tail_split(np.frombuffer(b"".join(chunks), dtype=np.uint8), val_fraction, name)
+    return Corpus(train=train, val=val, name=name)
+
+
+_STDLIB_CACHE: dict[str, Corpus] = {}
+
+
+def stdlib_corpus() -> Corpus:
+    """Byte-tokenised stdlib sources, split by file (cached per process; arrays are read-only)."""
+    root = str(_stdlib_root())
+    if root not in _STDLIB_CACHE:
+        files = stdlib_sources()
+        if not files:
+            raise ValueError(
+                f"data: empty corpus: no *.py files under the stdlib at {root}; "
+                f"fix: pass --data with a text file, directory or .bin token file"
+            )
+        _STDLIB_CACHE[root] = _files_corpus(files, f"stdlib:{root}", val_fraction=0.02)
+    return _STDLIB_CACHE[root]
+
+
+def _missing(path: str) -> ValueError:
+    return ValueError(
+        f"data: no such file or directory: {path!r}; fix: pass --data with an existing text file, "
+        f"directory or pre-tokenised .bin file, or --data '' for the built-in stdlib corpus"
+    )
+
+
+def load_corpus(path: str = "", dtype: str = "uint16", val_fraction: float = 0.02) -> Corpus:
+    """Load ``""`` (stdlib), a ``.bin`` token file (memmap), a text file or a directory of text files."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"load_corpus: val_fraction must be in (0, 1), got {val_fraction}; fix: e.g. 0.02")
+    if path == "":
+        return stdlib_corpus()
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise _missing(path)
+    if p.is_dir():
+        files = _walk_files(p, TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(
+                f"data: empty corpus: no {'/'.join('*' + s for s in TEXT_SUFFIXES)} files under {path!r}; "
+                f"fix: point --data at a directory with text files, a text file or a .bin token file"
+            )
+        return _files_corpus(files, str(p), val_fraction)
+    size = p.stat().st_size
+    if size == 0:
+        raise ValueError(f"data: empty corpus: {path!r} has 0 bytes; fix: point --data at a non-empty file")
+    if p.suffix == ".bin":
+        if dtype not in TOKEN_DTYPES:
+            raise ValueError(
+                f"load_corpus: dtype must be one of {TOKEN_DTYPES}, got {dtype!r}; fix: --data-dtype uint16"
+            )
+        itemsize = np.dtype(dtype).itemsize
+        if size % itemsize:
+            raise ValueError(
+                f"data: {path!r} has {size} bytes, not a multiple of {dtype} ({itemsize} bytes); "
+                f"fix: pass the --data-dtype it was written with"
+            )
+        tokens = np.memmap(p, dtype=np.dtype(dtype), mode="r")
+        return _tail_split(tokens, val_fraction, str(p))
+    return _tail_split(np.frombuffer(p.read_bytes(), dtype=np.uint8), val_fraction, str(p))
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def _check_int(name: str, value: Any, minimum: int, where: str = "BatchIterator") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{where}: {name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class BatchIterator:
+    """Random windows of ``seq + 1`` tokens; batch ``k`` depends only on ``(seed, k)``.
+
+    ``next()`` returns ``{"inputs": int32[b, seq], "targets": int32[b, seq]}`` with
+    ``b = batch // process_count`` (this process's rows of the global batch) and
+    ``targets[:, t] == inputs[:, t + 1]`` along the window.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch: int,
+        seq: int,
+        seed: int,
+        *,
+        step: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+        vocab_size: int | None = None,
+    ) -> None:
+        tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+        if tokens.ndim != 1:
+            raise ValueError(f"BatchIterator: tokens must be 1-D, got shape {tokens.shape}")
+        self.batch = _check_int("batch", batch, 1)
+        self.seq = _check_int("seq", seq, 1)
+        self._seed = _check_int("seed", seed, 0)
+        self._step = _check_int("step", step, 0)
+        self.process_count = _check_int("process_count", process_count, 1)
+        self.process_index = _check_int("process_index", process_index, 0)
+        if self.process_index >= self.process_count:
+            raise ValueError(
+                f"BatchIterator: process_index {process_index} must be < process_count {process_count}"
+            )
+        if self.batch % self.process_count:
+            raise ValueError(
+                f"BatchIterator: global batch {batch} is not divisible by process_count {process_count}; "
+                f"fix: use a --batch that is a multiple of {process_count}"
+            )
+        if len(tokens) < self.seq + 1:
+            raise ValueError(
+                f"BatchIterator: {len(tokens)} tokens are fewer than seq + 1 = {self.seq + 1}; "
+                f"fix: a smaller --seq or more data"
+            )
+        self.vocab_size = vocab_size
+        # In-memory arrays are checked once; memmaps lazily per batch (never scan a huge file).
+        self._lazy_vocab_check = vocab_size is not None and isinstance(tokens, np.memmap)
+        if vocab_size is not None and not self._lazy_vocab_check:
+            self._check_vocab(tokens)
+        self.tokens = tokens
+        self.local_batch = self.batch // self.process_count
+        self._offsets = np.arange(self.seq + 1, dtype=np.int64)
+
+    def _check_vocab(self, ids: np.ndarray) -> None:
+        if ids.size and int(ids.max()) >= self.vocab_size:  # type: ignore[operator]
+            raise ValueError(
+                f"BatchIterator: token id {int(ids.max())} >= vocab_size {self.vocab_size}; "
+                f"fix: a --vocab-size > {int(ids.max())} or the --data-dtype the file was written with"
+            )
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    def global_starts(self, step: int) -> np.ndarray:
+        """Window starts of global batch ``step``: int64[batch], uniform in [0, len - seq - 1]."""
+        rng = np.random.default_rng([self._seed, step])
+        return rng.integers(0, len(self.tokens) - self.seq, size=self.batch, dtype=np.int64)
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        """This process's share of global batch ``step`` (does not move the iterator)."""
+        lo = self.process_index * self.local_batch
+        starts_b = self.global_starts(step)[lo : lo + self.local_batch]
+        windows_bs = np.asarray(self.tokens[starts_b[:, None] + self._offsets[None, :]])
+        if self._lazy_vocab_check:
+            self._check_vocab(windows_bs)
+        windows_bs = windows_bs.astype(np.int32)
+        return {"inputs": windows_bs[:, :-1], "targets": windows_bs[:, 1:]}
+
+    def next(self) -> dict[str, np.ndarray]:
+        out = self.batch_at(self._step)
+        self._step += 1
+        return out
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return self.next()
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def state(self) -> dict[str, int]:
+        """JSON-serialisable position: ``{"step": int, "seed": int}``."""
+        return {"step": self._step, "seed": self._seed}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a saved ``state()`` (adopts its step and seed)."""
+        if not isinstance(state, dict) or "step" not in state or "seed" not in state:
+            raise ValueError(f"BatchIterator.restore: need a dict with 'step' and 'seed', got {state!r}")
+        self._step = _check_int("step", state["step"], 0)
+        self._seed = _check_int("seed", state["seed"], 0)
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    batch: int,
+    seq: int,
+    n: int,
+    seed: int = 1234,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+    vocab_size: int | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """A fixed list of ``n`` validation batches (same format as `BatchIterator.next`)."""
+    n = _check_int("n", n, 0, where="eval_batches")
+    it = BatchIterator(
+        tokens, batch, seq, seed,
+        process_index=process_index, process_count=process_count, vocab_size=vocab_size,
+    )
+    return [it.next() for _ in range(n)]
