@@ -1,0 +1,344 @@
+"""Basis-rotation Adam (DESIGN.md section 3): Adam run in a Kronecker-factored eigenbasis.
+
+Per rotated 2-D leaf `W_mn` with gradient `G_mn`, bases `U_mm` (left) and `V_nn` (right), step t:
+
+    m  <- b1 m + (1-b1) G                        (original space)
+    v  <- b2 v + (1-b2) (Uᵀ G V)²                (rotated space)
+    ΔW = -lr ( U [ (Uᵀ m V / bc1) / (sqrt(v / bc2) + eps) ] Vᵀ + wd W )
+    then the basis statistics take G, and U, V are refreshed if step t is a refresh step.
+
+Ordering (as in SOAP): the step-t update uses bases built from gradients up to t-1, so a gradient
+is never projected onto a basis built from itself (that makes `Uᵀ G V` diagonal up to rounding, and
+Adam then normalises pure rounding noise to O(1) updates). Step 1 therefore runs in the identity
+basis (it is exactly an AdamW step), then the exact refresh builds the bases and restarts `v`
+(which lived in the identity basis); from then on v's bias correction counts t - 1 steps. `m` lives
+in the original space and runs uninterrupted with the usual count t. `Uᵀ m V` is formed by
+linearity, `(1-b1) Uᵀ G V + b1 Uᵀ m_{t-1} V`, so the fresh gradient reaches m̂ and v through the
+same rounded `Uᵀ G V`.
+
+Basis source "second": `L <- β L + (1-β) G Gᵀ`, `R <- β R + (1-β) Gᵀ G`, bases = eigenvectors by
+descending eigenvalue. Source "first": the look-ahead momentum `M̃ = b1 m + (1-b1) G` (with the
+freshly updated `m`), bases = its singular vectors.
+
+Refresh at the end of steps 1, T+1, 2T+1, ... (1-indexed). Step 1's is exact (`eigh` / full SVD);
+later refreshes do one power-iteration step plus QR:
+  second:  Q <- qr(L Q)                        (each side with its own statistic)
+  first, bilateral:   U <- qr([M̃ V_k, U_rest]),  V <- qr([M̃ᵀ U_k, V_rest])
+           (k = min(m, n); the larger side keeps its trailing columns as the Gram-Schmidt
+            completion, so every new column stems from the same old column)
+  first, one side:    U <- qr(M̃ M̃ᵀ U)  or  V <- qr(M̃ᵀ M̃ V)
+then the columns are sorted by estimated eigenvalue (`diag(Qᵀ L Q)`, or the estimated singular
+values `|u_iᵀ M̃ v_i|` / column norms; for bilateral "first" only the k paired columns are sorted) and
+the rotated second moment `v` gets the same row/column permutation, so each entry keeps tracking the
+direction it was accumulated for. Column signs from QR do not matter: `m` lives in the original
+space and `v` is sign-free.
+
+Unrotated sides (geometry "unilateral" keeps only the smaller side, ties -> left; a side longer
+than `max_dim`; masked-out or non-2-D leaves) hold one-element placeholders `f32[1]` in the state.
+A leaf with no rotated side runs plain AdamW, the formula of `optax.adamw`.
+Rotation matmuls use `Precision.HIGHEST` so TF32/bf16 defaults on accelerators do not erode
+orthogonality.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int
+
+SOURCES: tuple[str, ...] = ("second", "first")
+GEOMETRIES: tuple[str, ...] = ("bilateral", "unilateral")
+_HI = jax.lax.Precision.HIGHEST
+
+MaskOrFn = Union[Any, Callable[[Any], Any], None]
+
+
+class RotatedAdamState(NamedTuple):
+    """State of `rotated_adam`; every field but `count` is a pytree shaped like the params.
+
+    `basis_l`/`basis_r`: U (m, m) / V (n, n) or a `f32[1]` placeholder for an unrotated side.
+    `stat_l`/`stat_r`: EMA of G Gᵀ / Gᵀ G (source "second" only), else placeholders.
+    `nu` is in the rotated space for rotated leaves; `mu` is always in the original space.
+    """
+
+    count: Int[Array, ""]
+    mu: optax.Updates
+    nu: optax.Updates
+    basis_l: optax.Updates
+    basis_r: optax.Updates
+    stat_l: optax.Updates
+    stat_r: optax.Updates
+
+
+def default_rotation_mask(params: Any) -> Any:
+    """Rotate every leaf with ndim == 2."""
+    return jax.tree.map(lambda p: jnp.ndim(p) == 2, params)
+
+
+def _placeholder() -> Float[Array, "1"]:
+    """An unused slot: 1-D (so `_on` is False), one element (Orbax cannot save empty arrays)."""
+    return jnp.zeros((1,), jnp.float32)
+
+
+def _mm(a: Array, b: Array) -> Array:
+    return jnp.matmul(a, b, precision=_HI)
+
+
+def _on(x: Array) -> bool:
+    """A basis / statistic slot is live when it is a matrix (placeholders are 1-D)."""
+    return x.ndim == 2
+
+
+def _sides(shape: tuple[int, ...], rotate_leaf: bool, geometry: str, max_dim: int) -> tuple[bool, bool]:
+    if not rotate_leaf:
+        return False, False
+    m, n = shape
+    left, right = (True, True) if geometry == "bilateral" else (m <= n, m > n)
+    return left and m <= max_dim, right and n <= max_dim
+
+
+def _project(x_mn: Array, u_mm: Array, v_nn: Array) -> Array:
+    """Uᵀ X V (identity on placeholder sides)."""
+    if _on(u_mm):
+        x_mn = _mm(u_mm.T, x_mn)
+    if _on(v_nn):
+        x_mn = _mm(x_mn, v_nn)
+    return x_mn
+
+
+def _unproject(x_mn: Array, u_mm: Array, v_nn: Array) -> Array:
+    """U X Vᵀ (identity on placeholder sides)."""
+    if _on(u_mm):
+        x_mn = _mm(u_mm, x_mn)
+    if _on(v_nn):
+        x_mn = _mm(x_mn, v_nn.T)
+    return x_mn
+
+
+def _qr(a: Array) -> Array:
+    return jnp.linalg.qr(a)[0]
+
+
+def _desc(est: Array) -> Array:
+    return jnp.argsort(est, descending=True, stable=True)
+
+
+# ----------------------------------------------------------------------------- refreshes
+def _exact_second(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
+    del mt_mn
+    if _on(u_mm):
+        u_mm = jnp.linalg.eigh(l_mm)[1][:, ::-1]
+    if _on(v_nn):
+        v_nn = jnp.linalg.eigh(r_nn)[1][:, ::-1]
+    return u_mm, v_nn, jnp.zeros_like(nu_mn)  # v lived in the identity basis: restart it
+
+
+def _power_sym(s_dd: Array, q_dd: Array) -> tuple[Array, Array]:
+    q_dd = _qr(_mm(s_dd, q_dd))
+    perm = _desc(jnp.sum(q_dd * _mm(s_dd, q_dd), axis=0))  # diag(Qᵀ S Q)
+    return q_dd[:, perm], perm
+
+
+def _power_second(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
+    del mt_mn
+    if _on(u_mm):
+        u_mm, perm = _power_sym(l_mm, u_mm)
+        nu_mn = nu_mn[perm, :]
+    if _on(v_nn):
+        v_nn, perm = _power_sym(r_nn, v_nn)
+        nu_mn = nu_mn[:, perm]
+    return u_mm, v_nn, nu_mn
+
+
+def _exact_first(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
+    del l_mm, r_nn
+    uf_mm, _, vh_nn = jnp.linalg.svd(mt_mn, full_matrices=True)
+    return (uf_mm if _on(u_mm) else u_mm), (vh_nn.T if _on(v_nn) else v_nn), jnp.zeros_like(nu_mn)
+
+
+def _power_first(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
+    del l_mm, r_nn
+    m, n = mt_mn.shape
+    k = min(m, n)
+    if _on(u_mm) and _on(v_nn):
+        u_mm = _qr(jnp.concatenate([_mm(mt_mn, v_nn[:, :k]), u_mm[:, k:]], axis=1))
+        v_nn = _qr(jnp.concatenate([_mm(mt_mn.T, u_mm[:, :k]), v_nn[:, k:]], axis=1))
+        sigma = jnp.abs(jnp.sum(u_mm[:, :k] * _mm(mt_mn, v_nn[:, :k]), axis=0))
+        perm = _desc(sigma)
+        perm_m = jnp.concatenate([perm, jnp.arange(k, m)])
+        perm_n = jnp.concatenate([perm, jnp.arange(k, n)])
+        return u_mm[:, perm_m], v_nn[:, perm_n], nu_mn[perm_m][:, perm_n]
+    if _on(u_mm):
+        u_mm = _qr(_mm(mt_mn, _mm(mt_mn.T, u_mm)))
+        perm = _desc(jnp.sum(_mm(mt_mn.T, u_mm) ** 2, axis=0))
+        return u_mm[:, perm], v_nn, nu_mn[perm, :]
+    v_nn = _qr(_mm(mt_mn.T, _mm(mt_mn, v_nn)))
+    perm = _desc(jnp.sum(_mm(mt_mn, v_nn) ** 2, axis=0))
+    return u_mm, v_nn[:, perm], nu_mn[:, perm]
+
+
+def _keep(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
+    del l_mm, r_nn, mt_mn
+    return u_mm, v_nn, nu_mn
+
+
+# ----------------------------------------------------------------------------- validation
+def _leaves_like(tree: Any, treedef: Any, what: str, fix: str) -> list[Any]:
+    try:
+        return treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"rotated_adam: {what} does not match the params tree ({err}); fix: {fix}") from None
+
+
+def _period_leaves(refresh_every: Any, treedef: Any) -> list[int]:
+    if isinstance(refresh_every, numbers.Integral):
+        periods = [refresh_every] * treedef.num_leaves
+    else:
+        periods = _leaves_like(refresh_every, treedef, "refresh_every",
+                               "pass an int or a pytree of ints shaped like the params")
+    for t in periods:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 1:
+            raise ValueError(f"rotated_adam: refresh_every entries must be ints >= 1, got {t!r}; "
+                             "fix: pass e.g. refresh_every=10")
+    return [int(t) for t in periods]
+
+
+def _check_args(learning_rate, b1, b2, eps, weight_decay, source, geometry, refresh_every, basis_beta, max_dim):
+    if source not in SOURCES:
+        raise ValueError(f"rotated_adam: source={source!r}; fix: use one of {SOURCES}")
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"rotated_adam: geometry={geometry!r}; fix: use one of {GEOMETRIES}")
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"rotated_adam: betas ({b1}, {b2}) must lie in [0, 1); fix: e.g. b1=0.9, b2=0.999")
+    if not 0.0 <= basis_beta < 1.0:
+        raise ValueError(f"rotated_adam: basis_beta={basis_beta} must lie in [0, 1); fix: e.g. 0.999")
+    if eps < 0 or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+        raise ValueError("rotated_adam: eps and weight_decay must be non-negative floats; fix: e.g. 1e-8, 0.01")
+    if not isinstance(max_dim, int) or max_dim < 0:
+        raise ValueError(f"rotated_adam: max_dim={max_dim!r} must be an int >= 0; fix: e.g. 4096")
+    if isinstance(refresh_every, numbers.Integral) and (isinstance(refresh_every, bool) or refresh_every < 1):
+        raise ValueError(f"rotated_adam: refresh_every={refresh_every!r} must be >= 1; fix: e.g. 10")
+    if not callable(learning_rate) and not isinstance(learning_rate, (int, float)):
+        raise ValueError("rotated_adam: learning_rate must be a float or an optax schedule")
+
+
+# ----------------------------------------------------------------------------- transform
+def rotated_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    *,
+    source: str = "second",
+    geometry: str = "bilateral",
+    refresh_every: Any = 10,
+    basis_beta: float = 0.999,
+    max_dim: int = 4096,
+    rotate: bool = True,
+    mask: MaskOrFn = None,
+) -> optax.GradientTransformation:
+    """AdamW in a Kronecker-factored rotated basis (see the module docstring).
+
+    `refresh_every`: int or a pytree of ints shaped like the params (stage-aware periods).
+    `mask`: pytree of python bools or `params -> pytree of bools`; default: leaves with ndim == 2.
+    `rotate=False` gives exactly `optax.adamw(learning_rate, b1, b2, eps, weight_decay=...)`.
+    """
+    _check_args(learning_rate, b1, b2, eps, weight_decay, source, geometry, refresh_every, basis_beta, max_dim)
+
+    def init_fn(params: Any) -> RotatedAdamState:
+        flat, treedef = jax.tree.flatten(params)
+        _period_leaves(refresh_every, treedef)
+        mask_tree = (mask(params) if callable(mask) else mask) if mask is not None else default_rotation_mask(params)
+        flags = _leaves_like(mask_tree, treedef, "mask", "pass a pytree of bools shaped like the params")
+        u, v, sl, sr = [], [], [], []
+        for p, on in zip(flat, flags):
+            on = bool(on) and rotate
+            if on and jnp.ndim(p) != 2:
+                raise ValueError(f"rotated_adam: mask selects a leaf of shape {jnp.shape(p)}; only 2-D leaves "
+                                 "can be rotated; fix: mask it out")
+            left, right = _sides(jnp.shape(p), on, geometry, max_dim)
+            m, n = jnp.shape(p) if on else (0, 0)
+            u.append(jnp.eye(m, dtype=jnp.float32) if left else _placeholder())
+            v.append(jnp.eye(n, dtype=jnp.float32) if right else _placeholder())
+            keep_stats = source == "second"
+            sl.append(jnp.zeros((m, m), jnp.float32) if left and keep_stats else _placeholder())
+            sr.append(jnp.zeros((n, n), jnp.float32) if right and keep_stats else _placeholder())
+        unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
+        return RotatedAdamState(
+            count=jnp.zeros([], jnp.int32),
+            mu=jax.tree.map(jnp.zeros_like, params),
+            nu=jax.tree.map(jnp.zeros_like, params),
+            basis_l=unflat(u), basis_r=unflat(v), stat_l=unflat(sl), stat_r=unflat(sr),
+        )
+
+    def update_fn(updates: Any, state: RotatedAdamState, params: Any = None):
+        if weight_decay != 0 and params is None:
+            raise ValueError("rotated_adam: weight decay needs params; fix: call update(grads, state, params)")
+        g_flat, treedef = jax.tree.flatten(updates)
+        periods = _period_leaves(refresh_every, treedef)
+        p_flat = treedef.flatten_up_to(params) if params is not None else [None] * len(g_flat)
+        fields = [treedef.flatten_up_to(x) for x in state[1:]]
+        count_inc = optax.safe_increment(state.count)
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        out = [_leaf_update(g, p, leaf, count_inc, period, lr)
+               for g, p, period, *leaf in zip(g_flat, p_flat, periods, *fields)]
+        new_updates = jax.tree.unflatten(treedef, [o[0] for o in out])
+        new_fields = [jax.tree.unflatten(treedef, [o[1][i] for o in out]) for i in range(6)]
+        return new_updates, RotatedAdamState(count_inc, *new_fields)
+
+    def _leaf_update(g, p, leaf, count_inc, period, lr):
+        mu, nu, u_mm, v_nn, l_mm, r_nn = leaf
+        if not (_on(u_mm) or _on(v_nn)):  # plain AdamW, the formula of optax.adamw
+            mu = (1 - b1) * g + b1 * mu
+            nu = (1 - b2) * (g * g) + b2 * nu
+            bc1, bc2 = 1 - b1**count_inc, 1 - b2**count_inc
+            upd = (mu / bc1.astype(mu.dtype)) / (jnp.sqrt(nu / bc2.astype(nu.dtype)) + eps)
+            if weight_decay != 0:
+                upd = upd + weight_decay * p
+            return jnp.asarray(-lr, dtype=upd.dtype) * upd, (mu, nu, u_mm, v_nn, l_mm, r_nn)
+
+        # 1) Adam step in the bases built from gradients up to t-1 (identity at t = 1).
+        f32 = jnp.float32
+        first = count_inc == 1
+        bc1 = (1 - b1**count_inc).astype(f32)
+        bc2 = (1 - b2 ** jnp.maximum(count_inc - 1, 1)).astype(f32)  # v restarts after step 1
+        g32 = g.astype(f32)
+        gr = _project(g32, u_mm, v_nn)
+        nu = (1 - b2) * (gr * gr).astype(nu.dtype) + b2 * nu
+        # Uᵀ m_t V by linearity, so the fresh gradient enters m̂ and v through the same rounded gr
+        mr = (1 - b1) * gr + b1 * _project(mu.astype(f32), u_mm, v_nn)
+        mu = (1 - b1) * g + b1 * mu
+        upd_r = (mr / bc1) / (jnp.sqrt(nu.astype(f32) / bc2) + eps)
+        upd = _unproject(upd_r, u_mm, v_nn).astype(g.dtype)
+        if weight_decay != 0:
+            upd = upd + weight_decay * p
+        upd = jnp.asarray(-lr, dtype=upd.dtype) * upd
+
+        # 2) statistics with G_t, then the refresh (if due) for the steps that follow.
+        mt_mn = jnp.zeros((0,), f32)
+        if source == "second":
+            if _on(l_mm):
+                l_mm = basis_beta * l_mm + (1 - basis_beta) * _mm(g32, g32.T)
+            if _on(r_nn):
+                r_nn = basis_beta * r_nn + (1 - basis_beta) * _mm(g32.T, g32)
+            branches = (_keep, _power_second, _exact_second)
+        else:
+            mt_mn = b1 * mu.astype(f32) + (1 - b1) * g32  # look-ahead momentum
+            branches = (_keep, _power_first, _exact_first)
+        branch = jnp.where(first, 2, jnp.where((count_inc - 1) % period == 0, 1, 0))
+        u_mm, v_nn, nu = jax.lax.switch(branch, branches, u_mm, v_nn, nu, l_mm, r_nn, mt_mn)
+        return upd, (mu, nu, u_mm, v_nn, l_mm, r_nn)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def orthonormality_error(state: RotatedAdamState) -> Float[Array, ""]:
+    """max over live bases of ‖QᵀQ − I‖_F (0 when nothing is rotated); a diagnostic."""
+    errs = [jnp.linalg.norm(_mm(q.T, q) - jnp.eye(q.shape[0], dtype=q.dtype))
+            for q in jax.tree.leaves((state.basis_l, state.basis_r)) if _on(q)]
+    return jnp.max(jnp.stack(errs)) if errs else jnp.zeros([], jnp.float32)

@@ -1,0 +1,232 @@
+"""Pipeline delay emulation against an explicit list-of-versions reference, stage assignment,
+and the delay baselines (PipeDream-LR scaling, Nesterov, stage-aware refresh, the factory)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from boostjax.optim.baselines import (OPTIMIZERS, delay_lr_factor, make_optimizer, scale_by_stage_delay,
+                                      stage_refresh_periods)
+from boostjax.optim.delay import (DelayState, assign_stages, delay_init, delay_push, delayed_params,
+                                  delayed_train_step, stage_delays)
+
+N_LAYERS, D = 12, 3
+
+
+def _params(seed: int = 0, n_layers: int = N_LAYERS) -> dict:
+    ks = iter(jax.random.split(jax.random.PRNGKey(seed), 2 * n_layers + 3))
+    return {
+        "embed": jax.random.normal(next(ks), (5, D)),
+        "layers": [{"w": jax.random.normal(next(ks), (D, D)) / np.sqrt(D), "b": 0.1 * jax.random.normal(next(ks), (D,))}
+                   for _ in range(n_layers)],
+        "final_norm": jnp.ones((D,)),
+        "head": jax.random.normal(next(ks), (D, 2)),
+    }
+
+
+def _loss(p: dict, batch: tuple) -> jax.Array:
+    tokens_b, target_b2 = batch
+    h_bd = p["embed"][tokens_b]
+    for layer in p["layers"]:
+        h_bd = jnp.tanh(h_bd @ layer["w"] + layer["b"])
+    return jnp.mean((h_bd * p["final_norm"] @ p["head"] - target_b2) ** 2)
+
+
+def _batches(n: int) -> list:
+    ks = jax.random.split(jax.random.PRNGKey(42), 2 * n)
+    return [(jax.random.randint(ks[2 * i], (4,), 0, 5), jax.random.normal(ks[2 * i + 1], (4, 2))) for i in range(n)]
+
+
+def _close(t1, t2, atol: float = 1e-6) -> None:
+    for x, y in zip(jax.tree.leaves(t1), jax.tree.leaves(t2), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- stages
+def test_assign_stages_contiguous_groups_and_outer_params():
+    st = assign_stages(_params(), N_LAYERS, 4)
+    assert st["embed"] == 0 and st["final_norm"] == 3 and st["head"] == 3
+    assert [g["w"] for g in st["layers"]] == [i // 3 for i in range(N_LAYERS)]
+    assert [g["b"] for g in st["layers"]] == [i // 3 for i in range(N_LAYERS)]
+    assert stage_delays(st, 4)["embed"] == 3 and stage_delays(st, 4)["head"] == 0
+    one = assign_stages(_params(), N_LAYERS, N_LAYERS)  # S may equal L
+    assert [g["w"] for g in one["layers"]] == list(range(N_LAYERS))
+    # int dict keys and digit strings, as nnx.State / flattened checkpoints spell them
+    alt = {"tok_embeddings": {"w": 0.0}, "layers": {0: {"w": 0.0}, 1: {"w": 0.0}}, "lm_head": 0.0}
+    assert assign_stages(alt, 2, 2) == {"tok_embeddings": {"w": 0}, "layers": {0: {"w": 0}, 1: {"w": 1}},
+                                        "lm_head": 1}
+    assert assign_stages({"layers": {"0": 0.0, "1": 0.0}}, 2, 2) == {"layers": {"0": 0, "1": 1}}
+
+
+def test_assign_stages_on_an_nnx_state():
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.proj = nnx.Linear(2, 2, rngs=rngs)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(4, 2, rngs=rngs)
+            self.layers = nnx.List([Block(rngs) for _ in range(4)])
+            self.norm = nnx.RMSNorm(2, rngs=rngs)
+
+    state = nnx.state(Net(nnx.Rngs(0)), nnx.Param)
+    stages = assign_stages(state, 4, 2)
+    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(stages)[0]}
+    assert [v for k, v in flat.items() if "embed" in k] == [0]
+    assert [v for k, v in flat.items() if "norm" in k] == [1]
+    assert sorted(v for k, v in flat.items() if "kernel" in k) == [0, 0, 1, 1]
+    hist = delay_init(state, stages, 2)  # the history tree follows the nnx.State structure
+    _close(delayed_params(hist), state)
+
+
+def test_assign_stages_errors():
+    with pytest.raises(ValueError, match="not divisible"):
+        assign_stages(_params(), N_LAYERS, 5)
+    with pytest.raises(ValueError, match="outside"):
+        assign_stages(_params(), 6, 2)
+
+
+# ----------------------------------------------------------------------------- emulation vs reference
+def _reference(params, stages, n_stages, opt, batches):
+    """Every past full version kept in a list; the mixed vector is assembled leaf by leaf."""
+    grad = jax.jit(jax.value_and_grad(_loss))
+    update = jax.jit(opt.update)
+    versions, opt_state, out = [params], opt.init(params), []
+    stage_leaves, treedef = jax.tree.flatten(stages)
+    for t, batch in enumerate(batches):
+        mixed = jax.tree.unflatten(treedef, [jax.tree.leaves(versions[max(t - (n_stages - 1 - s), 0)])[i]
+                                             for i, s in enumerate(stage_leaves)])
+        loss, g = grad(mixed, batch)
+        u, opt_state = update(g, opt_state, versions[-1])
+        versions.append(optax.apply_updates(versions[-1], u))
+        out.append((versions[-1], loss))
+    return out
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4])
+def test_emulation_equals_explicit_reference(n_stages):
+    params, batches = _params(), _batches(8)
+    stages = assign_stages(params, N_LAYERS, n_stages)
+    opt = optax.adamw(3e-2, weight_decay=0.01)
+    ref = _reference(params, stages, n_stages, opt, batches)
+    step = jax.jit(delayed_train_step(_loss, opt))
+    p, s, ds = params, opt.init(params), delay_init(params, stages, n_stages)
+    depths = {x.shape[0] for x in jax.tree.leaves(ds.history)}
+    assert depths == set(range(1, n_stages + 1))
+    for t, batch in enumerate(batches):
+        p, s, ds, loss = step(p, s, ds, batch)
+        _close(p, ref[t][0])
+        np.testing.assert_allclose(float(loss), float(ref[t][1]), rtol=1e-6)
+        assert int(ds.step) == t + 1
+    if n_stages == 1:  # S = 1 is plain training: the stale vector is the current one
+        _close(delayed_params(ds), p, atol=0)
+    else:  # the delay is real: the trajectory differs from plain training
+        plain = _reference(params, jax.tree.map(lambda _: 0, stages), 1, opt, batches)[-1][0]
+        assert not np.allclose(np.asarray(plain["embed"]), np.asarray(p["embed"]), atol=1e-4)
+
+
+def test_delayed_params_versions_and_fill_phase():
+    """Leaf-level check of the ring buffer: versions are integers pushed as constant arrays."""
+    tree = {"embed": jnp.zeros(()), "layers": [jnp.zeros(()), jnp.zeros(())], "head": jnp.zeros(())}
+    stages = assign_stages(tree, 2, 2)  # embed 0, layers 0 / 1, head 1
+    ds = delay_init(tree, stages, 2)
+    assert isinstance(ds, DelayState)
+    for version in range(1, 6):
+        got = delayed_params(ds)
+        t = version - 1
+        assert float(got["embed"]) == max(t - 1, 0) and float(got["layers"][0]) == max(t - 1, 0)
+        assert float(got["layers"][1]) == t and float(got["head"]) == t
+        ds = delay_push(ds, jax.tree.map(lambda x: jnp.full_like(x, version), tree))
+
+
+# ----------------------------------------------------------------------------- baselines
+def test_pipedream_lr_factor_values_and_transform():
+    assert float(delay_lr_factor(3, 0, 4)) == pytest.approx(1 / 3)
+    assert float(delay_lr_factor(3, 2, 4)) == pytest.approx(3 ** -0.5)
+    assert float(delay_lr_factor(3, 4, 4)) == pytest.approx(1.0)
+    assert float(delay_lr_factor(3, 9, 4)) == pytest.approx(1.0)
+    assert float(delay_lr_factor(0, 0, 4)) == 1.0 and float(delay_lr_factor(1, 0, 4)) == 1.0
+    assert float(delay_lr_factor(8, 1, 4)) == pytest.approx(8 ** -0.75)
+
+    params = _params()
+    stages = assign_stages(params, N_LAYERS, 4)
+    lr_opt = make_optimizer("pipedream-lr", lr=1e-2, stages_tree=stages, n_stages=4, t_c=4)
+    base = make_optimizer("adamw", lr=1e-2)
+    s1, s2 = lr_opt.init(params), base.init(params)
+    taus = stage_delays(stages, 4)
+    upd1, upd2, grad = jax.jit(lr_opt.update), jax.jit(base.update), jax.jit(jax.grad(_loss))
+    for t, batch in enumerate(_batches(6)):
+        g = grad(params, batch)
+        u1, s1 = upd1(g, s1, params)
+        u2, s2 = upd2(g, s2, params)
+        want = jax.tree.map(lambda u, tau: u * (max(tau, 1) ** -(1 - min(t / 4, 1))), u2, taus)
+        _close(u1, want, atol=1e-9)
+    with pytest.raises(ValueError, match="t_c"):
+        scale_by_stage_delay(taus, 0)
+
+
+def test_nesterov_matches_nadam_definition():
+    lr, b1, b2, eps, wd = 1e-2, 0.99, 0.999, 1e-8, 0.01
+    opt = make_optimizer("nesterov", lr=lr, weight_decay=wd, b2=b2, eps=eps)
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(3, 2)).astype(np.float32)
+    wj, s = jnp.asarray(w), opt.init(jnp.asarray(w))
+    m, v = np.zeros_like(w, np.float64), np.zeros_like(w, np.float64)
+    w = w.astype(np.float64)
+    for t in range(1, 6):
+        g = rng.normal(size=w.shape)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        m_hat = b1 * m / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1**t)
+        w = w - lr * (m_hat / (np.sqrt(v / (1 - b2**t)) + eps) + wd * w)
+        u, s = opt.update(jnp.asarray(g, jnp.float32), s, wj)
+        wj = wj + u
+        np.testing.assert_allclose(np.asarray(wj), w, atol=1e-6)
+
+
+def test_stage_refresh_periods_rule():
+    stages = {"s0": 0, "s1": 1, "s2": 2, "s3": 3}
+    assert stage_refresh_periods(stages, 4, base=10) == {"s0": 6, "s1": 8, "s2": 13, "s3": 25}
+    assert stage_refresh_periods({"a": 0}, 1, base=10) == {"a": 10}
+    periods = stage_refresh_periods(assign_stages(_params(), N_LAYERS, 4), 4, base=1)
+    assert min(jax.tree.leaves(periods)) >= 1
+    with pytest.raises(ValueError, match="base"):
+        stage_refresh_periods(stages, 4, base=0)
+
+
+def test_make_optimizer_names_clipping_and_errors():
+    with pytest.raises(ValueError, match="adamw, pipedream, rotation, pipedream-lr, nesterov"):
+        make_optimizer("sgd")
+    with pytest.raises(ValueError, match="stages_tree"):
+        make_optimizer("pipedream-lr")
+    with pytest.raises(ValueError, match="stages_tree"):
+        make_optimizer("rotation", stage_aware_refresh=True)
+    assert set(OPTIMIZERS) >= {"adamw", "rotation", "pipedream-lr", "nesterov"}
+    # clip > 0 prepends global-norm clipping: a huge gradient behaves like its clipped version
+    w = jnp.ones((2, 2))
+    g = 1e3 * jnp.arange(4.0).reshape(2, 2)
+    clipped = make_optimizer("adamw", lr=1e-2, b1=0.0, clip=1.0)
+    plain = make_optimizer("adamw", lr=1e-2, b1=0.0)
+    u_c, _ = clipped.update(g, clipped.init(w), w)
+    u_p, _ = plain.update(g / jnp.linalg.norm(g), plain.init(w), w)
+    _close(u_c, u_p, atol=1e-7)
+
+
+def test_rotation_with_stage_aware_refresh_in_delayed_training():
+    params, batches = _params(n_layers=2), _batches(5)
+    stages = assign_stages(params, 2, 2)
+    opt = make_optimizer("rotation", lr=1e-2, clip=1.0, stages_tree=stages, n_stages=2,
+                         refresh_every=2, stage_aware_refresh=True)
+    step = jax.jit(delayed_train_step(_loss, opt))
+    p, s, ds = params, opt.init(params), delay_init(params, stages, 2)
+    losses = []
+    for batch in batches:
+        p, s, ds, loss = step(p, s, ds, batch)
+        losses.append(float(loss))
+    assert np.all(np.isfinite(losses)) and int(ds.step) == 5
+    assert s[1].basis_l["layers"][0]["w"].shape == (D, D)
