@@ -17,6 +17,7 @@ LOW_RANK_KINDS: tuple[str, ...] = ("cola", "svd", "lax")
 STRATEGIES: tuple[str, ...] = ("none", "fullrank-tp", "vanilla-tp", "btp")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 REMAT: tuple[str, ...] = ("none", "full", "lowrank")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit")
 
 
 class ConfigError(ValueError):
@@ -63,7 +64,7 @@ class TrainConfig:
     seed: int = 0
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 30
+    warmup: int = -1  # linear warmup steps; -1 = 5 % of the run
     weight_decay: float = 0.01
     b1: float = 0.9
     b2: float = 0.95
@@ -80,7 +81,20 @@ class TrainConfig:
     strategy: str = "none"
     mesh: str = ""  # "data=D,model=T"; "" = one device
     remat: str = "none"
+    optimizer: str = "adamw"
+    pipeline_delay: int = 1  # S: emulate an asynchronous pipeline of S stages (1 = no delay)
+    rot_source: str = "second"  # rotation basis from the 2nd moment (G Gᵀ) or the 1st (momentum)
+    rot_geometry: str = "bilateral"  # rotate both sides, or only the smaller one ("unilateral")
+    rot_refresh: int = 10  # refresh the rotation basis every T steps
+    rot_beta: float = 0.999  # EMA of G Gᵀ / Gᵀ G
+    rot_max_dim: int = 4096  # a side larger than this is not rotated
+    stage_aware_refresh: bool = False  # stages with larger delay refresh their basis more often
+    delay_lr_tc: int = 1000  # PipeDream-LR: steps until the delay-scaled learning rate reaches lr
     progress: bool = True
+
+
+def warmup_steps(t: TrainConfig) -> int:
+    return t.warmup if t.warmup >= 0 else t.steps // 20
 
 
 @dataclass(frozen=True)
@@ -131,9 +145,9 @@ def parse_mesh(spec: str) -> dict[str, int]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, size = part.partition("=")
         if not sep or not size.strip().isdigit() or int(size) < 1:
-            raise ConfigError(f"mesh: cannot read {part!r}; fix: write it like data=2,model=4")
+            raise ConfigError(f"train.mesh: cannot read {part!r}; fix: write it like data=2,model=4")
         if name.strip() not in ("data", "stage", "model"):
-            raise ConfigError(f"mesh: unknown axis {name!r}; fix: use the axes data, stage and model")
+            raise ConfigError(f"train.mesh: unknown axis {name!r}; fix: use the axes data, stage and model")
         out[name.strip()] = int(size)
     return out
 
@@ -168,8 +182,8 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
         v = getattr(t, name)
         _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
     _need(t.lr > 0, f"train.lr: must be positive, got {t.lr}; fix: pass e.g. --lr 1e-3")
-    _need(0 <= t.warmup < t.steps or t.warmup == 0,
-          f"train.warmup: {t.warmup} must be smaller than steps={t.steps}; fix: lower --warmup")
+    _need(t.warmup == -1 or 0 <= t.warmup < t.steps,
+          f"train.warmup: {t.warmup} must lie in [0, steps={t.steps}) or be -1 (5 % of steps); fix: lower --warmup")
     _need(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio: {t.min_lr_ratio} outside [0, 1]; fix: pass e.g. 0.1")
     _need(0.0 <= t.b1 < 1.0 and 0.0 <= t.b2 < 1.0, "train.b1/b2: betas must lie in [0, 1); fix: e.g. --b1 0.9 --b2 0.95")
     _need(t.clip >= 0, f"train.clip: must be >= 0 (0 disables), got {t.clip}; fix: pass e.g. --clip 1.0")
@@ -179,6 +193,19 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _need(t.seq <= m.max_seq_len, f"train.seq: {t.seq} exceeds model.max_seq_len={m.max_seq_len}; fix: lower --seq or raise --max-seq-len")
     _need(t.strategy in STRATEGIES, f"train.strategy: unknown strategy {t.strategy!r}; fix: use one of {', '.join(STRATEGIES)}")
     _need(t.remat in REMAT, f"train.remat: unknown remat {t.remat!r}; fix: use one of {', '.join(REMAT)}")
+    _need(t.optimizer in OPTIMIZERS,
+          f"train.optimizer: unknown optimizer {t.optimizer!r}; fix: use one of {', '.join(OPTIMIZERS)}")
+    _need(t.pipeline_delay >= 1, f"train.pipeline_delay: must be >= 1, got {t.pipeline_delay}; fix: pass --pipeline-delay S >= 1")
+    _need(m.n_layers % t.pipeline_delay == 0,
+          f"train.pipeline_delay: {t.pipeline_delay} stages do not divide n_layers={m.n_layers}; "
+          f"fix: pick a divisor of {m.n_layers}")
+    _need(t.rot_source in ("second", "first"), f"train.rot_source: {t.rot_source!r}; fix: use second or first")
+    _need(t.rot_geometry in ("bilateral", "unilateral"),
+          f"train.rot_geometry: {t.rot_geometry!r}; fix: use bilateral or unilateral")
+    for name in ("rot_refresh", "rot_max_dim", "delay_lr_tc"):
+        v = getattr(t, name)
+        _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
+    _need(0.0 <= t.rot_beta < 1.0, f"train.rot_beta: {t.rot_beta} outside [0, 1); fix: e.g. --rot-beta 0.999")
     parse_mesh(t.mesh)
 
 

@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from boostjax.config import Config
-from boostjax.optim import schedule
+from boostjax.optim import baselines, delay, schedule
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,30 @@ def local_loss_fn(cfg: Config, graphdef) -> Callable[[Any, dict], jax.Array]:
     return loss_fn
 
 
-def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    return schedule.adamw(cfg.train), schedule.lr_schedule(cfg.train)
+def rotation_mask(params: Any) -> Any:
+    """Rotate the 2-D weight matrices; embeddings, head, norms, gates and grouped 3-D tensors use AdamW."""
+    def rotate(path, p):
+        return p.ndim == 2 and str(getattr(path[0], "key", path[0])) not in ("embed", "head")
+
+    return jax.tree_util.tree_map_with_path(rotate, params)
+
+
+def make_optimizer(cfg: Config, params_like: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The configured optimizer (with clipping) and its learning-rate schedule."""
+    t = cfg.train
+    lr_fn = schedule.lr_schedule(t)
+    if t.optimizer == "adam8bit":
+        from boostjax.optim.adam8bit import adam8bit  # noqa: PLC0415
+
+        return adam8bit(lr_fn, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, clip=t.clip), lr_fn
+    stages = delay.assign_stages(params_like, cfg.model.n_layers, t.pipeline_delay)
+    tx = baselines.make_optimizer(
+        t.optimizer, lr=lr_fn, weight_decay=t.weight_decay, b1=t.b1, b2=t.b2, clip=t.clip,
+        stages_tree=stages, n_stages=t.pipeline_delay, t_c=t.delay_lr_tc, source=t.rot_source,
+        geometry=t.rot_geometry, refresh_every=t.rot_refresh, stage_aware_refresh=t.stage_aware_refresh,
+        basis_beta=t.rot_beta, max_dim=t.rot_max_dim, rotation_mask=rotation_mask(params_like),
+    )
+    return tx, lr_fn
 
 
 def _step_count(opt_state) -> jax.Array:
@@ -56,13 +78,21 @@ def _step_count(opt_state) -> jax.Array:
     return counts[0] if counts else jnp.zeros((), jnp.int32)
 
 
-def make_train_step(loss_fn, tx: optax.GradientTransformation, lr_fn: optax.Schedule):
+def make_train_step(loss_fn, tx: optax.GradientTransformation, lr_fn: optax.Schedule, *, delayed: bool = False):
+    """`step(params, opt_state, batch) -> (params, opt_state, metrics)`.
+
+    With `delayed`, `opt_state` is `(optimizer state, DelayState)`: the gradient is taken at the
+    per-stage stale weights (asynchronous pipeline emulation) and applied to the current ones.
+    """
     def step(params, opt_state, batch):
-        lr = lr_fn(_step_count(opt_state))
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        tx_state, dstate = opt_state if delayed else (opt_state, None)
+        lr = lr_fn(_step_count(tx_state))
+        at = delay.delayed_params(dstate) if delayed else params
+        loss, grads = jax.value_and_grad(loss_fn)(at, batch)
+        updates, tx_state = tx.update(grads, tx_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr}
+        return params, ((tx_state, delay.delay_push(dstate, params)) if delayed else tx_state), metrics
 
     return step
 
@@ -71,14 +101,19 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any) -> StepFns:
     """Step functions for `cfg.train.strategy` (one device when "none" and no mesh)."""
     from boostjax.sharding import strategies  # noqa: PLC0415 (sharding imports models)
 
-    tx, lr_fn = make_optimizer(cfg)
+    tx, lr_fn = make_optimizer(cfg, params_like)
     plan = strategies.placement(cfg, graphdef, params_like)
     loss_fn = plan.loss_fn
-    step = make_train_step(loss_fn, tx, lr_fn)
+    n_stages = cfg.train.pipeline_delay
+    step = make_train_step(loss_fn, tx, lr_fn, delayed=n_stages > 1)
 
     def init(params):
         params = plan.put_params(params)
-        return params, jax.jit(tx.init)(params)
+        opt_state = jax.jit(tx.init)(params)
+        if n_stages > 1:
+            stages = delay.assign_stages(params, cfg.model.n_layers, n_stages)
+            opt_state = (opt_state, jax.jit(lambda p: delay.delay_init(p, stages, n_stages))(params))
+        return params, opt_state
 
     def compile_step(params, opt_state, batch):
         return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, plan.put_batch(batch)).compile()

@@ -98,9 +98,9 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
     validate(cfg)
     t = cfg.train
     corpus = load_corpus(t.data, t.data_dtype)
-    out = _prepare_out_dir(cfg)
     graphdef, params = init_model(cfg)
-    fns = build_step_fns(cfg, graphdef, params)
+    fns = build_step_fns(cfg, graphdef, params)  # checks strategy, mesh and shapes: nothing written yet
+    out = _prepare_out_dir(cfg)
     params, opt_state = fns.init(params)
 
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_ckpts)

@@ -1,32 +1,19 @@
-"""The default training optimizer: AdamW with linear warmup, cosine decay and global-norm clipping."""
+"""The learning-rate schedule shared by every optimizer: linear warmup, then cosine decay."""
 
 from __future__ import annotations
 
-import jax
 import optax
 
-from boostjax.config import TrainConfig
+from boostjax.config import TrainConfig, warmup_steps
 
 
 def lr_schedule(t: TrainConfig) -> optax.Schedule:
     """Linear warmup to `lr`, then cosine decay to `min_lr_ratio · lr` at the last step."""
+    warmup = warmup_steps(t)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if t.warmup else t.lr,
+        init_value=0.0 if warmup else t.lr,
         peak_value=t.lr,
-        warmup_steps=t.warmup,
+        warmup_steps=warmup,
         decay_steps=t.steps,
         end_value=t.lr * t.min_lr_ratio,
     )
-
-
-def decay_mask(params):
-    """Weight decay on matrices only (not on norm scales or LaX gates)."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-
-def adamw(t: TrainConfig) -> optax.GradientTransformation:
-    parts = [optax.clip_by_global_norm(t.clip)] if t.clip > 0 else []
-    parts.append(
-        optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, eps=1e-8, weight_decay=t.weight_decay, mask=decay_mask)
-    )
-    return optax.chain(*parts)
