@@ -39,13 +39,12 @@ def check_strategy(model: ModelConfig, strategy: str, tp: int) -> None:
         raise ConfigError("train.mesh: a model axis > 1 needs a TP strategy; fix: pass --strategy btp, vanilla-tp or fullrank-tp")
     if tp == 1:
         return
-    needs = {"vocab_size": model.vocab_size}
+    needs = {"d_model": model.d_model} if strategy == "btp" else {}
     if strategy in ("fullrank-tp", "btp"):
         needs |= {"n_heads": model.n_heads, "n_kv_heads": model.kv_heads, "d_ff": model.d_ff}
-    if strategy == "btp":
-        needs |= {"d_model": model.d_model}
     if strategy == "vanilla-tp":
         needs |= {"rank": model.rank}
+    needs["vocab_size"] = model.vocab_size
     for name, value in needs.items():
         if value % tp:
             raise ConfigError(f"model.{name}: {value} is not divisible by the TP size {tp} ({strategy}); "

@@ -1,0 +1,96 @@
+"""Every TP strategy (and data parallelism) against the single-device reference: loss and gradients."""
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
+from boostjax.sharding.strategies import placement
+from boostjax.step import local_loss_fn
+from boostjax.train import init_model
+
+CASES = [("fullrank-tp", "llama"), ("vanilla-tp", "cola"), ("vanilla-tp", "svd"), ("vanilla-tp", "lax"),
+         ("btp", "cola"), ("btp", "svd"), ("btp", "lax")]
+TINY = ModelConfig(d_model=64, n_layers=1, n_heads=8, n_kv_heads=4, d_ff=96, rank=16)
+
+
+def _rel(a, b):
+    return float(jnp.linalg.norm((a - b).ravel()) / (jnp.linalg.norm(b.ravel()) + 1e-30))
+
+
+def _compare(cfg: Config, seed: int):
+    """Max relative error of the loss and of every gradient, parallel vs single device."""
+    graphdef, params = init_model(cfg)
+    rng = np.random.default_rng(seed)
+    # fresh random values everywhere, norm scales and LaX gates included
+    params = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 0.1 + (p.ndim == 1), jnp.float32), params)
+    batch = {k: jnp.asarray(rng.integers(0, cfg.model.vocab_size, (cfg.train.batch, cfg.train.seq)), jnp.int32)
+             for k in ("inputs", "targets")}
+    with jax.default_matmul_precision("highest"):
+        ref_loss, ref_grads = jax.value_and_grad(local_loss_fn(cfg, graphdef))(params, batch)
+        plan = placement(cfg, graphdef, params)
+        loss, grads = jax.jit(jax.value_and_grad(plan.loss_fn))(plan.put_params(params), plan.put_batch(batch))
+    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+    return abs(float(loss - ref_loss)) / abs(float(ref_loss)), max(jax.tree.leaves(jax.tree.map(_rel, grads, ref_grads)))
+
+
+@pytest.mark.parametrize("strategy,kind", CASES)
+@pytest.mark.parametrize("mesh", ["data=1,model=2", "data=2,model=2", "data=1,model=4", "data=2,model=4"])
+def test_strategy_matches_single_device(strategy, kind, mesh):
+    cfg = Config(replace(TINY, kind=kind), TrainConfig(strategy=strategy, mesh=mesh, batch=4, seq=16))
+    loss_err, grad_err = _compare(cfg, seed=hash((strategy, kind, mesh)) % 2**31)
+    assert loss_err < 1e-5 and grad_err < 1e-5, (loss_err, grad_err)
+
+
+@pytest.mark.parametrize("strategy,kind,remat", [("btp", "cola", "lowrank"), ("btp", "lax", "full"),
+                                                  ("vanilla-tp", "svd", "lowrank"), ("fullrank-tp", "llama", "full")])
+def test_strategy_with_remat(strategy, kind, remat):
+    cfg = Config(replace(TINY, kind=kind, n_layers=2), TrainConfig(strategy=strategy, mesh="data=2,model=2", remat=remat,
+                                                       batch=4, seq=16))
+    loss_err, grad_err = _compare(cfg, seed=7)
+    assert loss_err < 1e-5 and grad_err < 1e-5, (loss_err, grad_err)
+
+
+@pytest.mark.parametrize("strategy,kind", [("btp", "cola"), ("fullrank-tp", "llama")])
+def test_strategy_without_gqa(strategy, kind):
+    cfg = Config(replace(TINY, kind=kind, n_kv_heads=0), TrainConfig(strategy=strategy, mesh="data=1,model=4",
+                                                                     batch=2, seq=8))
+    loss_err, grad_err = _compare(cfg, seed=3)
+    assert loss_err < 1e-5 and grad_err < 1e-5, (loss_err, grad_err)
+
+
+def test_data_parallel_only():
+    cfg = Config(replace(TINY, kind="cola"), TrainConfig(strategy="none", mesh="data=4", batch=8, seq=8))
+    loss_err, grad_err = _compare(cfg, seed=11)
+    assert loss_err < 1e-5 and grad_err < 1e-5, (loss_err, grad_err)
+
+
+@pytest.mark.parametrize("field,overrides,strategy", [
+    ("n_heads", dict(n_heads=6, n_kv_heads=0, d_model=96), "btp"),
+    ("n_kv_heads", dict(n_kv_heads=2), "fullrank-tp"),
+    ("d_model", dict(d_model=18, n_heads=3, n_kv_heads=0), "btp"),
+    ("rank", dict(rank=18), "vanilla-tp"),
+    ("vocab_size", dict(vocab_size=250), "btp"),
+    ("d_ff", dict(d_ff=98), "btp"),
+])
+def test_indivisible_shapes_fail_before_compile(field, overrides, strategy):
+    kind = "llama" if strategy == "fullrank-tp" else "cola"
+    cfg = Config(replace(TINY, kind=kind, **overrides), TrainConfig(strategy=strategy, mesh="data=1,model=4"))
+    graphdef, params = init_model(cfg)
+    with pytest.raises(ConfigError, match=f"model.{field}:.*fix:"):
+        placement(cfg, graphdef, params)
+
+
+def test_bad_meshes():
+    cfg = Config(replace(TINY, kind="cola"), TrainConfig(strategy="btp", mesh="data=4,model=4"))
+    graphdef, params = init_model(cfg)
+    with pytest.raises(ConfigError, match="train.mesh: .*16 devices but 8"):
+        placement(cfg, graphdef, params)
+    with pytest.raises(ConfigError, match="train.strategy: btp does not serve model kind 'llama'"):
+        cfg2 = replace(cfg, model=replace(cfg.model, kind="llama"), train=replace(cfg.train, mesh="model=2"))
+        placement(cfg2, graphdef, params)
+    with pytest.raises(ConfigError, match="train.mesh: cannot read"):
+        placement(replace(cfg, train=replace(cfg.train, mesh="model:2")), graphdef, params)
