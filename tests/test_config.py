@@ -1,0 +1,99 @@
+"""Configs: presets, validation (one clear line naming the field and the fix) and the CLI's exit status 2."""
+
+from dataclasses import replace
+
+import pytest
+
+from boostjax.cli import build_parser, main
+from boostjax.config import PRESETS, Config, ConfigError, ModelConfig, TrainConfig, preset, validate
+
+
+def test_presets_follow_the_design_table():
+    expect = {"60m": (512, 8, 8, 1376, 128), "1b": (2048, 24, 32, 5472, 512), "7b": (4096, 32, 32, 11008, 1024),
+              "13b": (5120, 40, 40, 13824, 1280), "30b": (8192, 36, 64, 22016, 2048)}
+    for name, (d, layers, heads, f, r) in expect.items():
+        m = PRESETS[name]
+        assert (m.d_model, m.n_layers, m.n_heads, m.d_ff, m.rank) == (d, layers, heads, f, r)
+        assert m.rank == m.d_model // 4
+    for name in PRESETS:
+        validate(Config(preset(name)))
+    assert preset("7b", kind="llama").kind == "llama"
+
+
+@pytest.mark.parametrize("model,field", [
+    (dict(d_model=100, n_heads=8), "model.d_model"),
+    (dict(rank=200, d_model=128), "model.rank"),
+    (dict(n_layers=0), "model.n_layers"),
+    (dict(d_ff=-1), "model.d_ff"),
+    (dict(n_kv_heads=3), "model.n_kv_heads"),
+    (dict(kind="mamba"), "model.kind"),
+    (dict(d_model=12, n_heads=4), "model.d_model"),  # odd head_dim: RoPE needs pairs
+])
+def test_invalid_model_configs(model, field):
+    with pytest.raises(ConfigError, match=f"^{field}: .*fix: "):
+        validate(Config(replace(ModelConfig(), **model)))
+
+
+@pytest.mark.parametrize("train,field", [
+    (dict(steps=0), "train.steps"),
+    (dict(batch=-2), "train.batch"),
+    (dict(lr=0.0), "train.lr"),
+    (dict(dtype="float8"), "train.dtype"),
+    (dict(strategy="zero3"), "train.strategy"),
+    (dict(seq=8192), "train.seq"),
+    (dict(mesh="data=two"), "train.mesh"),
+    (dict(optimizer="sgd"), "train.optimizer"),
+    (dict(pipeline_delay=3), "train.pipeline_delay"),
+    (dict(warmup=50, steps=50), "train.warmup"),
+])
+def test_invalid_train_configs(train, field):
+    with pytest.raises(ConfigError, match=f"^{field}: .*fix: "):
+        validate(Config(ModelConfig(), replace(TrainConfig(), **train)))
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="^preset: unknown preset 'huge'; fix: use one of tiny"):
+        preset("huge")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--preset", "huge"], "preset: unknown preset"),
+    (["train", "--d-model", "100", "--n-heads", "8"], "model.d_model: 100 is not divisible by n_heads=8"),
+    (["train", "--rank", "512"], "model.rank: r=512 exceeds"),
+    (["train", "--steps", "0"], "train.steps: must be positive"),
+    (["train", "--strategy", "btp", "--mesh", "data=1,model=3", "--steps", "2"], "model.d_model: 128 is not divisible by the TP size 3"),
+    (["train", "--data", "/nonexistent/corpus.bin", "--steps", "2"], "no such"),
+])
+def test_cli_rejects_bad_configs_with_status_2(argv, needle, capsys, tmp_path):
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("boostjax: error: ") and needle in err[0], err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_every_config_field_has_a_flag():
+    actions = {a.dest: a for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}
+    for cls in (ModelConfig, TrainConfig):
+        for name in cls.__dataclass_fields__:
+            assert name in actions, name
+    flags = {s for a in actions.values() for s in a.option_strings}
+    for required in ("--preset", "--model", "--steps", "--batch", "--seq", "--seed", "--out", "--data",
+                     "--ckpt-every", "--log-every", "--strategy", "--mesh", "--optimizer", "--pipeline-delay"):
+        assert required in flags
+
+
+def test_help_lists_commands_and_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "train" in out and "export-hf" in out
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "--preset" in out and "--ckpt-every" in out and "--d-model" in out
+
+
+def test_config_json_round_trip():
+    cfg = Config(preset("1b", kind="lax"), TrainConfig(steps=7, mesh="data=2,model=4", strategy="btp"))
+    assert Config.from_dict(__import__("json").loads(cfg.to_json())) == cfg

@@ -1,0 +1,115 @@
+"""The LLaMA model: shapes, parameter count, causality, Online-RMSNorm, remat and GQA equivalences."""
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from boostjax.config import ModelConfig
+from boostjax.models import ops
+from boostjax.models.flops import flops_per_token, param_count
+from boostjax.models.llama import LLaMA
+from boostjax.sharding.collectives import LOCAL
+
+SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, rank=8, vocab_size=64)
+
+
+def _model(kind: str, **kw) -> LLaMA:
+    return LLaMA(replace(SMALL, kind=kind, **kw), rngs=nnx.Rngs(0))
+
+
+def _tokens(b=2, t=12, seed=0):
+    return jax.random.randint(jax.random.key(seed), (b, t), 0, SMALL.vocab_size)
+
+
+@pytest.mark.parametrize("kind", ["llama", "cola", "svd", "lax"])
+def test_shapes_and_param_count(kind):
+    model = _model(kind)
+    logits = model(_tokens())
+    assert logits.shape == (2, 12, SMALL.vocab_size) and logits.dtype == jnp.float32
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n == param_count(model.cfg)
+    assert flops_per_token(model.cfg, 128) > 6 * (n - SMALL.vocab_size * SMALL.d_model)
+
+
+def test_low_rank_is_smaller_and_presets_match_design():
+    from boostjax.config import preset
+
+    assert param_count(preset("7b", kind="cola")) < 0.5 * param_count(preset("7b", kind="llama"))
+    # LLaMA-7B has 6.74B parameters with a 32000 vocabulary
+    assert abs(param_count(preset("7b", kind="llama", vocab_size=32000)) - 6.74e9) < 0.01e9
+
+
+@pytest.mark.parametrize("kind", ["llama", "cola", "lax"])
+def test_causal(kind):
+    model = _model(kind)
+    a = _tokens(seed=1)
+    b = a.at[:, 7:].set((a[:, 7:] + 5) % SMALL.vocab_size)
+    la, lb = model(a), model(b)
+    np.testing.assert_allclose(la[:, :7], lb[:, :7], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(la[:, 7:], lb[:, 7:])
+
+
+def test_online_rms_norm_equals_norm_then_matmul():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k1, (2, 5, 16)) * 3.0
+    g = 1.0 + 0.1 * jax.random.normal(k2, (16,))
+    a = jax.random.normal(k3, (16, 3, 4))
+    ref = jnp.einsum("btd,dgr->btgr", ops.rms_norm(x, g, 1e-5), a)
+    got = ops.online_norm_down(x, g, a, LOCAL, d_model=16, eps=1e-5, name="t")
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gqa_equals_repeated_kv_heads():
+    k = jax.random.split(jax.random.key(2), 3)
+    q = jax.random.normal(k[0], (1, 6, 4, 8))
+    kv = jax.random.normal(k[1], (1, 6, 2, 8)), jax.random.normal(k[2], (1, 6, 2, 8))
+    got = ops.causal_attention(q, *kv)
+    rep = [jnp.repeat(t, 2, axis=2) for t in kv]
+    np.testing.assert_allclose(got, ops.causal_attention(q, *rep), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,remat", [("cola", "lowrank"), ("cola", "full"), ("llama", "full"), ("lax", "lowrank")])
+def test_remat_changes_nothing(kind, remat):
+    model = _model(kind)
+    graphdef, state = nnx.split(model)
+    toks = _tokens(seed=3)
+
+    def loss(state, remat):
+        return nnx.merge(graphdef, state).loss(toks, toks, remat=remat)
+
+    l0, g0 = jax.value_and_grad(loss)(state, "none")
+    l1, g1 = jax.value_and_grad(loss)(state, remat)
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
+
+
+def test_svd_is_linear_in_the_bottleneck_and_cola_is_not():
+    """SVD-style pairs compose linearly (B(Ax)); CoLA puts SiLU between the factors."""
+    x = jax.random.normal(jax.random.key(4), (1, 3, SMALL.d_model))
+    cos, sin = ops.rope_tables(3, SMALL.head_dim, SMALL.rope_theta)
+    for kind, linear in (("svd", True), ("cola", False)):
+        mlp = _model(kind).layers[0].mlp
+        a, bg = mlp.a_gate_up[...], mlp.b_gate_up[...]
+        z = ops.online_norm_down(x, mlp.norm[...], a, LOCAL, d_model=SMALL.d_model, eps=SMALL.norm_eps, name="t")
+        sig = z if linear else jax.nn.silu(z)
+        gate = sig[:, :, 0] @ bg[0]
+        up = sig[:, :, 1] @ bg[1]
+        h = jax.nn.silu(gate) * up
+        hd = h @ mlp.a_down[...]
+        out = (hd if linear else jax.nn.silu(hd)) @ mlp.b_down[...]
+        np.testing.assert_allclose(mlp(x, LOCAL), out, rtol=1e-5, atol=1e-6)
+    del cos, sin
+
+
+def test_bf16_compute_is_close_to_fp32():
+    model = _model("cola")
+    graphdef, state = nnx.split(model)
+    toks = _tokens(seed=5)
+    l32 = nnx.merge(graphdef, state).loss(toks, toks)
+    s16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), state)
+    l16 = nnx.merge(graphdef, s16).loss(toks, toks)
+    assert l16.dtype == jnp.float32 and abs(float(l16 - l32)) < 0.05

@@ -1,0 +1,142 @@
+"""End-to-end training through the Python API and the CLI: loss falls, files, resume after SIGKILL,
+non-finite loss, export to Hugging Face layout, data formats, TP and delayed optimizers."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import jax
+import numpy as np
+import pytest
+
+from boostjax.cli import main
+from boostjax.config import Config, ModelConfig, TrainConfig
+from boostjax.run import load_run, read_metrics
+from boostjax.train import NonFiniteLoss, train
+
+MICRO = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=8)
+FAST = TrainConfig(steps=40, batch=8, seq=32, lr=3e-3, log_every=5, eval_every=20, eval_batches=2,
+                   ckpt_every=20, progress=False)
+MICRO_FLAGS = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--rank", "8",
+               "--seq", "32", "--batch", "4", "--no-progress"]
+
+
+def _run(tmp_path, name, model=MICRO, **train_kw) -> object:
+    return train(Config(model, replace(FAST, out=str(tmp_path / name), **train_kw)))
+
+
+@pytest.mark.parametrize("kind", ["llama", "cola", "svd", "lax"])
+def test_every_model_kind_trains(tmp_path, kind):
+    res = _run(tmp_path, kind, replace(MICRO, kind=kind))
+    first, last = res.losses[0], res.losses[-1]
+    assert last < 0.75 * first, res.losses
+    assert "done:" in res.summary
+
+
+def test_run_folder_contents(tmp_path):
+    res = _run(tmp_path, "files")
+    out = tmp_path / "files"
+    cfg = Config.from_dict(json.loads((out / "config.json").read_text()))
+    assert cfg == res.config
+    recs = read_metrics(out)
+    train_recs = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in train_recs] == list(range(5, 41, 5))
+    for r in train_recs:
+        assert {"step", "loss", "tokens_per_s", "step_s", "lr", "grad_norm"} <= r.keys()
+        assert r["tokens_per_s"] > 0 and r["step_s"] > 0
+    assert [r["step"] for r in recs if "val_loss" in r] == [20, 40]
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [20, 40]
+    _, model, step = load_run(out)
+    assert step == 40
+    toks = np.zeros((1, 8), np.int32)
+    np.testing.assert_allclose(model(toks), res.model(toks), rtol=1e-6)
+
+
+def test_bf16_compute_trains(tmp_path):
+    res = _run(tmp_path, "bf16", dtype="bfloat16")
+    assert res.losses[-1] < 0.75 * res.losses[0]
+    assert jax.tree.leaves(res.params)[0].dtype == np.float32  # master weights stay fp32
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    with pytest.raises(NonFiniteLoss, match="non-finite loss .* at step"):
+        _run(tmp_path, "nan", lr=1e4, clip=0.0, warmup=0, ckpt_every=1, log_every=1, steps=60)
+    _, model, step = load_run(tmp_path / "nan")
+    assert step >= 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx_state(model)))
+
+
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.state(model)
+
+
+def _cli(out, steps, *extra):
+    cmd = [sys.executable, "-m", "boostjax.cli", "train", *MICRO_FLAGS, "--steps", str(steps), "--ckpt-every", "10",
+           "--log-every", "1", "--eval-every", "100", "--out", str(out), *extra]
+    return cmd
+
+
+def _losses(out):
+    return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+
+
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run(_cli(tmp_path / "full", 40), check=True, env=env, capture_output=True)
+    proc = subprocess.Popen(_cli(tmp_path / "killed", 40), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (tmp_path / "killed" / "checkpoints" / "20").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    done = subprocess.run(_cli(tmp_path / "killed", 40), check=True, env=env, capture_output=True, text=True)
+    assert "steps 20->40" in done.stdout or "steps 30->40" in done.stdout, done.stdout
+    full, resumed = _losses(tmp_path / "full"), _losses(tmp_path / "killed")
+    assert sorted(resumed) == list(range(1, 41))
+    assert resumed == full  # bit-identical per-step losses
+
+
+def test_export_hf_from_cli(tmp_path, capsys):
+    from boostjax.hf import from_hf
+
+    _run(tmp_path, "dense", replace(MICRO, kind="llama"), steps=10, ckpt_every=10)
+    assert main(["export-hf", "--run", str(tmp_path / "dense"), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "config.json").exists()
+    hf_model = from_hf(tmp_path / "hf")
+    _, model, _ = load_run(tmp_path / "dense")
+    toks = np.arange(16, dtype=np.int32).reshape(2, 8)
+    np.testing.assert_allclose(hf_model(toks), model(toks), rtol=1e-6, atol=1e-6)
+    _run(tmp_path, "lowrank", steps=10, ckpt_every=10)
+    assert main(["export-hf", "--run", str(tmp_path / "lowrank"), "--out", str(tmp_path / "hf2")]) == 2
+    assert "low-rank" in capsys.readouterr().err
+
+
+def test_trains_on_token_bin_and_text_files(tmp_path):
+    rng = np.random.default_rng(0)
+    pattern = np.tile(rng.integers(0, 256, 64).astype(np.uint16), 400)  # learnable: a repeated sequence
+    pattern.tofile(tmp_path / "tokens.bin")
+    res = _run(tmp_path, "bin", data=str(tmp_path / "tokens.bin"))
+    assert res.losses[-1] < 0.7 * res.losses[0]
+    (tmp_path / "notes.txt").write_text("the quick brown fox jumps over the lazy dog. " * 500)
+    res = _run(tmp_path, "txt", data=str(tmp_path / "notes.txt"), steps=20)
+    assert res.losses[-1] < res.losses[0]
+
+
+def test_btp_training_matches_single_device(tmp_path):
+    single = _run(tmp_path, "one", steps=10, log_every=1)
+    btp = _run(tmp_path, "btp", steps=10, log_every=1, strategy="btp", mesh="data=2,model=2")
+    np.testing.assert_allclose(btp.losses, single.losses, rtol=2e-4)
+
+
+@pytest.mark.parametrize("optimizer", ["rotation", "pipedream-lr", "nesterov"])
+def test_delayed_optimizers_train(tmp_path, optimizer):
+    res = _run(tmp_path, optimizer, optimizer=optimizer, pipeline_delay=2, steps=30)
+    assert res.losses[-1] < 0.8 * res.losses[0]
