@@ -14,7 +14,7 @@ import typing
 from typing import Any, Callable, Sequence
 
 from boostjax.config import (MODEL_KINDS, PRESETS, Config, ConfigError, ModelConfig, TrainConfig,
-                             parse_mesh, preset, validate)
+                             preset, validate)
 
 _RENAMED = {"kind": "model"}  # config field -> flag name where they differ
 _HELP = {
@@ -58,14 +58,9 @@ def _config(args: argparse.Namespace) -> Config:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _config(args)
-    sizes = parse_mesh(cfg.train.mesh)
-    if sizes:
-        from boostjax.devices import simulate_devices  # noqa: PLC0415
+    from boostjax.devices import simulate_for_mesh  # noqa: PLC0415
 
-        n = 1
-        for v in sizes.values():
-            n *= v
-        simulate_devices(n)
+    simulate_for_mesh(cfg.train.mesh)
     from boostjax.train import NonFiniteLoss, train  # noqa: PLC0415 (after the device count is set)
 
     try:
@@ -105,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.set_defaults(func=_cmd_export_hf)
+
+    from boostjax.sharding import comm  # noqa: PLC0415 (imports no JAX at module level)
+
+    comm.register(sub)
     return parser
 
 

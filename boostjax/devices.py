@@ -45,3 +45,30 @@ def _backend_started() -> bool:
         return bool(xla_bridge._backends)  # noqa: SLF001
     except Exception:  # pragma: no cover - private API moved: assume started (safe direction)
         return True
+
+
+def exact_low_precision() -> bool:
+    """Keep bf16 values bf16 in compiled programs (`--xla_allow_excess_precision=false`).
+
+    XLA may otherwise drop a bf16 rounding and keep f32 (the CPU backend also widens bf16
+    all-reduces to f32), which hides the bf16 payload of a collective from HLO accounting. Like the
+    device count, this only takes effect before JAX's backend starts; returns whether it is in force.
+    """
+    flag = "--xla_allow_excess_precision=false"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if flag in flags:
+        return True
+    if "jax" in sys.modules and _backend_started():
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    return True
+
+
+def simulate_for_mesh(spec: str) -> int:
+    """`simulate_devices` for the product of a `--mesh` string's axis sizes ('' -> 1)."""
+    from boostjax.config import parse_mesh  # noqa: PLC0415
+
+    n = 1
+    for size in parse_mesh(spec).values():
+        n *= size
+    return simulate_devices(n) if n > 1 else n

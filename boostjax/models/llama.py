@@ -83,7 +83,7 @@ class Attention(nnx.Module):
             kv_btgk = coll.reduce_up(jnp.einsum("btgr,grk->btgk", jnp.stack([hk, hv], 2), self.b_kv[...]))
             k, v = kv_btgk[:, :, 0], kv_btgk[:, :, 1]
         else:
-            xn_btd = ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps)
+            xn_btd = coll.to_column_parallel(ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps))
             q, k, v = (checkpoint_name(xn_btd @ w[...], "qkv") for w in (self.w_q, self.w_k, self.w_v))
         q_bthe = ops.apply_rope(q.reshape(b, t, -1, e), cos_te, sin_te)
         k_btke = ops.apply_rope(k.reshape(b, t, -1, e), cos_te, sin_te)
@@ -128,7 +128,7 @@ class MLP(nnx.Module):
             gu_btgf = coll.reduce_up(jnp.einsum("btgr,grf->btgf", jnp.stack([hg, hu], 2), self.b_gate_up[...]))
             gate, up = gu_btgf[:, :, 0], gu_btgf[:, :, 1]
         else:
-            xn_btd = ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps)
+            xn_btd = coll.to_column_parallel(ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps))
             gate = checkpoint_name(xn_btd @ self.w_gate[...], "gate_up")
             up = checkpoint_name(xn_btd @ self.w_up[...], "gate_up")
         hidden_btf = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")

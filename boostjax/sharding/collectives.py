@@ -47,6 +47,14 @@ class Collectives:
         (y,) = self._psum(self.up, y)
         return y
 
+    def to_column_parallel(self, x):
+        """Megatron TP: mark the replicated normed input varying once, before the column-parallel
+        GEMMs (q, k, v / gate, up) use it, so the backward sums their input gradients in one
+        all-reduce instead of one per GEMM."""
+        if self.row and self.axis is not None:
+            return jax.lax.pcast(x, self.axis, to="varying")
+        return x
+
     def reduce_row(self, y):
         (y,) = self._psum(self.row, y)
         return y

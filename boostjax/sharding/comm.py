@@ -1,0 +1,432 @@
+"""Communication accounting from compiled HLO: `comm_report` and the `boostjax comm` subcommand.
+
+One training step (forward, backward, AdamW update) and the forward loss alone are compiled
+abstractly — `jax.jit(f).lower(ShapeDtypeStructs with shardings).compile()` — so nothing is
+allocated and 7B/13B shapes compile on a laptop with simulated CPU devices. Everything reported
+is read from the compiled HLO text (`boostjax.sharding.hlo`) and `compiled.memory_analysis()`.
+
+Per-layer figures are exact differences: the same model, mesh, batch, sequence, dtype and remat
+compiled with `n_layers=2` and with `n_layers=1`. Everything outside the blocks (embedding, final
+gather, LM head, vocabulary-parallel cross-entropy, optimizer, data-parallel means) is identical
+in both programs and cancels, leaving the collectives and GEMMs of one block.
+
+Bytes: `*_bytes` count each collective's result in the element type the program communicates.
+The CPU backend has no bf16 all-reduce: it rounds to bf16 and widens to f32 first; such widened
+collectives are counted at bf16 (what a GPU/TPU moves). `*_bytes_compiled` is what this CPU
+executable moves. Collectives over single-device groups (a mesh axis of size 1) move nothing and
+are not counted. Counts are static HLO instructions; XLA may combine independent all-reduces into
+one variadic all-reduce, so compare bytes rather than counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from boostjax.config import (LOW_RANK_KINDS, PRESETS, Config, ConfigError, ModelConfig, REMAT, TrainConfig,
+                             parse_mesh, preset, validate)
+from boostjax.sharding import hlo
+
+STRATEGIES = ("fullrank-tp", "vanilla-tp", "btp")
+_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+_HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16"}
+GIB = float(2**30)
+_FAST_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    step_text: str
+    fwd_text: str
+    step_memory: dict[str, int]
+    fwd_memory: dict[str, int]
+    residual_bytes: int | None = None
+
+
+def _memory(compiled) -> dict[str, int]:
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return {}
+    names = ("temp", "argument", "output", "alias", "generated_code")
+    return {f"{n}_bytes": int(getattr(ma, f"{n}_size_in_bytes", 0) or 0) for n in names}
+
+
+def model_for(model: ModelConfig, strategy: str) -> ModelConfig:
+    """Full-rank TP compiles the dense LLaMA of the same shapes; the low-rank strategies the given kind."""
+    if strategy == "fullrank-tp":
+        return replace(model, kind="llama")
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"comm.strategy: unknown strategy {strategy!r}; fix: use one of {', '.join(STRATEGIES)}")
+    if model.kind not in LOW_RANK_KINDS:
+        raise ConfigError(f"comm.model: {strategy} needs a low-rank kind, got {model.kind!r}; "
+                          f"fix: pass --model {' or '.join(LOW_RANK_KINDS)}")
+    return model
+
+
+def _build(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str, dtype: str, *,
+           step: bool, with_residuals: bool) -> _Compiled:
+    """Compile (abstractly) the step and forward loss, and/or the residual-returning forward."""
+    import jax  # noqa: PLC0415 (imported late: the CLI sets the simulated device count first)
+    import jax.numpy as jnp  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    from boostjax.models.llama import LLaMA  # noqa: PLC0415
+    from boostjax.sharding import strategies  # noqa: PLC0415
+    from boostjax.step import make_optimizer, make_train_step  # noqa: PLC0415
+
+    if not parse_mesh(mesh):
+        raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
+    cfg = validate(Config(model, TrainConfig(batch=batch, seq=seq, strategy=strategy, mesh=mesh,
+                                             remat=remat, dtype=dtype)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(model, rngs=nnx.Rngs(0))))
+    params = state.to_pure_dict()
+    plan = strategies.placement(cfg, graphdef, params)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    p_shard = jax.tree.map(lambda s: NamedSharding(plan.mesh, s), plan.specs, is_leaf=is_spec)
+    p_sds = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), params, p_shard)
+    tx, lr_fn = make_optimizer(cfg, params)
+    opt_shape = jax.eval_shape(tx.init, p_sds)
+    replicated = NamedSharding(plan.mesh, P())
+    # mu / nu are param-shaped subtrees of the AdamW state: shard them like the params
+    o_shard = optax.tree_map_params(tx, lambda _, sh: sh, opt_shape, p_shard,
+                                    transform_non_params=lambda _: replicated,
+                                    is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    o_sds = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), opt_shape, o_shard)
+    b_sds = {k: jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=NamedSharding(plan.mesh, P("data")))
+             for k in ("inputs", "targets")}
+    # never executed: on CPU skip LLVM's expensive passes (the optimised HLO is unchanged, ~3x faster)
+    opts = _FAST_CPU if jax.default_backend() == "cpu" else None
+    out = _Compiled("", "", {}, {})
+    if step:
+        step_fn = make_train_step(plan.loss_fn, tx, lr_fn)
+        step_c = jax.jit(step_fn, donate_argnums=(0, 1)).lower(p_sds, o_sds, b_sds).compile(opts)
+        fwd_c = jax.jit(plan.loss_fn).lower(p_sds, b_sds).compile(opts)
+        out = _Compiled(step_c.as_text(), fwd_c.as_text(), _memory(step_c), _memory(fwd_c))
+    if with_residuals:  # what the forward keeps for the backward (the remat policy decides it)
+        res_c = jax.jit(lambda p, b: jax.vjp(plan.loss_fn, p, b)[1]).lower(p_sds, b_sds).compile(opts)
+        out = replace(out, residual_bytes=_memory(res_c).get("output_bytes"))
+    return out
+
+
+def _compile(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str, dtype: str,
+             with_residuals: bool = False) -> _Compiled:
+    """Compile one training step and the forward loss on abstract, sharded inputs (cached).
+
+    With `with_residuals`, also the forward that returns the backward's residuals (`jax.vjp`'s
+    saved values): its per-device output bytes measure what the remat policy keeps.
+    """
+    if with_residuals:
+        return _compile_residuals(model, mesh, batch, seq, strategy, remat, dtype)
+    return _compile_step(model, mesh, batch, seq, strategy, remat, dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile_residuals(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str,
+                       dtype: str) -> _Compiled:
+    base = _compile_step(model, mesh, batch, seq, strategy, remat, dtype)
+    res = _build(model, mesh, batch, seq, strategy, remat, dtype, step=False, with_residuals=True)
+    return replace(base, residual_bytes=res.residual_bytes)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile_step(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str,
+                  dtype: str) -> _Compiled:
+    return _build(model, mesh, batch, seq, strategy, remat, dtype, step=True, with_residuals=False)
+
+
+def _axes(c: hlo.Collective, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> str:
+    """The mesh axes a collective's groups span ("model", "data", "data+model"; "all" if unstated)."""
+    if not c.groups:
+        return "all"
+    n = int(np.prod(mesh_shape))
+    varying = set()
+    for g in c.groups:
+        if any(i >= n for i in g):
+            return "?"
+        coords = np.array(np.unravel_index(list(g), mesh_shape))
+        varying |= {names[a] for a in range(len(mesh_shape)) if len(set(coords[a])) > 1}
+    return "+".join(sorted(varying)) or "none"
+
+
+def _allreduce_stats(cs: list[hlo.Collective], mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:
+    ar = [c for c in cs if c.kind == "all-reduce" and not c.trivial]
+    by_axis: dict[str, int] = {}
+    for c in ar:
+        key = _axes(c, mesh_shape, names)
+        by_axis[key] = by_axis.get(key, 0) + c.logical_bytes
+    scalar = sum(a.bytes(dt) for c in ar for a, dt in zip(c.results, c.logical_dtypes) if not a.shape)
+    return {"count": len(ar), "bytes": sum(c.logical_bytes for c in ar), "bytes_compiled": sum(c.bytes for c in ar),
+            "elements": sum(c.elements for c in ar), "scalar_bytes": scalar, "by_axis": by_axis}
+
+
+def _sub_axes(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    out = {k: a.get(k, 0) - b.get(k, 0) for k in sorted(set(a) | set(b))}
+    return {k: v for k, v in out.items() if v}
+
+
+def _others(cs: list[hlo.Collective]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for c in cs:
+        if c.kind == "all-reduce" or c.trivial:
+            continue
+        s = out.setdefault(c.kind, {"count": 0, "bytes": 0, "bytes_compiled": 0})
+        s["count"] += 1
+        s["bytes"] += c.logical_bytes
+        s["bytes_compiled"] += c.bytes
+    return out
+
+
+def _diff_others(a: dict, b: dict) -> dict[str, dict[str, int]]:
+    out = {}
+    for kind in sorted(set(a) | set(b)):
+        d = {k: a.get(kind, {}).get(k, 0) - b.get(kind, {}).get(k, 0) for k in ("count", "bytes", "bytes_compiled")}
+        if any(d.values()):
+            out[kind] = d
+    return out
+
+
+def _describe(c: hlo.Collective) -> dict[str, Any]:
+    return {"shapes": [str(a) for a in c.results], "dtypes": list(c.logical_dtypes), "bytes": c.logical_bytes,
+            "group_size": c.group_size}
+
+
+def _layer_collectives(two: list[hlo.Collective], one: list[hlo.Collective]) -> list[dict[str, Any]]:
+    """The all-reduces of the 2-layer program without a match (same shapes and types) in the 1-layer one."""
+    key = lambda c: (tuple(str(a) for a in c.results), c.logical_dtypes)  # noqa: E731
+    left: dict[Any, int] = {}
+    for c in one:
+        if c.kind == "all-reduce" and not c.trivial:
+            left[key(c)] = left.get(key(c), 0) + 1
+    out = []
+    for c in two:
+        if c.kind != "all-reduce" or c.trivial:
+            continue
+        if left.get(key(c), 0):
+            left[key(c)] -= 1
+        else:
+            out.append(_describe(c))
+    return out
+
+
+def _gemm_summary(fwd_two: hlo.Module, fwd_one: hlo.Module, dtype: str) -> dict[str, Any]:
+    """The GEMMs of one block (forward): where, shapes, reduction size K and arithmetic intensity."""
+    layer = hlo.multiset_difference(hlo.gemms(fwd_two), hlo.gemms(fwd_one))
+    dt = _HLO_DTYPE[dtype]
+    rows, proj = [], []
+    for g in layer:
+        core = g.weight_operand is None  # no operand is a weight: attention's q·k and p·v
+        if g.source:
+            fn, path, line = g.source[0]
+            where = f"{os.path.basename(path)}:{line} {fn}"
+        else:
+            where = "/".join(g.op_name.split("/")[-2:]) or "(no metadata)"
+        rows.append({"where": where, "lhs": str(g.lhs), "rhs": str(g.rhs),
+                     "out": str(g.out), "k": g.k, "m": g.m, "n": g.n, "batch": g.batch, "flops": g.flops,
+                     "intensity": round(g.intensity(dt), 2), "attention_core": core})
+        if not core:
+            proj.append(g)
+    flops = sum(g.flops for g in proj)
+    moved = sum(g.bytes_moved(dt) for g in proj)
+    return {
+        "per_layer": sorted(rows, key=lambda r: (r["attention_core"], r["where"])),
+        "projection_k": sorted(g.k for g in proj),
+        "mean_intensity": round(sum(g.intensity(dt) for g in proj) / len(proj), 2) if proj else 0.0,
+        "flop_weighted_intensity": round(flops / moved, 2) if moved else 0.0,
+        "intensity_dtype": dt,
+    }
+
+
+def expected_per_layer(model: ModelConfig, strategy: str, tokens: int, dtype: str) -> dict[str, Any]:
+    """Analytic all-reduce volume of one block (DESIGN.md section 2), for comparison.
+
+    Forward elements per token: full-rank `2d`; vanilla `he + 2·ke + 2d + 2f` (= `5d + 2f` without
+    GQA); BTP `7r` plus two fp32 norm statistics (`Σx²` of each pre-norm, `[b, s, 1]`, riding in the
+    qkv and gate_up all-reduces). The paper's step figure doubles the forward (BTP's statistics need
+    no backward collective: their cotangent is replicated).
+    """
+    d, f, r = model.d_model, model.d_ff, model.rank
+    he, ke = model.n_heads * model.head_dim, model.kv_heads * model.head_dim
+    per_token = {"fullrank-tp": 2 * d, "vanilla-tp": he + 2 * ke + 2 * d + 2 * f, "btp": 7 * r}[strategy]
+    stats = 2 if strategy == "btp" else 0
+    item = _ITEMSIZE[dtype]
+    fwd = tokens * (per_token * item + stats * 4)
+    return {"forward_elements_per_token": per_token, "stats_per_token": stats,
+            "forward_bytes": fwd, "step_bytes": fwd + tokens * per_token * item}
+
+
+def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str = "none",
+                dtype: str = "bfloat16", dump_hlo: str | None = None) -> dict[str, Any]:
+    """All-reduce count and bytes of one training step and of the forward, whole model and per layer.
+
+    `model` gives the shapes (fullrank-tp compiles it as the dense `llama` kind, vanilla-tp / btp as
+    its low-rank kind). Everything is compiled abstractly (ShapeDtypeStructs with the strategy's
+    shardings; AdamW's mu/nu sharded like the params), so 7B/13B shapes need no memory.
+
+    Per-layer values (`*_per_layer`) are EXACT differences between two programs that differ only in
+    depth: the model compiled with `n_layers=2` minus the model compiled with `n_layers=1` (same
+    mesh, batch, sequence, dtype, remat). Embedding, final gather, LM head, cross-entropy and the
+    optimizer's non-layer work are identical in both and cancel, leaving one block's collectives
+    (and, in the step, its share of the optimizer's global-norm partial sums:
+    `allreduce_scalar_bytes_per_layer`). Counts may be affected by XLA combining all-reduces; bytes
+    are not. `*_bytes` use the communicated element type (bf16 even where the CPU backend widens
+    to f32, see `*_bytes_compiled`); single-device groups (a mesh axis of size 1) are not counted.
+
+    Also: `other_collectives` (all-gather, reduce-scatter, ... per kind), `*_by_axis` (bytes per
+    mesh axis), `temp_bytes` / `memory` (`compiled.memory_analysis()` of the whole step),
+    `residual_bytes` (per device, what the forward saves for the backward: the remat policy's
+    effect), `gemms` (one block's forward GEMMs: K, intensity) and `expected_per_layer`
+    (the analytic volume, see `expected_per_layer`). With `dump_hlo=DIR`, writes
+    `DIR/<strategy>.hlo.txt` (step) and `DIR/<strategy>.fwd.hlo.txt` (forward loss).
+    """
+    if dtype not in _ITEMSIZE:
+        raise ConfigError(f"comm.dtype: unknown dtype {dtype!r}; fix: use float32 or bfloat16")
+    if remat not in REMAT:
+        raise ConfigError(f"comm.remat: unknown remat {remat!r}; fix: use one of {', '.join(REMAT)}")
+    m = model_for(model, strategy)
+    full = _compile(m, mesh, batch, seq, strategy, remat, dtype, True)
+    two = _compile(replace(m, n_layers=2), mesh, batch, seq, strategy, remat, dtype)
+    one = _compile(replace(m, n_layers=1), mesh, batch, seq, strategy, remat, dtype)
+    if dump_hlo:
+        os.makedirs(dump_hlo, exist_ok=True)
+        with open(os.path.join(dump_hlo, f"{strategy}.hlo.txt"), "w") as fh:
+            fh.write(full.step_text)
+        with open(os.path.join(dump_hlo, f"{strategy}.fwd.hlo.txt"), "w") as fh:
+            fh.write(full.fwd_text)
+
+    texts = {"step": full.step_text, "fwd": full.fwd_text, "step2": two.step_text, "step1": one.step_text,
+             "fwd2": two.fwd_text, "fwd1": one.fwd_text}
+    parsed = {t: hlo.parse_module(t) for t in set(texts.values())}
+    mods = {k: parsed[t] for k, t in texts.items()}
+    cs = {k: hlo.collectives(v) for k, v in mods.items()}
+    sizes = parse_mesh(mesh)
+    names = ("data", "model")
+    shape = (sizes.get("data", 1), sizes.get("model", 1))
+    ar = {k: _allreduce_stats(v, shape, names) for k, v in cs.items()}
+    tokens = batch // sizes.get("data", 1) * seq  # tokens in one device's all-reduce
+    exp = expected_per_layer(m, strategy, tokens, dtype)
+    lay = lambda a, b, k: ar[a][k] - ar[b][k]  # noqa: E731
+    fwd_layer, step_layer = lay("fwd2", "fwd1", "bytes"), lay("step2", "step1", "bytes")
+    return {
+        "strategy": strategy, "kind": m.kind, "mesh": mesh, "tp": sizes.get("model", 1), "batch": batch,
+        "seq": seq, "dtype": dtype, "remat": remat, "n_layers": m.n_layers,
+        "model": {k: getattr(m, k) for k in ("d_model", "n_layers", "n_heads", "kv_heads", "d_ff", "rank",
+                                              "vocab_size")},
+        "allreduce_count": ar["step"]["count"],
+        "allreduce_bytes": ar["step"]["bytes"],
+        "allreduce_bytes_compiled": ar["step"]["bytes_compiled"],
+        "forward_allreduce_count": ar["fwd"]["count"],
+        "forward_allreduce_bytes": ar["fwd"]["bytes"],
+        "forward_allreduce_bytes_compiled": ar["fwd"]["bytes_compiled"],
+        "allreduce_count_per_layer": lay("step2", "step1", "count"),
+        "allreduce_bytes_per_layer": step_layer,
+        "allreduce_bytes_compiled_per_layer": lay("step2", "step1", "bytes_compiled"),
+        "forward_allreduce_count_per_layer": lay("fwd2", "fwd1", "count"),
+        "forward_allreduce_bytes_per_layer": fwd_layer,
+        "forward_allreduce_bytes_compiled_per_layer": lay("fwd2", "fwd1", "bytes_compiled"),
+        "backward_allreduce_bytes_per_layer": step_layer - fwd_layer,
+        "allreduce_scalar_bytes_per_layer": lay("step2", "step1", "scalar_bytes"),
+        "allreduce_bytes_by_axis": ar["step"]["by_axis"],
+        "forward_allreduce_bytes_by_axis": ar["fwd"]["by_axis"],
+        "allreduce_bytes_per_layer_by_axis": _sub_axes(ar["step2"]["by_axis"], ar["step1"]["by_axis"]),
+        "forward_allreduce_bytes_per_layer_by_axis": _sub_axes(ar["fwd2"]["by_axis"], ar["fwd1"]["by_axis"]),
+        "forward_allreduces_per_layer": _layer_collectives(cs["fwd2"], cs["fwd1"]),
+        "allreduces_per_layer": _layer_collectives(cs["step2"], cs["step1"]),
+        "other_collectives": _others(cs["step"]),
+        "forward_other_collectives": _others(cs["fwd"]),
+        "other_collectives_per_layer": _diff_others(_others(cs["step2"]), _others(cs["step1"])),
+        "temp_bytes": full.step_memory.get("temp_bytes", 0),
+        "forward_temp_bytes": full.fwd_memory.get("temp_bytes", 0),
+        "residual_bytes": full.residual_bytes,
+        "memory": full.step_memory,
+        "gemms": _gemm_summary(mods["fwd2"], mods["fwd1"], dtype),
+        "expected_per_layer": exp,
+        "forward_vs_expected": fwd_layer / exp["forward_bytes"] if exp["forward_bytes"] else 0.0,
+        "step_vs_expected": step_layer / exp["step_bytes"] if exp["step_bytes"] else 0.0,
+    }
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the `comm` subcommand to a `boostjax` argparse subparsers object."""
+    p = subparsers.add_parser("comm", help="all-reduce count and bytes per step from compiled HLO, per TP strategy")
+    p.add_argument("--preset", default="7b", help=f"model shapes: one of {', '.join(PRESETS)} (default: 7b)")
+    p.add_argument("--model", default="cola", choices=LOW_RANK_KINDS,
+                   help="low-rank kind for vanilla-tp and btp (fullrank-tp uses the dense llama) (default: cola)")
+    p.add_argument("--mesh", default="data=1,model=4", help="device mesh (default: data=1,model=4)")
+    p.add_argument("--batch", type=int, default=4, help="global batch (default: 4)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (default: 4096)")
+    p.add_argument("--strategy", default="all", choices=(*STRATEGIES, "all"), help="TP strategy (default: all)")
+    p.add_argument("--remat", default="none", choices=REMAT, help="rematerialisation policy (default: none)")
+    p.add_argument("--dtype", default="bfloat16", choices=tuple(_ITEMSIZE), help="compute dtype (default: bfloat16)")
+    p.add_argument("--json", action="store_true", help="print one JSON object {strategy: report}")
+    p.add_argument("--dump-hlo", default=None, metavar="DIR", help="write DIR/<strategy>.hlo.txt and .fwd.hlo.txt")
+    p.set_defaults(func=_cmd_comm)
+    return p
+
+
+def _table(reports: dict[str, dict[str, Any]]) -> str:
+    base = reports.get("fullrank-tp")
+    head = (f"{'strategy':<12} {'fwd GiB/layer':>13} {'step GiB/layer':>14} {'fwd x full':>10} {'step x full':>11} "
+            f"{'AR/layer fwd':>12} {'AR/layer step':>13} {'step GiB':>9} {'temp GiB':>9} {'K (layer GEMMs)':<24}")
+    lines = [head, "-" * len(head)]
+    for name, r in reports.items():
+        ratio = lambda k: f"{r[k] / base[k]:.3f}" if base and base[k] else "-"  # noqa: E731
+        ks = sorted(set(r["gemms"]["projection_k"]))
+        lines.append(f"{name:<12} {r['forward_allreduce_bytes_per_layer'] / GIB:>13.4f} "
+                     f"{r['allreduce_bytes_per_layer'] / GIB:>14.4f} {ratio('forward_allreduce_bytes_per_layer'):>10} "
+                     f"{ratio('allreduce_bytes_per_layer'):>11} {r['forward_allreduce_count_per_layer']:>12} "
+                     f"{r['allreduce_count_per_layer']:>13} {r['allreduce_bytes'] / GIB:>9.3f} "
+                     f"{r['temp_bytes'] / GIB:>9.3f} {','.join(map(str, ks)):<24}")
+    r0 = next(iter(reports.values()))
+    lines.append(f"({r0['dtype']}, mesh {r0['mesh']}, batch {r0['batch']}, seq {r0['seq']}, remat {r0['remat']}; "
+                 "bytes per device, one direction, GiB = 2^30)")
+    return "\n".join(lines)
+
+
+def _cmd_comm(args: argparse.Namespace) -> int:
+    if not parse_mesh(args.mesh):
+        raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
+    from boostjax.devices import exact_low_precision, simulate_for_mesh  # noqa: PLC0415
+
+    exact_low_precision()
+    try:
+        simulate_for_mesh(args.mesh)
+    except RuntimeError as e:  # JAX already started with fewer devices
+        raise ConfigError(f"comm.mesh: {e}") from e
+    base = preset(args.preset, kind=args.model)
+    names = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    reports = {s: comm_report(base, args.mesh, args.batch, args.seq, s, args.remat, args.dtype, args.dump_hlo)
+               for s in names}
+    print(json.dumps(reports, indent=1) if args.json else _table(reports))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`boostjax comm ...` as a standalone entry point: `python -m boostjax.sharding.comm --preset 1b`."""
+    parser = argparse.ArgumentParser(prog="boostjax")
+    sub = parser.add_subparsers(dest="command")
+    register(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "comm":
+        argv = ["comm", *argv]
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"boostjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
