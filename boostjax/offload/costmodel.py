@@ -1,0 +1,410 @@
+"""Cost model for offload planning: bytes and seconds per layer of a (low-rank) LLaMA, and the
+`PlanInstance` the planner consumes.
+
+A block is a small DAG of tensors (per token: elements and forward FLOPs). The named tensors are
+the model's `checkpoint_name` tags. For a set S of tensors saved in the forward pass, the backward
+pass needs the tensors in `_BWD_NEEDS`; anything needed and not saved is recomputed from its inputs
+(recursively, down to the saved tensors and the block input `boundary`). That gives each
+"inner option" (which names a layer saves) its saved bytes and its recompute seconds.
+
+Conventions (all documented assumptions of the model, not measurements):
+- FLOPs: a GEMM of m x n per token costs 2mn; causal attention costs 2·seq·H·hd per token forward
+  (QKᵀ and PV, halved for the causal mask); norms and elementwise ops cost 0. Backward = 2x forward.
+  Seconds = FLOPs / (bf16_flops · mfu).
+- Activations are stored in the compute dtype (`dtype_bytes`, 2 for bf16). Flash-attention
+  statistics (logsumexp) are ignored.
+- Parameters: fp32 master (4 B), fp32 gradients (4 B), Adam m and v (8 B, or the hybrid 8-bit layout
+  of `boostjax.optim.adam8bit`: 1 B + 4/256 B per moment for tensors of >= 4096 elements). Streamed
+  copies (parameter fetches, gradient sends) travel in the compute dtype.
+- Working set: the forward of layer k holds all its tensors (`full`) plus its output; the backward
+  holds `full` plus the output gradient and one more cotangent of the largest tensor.
+- The LM head uses a chunked cross-entropy: fp32 logits and their gradient for `logits_chunk` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+from boostjax.config import ModelConfig, preset
+from boostjax.offload.hardware import HardwareProfile, get_profile
+
+MODES: tuple[str, ...] = ("device", "opt-host", "host")
+"""Where a layer's parameters / optimizer states live: both on device; fp32 master + optimizer states
+on the host with a compute-dtype copy resident on device; both on the host (MegaTrain streaming)."""
+
+ALL = "all"  # inner option: no remat for the layer (every tensor the backward needs is kept)
+BOUNDARY = "boundary"  # inner option: keep only the block input, recompute the whole block
+
+
+@dataclass(frozen=True)
+class _Node:
+    width: int  # elements per token
+    flops: float  # forward FLOPs per token
+    inputs: tuple[str, ...]
+    named: bool  # tagged with checkpoint_name in the model
+
+
+def block_graph(cfg: ModelConfig, seq: int) -> dict[str, _Node]:
+    """The tensors of one block (insertion order = forward order), keyed by name; `boundary` = input."""
+    d, r, f, hd = cfg.d_model, cfg.rank, cfg.d_ff, cfg.head_dim
+    qkv_w = (cfg.n_heads + 2 * cfg.kv_heads) * hd
+    attn_flops = 2.0 * seq * cfg.n_heads * hd
+    g: dict[str, _Node] = {"boundary": _Node(d, 0.0, (), True), "n1": _Node(d, 0.0, ("boundary",), False)}
+    if cfg.low_rank:
+        g["qkv_latent"] = _Node(3 * r, 2.0 * d * 3 * r, ("n1",), True)
+        g["qkv"] = _Node(qkv_w, 2.0 * r * qkv_w, ("qkv_latent",), False)
+        g["attn_out"] = _Node(cfg.n_heads * hd, attn_flops, ("qkv",), True)
+        g["o_latent"] = _Node(r, 2.0 * cfg.n_heads * hd * r, ("attn_out",), True)
+        g["mid"] = _Node(d, 2.0 * r * d, ("boundary", "o_latent"), True)
+        g["n2"] = _Node(d, 0.0, ("mid",), False)
+        g["gate_up_latent"] = _Node(2 * r, 2.0 * d * 2 * r, ("n2",), True)
+        g["gate_up"] = _Node(2 * f, 2.0 * r * 2 * f, ("gate_up_latent",), False)
+        g["mlp_hidden"] = _Node(f, 0.0, ("gate_up",), True)
+        g["down_latent"] = _Node(r, 2.0 * f * r, ("mlp_hidden",), True)
+        g["out"] = _Node(d, 2.0 * r * d, ("mid", "down_latent"), False)
+    else:
+        g["qkv"] = _Node(qkv_w, 2.0 * d * qkv_w, ("n1",), True)
+        g["attn_out"] = _Node(cfg.n_heads * hd, attn_flops, ("qkv",), True)
+        g["mid"] = _Node(d, 2.0 * cfg.n_heads * hd * d, ("boundary", "attn_out"), True)
+        g["n2"] = _Node(d, 0.0, ("mid",), False)
+        g["gate_up"] = _Node(2 * f, 2.0 * d * 2 * f, ("n2",), True)
+        g["mlp_hidden"] = _Node(f, 0.0, ("gate_up",), True)
+        g["out"] = _Node(d, 2.0 * f * d, ("mid", "mlp_hidden"), False)
+    return g
+
+
+def _bwd_needs(g: dict[str, _Node]) -> tuple[str, ...]:
+    """Tensors whose values some VJP of the block reads: every GEMM/norm/nonlinearity input."""
+    needs: list[str] = []
+    for name, node in g.items():
+        if name == "boundary":
+            continue
+        for inp in node.inputs:
+            if inp not in needs:
+                needs.append(inp)
+    # attention's VJP (flash style) also reads its own output
+    if "attn_out" not in needs:
+        needs.append("attn_out")
+    return tuple(n for n in g if n in needs and n != "boundary")
+
+
+def activation_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The `checkpoint_name` tags inside one block of this model kind."""
+    return tuple(n for n, node in block_graph(cfg, 1).items() if node.named)
+
+
+def default_inner_options(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Inner-option menu: option name -> named tensors saved on device (besides the boundary)."""
+    if cfg.low_rank:
+        lat = ("qkv_latent", "o_latent", "gate_up_latent", "down_latent")
+        return {ALL: (), "latents_attn": lat + ("attn_out", "mid"), "latents": lat, BOUNDARY: ()}
+    return {ALL: (), "attn": ("qkv", "attn_out"), "attn_out": ("attn_out",), BOUNDARY: ()}
+
+
+def recompute_cost(cfg: ModelConfig, seq: int, saved: Iterable[str] | None) -> tuple[float, float]:
+    """(recomputed FLOPs per token, saved elements per token) when the block saves `saved`
+    (None = no remat: everything the backward needs is kept)."""
+    g = block_graph(cfg, seq)
+    needs = _bwd_needs(g)
+    if saved is None:
+        return 0.0, float(sum(g[n].width for n in needs))
+    saved_set = set(saved)
+    unknown = saved_set - set(g)
+    if unknown:
+        raise ValueError(f"saved: unknown tensor names {sorted(unknown)}; fix: use names from {list(g)}")
+    todo, redo = list(needs), set()
+    while todo:
+        n = todo.pop()
+        if n in saved_set or n == "boundary" or n in redo:
+            continue
+        redo.add(n)
+        todo.extend(g[n].inputs)
+    return float(sum(g[n].flops for n in redo)), float(sum(g[n].width for n in saved_set - {"boundary"}))
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Weight shapes of one block: dense `q..down` or low-rank `q_A, q_B, ...`, plus the two norms."""
+    d, hd = cfg.d_model, cfg.head_dim
+    outs = {"q": cfg.n_heads * hd, "k": cfg.kv_heads * hd, "v": cfg.kv_heads * hd, "o": d,
+            "gate": cfg.d_ff, "up": cfg.d_ff, "down": d}
+    ins = {"q": d, "k": d, "v": d, "o": cfg.n_heads * hd, "gate": d, "up": d, "down": cfg.d_ff}
+    shapes: dict[str, tuple[int, ...]] = {"attn_norm": (d,), "mlp_norm": (d,)}
+    for p in outs:
+        if cfg.low_rank:
+            shapes[f"{p}_A"] = (ins[p], cfg.rank)
+            shapes[f"{p}_B"] = (cfg.rank, outs[p])
+        else:
+            shapes[p] = (ins[p], outs[p])
+    return shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(math.prod(shape))
+
+
+def param_count_per_layer(cfg: ModelConfig) -> int:
+    return sum(_numel(s) for s in layer_param_shapes(cfg).values())
+
+
+def embedding_param_count(cfg: ModelConfig) -> int:
+    return cfg.vocab_size * cfg.d_model
+
+
+def head_param_count(cfg: ModelConfig) -> int:
+    """LM head (d x V) plus the final norm."""
+    return cfg.d_model * cfg.vocab_size + cfg.d_model
+
+
+def total_param_count(cfg: ModelConfig) -> int:
+    return cfg.n_layers * param_count_per_layer(cfg) + embedding_param_count(cfg) + head_param_count(cfg)
+
+
+def param_bytes_per_layer(cfg: ModelConfig, bytes_per_param: int = 4) -> int:
+    return param_count_per_layer(cfg) * bytes_per_param
+
+
+def grad_bytes_per_layer(cfg: ModelConfig, bytes_per_param: int = 4) -> int:
+    return param_count_per_layer(cfg) * bytes_per_param
+
+
+def adam_state_bytes(shapes: Iterable[tuple[int, ...]], eight_bit: bool = False, block: int = 256,
+                     min_8bit_size: int = 4096) -> int:
+    """Bytes of Adam m and v for these tensors: fp32 (8 B/param) or the hybrid 8-bit layout (uint8
+    codes padded to whole blocks + one fp32 absmax per block, per moment; small tensors stay fp32)."""
+    total = 0
+    for s in shapes:
+        n = _numel(s)
+        if eight_bit and n >= min_8bit_size:
+            nb = -(-n // block)
+            total += 2 * (nb * block + 4 * nb)
+        else:
+            total += 8 * n
+    return total
+
+
+def opt_state_bytes_per_layer(cfg: ModelConfig, eight_bit: bool = False) -> int:
+    return adam_state_bytes(layer_param_shapes(cfg).values(), eight_bit)
+
+
+# ----------------------------------------------------------------------------- per-layer costs
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Everything the planner needs about one block at a given batch, sequence and device."""
+
+    boundary_bytes: float
+    fwd_flops: float
+    fwd_s: float
+    bwd_s: float
+    activation_bytes: dict[str, float]  # every tensor of the block (named and not)
+    full_bytes: float  # everything the backward reads, i.e. the no-remat saved set
+    options: dict[str, tuple[tuple[str, ...], float, float]]  # name -> (saved names, bytes, recompute s)
+    params: int
+    param_bytes: float  # fp32 master
+    grad_bytes: float  # fp32
+    opt_bytes: float  # Adam m, v (fp32 or 8-bit)
+    stream_bytes: float  # one parameter fetch / gradient send in the compute dtype
+    work_fwd_bytes: float
+    work_bwd_bytes: float
+
+
+def layer_cost(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile, dtype_bytes: int = 2,
+               eight_bit: bool = False, options: dict[str, tuple[str, ...]] | None = None) -> LayerCost:
+    if batch <= 0 or seq <= 0:
+        raise ValueError(f"batch/seq: must be positive, got batch={batch} seq={seq}; fix: pass positive sizes")
+    tokens = batch * seq
+    g = block_graph(cfg, seq)
+    rate = hw.flops_per_s
+    fwd_flops = sum(n.flops for n in g.values()) * tokens
+    act = {name: float(n.width * tokens * dtype_bytes) for name, n in g.items()}
+    needs = _bwd_needs(g)
+    full = sum(act[n] for n in needs)
+    menu = default_inner_options(cfg) if options is None else options
+    opts: dict[str, tuple[tuple[str, ...], float, float]] = {}
+    for name, saved in menu.items():
+        if name == ALL:
+            opts[name] = (activation_names(cfg)[1:], full, 0.0)
+            continue
+        rc_flops, width = recompute_cost(cfg, seq, saved)
+        opts[name] = (tuple(saved), width * tokens * dtype_bytes, rc_flops * tokens / rate)
+    n_params = param_count_per_layer(cfg)
+    biggest = max(act[n] for n in needs)
+    return LayerCost(
+        boundary_bytes=act["boundary"], fwd_flops=fwd_flops, fwd_s=fwd_flops / rate, bwd_s=2.0 * fwd_flops / rate,
+        activation_bytes=act, full_bytes=full, options=opts, params=n_params, param_bytes=4.0 * n_params,
+        grad_bytes=4.0 * n_params, opt_bytes=float(opt_state_bytes_per_layer(cfg, eight_bit)),
+        stream_bytes=float(dtype_bytes * n_params), work_fwd_bytes=full + act["out"],
+        work_bwd_bytes=full + act["out"] + biggest)
+
+
+# ----------------------------------------------------------------------------- the planner's input
+
+
+@dataclass(frozen=True)
+class PlanInstance:
+    """Planner input: per-layer arrays (index k = layer k; boundary k = input of layer k), the
+    inner-option menu, parameter-placement costs, the link, the budget and the compute windows.
+
+    Windows of one step, in time order: P (prologue), F_0..F_{L-1}, T (LM head forward+backward),
+    B_{L-1}..B_0, E (epilogue). Their base durations: `prologue_s`, `fwd_s`, `head_s`, `bwd_s`,
+    `epilogue_s`.
+    """
+
+    name: str
+    boundary_bytes: tuple[float, ...]
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    work_fwd_bytes: tuple[float, ...]
+    work_bwd_bytes: tuple[float, ...]
+    option_names: tuple[str, ...]
+    option_saves: tuple[tuple[str, ...], ...]  # per option: named tensors saved on device
+    option_bytes: tuple[tuple[float, ...], ...]  # [layer][option]
+    option_recompute_s: tuple[tuple[float, ...], ...]  # [layer][option]
+    stream_bytes: tuple[float, ...]  # link bytes of one parameter fetch / gradient send
+    stream_mem_bytes: tuple[float, ...]  # device bytes one streamed buffer occupies (0 = outside budget)
+    mode_device_bytes: tuple[tuple[float, ...], ...]  # [layer][MODES index]: resident device bytes
+    mode_host_bytes: tuple[tuple[float, ...], ...]  # [layer][MODES index]: host bytes
+    budget_bytes: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    param_modes: tuple[str, ...] = MODES
+    head_s: float = 0.0
+    head_work_bytes: float = 0.0
+    prologue_s: float = 0.0
+    epilogue_s: float = 0.0
+    fixed_bytes: float = 0.0  # always resident, not decided by the plan (embedding, head, ...)
+    host_budget_bytes: float = 0.0  # 0 = unlimited
+    max_segment: int = 8  # longest recompute segment (layers between two materialised boundaries)
+    h2d_lead: int = 2  # a fetch may run up to this many windows before the one that needs it
+    d2h_lag: int = 2  # an offload may run in the producing window or up to lag-1 windows later
+    flat_segments: bool = True  # allow Chen-style (flat) recompute segments (needs `all` and `boundary`)
+    activation_names: tuple[str, ...] = ("boundary",)
+    tokens: int = 0
+    model_flops: float = 0.0  # 6·N·tokens, for TFLOPS reporting
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        L = len(self.boundary_bytes)
+        if L < 1:
+            raise ValueError("boundary_bytes: an instance needs at least one layer; fix: pass L >= 1 entries")
+        for fname in ("fwd_s", "bwd_s", "work_fwd_bytes", "work_bwd_bytes", "option_bytes",
+                      "option_recompute_s", "stream_bytes", "stream_mem_bytes", "mode_device_bytes",
+                      "mode_host_bytes"):
+            if len(getattr(self, fname)) != L:
+                raise ValueError(f"{fname}: has {len(getattr(self, fname))} entries for {L} layers; "
+                                 "fix: give one entry per layer")
+        n_opt = len(self.option_names)
+        if n_opt < 1 or len(self.option_saves) != n_opt:
+            raise ValueError("option_names/option_saves: need one saved-name tuple per option; fix: align them")
+        for k in range(L):
+            if len(self.option_bytes[k]) != n_opt or len(self.option_recompute_s[k]) != n_opt:
+                raise ValueError(f"option_bytes/option_recompute_s[{k}]: need {n_opt} entries; fix: align them")
+            if len(self.mode_device_bytes[k]) != len(MODES) or len(self.mode_host_bytes[k]) != len(MODES):
+                raise ValueError(f"mode_*_bytes[{k}]: need {len(MODES)} entries (one per MODES); fix: align them")
+        bad = [m for m in self.param_modes if m not in MODES]
+        if bad or not self.param_modes:
+            raise ValueError(f"param_modes: {self.param_modes!r}; fix: a non-empty subset of {MODES}")
+        if min(self.max_segment, self.h2d_lead, self.d2h_lag) < 1:
+            raise ValueError("max_segment/h2d_lead/d2h_lag: must be >= 1; fix: pass positive integers")
+        if self.h2d_bytes_per_s <= 0 or self.d2h_bytes_per_s <= 0:
+            raise ValueError("h2d_bytes_per_s/d2h_bytes_per_s: must be positive; fix: pass the link rates")
+        if self.budget_bytes <= 0:
+            raise ValueError(f"budget_bytes: must be positive, got {self.budget_bytes}; fix: pass the device budget")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.boundary_bytes)
+
+    @property
+    def base_compute_s(self) -> float:
+        """Step time with no recompute and no exposed transfer."""
+        return self.prologue_s + sum(self.fwd_s) + self.head_s + sum(self.bwd_s) + self.epilogue_s
+
+    def with_budget(self, budget_bytes: float) -> "PlanInstance":
+        return replace(self, budget_bytes=float(budget_bytes))
+
+
+def build_instance(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile | str,
+                   budget_bytes: float | None = None, dtype_bytes: int = 2, eight_bit: bool = True,
+                   param_modes: tuple[str, ...] = MODES, options: dict[str, tuple[str, ...]] | None = None,
+                   logits_chunk: int = 4096, max_segment: int = 8, h2d_lead: int = 2, d2h_lag: int = 2,
+                   name: str | None = None) -> PlanInstance:
+    """A plan instance from model shapes. The embedding, LM head and final norm (weights, gradients
+    and optimizer states) stay on device in `fixed_bytes`. Default budget: 90 % of device memory."""
+    hw = get_profile(hw) if isinstance(hw, str) else hw
+    lc = layer_cost(cfg, batch, seq, hw, dtype_bytes, eight_bit, options)
+    L, tokens = cfg.n_layers, batch * seq
+    names = tuple(lc.options)
+    emb_shapes = [(cfg.vocab_size, cfg.d_model), (cfg.d_model, cfg.vocab_size), (cfg.d_model,)]
+    fixed = sum(8 * _numel(s) for s in emb_shapes) + adam_state_bytes(emb_shapes[:1], eight_bit=False) \
+        + adam_state_bytes(emb_shapes[1:], eight_bit)  # the embedding keeps fp32 moments (adam8bit default)
+    head_flops = 2.0 * cfg.d_model * cfg.vocab_size * tokens
+    per_mode_dev = (lc.param_bytes + lc.grad_bytes + lc.opt_bytes, lc.stream_bytes, 0.0)
+    per_mode_host = (0.0, lc.param_bytes + lc.opt_bytes + lc.stream_bytes, lc.param_bytes + lc.opt_bytes + lc.stream_bytes)
+    return PlanInstance(
+        name=name or f"{cfg.kind}-d{cfg.d_model}-L{L}-b{batch}-s{seq}@{hw.name}",
+        boundary_bytes=(lc.boundary_bytes,) * L, fwd_s=(lc.fwd_s,) * L, bwd_s=(lc.bwd_s,) * L,
+        work_fwd_bytes=(lc.work_fwd_bytes,) * L, work_bwd_bytes=(lc.work_bwd_bytes,) * L,
+        option_names=names, option_saves=tuple(lc.options[n][0] for n in names),
+        option_bytes=(tuple(lc.options[n][1] for n in names),) * L,
+        option_recompute_s=(tuple(lc.options[n][2] for n in names),) * L,
+        stream_bytes=(lc.stream_bytes,) * L, stream_mem_bytes=(lc.stream_bytes,) * L,
+        mode_device_bytes=(per_mode_dev,) * L, mode_host_bytes=(per_mode_host,) * L,
+        budget_bytes=float(budget_bytes if budget_bytes is not None else 0.9 * hw.device_bytes),
+        h2d_bytes_per_s=hw.h2d_bytes_per_s, d2h_bytes_per_s=hw.d2h_bytes_per_s, param_modes=param_modes,
+        head_s=3.0 * head_flops / hw.flops_per_s,
+        head_work_bytes=2.0 * 4 * min(tokens, logits_chunk) * cfg.vocab_size + 2.0 * tokens * cfg.d_model * dtype_bytes,
+        fixed_bytes=float(fixed), host_budget_bytes=float(hw.host_bytes), max_segment=max_segment,
+        h2d_lead=h2d_lead, d2h_lag=d2h_lag, activation_names=activation_names(cfg), tokens=tokens,
+        model_flops=6.0 * total_param_count(cfg) * tokens)
+
+
+# 27B LLaMA-like shape (assumption): d 5120, 64 layers, 40 heads with 8 KV heads (GQA), d_ff 22016,
+# LLaMA-3 vocabulary 128256 -> 26.98 B parameters. At seq 1024 in bf16 one boundary [b, s, d] is
+# 0.703125 GiB exactly for micro-batch b = 72, which is what LazyTrain reports.
+LAZYTRAIN_27B = ModelConfig(kind="llama", vocab_size=128256, d_model=5120, n_layers=64, n_heads=40,
+                            n_kv_heads=8, d_ff=22016, rank=1280, max_seq_len=4096)
+
+
+def lazytrain_27b(hw: HardwareProfile | str = "H800-80GB", eight_bit: bool = True) -> PlanInstance:
+    """LazyTrain's 27B instance: 64 layers, 0.703 GiB per boundary, 21.55 GB device activation budget,
+    H800. Parameters and optimizer states live on the host (27 B fp32 + Adam cannot sit in 80 GB) and
+    are streamed layer by layer; the budget covers the activations the plan decides (boundaries,
+    saved in-block tensors, regenerated and prefetched boundaries). The transient block working set,
+    the streamed weight buffers and the head live outside it (the rest of the 70 GB cap)."""
+    seq, batch = 1024, 72
+    inst = build_instance(LAZYTRAIN_27B, batch, seq, hw, budget_bytes=21.55e9, eight_bit=eight_bit,
+                          param_modes=("host",), name="lazytrain-27b")
+    L = inst.n_layers
+    if abs(inst.boundary_bytes[0] - 0.703125 * (1 << 30)) >= 1:
+        raise RuntimeError("lazytrain_27b: the boundary is not 0.703 GiB; the shape constants were changed")
+    return replace(inst, work_fwd_bytes=(0.0,) * L, work_bwd_bytes=(0.0,) * L, stream_mem_bytes=(0.0,) * L,
+                   head_work_bytes=0.0, fixed_bytes=0.0,
+                   notes="LazyTrain 27B: seq 1024, micro-batch 72 (0.703 GiB boundaries), 21.55 GB activation budget")
+
+
+def instance_family(hw: HardwareProfile | str = "H800-80GB", seq: int = 1024, batch: int = 64,
+                    budget_bytes: float = 70e9, kind: str = "llama") -> dict[str, PlanInstance]:
+    """Instances from 3B to 27B (presets 3b, 7b, 13b with a 32000 vocabulary, and the 27B shape) under
+    LazyTrain's 70 GB device cap, every parameter mode allowed. The default micro-batch (64 x 1024
+    tokens) is LazyTrain's regime, where a streamed layer's transfers can hide under its compute."""
+    out: dict[str, PlanInstance] = {}
+    for key in ("3b", "7b", "13b", "27b"):
+        cfg = replace(LAZYTRAIN_27B, kind=kind) if key == "27b" else preset(key, kind=kind, vocab_size=32000)
+        out[key] = build_instance(cfg, batch, seq, hw, budget_bytes=budget_bytes, name=f"{kind}-{key}-b{batch}-s{seq}")
+    return out
+
+
+__all__ = [
+    "ALL", "BOUNDARY", "MODES", "LAZYTRAIN_27B", "LayerCost", "PlanInstance", "activation_names",
+    "adam_state_bytes", "block_graph", "build_instance", "default_inner_options", "embedding_param_count",
+    "grad_bytes_per_layer", "head_param_count", "instance_family", "layer_cost", "layer_param_shapes",
+    "lazytrain_27b", "opt_state_bytes_per_layer", "param_bytes_per_layer", "param_count_per_layer",
+    "recompute_cost", "total_param_count",
+]
