@@ -142,9 +142,10 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
         nonlocal pending, last_good, interval_t0, interval_steps, first_loss
         fetched = jax.device_get([m for _, m in pending])
         for (s, _), m in zip(pending, fetched):
-            if not math.isfinite(float(m["loss"])):
+            if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
                 raise NonFiniteLoss(
-                    f"non-finite loss {float(m['loss'])} at step {s}; stopped, the last good checkpoint "
+                    f"non-finite loss {float(m['loss'])} (grad norm {float(m['grad_norm'])}) at step {s}; "
+                    f"stopped, the last good checkpoint "
                     f"(step {ckpt.latest_step()}) is kept; fix: lower --lr, raise --warmup or use --clip 1.0"
                 )
         if pending:
