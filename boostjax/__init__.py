@@ -26,14 +26,25 @@ _EXPORTS: dict[str, str] = {
     "init_model": "boostjax.train", "load_run": "boostjax.run", "simulate_devices": "boostjax.devices",
     # interop
     "from_hf": "boostjax.hf", "to_hf": "boostjax.hf",
+    # tensor parallelism and its communication, read from compiled HLO
+    "comm_report": "boostjax.sharding.comm",
+    # optimizers
+    "rotated_adam": "boostjax.optim.rotation", "adam8bit": "boostjax.optim.adam8bit",
+    "make_optimizer": "boostjax.optim.baselines",
+    # offload planning
+    "solve_plan": "boostjax.offload.planner", "build_instance": "boostjax.offload.costmodel",
+    "get_profile": "boostjax.offload.hardware",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
+_RENAMED = {"solve_plan": "solve"}
+
+
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        return getattr(importlib.import_module(_EXPORTS[name]), _RENAMED.get(name, name))
     raise AttributeError(f"module 'boostjax' has no attribute {name!r}")
 
 
