@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from boostjax.config import Config
 from boostjax.optim import baselines, delay, schedule
@@ -78,13 +80,18 @@ def _step_count(opt_state) -> jax.Array:
     return counts[0] if counts else jnp.zeros((), jnp.int32)
 
 
-def make_train_step(loss_fn, tx: optax.GradientTransformation, lr_fn: optax.Schedule, *, delayed: bool = False):
+def make_train_step(loss_fn, tx: optax.GradientTransformation, lr_fn: optax.Schedule, *, delayed: bool = False,
+                    fetch: Callable | None = None, store: Callable | None = None):
     """`step(params, opt_state, batch) -> (params, opt_state, metrics)`.
 
     With `delayed`, `opt_state` is `(optimizer state, DelayState)`: the gradient is taken at the
     per-stage stale weights (asynchronous pipeline emulation) and applied to the current ones.
+    `fetch(params, opt_state)` / `store(params, opt_state)` (an offload plan) move host-resident
+    state to device memory before the step and back after it, inside the jitted step.
     """
     def step(params, opt_state, batch):
+        if fetch is not None:
+            params, opt_state = fetch(params, opt_state)
         tx_state, dstate = opt_state if delayed else (opt_state, None)
         lr = lr_fn(_step_count(tx_state))
         at = delay.delayed_params(dstate) if delayed else params
@@ -92,9 +99,38 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, lr_fn: optax.Sche
         updates, tx_state = tx.update(grads, tx_state, params)
         params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr}
-        return params, ((tx_state, delay.delay_push(dstate, params)) if delayed else tx_state), metrics
+        opt_state = (tx_state, delay.delay_push(dstate, params)) if delayed else tx_state
+        if store is not None:
+            params, opt_state = store(params, opt_state)
+        return params, opt_state, metrics
 
     return step
+
+
+def state_shardings(abstract_state: Any, params: Any, specs: Any, mesh) -> Any:
+    """Shardings for optimizer (and delay) state on the parameters' mesh.
+
+    A state leaf whose key path ends with a parameter's path takes that parameter's spec when the
+    shapes agree (Adam moments), or the spec behind leading replicated axes when it stacks copies of
+    the parameter (delay histories); everything else (counters, rotation bases) is replicated.
+    Fixing them at init keeps every step's output, and a restored checkpoint, on the same layout.
+    """
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    by_path = {tuple(map(str, path)): (leaf.shape, spec) for (path, leaf), spec in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(specs, is_leaf=is_spec))}
+
+    def sharding(path, leaf):
+        keys = tuple(map(str, path))
+        for n in range(len(keys), 0, -1):
+            hit = by_path.get(keys[-n:])
+            if hit is not None:
+                shape, spec = hit
+                extra = len(leaf.shape) - len(shape)
+                if extra >= 0 and tuple(leaf.shape[extra:]) == tuple(shape):
+                    return NamedSharding(mesh, P(*([None] * extra), *spec))
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(sharding, abstract_state)
 
 
 def build_step_fns(cfg: Config, graphdef, params_like: Any) -> StepFns:
@@ -102,21 +138,40 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any) -> StepFns:
     from boostjax.sharding import strategies  # noqa: PLC0415 (sharding imports models)
 
     tx, lr_fn = make_optimizer(cfg, params_like)
-    plan = strategies.placement(cfg, graphdef, params_like)
+    if cfg.train.offload_plan:  # one device; the plan places state in host memory and sets the remat
+        from boostjax.offload.apply import offload_placement  # noqa: PLC0415
+
+        plan: Any = offload_placement(cfg, graphdef)
+        fetch, store, eval_fn = plan.fetch, plan.store, plan.eval_loss_fn
+    else:
+        plan = strategies.placement(cfg, graphdef, params_like)
+        fetch = store = None
+        eval_fn = plan.loss_fn
     loss_fn = plan.loss_fn
     n_stages = cfg.train.pipeline_delay
-    step = make_train_step(loss_fn, tx, lr_fn, delayed=n_stages > 1)
+    step = make_train_step(loss_fn, tx, lr_fn, delayed=n_stages > 1, fetch=fetch, store=store)
+
+    on_device = (lambda p: fetch(p, ())[0]) if fetch else (lambda p: p)
+
+    def init_state(params):
+        opt_state = tx.init(on_device(params))
+        if n_stages > 1:
+            stages = delay.assign_stages(params, cfg.model.n_layers, n_stages)
+            opt_state = (opt_state, delay.delay_init(on_device(params), stages, n_stages))
+        return opt_state
 
     def init(params):
         params = plan.put_params(params)
-        opt_state = jax.jit(tx.init)(params)
-        if n_stages > 1:
-            stages = delay.assign_stages(params, cfg.model.n_layers, n_stages)
-            opt_state = (opt_state, jax.jit(lambda p: delay.delay_init(p, stages, n_stages))(params))
-        return params, opt_state
+        if fetch:
+            return params, plan.put_opt_state(jax.jit(init_state)(params))
+        if plan.mesh is None:
+            return params, jax.jit(init_state)(params)
+        out = state_shardings(jax.eval_shape(init_state, params), params, plan.specs, plan.mesh)
+        return params, jax.jit(init_state, out_shardings=out)(params)
 
     def compile_step(params, opt_state, batch):
-        return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, plan.put_batch(batch)).compile()
+        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, plan.put_batch(batch))
+        return lowered.compile(compiler_options=getattr(plan, "compiler_options", None))
 
-    return StepFns(init=init, compile=compile_step, eval_loss=jax.jit(loss_fn), put_batch=plan.put_batch,
-                   loss_fn=loss_fn)
+    return StepFns(init=init, compile=compile_step, eval_loss=jax.jit(eval_fn), put_batch=plan.put_batch,
+                   loss_fn=eval_fn)

@@ -130,10 +130,15 @@ def test_trains_on_token_bin_and_text_files(tmp_path):
     assert res.losses[-1] < res.losses[0]
 
 
-def test_btp_training_matches_single_device(tmp_path):
+def test_btp_training_matches_single_device_and_restores_sharded(tmp_path):
     single = _run(tmp_path, "one", steps=10, log_every=1)
     btp = _run(tmp_path, "btp", steps=10, log_every=1, strategy="btp", mesh="data=2,model=2")
     np.testing.assert_allclose(btp.losses, single.losses, rtol=2e-4)
+    again = _run(tmp_path, "btp", steps=10, log_every=1, strategy="btp", mesh="data=2,model=2")
+    assert again.resumed_from == 10
+    for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(btp.params)):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("optimizer", ["rotation", "pipedream-lr", "nesterov"])
