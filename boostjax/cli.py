@@ -27,6 +27,7 @@ _HELP = {
     "mesh": "device mesh, e.g. data=2,model=4 ('' = one device; CPU devices are simulated as needed)",
     "remat": "rematerialisation: none, full (per block), lowrank (keep r-dim latents, no collective recomputed)",
     "out": "run folder (config.json, metrics.jsonl, checkpoints/); an existing run there is resumed",
+    "offload_plan": "plan.json from boostjax plan: per-layer remat/offload policies, host-resident params/optimizer",
 }
 
 
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     from boostjax.sharding import comm  # noqa: PLC0415 (imports no JAX at module level)
 
     comm.register(sub)
+    from boostjax.offload import cli as plan_cli  # noqa: PLC0415 (imports no JAX at module level)
+
+    plan_cli.register(sub)
     return parser
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -90,6 +91,7 @@ class TrainConfig:
     rot_max_dim: int = 4096  # a side larger than this is not rotated
     stage_aware_refresh: bool = False  # stages with larger delay refresh their basis more often
     delay_lr_tc: int = 1000  # PipeDream-LR: steps until the delay-scaled learning rate reaches lr
+    offload_plan: str = ""  # plan.json from `boostjax plan`: remat/offload policies and host placement
     progress: bool = True
 
 
@@ -207,6 +209,24 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
         _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
     _need(0.0 <= t.rot_beta < 1.0, f"train.rot_beta: {t.rot_beta} outside [0, 1); fix: e.g. --rot-beta 0.999")
     parse_mesh(t.mesh)
+    if t.offload_plan:
+        _validate_offload_plan(t, m)
+
+
+def _validate_offload_plan(t: TrainConfig, m: ModelConfig) -> None:
+    """The plan file exists, is a plan, has one decision per layer, and runs on one device."""
+    path = pathlib.Path(t.offload_plan)
+    _need(path.is_file(), f"train.offload_plan: {path} does not exist; fix: write one with boostjax plan --out {path}")
+    try:
+        n = len(json.loads(path.read_text())["decisions"]["boundary"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"train.offload_plan: {path} is not a plan file ({e!r}); "
+                          "fix: write it with boostjax plan --out") from None
+    _need(n == m.n_layers, f"train.offload_plan: the plan has {n} layers but n_layers={m.n_layers}; "
+                           "fix: plan for the same model (boostjax plan with the same shape flags)")
+    _need(t.strategy == "none" and not parse_mesh(t.mesh),
+          "train.offload_plan: an offload plan runs on one device; fix: drop --strategy and --mesh")
+    _need(t.remat == "none", "train.offload_plan: the plan sets the remat policy; fix: drop --remat")
 
 
 def validate(cfg: Config) -> Config:

@@ -8,12 +8,13 @@ sliced (`boostjax.sharding.specs`) and which `Collectives` hook communicates.
 
 Activations tagged with `checkpoint_name` (remat and offload policies select them by name):
 `boundary` (block input), `qkv_latent`/`qkv`, `attn_out`, `o_latent`, `mid`,
-`gate_up_latent`/`gate_up`, `mlp_hidden`, `down_latent` (and `*_latent_stats` for the norm).
+`gate_up_latent`/`gate_up`, `mlp_hidden`, `down_latent` (and `*_latent_stats` for the norm);
+`segment_boundary` is the input of a `RematSegment` (a recompute segment of several layers).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,19 @@ REMAT_POLICIES: dict[str, Callable | None] = {
         *LATENT_NAMES, *(n + "_stats" for n in LATENT_NAMES)
     ),
 }
+
+
+class RematSegment(NamedTuple):
+    """Consecutive layers under one outer `jax.checkpoint` with `policy` (an offload plan's recompute
+    segment): the forward keeps only what `policy` selects (the segment input is tagged
+    `segment_boundary`), the backward re-runs the segment. `inner[i]` is the per-layer policy of
+    the segment's i-th layer (None = no per-layer checkpoint: a flat, Chen-style segment)."""
+
+    policy: Callable
+    inner: tuple[Callable | None, ...]
+
+
+RematSchedule = Sequence["Callable | None | RematSegment"]
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
@@ -162,30 +176,65 @@ class LLaMA(nnx.Module):
         self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
 
     def features(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
-                 remat: str | Callable | None = "none") -> Float[Array, "b t d"]:
-        """Final-normed hidden states (full width, after the one BTP gather)."""
+                 remat: str | Callable | None | RematSchedule = "none") -> Float[Array, "b t d"]:
+        """Final-normed hidden states (full width, after the one BTP gather).
+
+        `remat`: a name from `REMAT_POLICIES` or one policy for every block, or a per-layer schedule
+        (a list or tuple): each entry is a policy or None (no remat) for one layer, or a
+        `RematSegment` covering `len(inner)` consecutive layers; entries cover all layers in order."""
         cfg = self.cfg
         cos_te, sin_te = ops.rope_tables(tokens_bt.shape[1], cfg.head_dim, cfg.rope_theta)
         x_btd = ops.embed_lookup(self.embed[...], tokens_bt)
-        policy = resolve_remat(remat)
-        for layer in self.layers:
+
+        def run(blk, x, policy):
             if policy is None:
-                x_btd = layer(x_btd, cos_te, sin_te, coll)
-            else:
-                x_btd = nnx.remat(lambda blk, x: blk(x, cos_te, sin_te, coll), policy=policy)(layer, x_btd)
+                return blk(x, cos_te, sin_te, coll)
+            return nnx.remat(lambda b, y: b(y, cos_te, sin_te, coll), policy=policy)(blk, x)
+
+        def segment_fn(inner):
+            def segment(blks, x):
+                x = checkpoint_name(x, "segment_boundary")
+                for blk, pol in zip(blks, inner):
+                    x = run(blk, x, pol)
+                return x
+            return segment
+
+        if isinstance(remat, (list, tuple)):
+            k = 0
+            for entry in _check_schedule(remat, len(self.layers)):
+                if isinstance(entry, RematSegment):
+                    blks = nnx.List([self.layers[j] for j in range(k, k + len(entry.inner))])
+                    x_btd = nnx.remat(segment_fn(entry.inner), policy=entry.policy)(blks, x_btd)
+                    k += len(entry.inner)
+                else:
+                    x_btd = run(self.layers[k], x_btd, entry)
+                    k += 1
+        else:
+            policy = resolve_remat(remat)
+            for layer in self.layers:
+                x_btd = run(layer, x_btd, policy)
         x_btd = coll.gather_features(x_btd)
         return ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps)
 
     def __call__(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
-                 remat: str | Callable | None = "none") -> Float[Array, "b t v"]:
+                 remat: str | Callable | None | RematSchedule = "none") -> Float[Array, "b t v"]:
         x_btd = self.features(tokens_bt, coll, remat)
         return jnp.einsum("btd,dv->btv", x_btd, self.head[...], preferred_element_type=jnp.float32)
 
     def loss(self, tokens_bt: Int[Array, "b t"], targets_bt: Int[Array, "b t"],
-             coll: Collectives = LOCAL, remat: str | Callable | None = "none") -> Float[Array, ""]:
+             coll: Collectives = LOCAL, remat: str | Callable | None | RematSchedule = "none") -> Float[Array, ""]:
         return vocab_parallel_cross_entropy(self(tokens_bt, coll, remat), targets_bt, coll)
 
 
 def resolve_remat(remat: Any) -> Callable | None:
     """A remat name from `REMAT_POLICIES`, a `jax.checkpoint` policy callable, or None."""
     return REMAT_POLICIES[remat] if isinstance(remat, str) else remat
+
+
+def _check_schedule(schedule: RematSchedule, n_layers: int) -> RematSchedule:
+    """Raise ValueError unless the per-layer schedule covers exactly `n_layers` layers."""
+    n = sum(len(e.inner) if isinstance(e, RematSegment) else 1 for e in schedule)
+    if n != n_layers:
+        raise ValueError(f"remat: the schedule covers {n} layers but the model has {n_layers}; "
+                         "fix: one entry per layer (a RematSegment counts len(inner) layers)")
+    return schedule

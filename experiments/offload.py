@@ -1,0 +1,234 @@
+"""Offload planning: the CP-SAT planner against the three baselines under one cost model, and the
+planner's memory prediction against compiled steps on CPU.
+
+1. LazyTrain's 27B instance (64 layers, 0.703 GiB boundaries, 21.55 GB activation budget, H800)
+   and the 3B-27B family (`instance_family`: batch 64 x 1024, 70 GB device cap, H800): planner vs
+   no-offload, full-remat and MegaTrain-style streaming — predicted step time, tokens/s, TFLOPS,
+   peak memory, whether each fits; solve time, status and gap; our schedule's shape beside
+   LazyTrain's published one.
+2. CPU check (`--skip-cpu`): small models compiled with each plan applied
+   (`boostjax.offload.apply`); `memory_analysis()` (argument + output - alias + temp) against the
+   planner's peak for the same schedule with nothing offloaded (the CPU backend does not move
+   activations to host memory). All numbers are predictions of the shared cost model except the
+   CPU `measured_bytes`; nothing here runs on a GPU (see experiments/offload_gpu.py).
+
+Writes experiments/results/offload.json, offload.md and offload.png.
+Run: `python experiments/offload.py` (about a minute of solving plus a few CPU compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from boostjax.offload.cli import report  # noqa: E402
+from boostjax.offload.costmodel import PlanInstance, instance_family, lazytrain_27b  # noqa: E402
+from boostjax.offload.planner import BASELINES, baseline_plan, solve  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+GB = 1e9
+LAZYTRAIN = {  # DESIGN.md section 4 (one H800, 27B, seq 1024, 70 GB cap), measured by the paper
+    "tflops": 219.95, "tokens_per_s": 1361.0, "megatrain_tflops": 176.90, "megatrain_tokens_per_s": 1075.8,
+    "no_planner_tflops": 193.17, "peak_gb": 68.84, "speedup_vs_megatrain": 1.24,
+    "gpu_checkpoints": 30, "cpu_checkpoints": 21, "nvme_checkpoints": 1, "recomputed_layers": 13,
+}
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def plan_instances(time_limit: float) -> dict[str, dict]:
+    insts: dict[str, PlanInstance] = {"lazytrain-27b": lazytrain_27b()}
+    insts.update({f"family-{k}": v for k, v in instance_family().items()})
+    out = {}
+    for name, inst in insts.items():
+        baselines = {n: baseline_plan(inst, n) for n in BASELINES}
+        plan = solve(inst, time_limit_s=time_limit)
+        rep = report(inst, plan, baselines)
+        rep["notes"] = inst.notes
+        rep["tokens"] = inst.tokens
+        out[name] = rep
+        _log(f"{name}: {plan.summary()}")
+    return out
+
+
+def cpu_memory_check() -> list[dict]:
+    """Compile the training step of small models with plans applied; compare memory_analysis()
+    with the planner. clip=0: with global-norm clipping XLA's CPU scheduler defers every weight
+    gradient until the norm is known, keeping recomputed activations alive (one row shows it)."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from boostjax.config import Config, TrainConfig, preset  # noqa: PLC0415
+    from boostjax.offload import apply  # noqa: PLC0415
+    from boostjax.offload.hardware import HardwareProfile  # noqa: PLC0415
+    from boostjax.step import make_optimizer, make_train_step  # noqa: PLC0415
+    from boostjax.train import init_model  # noqa: PLC0415
+
+    # a slow device so that recompute and transfers cost whole microseconds for these tiny shapes
+    hw = HardwareProfile("cpu-scale", 64 << 30, 2e11, 2e10, 2e10, 256 << 30)
+    setups = [("tiny", "cola", 8, 64, 0.0), ("tiny", "llama", 8, 64, 0.0), ("60m", "cola", 2, 64, 0.0),
+              ("tiny", "cola", 8, 64, 1.0)]
+    rows = []
+    for name, kind, batch, seq, clip in setups:
+        cfg = Config(preset(name, kind=kind), TrainConfig(batch=batch, seq=seq, clip=clip, offload_plan="unused"))
+        inst = apply.instance_for(cfg, hw, budget_bytes=1e12)
+        graphdef, params = init_model(cfg)
+        tx, lr = make_optimizer(cfg, params)
+        toks = {k: np.zeros((batch, seq), np.int32) for k in ("inputs", "targets")}
+        nob, fr = baseline_plan(inst, "no-offload"), baseline_plan(inst, "full-remat")
+        plans = {"no-offload": nob, "full-remat": fr}
+        if clip == 0.0:
+            plans["cp-sat (mid budget)"] = solve(
+                inst.with_budget((nob.predicted_peak_bytes + fr.predicted_peak_bytes) / 2), time_limit_s=10)
+        for pname, plan in plans.items():
+            pl = apply.offload_placement(cfg, graphdef, plan)
+            p, o = pl.put_params(params), pl.put_opt_state(tx.init(params))
+            step = make_train_step(pl.loss_fn, tx, lr, fetch=pl.fetch, store=pl.store)
+            compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, o, toks).compile(
+                compiler_options=pl.compiler_options)
+            mem = apply.compiled_memory(compiled)
+            pred_cpu, _ = apply.cpu_equivalent(inst, plan)
+            rows.append({"model": f"{name} {kind}", "batch": batch, "seq": seq, "clip": clip, "plan": pname,
+                         "schedule": apply.describe(plan), "predicted_peak_bytes": plan.predicted_peak_bytes,
+                         "predicted_cpu_bytes": pred_cpu, "measured_bytes": mem["total_bytes"], **mem,
+                         "ratio": mem["total_bytes"] / pred_cpu,
+                         "host_layout_buffers": apply.host_memory_report(compiled.as_text())["entry_s5"]})
+            _log(f"cpu {name} {kind} b{batch} clip {clip} {pname}: predicted {pred_cpu / 2**20:.2f} MiB, "
+                 f"measured {mem['total_bytes'] / 2**20:.2f} MiB (x{rows[-1]['ratio']:.3f})")
+    return rows
+
+
+def _shape_line(s: dict) -> str:
+    return (f"{s['device_checkpoints']} device / {s['host_checkpoints']} host checkpoints, "
+            f"{s['recomputed_boundaries']} recomputed boundaries, {s['layers_with_inner_recompute']} layers "
+            f"recompute inside the block ({s['layers_in_flat_segments']} in flat segments)")
+
+
+def write_md(res: dict) -> str:
+    lt = res["plans"]["lazytrain-27b"]
+    mega = lt["baselines"]["megatrain"]
+    lines = ["# Offload planning: CP-SAT planner vs baselines (predicted by the shared cost model)", "",
+             "All step times, tokens/s, TFLOPS and peaks below are **predictions** of `boostjax.offload` "
+             "(compute at 50 % of the H800's 989.4 TFLOPS, host link 12 GB/s each way, transfers hidden "
+             "under compute where the windows allow). LazyTrain's figures are its measurements on one H800. "
+             "No GPU was used to make this file.", "",
+             "## LazyTrain's 27B instance (64 layers, seq 1024, micro-batch 72, 0.703 GiB boundaries, "
+             "21.55 GB activation budget)", "",
+             "| | ours (predicted) | LazyTrain (measured) |", "|---|---|---|",
+             f"| speed-up over MegaTrain-style | {lt['speedup_vs_megatrain']:.3f}x | "
+             f"{LAZYTRAIN['speedup_vs_megatrain']:.2f}x ({LAZYTRAIN['tflops']} vs {LAZYTRAIN['megatrain_tflops']} TFLOPS) |",
+             f"| tokens/s (plan / MegaTrain) | {lt['tokens_per_s']:.0f} / {mega['tokens_per_s']:.0f} | "
+             f"{LAZYTRAIN['tokens_per_s']:.0f} / {LAZYTRAIN['megatrain_tokens_per_s']} |",
+             f"| TFLOPS (plan / MegaTrain) | {lt['tflops']:.1f} / {mega['tflops']:.1f} | "
+             f"{LAZYTRAIN['tflops']} / {LAZYTRAIN['megatrain_tflops']} |",
+             f"| activation peak | {lt['predicted_peak_bytes'] / GB:.2f} GB of 21.55 GB | "
+             f"{LAZYTRAIN['peak_gb']} GB whole process |",
+             f"| checkpoints | {_shape_line(lt['schedule'])} | {LAZYTRAIN['gpu_checkpoints']} GPU / "
+             f"{LAZYTRAIN['cpu_checkpoints']} CPU / {LAZYTRAIN['nvme_checkpoints']} NVMe, "
+             f"{LAZYTRAIN['recomputed_layers']} recomputed layers |",
+             f"| solve | {lt['status']} in {lt['solve_s']:.1f} s (gap {lt['gap'] or 0:.1%}) | MILP |", "",
+             "Layers of our plan: " + "; ".join(
+                 f"{r['first']}-{r['last']}: boundary {r['boundary']}, inner {r['inner']}" for r in lt["layers"]), "",
+             "## Planner vs baselines, predicted step time (s) and peak (GB); ✗ = over the budget", "",
+             "| instance | budget GB | plan step s | plan peak GB | status | solve s | gap | no-offload | full-remat "
+             "| megatrain | plan ÷ megatrain speed-up | schedule |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in res["plans"].items():
+        cell = lambda b: (f"{b['predicted_step_s']:.2f} s / {b['predicted_peak_bytes'] / GB:.1f} GB"  # noqa: E731
+                          + ("" if b["fits"] else " ✗"))
+        bl = r["baselines"]
+        lines.append(f"| {name} | {r['budget_bytes'] / GB:.2f} | {r['predicted_step_s']:.2f} | "
+                     f"{r['predicted_peak_bytes'] / GB:.2f} | {r['status']} | {r['solve_s']:.1f} | {r['gap'] or 0:.1%} | "
+                     f"{cell(bl['no-offload'])} | {cell(bl['full-remat'])} | {cell(bl['megatrain'])} | "
+                     f"{r['speedup_vs_megatrain']:.3f}x | {_shape_line(r['schedule'])} |")
+    if res.get("cpu"):
+        lines += ["", "## CPU check: planner's peak vs `memory_analysis()` of the compiled step", "",
+                  "Measured = argument + output - alias + temp bytes of the compiled training step (plan applied, "
+                  "XLA CPU memory-optimised scheduler). Predicted = the planner's device peak for the same schedule "
+                  "with nothing offloaded (the CPU backend keeps offloaded activations in device memory; pinned-host "
+                  "parameters count as arguments). fp32 activations, fp32 AdamW states.", "",
+                  "| model | batch x seq | clip | plan | predicted MiB | measured MiB | measured ÷ predicted |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in res["cpu"]:
+            lines.append(f"| {r['model']} | {r['batch']}x{r['seq']} | {r['clip']} | {r['plan']} | "
+                         f"{r['predicted_cpu_bytes'] / 2**20:.2f} | {r['measured_bytes'] / 2**20:.2f} | {r['ratio']:.3f} |")
+        lines += ["", "The cost model counts one tensor per graph node and assumes flash attention; XLA also keeps "
+                  "pre- and post-nonlinearity copies and the attention probabilities, so activation-dominated shapes "
+                  "measure above the prediction by a nearly constant factor (the planner's relative predictions hold); "
+                  "where parameters and optimizer states dominate the prediction is within 15 %. With global-norm "
+                  "clipping (clip 1.0) XLA's CPU scheduler computes every weight gradient after the norm is known, "
+                  "keeping recomputed activations alive, so remat saves little on CPU."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    names = list(res["plans"])
+    policies = ["plan", *BASELINES]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    x = np.arange(len(names))
+    w = 0.2
+    for i, pol in enumerate(policies):
+        step, peak, fits = [], [], []
+        for n in names:
+            r = res["plans"][n]
+            b = r if pol == "plan" else r["baselines"][pol]
+            step.append(b["predicted_step_s"] / r["predicted_step_s"])
+            peak.append(b["predicted_peak_bytes"] / r["budget_bytes"])
+            fits.append(True if pol == "plan" else b["fits"])
+        for ax, vals in ((axes[0], step), (axes[1], peak)):
+            bars = ax.bar(x + (i - 1.5) * w, vals, w, label=pol)
+            for bar, ok in zip(bars, fits):
+                if not ok:
+                    bar.set_hatch("//")
+                    bar.set_alpha(0.5)
+    axes[0].set_ylabel("predicted step time ÷ plan's")
+    axes[1].set_ylabel("predicted peak ÷ budget (log)")
+    axes[1].set_yscale("log")
+    axes[1].axhline(1.0, color="k", lw=0.8, ls="--")
+    for ax in axes:
+        ax.set_xticks(x, names, rotation=20)
+    axes[0].set_title("step time (hatched: does not fit)")
+    axes[1].set_title("device memory")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=4, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT time limit per instance (s)")
+    ap.add_argument("--skip-cpu", action="store_true", help="skip the CPU memory check")
+    ap.add_argument("--from-json", default=None, help="re-render offload.md/png from a results JSON")
+    args = ap.parse_args(argv)
+    os.makedirs(RESULTS, exist_ok=True)
+    if args.from_json:
+        with open(args.from_json) as f:
+            res = json.load(f)
+    else:
+        res = {"lazytrain": LAZYTRAIN, "plans": plan_instances(args.time_limit),
+               "cpu": [] if args.skip_cpu else cpu_memory_check()}
+        with open(os.path.join(RESULTS, "offload.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    with open(os.path.join(RESULTS, "offload.md"), "w") as f:
+        f.write(write_md(res))
+    plot(res, os.path.join(RESULTS, "offload.png"))
+    _log(f"wrote {RESULTS}/offload.json, offload.md, offload.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""`boostjax plan`: JSON fields, the readable summary, an infeasible budget (exit 2 with the smallest
+budget that works), LazyTrain's 27B instance, and `boostjax train --offload-plan` end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+from boostjax.cli import main
+from boostjax.offload.apply import load_plan
+from boostjax.run import read_metrics
+
+SHAPE = ["--d-model", "32", "--n-layers", "4", "--n-heads", "2", "--d-ff", "64", "--rank", "8"]
+PLAN = ["plan", "--preset", "tiny", *SHAPE, "--batch", "4", "--seq", "32", "--dtype", "float32",
+        "--optimizer", "adamw", "--time-limit", "10"]
+
+
+def test_plan_json_fields_and_train_with_the_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    # 0.8 MB: below the full-remat peak (0.93 MB): host boundary, streamed layer, nested segment
+    assert main([*PLAN, "--memory-cap", "0.0008", "--json", "--out", str(out)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    for key in ("status", "solve_s", "predicted_step_s", "predicted_peak_bytes", "budget_bytes", "schedule",
+                "layers", "baselines", "speedup_vs_megatrain"):
+        assert key in rep, key
+    assert rep["status"] in ("OPTIMAL", "FEASIBLE") and rep["predicted_peak_bytes"] <= 0.0008e9
+    assert set(rep["baselines"]) == {"no-offload", "full-remat", "megatrain"}
+    for b in rep["baselines"].values():
+        assert {"predicted_step_s", "predicted_peak_bytes", "fits"} <= b.keys()
+    assert not rep["baselines"]["no-offload"]["fits"]
+    assert rep["predicted_step_s"] <= min(b["predicted_step_s"] for b in rep["baselines"].values() if b["fits"])
+    assert sum(r["last"] - r["first"] + 1 for r in rep["layers"]) == 4
+    plan = load_plan(out)
+    assert len(plan.decisions.boundary) == 4 and plan.predicted_peak_bytes == rep["predicted_peak_bytes"]
+    # full remat with everything on device does not fit: something lives on the host or is recomputed
+    assert set(plan.boundary) != {"device"} or "host" in plan.opt_place
+
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", *SHAPE, "--batch", "4", "--seq", "32", "--steps", "12",
+                 "--log-every", "4", "--eval-every", "12", "--eval-batches", "1", "--offload-plan", str(out),
+                 "--out", str(run), "--no-progress"]) == 0
+    losses = [m["loss"] for m in read_metrics(run) if "loss" in m]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_plan_summary_and_infeasible_budget(capsys):
+    assert main([*PLAN, "--memory-cap", "0.1"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"layers 0-3: boundary device, inner all", text) and "megatrain" in text
+    assert main([*PLAN, "--memory-cap", "0.0001"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "smallest budget that works" in err
+    need = float(re.search(r"fix: pass --memory-cap ([0-9.e-]+)", err).group(1))
+    assert main([*PLAN, "--memory-cap", str(need), "--json"]) == 0  # the suggested budget works
+    assert json.loads(capsys.readouterr().out)["predicted_peak_bytes"] <= need * 1e9
+
+
+def test_lazytrain_27b_instance(capsys):
+    t0 = time.perf_counter()
+    assert main(["plan", "--instance", "lazytrain-27b", "--json", "--time-limit", "25"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert time.perf_counter() - t0 < 30
+    assert rep["status"] == "OPTIMAL" and rep["n_layers"] == 64
+    assert rep["predicted_peak_bytes"] <= 21.55e9
+    mega = rep["baselines"]["megatrain"]
+    assert mega["fits"] and rep["speedup_vs_megatrain"] > 1.1
+    assert not rep["baselines"]["no-offload"]["fits"]
