@@ -28,6 +28,9 @@ _HELP = {
     "remat": "rematerialisation: none, full (per block), lowrank (keep r-dim latents, no collective recomputed)",
     "out": "run folder (config.json, metrics.jsonl, checkpoints/); an existing run there is resumed",
     "offload_plan": "plan.json from boostjax plan: per-layer remat/offload policies, host-resident params/optimizer",
+    "coordinator": "multi-host: HOST:PORT of process 0 ('' = from BOOSTJAX_COORDINATOR or SLURM/Open MPI)",
+    "num_processes": "multi-host: processes in the job (0 = from the environment; 1 = one process)",
+    "process_id": "multi-host: this process's index, 0..num_processes-1 (-1 = from the environment)",
 }
 
 
@@ -60,8 +63,10 @@ def _config(args: argparse.Namespace) -> Config:
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _config(args)
     from boostjax.devices import simulate_for_mesh  # noqa: PLC0415
+    from boostjax.multihost import is_main_process, setup  # noqa: PLC0415 (imports no JAX at module level)
 
-    simulate_for_mesh(cfg.train.mesh)
+    if setup(cfg.train) is None:  # a multi-host job simulates each process's share of the devices
+        simulate_for_mesh(cfg.train.mesh)
     from boostjax.train import NonFiniteLoss, train  # noqa: PLC0415 (after the device count is set)
 
     try:
@@ -69,7 +74,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except NonFiniteLoss as e:
         print(f"boostjax: {e}", file=sys.stderr)
         return 1
-    print(result.summary)
+    if is_main_process():
+        print(result.summary)
     return 0
 
 
@@ -108,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     from boostjax.offload import cli as plan_cli  # noqa: PLC0415 (imports no JAX at module level)
 
     plan_cli.register(sub)
+    from boostjax import launch  # noqa: PLC0415 (imports no JAX at module level)
+
+    launch.register(sub)
     return parser
 
 

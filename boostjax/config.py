@@ -93,6 +93,10 @@ class TrainConfig:
     delay_lr_tc: int = 1000  # PipeDream-LR: steps until the delay-scaled learning rate reaches lr
     offload_plan: str = ""  # plan.json from `boostjax plan`: remat/offload policies and host placement
     progress: bool = True
+    # multi-host (boostjax.multihost): all three, or none to read SLURM / Open MPI / BOOSTJAX_* variables
+    coordinator: str = ""  # HOST:PORT of process 0's coordination service
+    num_processes: int = 0  # processes in the job; 0 = from the environment (1 process if none); 1 = force one
+    process_id: int = -1  # this process's index in [0, num_processes); -1 = from the environment
 
 
 def warmup_steps(t: TrainConfig) -> int:
@@ -229,10 +233,56 @@ def _validate_offload_plan(t: TrainConfig, m: ModelConfig) -> None:
     _need(t.remat == "none", "train.offload_plan: the plan sets the remat policy; fix: drop --remat")
 
 
+def validate_processes(coordinator: str, num_processes: int, process_id: int, mesh: str,
+                       names: tuple[str, str, str] = ("train.coordinator", "train.num_processes", "train.process_id"),
+                       ) -> None:
+    """A multi-host process group: all of coordinator/num_processes/process_id or none, and a mesh
+    whose devices split evenly over the processes. `names` are the fields (or environment variables)
+    the values came from, for the error message."""
+    c_name, n_name, i_name = names
+    flags = "--coordinator, --num-processes and --process-id"
+    _need(num_processes >= 0, f"{n_name}: must be >= 1 (0 = from the environment), got {num_processes}; "
+                              "fix: pass --num-processes N with N >= 1")
+    _need(process_id >= -1, f"{i_name}: must be >= 0 (-1 = from the environment), got {process_id}; "
+                            "fix: pass --process-id I with 0 <= I < num_processes")
+    if num_processes == 1:
+        _need(not coordinator and process_id in (-1, 0),
+              f"{n_name}: a single-process run takes no coordinator or other process id; fix: drop {flags}")
+        return
+    given = (bool(coordinator), num_processes > 0, process_id >= 0)
+    if not any(given):
+        return
+    missing = [name for name, ok in zip(names, given) if not ok]
+    _need(not missing, f"{missing[0] if missing else ''}: a multi-host job needs {flags} together; "
+                       "fix: pass all three (or none of them under SLURM / Open MPI, which JAX reads itself)")
+    host, sep, port = coordinator.rpartition(":")
+    _need(bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
+          f"{c_name}: {coordinator!r} is not HOST:PORT; fix: pass process 0's address and a free port, "
+          "e.g. --coordinator 10.0.0.1:12355")
+    _need(process_id < num_processes, f"{i_name}: {process_id} is not in [0, {num_processes}); "
+                                      f"fix: number the processes 0..{num_processes - 1}")
+    validate_process_mesh(num_processes, mesh)
+
+
+def validate_process_mesh(num_processes: int, mesh: str) -> None:
+    """A job of several processes needs a mesh whose devices split evenly over them."""
+    sizes = parse_mesh(mesh)
+    devices = 1
+    for size in sizes.values():
+        devices *= size
+    _need(bool(sizes), f"train.mesh: a job of {num_processes} processes needs a device mesh over all of their "
+                       "devices; fix: pass e.g. --mesh data=D,model=T with D x T the job's device count")
+    _need(devices % num_processes == 0,
+          f"train.mesh: its {devices} devices do not split evenly over {num_processes} processes; "
+          f"fix: make the product of the --mesh sizes a multiple of {num_processes} (devices per process x processes)")
+
+
 def validate(cfg: Config) -> Config:
     """Raise `ConfigError` on the first invalid field; return the config unchanged otherwise."""
     validate_model(cfg.model)
     validate_train(cfg.train, cfg.model)
+    t = cfg.train
+    validate_processes(t.coordinator, t.num_processes, t.process_id, t.mesh)
     return cfg
 
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import Config
+from boostjax.config import Config, ConfigError
 from boostjax.optim import baselines, delay, schedule
 
 
@@ -26,8 +26,9 @@ class StepFns:
     init: Callable[[Any], tuple[Any, Any]]  # fp32 params -> (placed params, optimizer state)
     compile: Callable[[Any, Any, dict], Callable]  # -> step(params, opt_state, batch) -> (p, s, metrics)
     eval_loss: Callable[[Any, dict], jax.Array]
-    put_batch: Callable[[dict], dict]
+    put_batch: Callable[[dict], dict]  # this process's rows -> the global batch on the mesh
     loss_fn: Callable[[Any, dict], jax.Array]
+    batch_share: tuple[int, int] = (0, 1)  # (index, count): the block of batch rows this process loads
 
 
 def cast_params(params: Any, dtype: str) -> Any:
@@ -169,9 +170,20 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any) -> StepFns:
         out = state_shardings(jax.eval_shape(init_state, params), params, plan.specs, plan.mesh)
         return params, jax.jit(init_state, out_shardings=out)(params)
 
+    put_batch, share = plan.put_batch, (0, 1)
+    if jax.process_count() > 1:  # each process holds its rows only: assemble the global batch
+        from boostjax import multihost  # noqa: PLC0415
+
+        b_shard = getattr(plan, "batch_sharding", None)
+        if b_shard is None:
+            raise ConfigError("train.mesh: a multi-host job needs a mesh over all processes' devices; "
+                              "fix: pass --mesh data=D,model=T")
+        share = multihost.batch_share(b_shard, cfg.train.batch, cfg.train.seq)
+        put_batch = multihost.put_global_batch(b_shard, cfg.train.batch)
+
     def compile_step(params, opt_state, batch):
-        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, plan.put_batch(batch))
+        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, put_batch(batch))
         return lowered.compile(compiler_options=getattr(plan, "compiler_options", None))
 
-    return StepFns(init=init, compile=compile_step, eval_loss=jax.jit(eval_fn), put_batch=plan.put_batch,
-                   loss_fn=eval_fn)
+    return StepFns(init=init, compile=compile_step, eval_loss=jax.jit(eval_fn), put_batch=put_batch,
+                   loss_fn=eval_fn, batch_share=share)

@@ -7,6 +7,7 @@
 A run folder holds `config.json`, `metrics.jsonl` (one JSON object per logged step) and Orbax
 `checkpoints/`. Starting a run in a folder that has checkpoints resumes from the latest one; the
 data iterator's position is part of the checkpoint, so the resumed losses equal an uninterrupted run's.
+In a multi-host job (`boostjax.multihost`) every process runs `train`; process 0 writes the files.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from boostjax import multihost
 from boostjax.checkpoint import Checkpointer
 from boostjax.config import Config, ConfigError, validate
 from boostjax.data import BatchIterator, eval_batches, load_corpus
@@ -49,8 +51,9 @@ class TrainResult:
 
     @property
     def model(self) -> LLaMA:
-        """The trained model (fp32 parameters on the host's default device)."""
-        return nnx.merge(self.graphdef, jax.device_get(self.params))
+        """The trained model (fp32 parameters on the host's default device; in a multi-host job every
+        process must ask for it, since the parameters are gathered from all of them)."""
+        return nnx.merge(self.graphdef, multihost.host_copy(self.params))
 
     @property
     def losses(self) -> list[float]:
@@ -64,6 +67,13 @@ def init_model(cfg: Config) -> tuple[Any, dict]:
     return graphdef, state.to_pure_dict()
 
 
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    """Replace `path` in one step, so other processes never read half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def _prepare_out_dir(cfg: Config) -> pathlib.Path:
     out = pathlib.Path(cfg.train.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -74,7 +84,9 @@ def _prepare_out_dir(cfg: Config) -> pathlib.Path:
             raise ConfigError(
                 f"out: {out} holds a run of a different model; fix: pass another --out or the same model flags"
             )
-    cfg_path.write_text(cfg.to_json() + "\n")
+    multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
+    if multihost.is_main_process():
+        _write_atomic(cfg_path, cfg.to_json() + "\n")
     return out
 
 
@@ -84,7 +96,8 @@ def _trim_metrics(path: pathlib.Path, last_step: int) -> list[dict]:
         return []
     kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     kept = [m for m in kept if m["step"] <= last_step]
-    path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+    if multihost.is_main_process():
+        _write_atomic(path, "".join(json.dumps(m) + "\n" for m in kept))
     return kept
 
 
@@ -97,6 +110,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
     """Train (or resume) the run described by `cfg`; returns the metrics and final parameters."""
     validate(cfg)
     t = cfg.train
+    multihost.setup(t)  # joins a multi-host job before JAX starts (a no-op for one process or if done)
     corpus = load_corpus(t.data, t.data_dtype)
     graphdef, params = init_model(cfg)
     fns = build_step_fns(cfg, graphdef, params)  # checks strategy, mesh and shapes: nothing written yet
@@ -105,22 +119,23 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
 
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_ckpts)
     start = ckpt.latest_step() or 0
+    share, count = fns.batch_share  # the block of each global batch's rows this process loads
     data = BatchIterator(corpus.train, t.batch, t.seq, t.seed, vocab_size=cfg.model.vocab_size,
-                         process_index=jax.process_index(), process_count=jax.process_count())
+                         process_index=share, process_count=count)
     if start:
         params, opt_state, data_state = ckpt.restore(start, params, opt_state)
         data.restore(data_state)
     metrics_path = out / "metrics.jsonl"
     metrics = _trim_metrics(metrics_path, start)
     val_batches = eval_batches(corpus.val, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
-                               process_index=jax.process_index(), process_count=jax.process_count())
+                               process_index=share, process_count=count)
 
     t0 = time.perf_counter()
     step_fn = fns.compile(params, opt_state, data.batch_at(start))
     compile_s = time.perf_counter() - t0
     tokens_per_step = t.batch * t.seq
     fpt = flops_per_token(cfg.model, t.seq)
-    writer = open(metrics_path, "a") if jax.process_index() == 0 else None
+    writer = open(metrics_path, "a") if multihost.is_main_process() else None
 
     def log(record: dict) -> None:
         metrics.append(record)
@@ -132,7 +147,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
 
     pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet fetched
     last_good = start
-    bar = tqdm(total=t.steps, initial=start, disable=not t.progress or jax.process_index() != 0,
+    bar = tqdm(total=t.steps, initial=start, disable=not t.progress or not multihost.is_main_process(),
                desc=f"{cfg.model.kind} {t.strategy}", unit="step", dynamic_ncols=True)
     interval_t0, interval_steps = time.perf_counter(), 0
     step = start

@@ -27,6 +27,7 @@ class Placement:
     put_batch: Callable[[dict], dict]
     mesh: Mesh | None = None
     specs: Any = None
+    batch_sharding: NamedSharding | None = None  # how put_batch lays out the global batch (multi-host)
 
 
 def check_strategy(model: ModelConfig, strategy: str, tp: int) -> None:
@@ -106,4 +107,5 @@ def placement(cfg: Config, graphdef, params_like: Any) -> Placement:
         put_batch=lambda b: jax.device_put(b, b_shard),
         mesh=mesh,
         specs=specs,
+        batch_sharding=b_shard,
     )
