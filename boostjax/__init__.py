@@ -1,12 +1,14 @@
 """boostjax: training for low-rank bottleneck LLMs (CoLA, SVD, LaX) and their full-rank baselines.
 
-The public API is imported lazily, so `boostjax.devices.simulate(n)` (and the CLI) can still set
+The public API is imported lazily, so `boostjax.simulate_devices(n)` (and the CLI) can still set
 the number of simulated CPU devices before JAX starts.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -50,3 +52,17 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package module. When a submodule shares an exported name (`boostjax.train`, the module
+    that defines `train`), the import system would record the submodule on the package the first
+    time it is imported, hiding the function; this keeps `boostjax.train` the function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}":
+            return  # still importable as `boostjax.train` through sys.modules / `from boostjax.train import`
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
