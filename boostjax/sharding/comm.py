@@ -48,6 +48,7 @@ class _Compiled:
     step_memory: dict[str, int]
     fwd_memory: dict[str, int]
     residual_bytes: int | None = None
+    step_cost: dict[str, float] | None = None  # `compiled.cost_analysis()` of the step (per device)
 
 
 def _memory(compiled) -> dict[str, int]:
@@ -70,8 +71,15 @@ def model_for(model: ModelConfig, strategy: str) -> ModelConfig:
     return model
 
 
+def _cost(compiled) -> dict[str, float]:
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):  # older JAX: one dict per program
+        ca = ca[0] if ca else {}
+    return {k: float(v) for k, v in (ca or {}).items() if isinstance(v, (int, float))}
+
+
 def _build(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str, dtype: str, *,
-           step: bool, with_residuals: bool) -> _Compiled:
+           step: bool, with_residuals: bool, forward: bool = True) -> _Compiled:
     """Compile (abstractly) the step and forward loss, and/or the residual-returning forward."""
     import jax  # noqa: PLC0415 (imported late: the CLI sets the simulated device count first)
     import jax.numpy as jnp  # noqa: PLC0415
@@ -110,8 +118,9 @@ def _build(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, r
     if step:
         step_fn = make_train_step(plan.loss_fn, tx, lr_fn)
         step_c = jax.jit(step_fn, donate_argnums=(0, 1)).lower(p_sds, o_sds, b_sds).compile(opts)
-        fwd_c = jax.jit(plan.loss_fn).lower(p_sds, b_sds).compile(opts)
-        out = _Compiled(step_c.as_text(), fwd_c.as_text(), _memory(step_c), _memory(fwd_c))
+        fwd_c = jax.jit(plan.loss_fn).lower(p_sds, b_sds).compile(opts) if forward else None
+        out = _Compiled(step_c.as_text(), fwd_c.as_text() if fwd_c else "", _memory(step_c),
+                        _memory(fwd_c) if fwd_c else {}, step_cost=_cost(step_c))
     if with_residuals:  # what the forward keeps for the backward (the remat policy decides it)
         res_c = jax.jit(lambda p, b: jax.vjp(plan.loss_fn, p, b)[1]).lower(p_sds, b_sds).compile(opts)
         out = replace(out, residual_bytes=_memory(res_c).get("output_bytes"))
@@ -142,6 +151,16 @@ def _compile_residuals(model: ModelConfig, mesh: str, batch: int, seq: int, stra
 def _compile_step(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str,
                   dtype: str) -> _Compiled:
     return _build(model, mesh, batch, seq, strategy, remat, dtype, step=True, with_residuals=False)
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_step(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str = "none",
+                  dtype: str = "bfloat16") -> _Compiled:
+    """One training step of `model` (its kind mapped by `model_for`), compiled abstractly (cached):
+    `.step_text` (HLO), `.step_cost` (`cost_analysis()`: per-device `flops`, `bytes accessed`, ...) and
+    `.step_memory`. The forward loss alone is not compiled (`.fwd_text` is empty)."""
+    return _build(model_for(model, strategy), mesh, batch, seq, strategy, remat, dtype, step=True,
+                  with_residuals=False, forward=False)
 
 
 def _axes(c: hlo.Collective, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> str:

@@ -1,0 +1,91 @@
+"""Smoke tests of experiments/scaling_model.py (the time model on tiny compiled programs) and of
+experiments/gpu_step.py's CPU smoke mode (the real training step, 1 warm-up + 1 timed step)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+import gpu_step as gs  # noqa: E402
+import scaling_model as sm  # noqa: E402
+
+from boostjax.config import preset  # noqa: E402
+
+TINY = preset("tiny")  # d=128, 4 layers, 4 heads, d_ff=352, r=32, vocab 256
+SETUP = sm.Setup("tiny", 4, pp=2, batch=4, seq=16, model=TINY)  # TP4 x PP2, one micro-batch
+
+
+@pytest.fixture(scope="module")
+def costs():
+    return {s: sm.layer_costs(SETUP, s) for s in sm.STRATEGIES}  # 6 abstract compiles
+
+
+@pytest.fixture(scope="module")
+def rows(costs):
+    return {s: sm.predict(SETUP, s, sm.A100, 0.5, costs[s]) for s in sm.STRATEGIES}
+
+
+def test_predicted_times_are_positive_and_add_up(rows):
+    for r in rows.values():
+        assert r["iteration_s"] > 0 and r["gemm_s"] > 0 and r["memory_s"] > 0 and r["comm_s"] > 0 and r["p2p_s"] > 0
+        assert r["iteration_s"] == pytest.approx(r["gemm_s"] + r["memory_s"] + r["comm_s"] + r["p2p_s"])
+        assert r["bubble_fraction"] == pytest.approx(0.5)  # GPipe (P-1)/(M+P-1), P=2, M=1
+        assert 0 < r["mfu"] < 1
+        assert 0 < r["stage_gemm_flops"] <= r["xla_stage_flops"]  # HLO dots within cost_analysis()
+
+
+def test_btp_moves_fewer_bytes_than_vanilla(costs, rows):
+    btp, van, full = rows["btp"], rows["vanilla-tp"], rows["fullrank-tp"]
+    assert btp["per_layer_comm_bytes"] < van["per_layer_comm_bytes"]
+    assert btp["stage_comm_bytes"] < van["stage_comm_bytes"]
+    # the bandwidth term follows the bytes (at these tiny shapes alpha x collectives dominates comm_s)
+    no_alpha = replace(sm.A100, alpha_s=0.0)
+    assert (sm.predict(SETUP, "btp", no_alpha, 0.5, costs["btp"])["comm_s"]
+            < sm.predict(SETUP, "vanilla-tp", no_alpha, 0.5, costs["vanilla-tp"])["comm_s"])
+    assert btp["p2p_s"] < full["p2p_s"]  # BTP's residual stream is sharded on d
+    # Megatron: per layer, 2 all-reduces of [b, s, d] forward and 2 backward (bf16), + optimizer-norm scalars
+    megatron = 4 * 4 * 16 * TINY.d_model * 2
+    assert megatron <= full["per_layer_comm_bytes"] < megatron + 1024
+
+
+def test_calibration_recovers_eta_and_table_has_every_row(costs, rows):
+    t = rows["fullrank-tp"]["iteration_s"]
+    assert sm.calibrate(costs["fullrank-tp"], sm.A100, t, SETUP, "fullrank-tp") == pytest.approx(0.5, rel=1e-6)
+    paper = {"tiny": {s: r["iteration_s"] for s, r in rows.items()}}  # inputs: the model's own eta=0.5 times
+    res = sm.run((SETUP,), (), paper=paper, calibration=("tiny", "fullrank-tp"))
+    assert res["eta"] == pytest.approx(0.5, rel=1e-6)
+    for r in res["rows"]:
+        if r["table"] == "paper":
+            assert r["model_over_paper"] == pytest.approx(1.0, rel=1e-6)
+    md = sm.markdown(res)
+    for name in sm.NAMES.values():
+        assert md.count(f"| TINY TP4 PP2 | {name} |") == 2  # beside the paper (A100) and the H200 projection
+    h200 = {r["strategy"]: r["iteration_s"] for r in res["rows"] if r["table"] == "h200"}
+    assert all(h200[s] < rows[s]["iteration_s"] for s in sm.STRATEGIES)  # faster hardware, same programs
+
+
+def test_gpu_step_refuses_cpu_and_smoke_runs(tmp_path, monkeypatch, capsys):
+    assert gs.main(["--out", str(tmp_path)]) == 2  # this process runs JAX on CPU
+    assert "no GPU" in capsys.readouterr().err and not os.listdir(tmp_path)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # main() sets it; restored afterwards
+    # the two workers (subprocesses) compile with XLA's cheap CPU passes: a smoke run, not a benchmark
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")
+                       + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    args = ["--allow-cpu", "--preset", "tiny", "--vocab", "0", "--layers", "2", "--batch", "2", "--seq", "16",
+            "--warmup", "1", "--steps", "1", "--out", str(tmp_path)]
+    assert gs.main(args) == 0, capsys.readouterr()
+    res = json.loads((tmp_path / "gpu_step.json").read_text())
+    assert [r["kind"] for r in res["runs"]] == ["llama", "cola"]
+    for r in res["runs"]:
+        assert r["status"] == "ok" and r["platform"] == "cpu" and r["tokens_per_s"] > 0
+        assert len(r["step_s_all"]) == 1 and all(math.isfinite(x) for x in r["losses"])
+    assert res["runs"][1]["params"] < res["runs"][0]["params"]  # CoLA is smaller
+    assert "SMOKE RUN ON CPU" in (tmp_path / "gpu_step.md").read_text()
