@@ -16,7 +16,7 @@ from boostjax.models.llama import RematSegment
 from boostjax.offload import apply
 from boostjax.offload.costmodel import build_instance
 from boostjax.offload.hardware import HardwareProfile
-from boostjax.offload.planner import Decisions, baseline_plan, make_plan, solve
+from boostjax.offload.planner import Decisions, baseline_plan, make_plan
 from boostjax.step import build_step_fns, local_loss_fn, make_optimizer, make_train_step
 from boostjax.train import init_model, train
 
@@ -90,9 +90,16 @@ def test_loss_and_gradients_equal_plan_free(model, reference, name):
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_g)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     # CUDA lowering: the boundaries the plan offloads are the only host placements (and fetches)
+    # (on CPU, jax 0.10.2 lowers device_put to a memory kind only for GPU/TPU: the CPU program has
+    # no trace of activation offload, so the check runs on the CUDA lowering, which needs no GPU)
     n_host = PLANS[name].boundary.count("host")
-    gpu = apply.host_memory_report(apply.lower_for_gpu(jax.grad(placed.loss_fn), params, batch))
+    text = apply.lower_for_gpu(jax.grad(placed.loss_fn), params, batch)
+    gpu = apply.host_memory_report(text)
     assert gpu["annotate_pinned_host"] == n_host and gpu["annotate_device"] == n_host
+    # what moves is the boundary [b, t, d] (the only offloaded name), out to pinned host and back
+    boundary = f"tensor<{B}x{T}x{MICRO.d_model}xf32>"
+    want = [("device", boundary)] * n_host + [("pinned_host", boundary)] * n_host
+    assert sorted(apply.annotated_placements(text)) == want
 
 
 def test_step_with_host_state_matches_plan_free(model, tmp_path):
@@ -167,32 +174,40 @@ def test_train_with_offload_plan_loss_falls(tmp_path):
     assert np.isfinite(np.asarray(res.model(np.zeros((1, 8), np.int32)))).all()  # host params come back
 
 
-def test_memory_prediction_against_compiled_step():
+def _manual(boundary: tuple[str, ...], inner: tuple[str, ...]) -> Decisions:
+    L = len(boundary)
+    return Decisions(boundary=boundary, inner=inner, mode=("device",) * L, offload_lag=(0,) * L,
+                     fetch_lead=tuple(int(b == "host") for b in boundary), param_fwd_lead=(0,) * L,
+                     param_bwd_lead=(0,) * L, grad_lag=(0,) * L)
+
+
+@pytest.mark.parametrize("kind,batch,seq,mixed,baselines", [
+    ("cola", 8, 64, _manual(("host", "device"), ("latents", "all")), ("no-offload", "full-remat")),
+    ("llama", 16, 32, _manual(("device", "host", "recompute"), ("attn", "attn_out", "boundary")), ("full-remat",)),
+])
+def test_memory_prediction_against_compiled_step(kind, batch, seq, mixed, baselines):
     """memory_analysis() of the compiled step (argument + output - alias + temp; CPU memory-optimised
-    scheduler; clip 0, see `experiments/offload.py`) against the planner's device peak for the same
-    schedule (`cpu_equivalent`: on CPU nothing is really offloaded). The cost model leaves out tensors
-    XLA keeps for this activation-dominated shape (pre- and post-nonlinearity copies, attention
-    probabilities), so the absolute ratio is about 1.5 here (within 15 % only where parameters and
-    optimizer states dominate, e.g. 60m at batch 2); the test checks that the ratio is the same for
-    every plan within 15 % (the planner's relative predictions hold) and that the plans' order is kept."""
-    cfg = Config(preset("tiny", n_layers=2), TrainConfig(batch=8, seq=64, clip=0.0, offload_plan="unused"))
+    scheduler; clip 0, see `experiments/offload.py`) is within 15 % of the planner's device peak for
+    the same schedule (`cpu_equivalent`: on CPU nothing is really offloaded), for no remat, full remat
+    and a plan mixing keep / offload / recompute (llama: with a nested two-layer segment)."""
+    L = len(mixed.boundary)
+    cfg = Config(preset("tiny", kind=kind, n_layers=L),
+                 TrainConfig(batch=batch, seq=seq, clip=0.0, offload_plan="unused"))
     inst = apply.instance_for(cfg, HardwareProfile("slow", 64 << 30, 2e11, 2e10, 2e10, 256 << 30), budget_bytes=1e12)
     graphdef, params = init_model(cfg)
-    batch = {k: np.zeros((8, 64), np.int32) for k in ("inputs", "targets")}
-    nob, fr = baseline_plan(inst, "no-offload"), baseline_plan(inst, "full-remat")
-    mid = solve(inst.with_budget((nob.predicted_peak_bytes + fr.predicted_peak_bytes) / 2), time_limit_s=10)
-    assert mid.decisions.inner != nob.decisions.inner and mid.decisions.inner != fr.decisions.inner
+    batch_ = {k: np.zeros((batch, seq), np.int32) for k in ("inputs", "targets")}
     tx, lr = make_optimizer(cfg, params)
     ratios, measured = [], []
-    for plan in (nob, mid, fr):
+    for plan in (make_plan(inst, mixed, "manual"), *(baseline_plan(inst, b) for b in baselines)):
         pl = apply.offload_placement(cfg, graphdef, plan)
         p, o = pl.put_params(params), pl.put_opt_state(tx.init(params))
         c = jax.jit(make_train_step(pl.loss_fn, tx, lr, fetch=pl.fetch, store=pl.store), donate_argnums=(0, 1)) \
-            .lower(p, o, batch).compile(compiler_options=pl.compiler_options)
+            .lower(p, o, batch_).compile(compiler_options=pl.compiler_options)
         measured.append(apply.compiled_memory(c)["total_bytes"])
         ratios.append(measured[-1] / apply.cpu_equivalent(inst, plan)[0])
-    assert measured[0] > measured[1] > measured[2], measured
-    assert max(ratios) / min(ratios) < 1.15, ratios
+    if "no-offload" in baselines:
+        assert measured[1] > max(measured[0], measured[2]), measured  # remat saves memory
+    assert all(0.85 <= r <= 1.15 for r in ratios), ratios
 
 
 def test_adam8bit_short_run_close_to_adamw(tmp_path):

@@ -58,12 +58,15 @@ def test_recompute_costs_follow_the_block_graph():
     total = sum(n.flops for n in g.values())
     d, f = 64, 160
     assert cm.recompute_cost(dense, seq, ())[0] == total - 2 * f * d  # everything but the down GEMM
-    assert cm.recompute_cost(dense, seq, ("qkv", "attn_out"))[0] == 2 * d * d + 2 * d * 2 * f  # o + gate_up
-    assert cm.recompute_cost(dense, seq, None) == (0.0, float(d + 3 * d + d + d + d + 2 * f + f))
+    # o + gate_up GEMMs and the attention probabilities (QKᵀ, half the attention FLOPs)
+    assert cm.recompute_cost(dense, seq, ("qkv", "attn_out"))[0] == 2 * d * d + 2 * d * 2 * f + seq * d
+    # no remat, bf16: xn, q/k/v + rot(q), fp32 probabilities, attn_out, mid, xn, gate/up, sigmoid, silu, hidden
+    kept = 2 * (d + 4 * d + d + d + d + 2 * f + 3 * f) + 4 * (2 + 4 * seq)
+    assert cm.recompute_cost(dense, seq, None) == (0.0, float(kept))
     lr = ModelConfig(kind="cola", d_model=64, n_heads=4, d_ff=160, rank=16)
     r, lat = 16, ("qkv_latent", "o_latent", "gate_up_latent", "down_latent")
     want = 2 * r * 3 * d + 2 * seq * d + 2 * r * d + 2 * r * 2 * f  # B_qkv + attention + B_o + B_gate_up
-    assert cm.recompute_cost(lr, seq, lat) == (want, float(3 * r + r + 2 * r + r))
+    assert cm.recompute_cost(lr, seq, lat, dtype_bytes=4) == (want, float(4 * (3 * r + r + 2 * r + r) + 4 * 2))
     with pytest.raises(ValueError, match="unknown tensor"):
         cm.recompute_cost(lr, seq, ("qkv_typo",))
     lc = cm.layer_cost(lr, 2, seq, get_profile("h800"))
@@ -94,7 +97,7 @@ def test_adam_state_bytes_match_the_optimizer():
 
 
 def rand_instance(seed: int, L: int, modes=("device",), n_opt: int = 2, lead: int = 1, lag: int = 1,
-                  max_segment: int = 8, identical: bool = False) -> cm.PlanInstance:
+                  max_segment: int = 8, identical: bool = False, grads: bool = False) -> cm.PlanInstance:
     """Random tiny instance in whole MiB and whole microseconds (no rounding in CP-SAT)."""
     r = random.Random(seed)
     opts = ("all", "boundary") if n_opt == 2 else ("all", "mid", "boundary")
@@ -113,7 +116,9 @@ def rand_instance(seed: int, L: int, modes=("device",), n_opt: int = 2, lead: in
         work_fwd_bytes=col("work"), work_bwd_bytes=tuple(2 * x for x in col("work")), option_names=opts,
         option_saves=tuple(("mid",) if o == "mid" else () for o in opts), option_bytes=col("ob"),
         option_recompute_s=col("oc"), stream_bytes=col("sb"), stream_mem_bytes=col("sb"),
-        mode_device_bytes=tuple((4 * s, s, 0.0) for s in col("sb")),
+        # with `grads`, a device layer's gradient (one of its 4 parameter-state units) lives from B_k to E
+        mode_device_bytes=tuple(((3 if grads else 4) * s, s, 0.0) for s in col("sb")),
+        grad_device_bytes=col("sb") if grads else (),
         mode_host_bytes=tuple((0.0, 3 * s, 3 * s) for s in col("sb")), budget_bytes=1e12, h2d_bytes_per_s=BW,
         d2h_bytes_per_s=BW, param_modes=modes, head_s=r.randint(1, 5) / 1000, head_work_bytes=float(2 * MiB),
         prologue_s=0.001, fixed_bytes=float(MiB), max_segment=max_segment, h2d_lead=lead, d2h_lag=lag,
@@ -184,6 +189,8 @@ CASES = [  # (seed, instance kwargs, budget fraction between the minimum and the
     (7, dict(L=3, modes=("device", "opt-host", "host"), identical=True), 0.0),
     (23, dict(L=5), 0.3),
     (30, dict(L=4, modes=("opt-host", "host")), 0.3),
+    (8, dict(L=3, modes=("device", "opt-host"), grads=True), 0.3),
+    (9, dict(L=4, n_opt=3, grads=True), 0.5),
 ]
 NEEDS_FLAT = (0, 23, 30)  # cases whose optimum is strictly worse without Chen-style (flat) segments
 

@@ -29,12 +29,16 @@ What a `Plan` turns into (`schedule`, `offload_placement`):
 Backends: on GPU/TPU the offloaded activations and the host/device moves lower to
 `annotate_device_placement` custom calls (`_xla_buffer_placement = "pinned_host"`), which the GPU
 compiler is meant to turn into host-memory-space (`S(5)`) buffers and copies (not verified here:
-no GPU in this environment). The CPU backend has a `pinned_host` memory kind (parameters and
-optimizer states placed there show up as `S(5)` in the compiled entry layout) but drops
-device_put inside jit, so on CPU activation offload is a no-op (the tensor stays in device
-memory) — `lower_for_gpu` cross-lowers a step for CUDA to check the annotations. On CPU the step
-is compiled with XLA's memory-optimised scheduler (`compiler_options`): the default CPU scheduler
-optimises concurrency and keeps recomputed activations alive, so remat saved nothing.
+no GPU in this environment; `jax.experimental.topologies` has no deviceless CUDA target, and the CPU
+client compiles the CUDA lowering but its pipeline drops the two custom calls, leaving no `S(5)`).
+The CPU backend has a `pinned_host` memory kind (parameters and optimizer states placed there show
+up as `S(5)` in the compiled entry layout), but jax 0.10.2 registers the memory-kind lowering of
+`device_put` only for GPU and TPU (`jax._src.dispatch._tpu_gpu_device_put_lowering`): on CPU an
+activation offload lowers to nothing, neither the StableHLO nor the compiled HLO shows it, and the
+tensor stays in device memory. `lower_for_gpu` cross-lowers a step for CUDA (no GPU needed) to
+check which tensors the plan moves (`annotated_placements`). On CPU the step is compiled with XLA's
+memory-optimised scheduler (`compiler_options`): the default CPU scheduler optimises concurrency and
+keeps recomputed activations alive, so remat saved nothing.
 Only a single device (strategy "none", no mesh) is supported.
 """
 
@@ -304,12 +308,19 @@ def host_memory_report(hlo_text: str) -> dict[str, int]:
     }
 
 
+def annotated_placements(hlo_text: str) -> list[tuple[str, str]]:
+    """(placement, operand type) of every `annotate_device_placement` custom call in StableHLO
+    text, e.g. `("pinned_host", "tensor<2x16x32xf32>")`: which tensors a lowering moves where."""
+    pat = r'annotate_device_placement.*?_xla_buffer_placement\s*=\s*"(\w+)".*?:\s*\((tensor<[^>]*>)\)'
+    return re.findall(pat, hlo_text)
+
+
 def lower_for_gpu(fn: Callable, *args: Any) -> str:
     """StableHLO text of `jax.jit(fn)` cross-lowered for CUDA (no GPU needed): shows the
     `annotate_device_placement` custom calls the GPU compiler turns into host offloads."""
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-__all__ = ["DEVICE", "HOST", "OffloadPlacement", "check_plan", "compiled_memory", "cpu_equivalent", "describe",
-           "host_mask", "host_memory_report", "instance_for", "layer_checkpoint", "load_plan", "lower_for_gpu",
-           "offload_placement", "schedule"]
+__all__ = ["DEVICE", "HOST", "OffloadPlacement", "annotated_placements", "check_plan", "compiled_memory",
+           "cpu_equivalent", "describe", "host_mask", "host_memory_report", "instance_for", "layer_checkpoint",
+           "load_plan", "lower_for_gpu", "offload_placement", "schedule"]

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from boostjax.config import MODEL_KINDS, PRESETS, ConfigError, preset, validate_model
-from boostjax.offload.costmodel import PlanInstance, build_instance, lazytrain_27b
+from boostjax.offload.costmodel import ATTENTION, PlanInstance, build_instance, lazytrain_27b
 from boostjax.offload.hardware import PROFILES, get_profile
 from boostjax.offload.planner import BASELINES, BOUNDARY_STATES, Plan, PlanInfeasible, baseline_plan, solve
 
@@ -51,6 +51,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="activation/compute dtype (default: bfloat16; float32 for boostjax train's default)")
     p.add_argument("--optimizer", default="adam8bit", choices=("adam8bit", "adamw"),
                    help="optimizer-state sizes: hybrid 8-bit Adam or fp32 Adam (default: adam8bit)")
+    p.add_argument("--attention", default="materialized", choices=ATTENTION,
+                   help="attention memory in the cost model: materialized (boostjax's model keeps the fp32 "
+                        "softmax probabilities) or flash (a fused kernel keeping only the log-sum-exp) "
+                        "(default: materialized)")
     p.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT time limit in seconds (default: 60)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     p.add_argument("--out", default=None, metavar="PLAN_JSON", help="write the plan for boostjax train --offload-plan")
@@ -83,7 +87,8 @@ def instance_from_args(args: argparse.Namespace) -> PlanInstance:
     model = replace(model, max_seq_len=max(model.max_seq_len, args.seq))
     validate_model(model)
     return build_instance(model, args.batch, args.seq, hw, budget_bytes=cap,
-                          dtype_bytes=4 if args.dtype == "float32" else 2, eight_bit=args.optimizer == "adam8bit")
+                          dtype_bytes=4 if args.dtype == "float32" else 2, eight_bit=args.optimizer == "adam8bit",
+                          attention=args.attention)
 
 
 def layer_runs(plan: Plan) -> list[dict[str, Any]]:
