@@ -30,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "from_hf": "boostjax.hf", "to_hf": "boostjax.hf",
     # tensor parallelism and its communication, read from compiled HLO
     "comm_report": "boostjax.sharding.comm",
+    # pipeline parallelism (mesh axis `stage`)
+    "bubble_fraction": "boostjax.sharding.pipeline", "pipeline_info": "boostjax.sharding.pipeline",
     # optimizers
     "rotated_adam": "boostjax.optim.rotation", "adam8bit": "boostjax.optim.adam8bit",
     "make_optimizer": "boostjax.optim.baselines",

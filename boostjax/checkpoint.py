@@ -1,7 +1,8 @@
 """Orbax checkpoints of a run: parameters, optimizer state and the data iterator's position.
 
 Saves are asynchronous (training continues while the previous step's arrays are written); the last
-`keep` are kept; `latest_step()` is what a restarted run resumes from.
+`keep` are kept; `latest_step()` is what a restarted run resumes from. The state is saved in the
+training layout: per-layer, or with the layers stacked `[L, ...]` under a pipeline (`stage` mesh axis).
 """
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ class Checkpointer:
         return state["params"], opt_state, dict(out["data"])
 
     def restore_params(self, step: int | None = None) -> dict:
-        """Parameters alone, without knowing the optimizer's state: for export and evaluation."""
+        """Parameters alone, without knowing the optimizer's state: for export and evaluation. Always
+        in the canonical per-layer layout (a pipeline run's stacked layers are unstacked)."""
+        from boostjax.sharding.pipeline import unstack_layers  # noqa: PLC0415
+
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}; fix: train first or pass another --run")
         out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-        return _intify(out["state"]["params"])
+        return unstack_layers(_intify(out["state"]["params"]))
 
     def wait(self) -> None:
         self._mgr.wait_until_finished()

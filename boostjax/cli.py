@@ -24,7 +24,9 @@ _HELP = {
     "dtype": "compute dtype (parameters stay fp32)",
     "data": "corpus: '' = this Python's standard library sources; a .bin token file, a text file or a folder",
     "strategy": "tensor-parallel strategy",
-    "mesh": "device mesh, e.g. data=2,model=4 ('' = one device; CPU devices are simulated as needed)",
+    "mesh": "device mesh, e.g. data=2,stage=2,model=4 ('' = one device; CPU devices are simulated as needed)",
+    "microbatches": "pipeline micro-batches per data shard when the mesh has stage > 1 (0 = auto: the largest "
+                    "divisor of the shard's batch that is <= 4 x stages)",
     "remat": "rematerialisation: none, full (per block), lowrank (keep r-dim latents, no collective recomputed)",
     "out": "run folder (config.json, metrics.jsonl, checkpoints/); an existing run there is resumed",
     "offload_plan": "plan.json from boostjax plan: per-layer remat/offload policies, host-resident params/optimizer",

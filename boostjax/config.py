@@ -80,7 +80,8 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 4
     strategy: str = "none"
-    mesh: str = ""  # "data=D,model=T"; "" = one device
+    mesh: str = ""  # "data=D,stage=P,model=T"; "" = one device
+    microbatches: int = 0  # pipeline micro-batches per data shard (stage > 1); 0 = auto (see sharding.pipeline)
     remat: str = "none"
     optimizer: str = "adamw"
     pipeline_delay: int = 1  # S: emulate an asynchronous pipeline of S stages (1 = no delay)
@@ -212,9 +213,34 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
         v = getattr(t, name)
         _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
     _need(0.0 <= t.rot_beta < 1.0, f"train.rot_beta: {t.rot_beta} outside [0, 1); fix: e.g. --rot-beta 0.999")
-    parse_mesh(t.mesh)
+    _validate_pipeline(t, m)
     if t.offload_plan:
         _validate_offload_plan(t, m)
+
+
+def _validate_pipeline(t: TrainConfig, m: ModelConfig) -> None:
+    """A `stage` mesh axis: layers split evenly, micro-batches divide the per-data-shard batch."""
+    sizes = parse_mesh(t.mesh)
+    stages, data = sizes.get("stage", 1), sizes.get("data", 1)
+    _need(t.microbatches >= 0, f"train.microbatches: must be >= 0 (0 = auto), got {t.microbatches}; "
+                               "fix: pass --microbatches M with M >= 1")
+    if stages == 1:
+        _need(t.microbatches == 0, "train.microbatches: micro-batches need pipeline stages; "
+                                   "fix: add stage=P to --mesh or drop --microbatches")
+        return
+    _need(m.n_layers % stages == 0,
+          f"model.n_layers: {m.n_layers} layers do not split into stage={stages} equal contiguous stages; "
+          f"fix: pass --n-layers a multiple of {stages} or a stage count that divides {m.n_layers}")
+    _need(t.batch % data == 0, f"train.batch: {t.batch} is not divisible by data={data}; "
+                               f"fix: pass --batch a multiple of {data}")
+    local = t.batch // data
+    _need(t.microbatches == 0 or local % t.microbatches == 0,
+          f"train.microbatches: the batch per data shard ({t.batch}/data={data} = {local}) is not divisible "
+          f"by {t.microbatches} micro-batches; fix: pass --microbatches a divisor of {local} or 0 (auto)")
+    _need(t.pipeline_delay == 1, "train.pipeline_delay: delay emulation and real pipeline stages exclude each "
+                                 "other; fix: drop --pipeline-delay or the stage= axis of --mesh")
+    _need(t.optimizer != "rotation", "train.optimizer: basis rotation is not implemented for stage-stacked "
+                                     "layers; fix: use --optimizer adamw (or drop stage= from --mesh)")
 
 
 def _validate_offload_plan(t: TrainConfig, m: ModelConfig) -> None:

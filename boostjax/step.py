@@ -7,7 +7,7 @@ training loop needs. Parameters stay fp32; with `dtype="bfloat16"` they are cast
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
@@ -29,6 +29,8 @@ class StepFns:
     put_batch: Callable[[dict], dict]  # this process's rows -> the global batch on the mesh
     loss_fn: Callable[[Any, dict], jax.Array]
     batch_share: tuple[int, int] = (0, 1)  # (index, count): the block of batch rows this process loads
+    to_canonical: Callable[[Any], Any] = lambda p: p  # training-layout params -> per-layer params
+    info: dict = field(default_factory=dict)  # the placement's facts (pipeline schedule, bubble fraction)
 
 
 def cast_params(params: Any, dtype: str) -> Any:
@@ -138,7 +140,6 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any) -> StepFns:
     """Step functions for `cfg.train.strategy` (one device when "none" and no mesh)."""
     from boostjax.sharding import strategies  # noqa: PLC0415 (sharding imports models)
 
-    tx, lr_fn = make_optimizer(cfg, params_like)
     if cfg.train.offload_plan:  # one device; the plan places state in host memory and sets the remat
         from boostjax.offload.apply import offload_placement  # noqa: PLC0415
 
@@ -148,6 +149,9 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any) -> StepFns:
         plan = strategies.placement(cfg, graphdef, params_like)
         fetch = store = None
         eval_fn = plan.loss_fn
+    to_state = getattr(plan, "to_state", None)  # a pipeline keeps its layers stacked
+    state_like = jax.eval_shape(to_state, params_like) if to_state else params_like
+    tx, lr_fn = make_optimizer(cfg, state_like)
     loss_fn = plan.loss_fn
     n_stages = cfg.train.pipeline_delay
     step = make_train_step(loss_fn, tx, lr_fn, delayed=n_stages > 1, fetch=fetch, store=store)
@@ -182,8 +186,14 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any) -> StepFns:
         put_batch = multihost.put_global_batch(b_shard, cfg.train.batch)
 
     def compile_step(params, opt_state, batch):
-        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, put_batch(batch))
+        kw = {}
+        if plan.mesh is not None and not fetch:  # every step returns the state in the layout it got it
+            shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
+            kw["out_shardings"] = (shardings(params), shardings(opt_state), NamedSharding(plan.mesh, P()))
+        lowered = jax.jit(step, donate_argnums=(0, 1), **kw).lower(params, opt_state, put_batch(batch))
         return lowered.compile(compiler_options=getattr(plan, "compiler_options", None))
 
     return StepFns(init=init, compile=compile_step, eval_loss=jax.jit(eval_fn), put_batch=put_batch,
-                   loss_fn=eval_fn, batch_share=share)
+                   loss_fn=eval_fn, batch_share=share,
+                   to_canonical=getattr(plan, "to_canonical", None) or (lambda p: p),
+                   info=dict(getattr(plan, "info", {})))

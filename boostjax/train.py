@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from boostjax import multihost
 from boostjax.checkpoint import Checkpointer
-from boostjax.config import Config, ConfigError, validate
+from boostjax.config import Config, ConfigError, TrainConfig, parse_mesh, validate
 from boostjax.data import BatchIterator, eval_batches, load_corpus
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA
@@ -74,6 +74,11 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
     tmp.replace(path)
 
 
+def stacked_layers(t: TrainConfig) -> bool:
+    """Whether a run's training state keeps its layers stacked (pipeline stages, `stage` > 1)."""
+    return parse_mesh(t.mesh).get("stage", 1) > 1
+
+
 def _prepare_out_dir(cfg: Config) -> pathlib.Path:
     out = pathlib.Path(cfg.train.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -84,6 +89,12 @@ def _prepare_out_dir(cfg: Config) -> pathlib.Path:
             raise ConfigError(
                 f"out: {out} holds a run of a different model; fix: pass another --out or the same model flags"
             )
+        was, now = stacked_layers(old.train), stacked_layers(cfg.train)
+        if was != now:
+            layout = {True: "stacked layers (a stage mesh)", False: "per-layer parameters (no stage axis)"}
+            raise ConfigError(f"train.mesh: {out} holds checkpoints with {layout[was]} but this mesh trains "
+                              f"{layout[now]}; fix: resume {'with' if was else 'without'} stage > 1 in --mesh, "
+                              f"or pass another --out")
     multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
     if multihost.is_main_process():
         _write_atomic(cfg_path, cfg.to_json() + "\n")
@@ -145,10 +156,14 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
         if on_log:
             on_log(record)
 
+    if fns.info:  # e.g. the pipeline's schedule and bubble fraction, logged once per (re)start
+        log({"step": start, **fns.info})
     pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet fetched
     last_good = start
     bar = tqdm(total=t.steps, initial=start, disable=not t.progress or not multihost.is_main_process(),
-               desc=f"{cfg.model.kind} {t.strategy}", unit="step", dynamic_ncols=True)
+               desc=f"{cfg.model.kind} {t.strategy}" + (f" bubble {fns.info['bubble_fraction']:.0%}"
+                                                         if "bubble_fraction" in fns.info else ""),
+               unit="step", dynamic_ncols=True)
     interval_t0, interval_steps = time.perf_counter(), 0
     step = start
     first_loss = next((m["loss"] for m in metrics if "loss" in m), None)
@@ -213,5 +228,8 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
         f"{np.median(speed) if speed else float('nan'):.0f} tok/s, compile {compile_s:.1f}s, "
         f"checkpoints in {out / 'checkpoints'}"
     )
-    return TrainResult(cfg, metrics, params, graphdef, out, resumed_from=start or None, summary=summary,
-                       extra={"compile_s": compile_s})
+    if "bubble_fraction" in fns.info:
+        summary += (f"; pipeline {fns.info['schedule']} P={fns.info['stages']} M={fns.info['microbatches']}, "
+                    f"bubble {fns.info['bubble_fraction']:.1%}")
+    return TrainResult(cfg, metrics, fns.to_canonical(params), graphdef, out, resumed_from=start or None,
+                       summary=summary, extra={"compile_s": compile_s, **fns.info})

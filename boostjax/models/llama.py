@@ -184,7 +184,7 @@ class LLaMA(nnx.Module):
         `RematSegment` covering `len(inner)` consecutive layers; entries cover all layers in order."""
         cfg = self.cfg
         cos_te, sin_te = ops.rope_tables(tokens_bt.shape[1], cfg.head_dim, cfg.rope_theta)
-        x_btd = ops.embed_lookup(self.embed[...], tokens_bt)
+        x_btd = self.embed_tokens(tokens_bt)
 
         def run(blk, x, policy):
             if policy is None:
@@ -213,13 +213,22 @@ class LLaMA(nnx.Module):
             policy = resolve_remat(remat)
             for layer in self.layers:
                 x_btd = run(layer, x_btd, policy)
-        x_btd = coll.gather_features(x_btd)
-        return ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps)
+        return self.final_norm(x_btd, coll)
+
+    # the pieces around the blocks, shared with the pipelined loss (`boostjax.sharding.pipeline`)
+    def embed_tokens(self, tokens: Int[Array, "..."]) -> Float[Array, "... d"]:
+        return ops.embed_lookup(self.embed[...], tokens)
+
+    def final_norm(self, x_btd: Float[Array, "b t d"], coll: Collectives = LOCAL) -> Float[Array, "b t d"]:
+        """Gather the residual stream (once, under BTP) and apply the final RMSNorm."""
+        return ops.rms_norm(coll.gather_features(x_btd), self.norm[...], self.cfg.norm_eps)
+
+    def logits(self, xn_btd: Float[Array, "b t d"]) -> Float[Array, "b t v"]:
+        return jnp.einsum("btd,dv->btv", xn_btd, self.head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
                  remat: str | Callable | None | RematSchedule = "none") -> Float[Array, "b t v"]:
-        x_btd = self.features(tokens_bt, coll, remat)
-        return jnp.einsum("btd,dv->btv", x_btd, self.head[...], preferred_element_type=jnp.float32)
+        return self.logits(self.features(tokens_bt, coll, remat))
 
     def loss(self, tokens_bt: Int[Array, "b t"], targets_bt: Int[Array, "b t"],
              coll: Collectives = LOCAL, remat: str | Callable | None | RematSchedule = "none") -> Float[Array, ""]:

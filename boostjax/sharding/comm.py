@@ -99,6 +99,8 @@ def _build(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, r
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(model, rngs=nnx.Rngs(0))))
     params = state.to_pure_dict()
     plan = strategies.placement(cfg, graphdef, params)
+    if plan.to_state is not None:  # pipeline stages: the layers stacked [L, ...] and sharded over `stage`
+        params = jax.eval_shape(plan.to_state, params)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     p_shard = jax.tree.map(lambda s: NamedSharding(plan.mesh, s), plan.specs, is_leaf=is_spec)
     p_sds = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), params, p_shard)

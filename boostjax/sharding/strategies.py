@@ -1,5 +1,5 @@
 """Placing a training step on a mesh: the loss under `shard_map` for each TP strategy, plus data
-parallelism over the `data` axis.
+parallelism over the `data` axis and pipeline stages over `stage` (`boostjax.sharding.pipeline`).
 
 `placement(cfg, graphdef, params)` returns the loss function and how to put parameters and batches
 on devices. With no mesh and strategy "none" it is the plain single-device reference.
@@ -7,7 +7,7 @@ on devices. With no mesh and strategy "none" it is the plain single-device refer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
@@ -28,6 +28,10 @@ class Placement:
     mesh: Mesh | None = None
     specs: Any = None
     batch_sharding: NamedSharding | None = None  # how put_batch lays out the global batch (multi-host)
+    # the training state's layout when it is not the canonical per-layer one (a pipeline stacks layers):
+    to_state: Callable[[Any], Any] | None = None  # canonical params -> state layout
+    to_canonical: Callable[[Any], Any] | None = None  # state layout -> canonical params
+    info: dict = field(default_factory=dict)  # e.g. the pipeline schedule and its bubble fraction
 
 
 def check_strategy(model: ModelConfig, strategy: str, tp: int) -> None:
@@ -53,17 +57,19 @@ def check_strategy(model: ModelConfig, strategy: str, tp: int) -> None:
 
 
 def make_mesh(spec: str) -> Mesh | None:
-    """The `data x model` mesh of a `--mesh` string over all devices ('' -> None: one device)."""
+    """The mesh of a `--mesh` string over the first devices ('' -> None: one device): `data x model`,
+    or `data x stage x model` when stage > 1 (model innermost: TP groups on neighbouring devices)."""
     sizes = parse_mesh(spec)
     if not sizes:
         return None
-    if sizes.get("stage", 1) != 1:
-        raise ConfigError("train.mesh: pipeline stages are not supported by this strategy; fix: drop stage=")
-    d, t = sizes.get("data", 1), sizes.get("model", 1)
+    d, p, t = sizes.get("data", 1), sizes.get("stage", 1), sizes.get("model", 1)
     n = jax.device_count()
-    if d * t > n or (jax.process_count() > 1 and d * t != n):
-        raise ConfigError(f"train.mesh: data={d} x model={t} = {d * t} devices but {n} are visible; "
+    if d * p * t > n or (jax.process_count() > 1 and d * p * t != n):
+        shown = f"data={d} x stage={p} x model={t}" if p > 1 else f"data={d} x model={t}"
+        raise ConfigError(f"train.mesh: {shown} = {d * p * t} devices but {n} are visible; "
                           f"fix: pick sizes whose product is {n}")
+    if p > 1:
+        return Mesh(np.asarray(jax.devices()[: d * p * t]).reshape(d, p, t), ("data", "stage", "model"))
     return Mesh(np.asarray(jax.devices()[: d * t]).reshape(d, t), ("data", "model"))
 
 
@@ -98,6 +104,10 @@ def placement(cfg: Config, graphdef, params_like: Any) -> Placement:
     if cfg.train.batch % mesh.shape["data"]:
         raise ConfigError(f"train.batch: {cfg.train.batch} is not divisible by data={mesh.shape['data']}; "
                           f"fix: pass --batch a multiple of {mesh.shape['data']}")
+    if "stage" in mesh.axis_names:
+        from boostjax.sharding.pipeline import pipeline_placement  # noqa: PLC0415
+
+        return pipeline_placement(cfg, params_like, mesh)
     specs = param_specs(cfg.train.strategy, params_like)
     p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
     b_shard = NamedSharding(mesh, P("data"))
