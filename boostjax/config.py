@@ -88,7 +88,7 @@ class TrainConfig:
     rot_source: str = "second"  # rotation basis from the 2nd moment (G Gᵀ) or the 1st (momentum)
     rot_geometry: str = "bilateral"  # rotate both sides, or only the smaller one ("unilateral")
     rot_refresh: int = 10  # refresh the rotation basis every T steps
-    rot_beta: float = 0.999  # EMA of G Gᵀ / Gᵀ G
+    rot_beta: float = 0.95  # EMA of G Gᵀ / Gᵀ G (SOAP's 0.95: the basis must follow the current curvature)
     rot_max_dim: int = 4096  # a side larger than this is not rotated
     stage_aware_refresh: bool = False  # stages with larger delay refresh their basis more often
     delay_lr_tc: int = 1000  # PipeDream-LR: steps until the delay-scaled learning rate reaches lr
@@ -212,7 +212,10 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     for name in ("rot_refresh", "rot_max_dim", "delay_lr_tc"):
         v = getattr(t, name)
         _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
-    _need(0.0 <= t.rot_beta < 1.0, f"train.rot_beta: {t.rot_beta} outside [0, 1); fix: e.g. --rot-beta 0.999")
+    _need(0.0 <= t.rot_beta < 1.0, f"train.rot_beta: {t.rot_beta} outside [0, 1); fix: e.g. --rot-beta 0.95")
+    _need(t.optimizer != "rotation" or parse_mesh(t.mesh).get("model", 1) == 1,
+          "train.optimizer: basis rotation with a model axis > 1 is not supported yet (the compiled step does "
+          "not keep the bases' layout across steps); fix: use --optimizer adamw, or data parallelism only (model=1)")
     _validate_pipeline(t, m)
     if t.offload_plan:
         _validate_offload_plan(t, m)

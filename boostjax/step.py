@@ -51,10 +51,18 @@ def local_loss_fn(cfg: Config, graphdef) -> Callable[[Any, dict], jax.Array]:
     return loss_fn
 
 
+# grouped low-rank tensors: the axis that stacks independent matrices (a_qkv [d, 3, r], b_kv [2, r, k·e], ...)
+GROUP_AXIS: dict[str, int] = {"a_qkv": 1, "a_gate_up": 1, "b_kv": 0, "b_gate_up": 0}
+
+
 def rotation_mask(params: Any) -> Any:
-    """Rotate the 2-D weight matrices; embeddings, head, norms, gates and grouped 3-D tensors use AdamW."""
+    """What the rotation optimizer rotates: every 2-D weight matrix (True) and each matrix of the
+    grouped 3-D low-rank tensors (their group axis, an int); embeddings, head and norms use AdamW."""
     def rotate(path, p):
-        return p.ndim == 2 and str(getattr(path[0], "key", path[0])) not in ("embed", "head")
+        name = str(getattr(path[-1], "key", path[-1]))
+        if str(getattr(path[0], "key", path[0])) in ("embed", "head"):
+            return False
+        return GROUP_AXIS[name] if p.ndim == 3 and name in GROUP_AXIS else p.ndim == 2
 
     return jax.tree_util.tree_map_with_path(rotate, params)
 
@@ -110,6 +118,10 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, lr_fn: optax.Sche
     return step
 
 
+# rotation bases / statistics: [m, m] even when the parameter is square [m, m], never its layout
+REPLICATED_STATE_FIELDS = frozenset({"basis_l", "basis_r", "stat_l", "stat_r"})
+
+
 def state_shardings(abstract_state: Any, params: Any, specs: Any, mesh) -> Any:
     """Shardings for optimizer (and delay) state on the parameters' mesh.
 
@@ -124,6 +136,8 @@ def state_shardings(abstract_state: Any, params: Any, specs: Any, mesh) -> Any:
 
     def sharding(path, leaf):
         keys = tuple(map(str, path))
+        if any(k.lstrip(".") in REPLICATED_STATE_FIELDS for k in keys):
+            return NamedSharding(mesh, P())
         for n in range(len(keys), 0, -1):
             hit = by_path.get(keys[-n:])
             if hit is not None:

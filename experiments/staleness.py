@@ -224,17 +224,20 @@ def _slow(row: dict, key: str = "slowdown") -> str:
     return "n/a" if v is None else (f">{v:.2f}x" if row["lower_bound"] else f"{v:.2f}x")
 
 
-def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command: str, platform: str) -> str:
+def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command: str, platform: str,
+             reused: Sequence[str] = ()) -> str:
     smax = max(s.stages)
     lines = [
         "# Staleness experiment: iterations to a target loss vs pipeline depth",
         "",
         f"Command: `{command}`  ",
-        f"Wall time: {wall_s / 60:.1f} min ({platform}, {s.jobs} worker process(es)).  ",
+        f"Wall time: {wall_s / 60:.1f} min ({platform}, {s.jobs} worker process(es))"
+        + (f"; the runs of {', '.join(reused)} were reused from an earlier identical-settings run (`--reuse`)"
+           if reused else "") + ".  ",
         f"Model: dense LLaMA, {s.n_layers} layers, d_model {s.d_model}, {s.n_heads} heads, d_ff {s.d_ff}; "
         f"batch {s.batch} x seq {s.seq} bytes of the stdlib corpus; {s.steps} steps; lr {s.lr:g} "
         "(5 % warmup, cosine to 0.1 lr), betas (0.9, 0.999), wd 0.01, clip 1.0; rotation refresh 10, bilateral, "
-        f"2nd-order; PipeDream-LR T_c = {max(1, s.steps // 2)}; Nesterov b1 = 0.99; seed {s.seed}. "
+        f"2nd-order, Gram EMA β {s.config('rotation', 1).train.rot_beta:g}; PipeDream-LR T_c = {max(1, s.steps // 2)}; Nesterov b1 = 0.99; seed {s.seed}. "
         "Same init and batches for every run. Delay: stage s of S computes its gradient on weights S-1-s "
         "updates old (weight stashing).  ",
         f"Target loss {main['target_loss']:.4f}: the largest S = 1 smoothed training loss (trailing mean of "
@@ -319,8 +322,29 @@ def _finite_or_none(x: Any) -> Any:
     return x
 
 
-def run_experiment(s: Settings, out: pathlib.Path, command: str = "", log=print) -> dict:
-    """Run every (optimizer, S), write staleness.{json,md,png} under `out`; returns the JSON object."""
+def reusable_runs(s: Settings, path: pathlib.Path, rerun: Sequence[str]) -> list[dict]:
+    """Runs from an earlier staleness.json with the same settings, for optimizers not in `rerun`.
+
+    The runs are deterministic (same init, batches and compiled step), so a baseline whose code did
+    not change need not be recomputed when only other optimizers change. Every setting but the
+    optimizer list and the worker count must match, else ValueError."""
+    old = json.loads(pathlib.Path(path).read_text())
+    mine = {k: v for k, v in json.loads(json.dumps(asdict(s))).items() if k not in ("optimizers", "jobs")}
+    theirs = {k: v for k, v in old["settings"].items() if k not in ("optimizers", "jobs")}
+    diff = sorted(k for k in mine if mine[k] != theirs.get(k))
+    if diff:
+        raise ValueError(f"staleness: --reuse {path} was run with other settings ({', '.join(diff)}); "
+                         "fix: rerun everything, or pass the same settings")
+    want = {(o, n) for o in s.optimizers if o not in rerun for n in s.stages}
+    return [r for r in old["runs"] if (r["optimizer"], r["stages"]) in want]
+
+
+def run_experiment(s: Settings, out: pathlib.Path, command: str = "", log=print,
+                   reuse: pathlib.Path | None = None, rerun: Sequence[str] = ()) -> dict:
+    """Run every (optimizer, S), write staleness.{json,md,png} under `out`; returns the JSON object.
+
+    `reuse`: an earlier staleness.json with the same settings; its runs of optimizers not in `rerun`
+    are taken as they are (recorded in the output as `reused_from`)."""
     unknown = [o for o in s.optimizers if o not in OPTIMIZERS]
     if unknown:
         raise ValueError(f"staleness: unknown optimizers {unknown}; fix: use some of {', '.join(OPTIMIZERS)}")
@@ -330,16 +354,23 @@ def run_experiment(s: Settings, out: pathlib.Path, command: str = "", log=print)
     if bad:
         raise ValueError(f"staleness: stages {bad} do not divide n_layers={s.n_layers}; fix: use divisors")
     out.mkdir(parents=True, exist_ok=True)
+    kept = reusable_runs(s, reuse, rerun) if reuse else []
+    have = {(r["optimizer"], r["stages"]) for r in kept}
+    todo = tuple(o for o in s.optimizers if any((o, n) not in have for n in s.stages))
     t_start = time.perf_counter()
-    runs = run_all(s, log)
+    fresh = run_all(replace(s, optimizers=todo), log) if todo else []
     wall_s = time.perf_counter() - t_start
+    order = {(o, n): i for i, (o, n) in enumerate((o, n) for n in sorted(s.stages) for o in s.optimizers)}
+    runs = sorted([*kept, *fresh], key=lambda r: order[(r["optimizer"], r["stages"])])
     main = summarize(s, runs, s.target_frac)
     extras = [summarize(s, runs, f) for f in s.extra_fracs]
     platform = f"{os.cpu_count()} CPU cores, jax {jax.__version__} on {jax.devices()[0].platform}"
+    reused = sorted({r["optimizer"] for r in kept})
     result = {"settings": asdict(s), "command": command, "wall_s": round(wall_s, 1), "platform": platform,
-              "paper": PAPER, **main, "extra_targets": extras, "runs": runs}
+              "paper": PAPER, "reused_from": {"file": str(reuse), "optimizers": reused} if kept else None,
+              **main, "extra_targets": extras, "runs": runs}
     (out / "staleness.json").write_text(json.dumps(_finite_or_none(result), indent=1) + "\n")
-    (out / "staleness.md").write_text(markdown(s, main, extras, wall_s, command, platform))
+    (out / "staleness.md").write_text(markdown(s, main, extras, wall_s, command, platform, reused))
     plot(s, main, runs, out / "staleness.png")
     return result
 
@@ -351,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--optimizers", help=f"comma list from {','.join(OPTIMIZERS)}")
     p.add_argument("--stages", help="comma list of stage counts (must include 1 and divide --layers)")
     p.add_argument("--extra-fracs", help="comma list of easier target fractions ('' for none)")
+    p.add_argument("--reuse", type=pathlib.Path, help="earlier staleness.json (same settings) whose runs to keep")
+    p.add_argument("--rerun", default="", help="with --reuse: comma list of optimizers to run again")
     for name, kind in (("layers", int), ("d-model", int), ("heads", int), ("d-ff", int), ("steps", int),
                        ("batch", int), ("seq", int), ("lr", float), ("seed", int), ("window", int),
                        ("target-frac", float), ("n-eval", int), ("jobs", int)):
@@ -358,13 +391,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = p.parse_args(argv)
     names = {"layers": "n_layers", "heads": "n_heads"}
     lists = {"optimizers": str, "stages": int, "extra_fracs": float}
-    over = {names.get(k, k): v for k, v in vars(args).items() if v is not None and k not in ("quick", "out", *lists)}
+    over = {names.get(k, k): v for k, v in vars(args).items() if v is not None and k not in ("quick", "out", "reuse", "rerun", *lists)}
     for k, kind in lists.items():
         if getattr(args, k) is not None:
             over[k] = tuple(kind(x.strip()) for x in getattr(args, k).split(",") if x.strip())
     s = replace(QUICK if args.quick else Settings(), **over)
     command = " ".join(["python experiments/staleness.py", *(sys.argv[1:] if argv is None else argv)])
-    result = run_experiment(s, pathlib.Path(args.out), command)
+    rerun = tuple(x.strip() for x in args.rerun.split(",") if x.strip())
+    result = run_experiment(s, pathlib.Path(args.out), command, reuse=args.reuse, rerun=rerun)
     print((pathlib.Path(args.out) / "staleness.md").read_text())
     return result
 

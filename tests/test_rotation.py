@@ -308,6 +308,37 @@ def test_sharded_params_match_unsharded():
     _close(runs[0], runs[1], atol=1e-5)
 
 
+def test_grouped_3d_leaf_equals_its_matrices_as_separate_leaves():
+    """A mask entry int g rotates each matrix of a 3-D leaf stacked on axis g, bit for bit like
+    separate 2-D leaves (both sources; group axis in the middle and in front)."""
+    for source, axis in (("second", 1), ("first", 0)):
+        w = jax.random.normal(jax.random.PRNGKey(axis), (6, 3, 4) if axis == 1 else (3, 6, 4))
+        take = lambda x, i: jnp.take(x, i, axis=axis)  # noqa: E731
+        grouped = rotated_adam(1e-2, refresh_every=2, source=source, mask={"w": axis})
+        separate = rotated_adam(1e-2, refresh_every=2, source=source)
+        pg, ps = {"w": w}, {f"w{i}": take(w, i) for i in range(3)}
+        sg, ss = grouped.init(pg), separate.init(ps)
+        assert sg.basis_l["w"].shape == (3, 6, 6) and sg.basis_r["w"].shape == (3, 4, 4)
+        for t in range(5):
+            g = jax.random.normal(jax.random.PRNGKey(10 + t), w.shape)
+            ug, sg = jax.jit(grouped.update)({"w": g}, sg, pg)
+            us, ss = jax.jit(separate.update)({f"w{i}": take(g, i) for i in range(3)}, ss, ps)
+            pg, ps = optax.apply_updates(pg, ug), optax.apply_updates(ps, us)
+        np.testing.assert_array_equal(np.stack([ps[f"w{i}"] for i in range(3)], axis=axis), pg["w"])
+        assert not np.allclose(pg["w"], _train_adamw_like(w, axis))  # the rotation did act
+    with pytest.raises(ValueError, match="group axis"):
+        rotated_adam(1e-2, mask={"w": 1}).init({"w": jnp.zeros((4, 4))})
+
+
+def _train_adamw_like(w, axis):
+    opt = optax.adamw(1e-2, B1, B2, EPS, weight_decay=WD)
+    p, s = {"w": w}, opt.init({"w": w})
+    for t in range(5):
+        u, s = opt.update({"w": jax.random.normal(jax.random.PRNGKey(10 + t), w.shape)}, s, p)
+        p = optax.apply_updates(p, u)
+    return p["w"]
+
+
 def test_bad_arguments_raise_value_errors():
     with pytest.raises(ValueError, match="source"):
         rotated_adam(1e-3, source="third")

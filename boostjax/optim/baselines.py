@@ -87,7 +87,7 @@ def make_optimizer(
     geometry: str = "bilateral",
     refresh_every: int = 10,
     stage_aware_refresh: bool = False,
-    basis_beta: float = 0.999,
+    basis_beta: float = 0.95,
     max_dim: int = 4096,
     rotation_mask: Any = None,
 ) -> optax.GradientTransformation:

@@ -36,6 +36,11 @@ space and `v` is sign-free.
 Unrotated sides (geometry "unilateral" keeps only the smaller side, ties -> left; a side longer
 than `max_dim`; masked-out or non-2-D leaves) hold one-element placeholders `f32[1]` in the state.
 A leaf with no rotated side runs plain AdamW, the formula of `optax.adamw`.
+
+Grouped leaves: a mask entry that is an int `g` (not a bool) marks a 3-D leaf as a stack of
+independent matrices along axis `g` (e.g. a grouped `a_qkv [d, 3, r]` with g = 1); each matrix gets
+its own bases and statistics (stacked on a leading group axis in the state, `[G, m, m]`), exactly as
+if the G slices were separate 2-D leaves.
 Rotation matmuls use `Precision.HIGHEST` so TF32/bf16 defaults on accelerators do not erode
 orthogonality.
 """
@@ -187,6 +192,16 @@ def _keep(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
 
 
 # ----------------------------------------------------------------------------- validation
+def _group_axis(flag: Any, shape: tuple[int, ...]) -> int | None:
+    """The stacking axis of a grouped leaf (mask entry an int, not a bool), else None."""
+    if isinstance(flag, bool) or not isinstance(flag, numbers.Integral):
+        return None
+    if len(shape) != 3 or not 0 <= int(flag) < 3:
+        raise ValueError(f"rotated_adam: mask entry {flag!r} (a group axis) for a leaf of shape {shape}; "
+                         "fix: int group axes are for 3-D leaves, in [0, 3)")
+    return int(flag)
+
+
 def _leaves_like(tree: Any, treedef: Any, what: str, fix: str) -> list[Any]:
     try:
         return treedef.flatten_up_to(tree)
@@ -215,7 +230,7 @@ def _check_args(learning_rate, b1, b2, eps, weight_decay, source, geometry, refr
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"rotated_adam: betas ({b1}, {b2}) must lie in [0, 1); fix: e.g. b1=0.9, b2=0.999")
     if not 0.0 <= basis_beta < 1.0:
-        raise ValueError(f"rotated_adam: basis_beta={basis_beta} must lie in [0, 1); fix: e.g. 0.999")
+        raise ValueError(f"rotated_adam: basis_beta={basis_beta} must lie in [0, 1); fix: e.g. 0.95")
     if eps < 0 or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
         raise ValueError("rotated_adam: eps and weight_decay must be non-negative floats; fix: e.g. 1e-8, 0.01")
     if not isinstance(max_dim, int) or max_dim < 0:
@@ -237,7 +252,7 @@ def rotated_adam(
     source: str = "second",
     geometry: str = "bilateral",
     refresh_every: Any = 10,
-    basis_beta: float = 0.999,
+    basis_beta: float = 0.95,
     max_dim: int = 4096,
     rotate: bool = True,
     mask: MaskOrFn = None,
@@ -245,29 +260,40 @@ def rotated_adam(
     """AdamW in a Kronecker-factored rotated basis (see the module docstring).
 
     `refresh_every`: int or a pytree of ints shaped like the params (stage-aware periods).
-    `mask`: pytree of python bools or `params -> pytree of bools`; default: leaves with ndim == 2.
+    `mask`: pytree of python bools / ints or a `params -> pytree` callable; default: leaves with
+    ndim == 2. True rotates a 2-D leaf; an int `g` rotates each matrix of a 3-D leaf stacked on axis g.
     `rotate=False` gives exactly `optax.adamw(learning_rate, b1, b2, eps, weight_decay=...)`.
     """
     _check_args(learning_rate, b1, b2, eps, weight_decay, source, geometry, refresh_every, basis_beta, max_dim)
 
+    def _mask_leaves(tree: Any, treedef: Any) -> list[Any]:
+        mask_tree = (mask(tree) if callable(mask) else mask) if mask is not None else default_rotation_mask(tree)
+        return _leaves_like(mask_tree, treedef, "mask", "pass a pytree of bools (or int group axes) like the params")
+
     def init_fn(params: Any) -> RotatedAdamState:
         flat, treedef = jax.tree.flatten(params)
         _period_leaves(refresh_every, treedef)
-        mask_tree = (mask(params) if callable(mask) else mask) if mask is not None else default_rotation_mask(params)
-        flags = _leaves_like(mask_tree, treedef, "mask", "pass a pytree of bools shaped like the params")
+        flags = _mask_leaves(params, treedef)
         u, v, sl, sr = [], [], [], []
         for p, on in zip(flat, flags):
-            on = bool(on) and rotate
-            if on and jnp.ndim(p) != 2:
+            group = _group_axis(on, jnp.shape(p)) if rotate else None
+            on = (group is not None or bool(on)) and rotate  # group axis 0 is an int, not "off"
+            shape = jnp.shape(p)
+            if group is not None:
+                shape = tuple(d for i, d in enumerate(shape) if i != group)
+            elif on and len(shape) != 2:
                 raise ValueError(f"rotated_adam: mask selects a leaf of shape {jnp.shape(p)}; only 2-D leaves "
-                                 "can be rotated; fix: mask it out")
-            left, right = _sides(jnp.shape(p), on, geometry, max_dim)
-            m, n = jnp.shape(p) if on else (0, 0)
-            u.append(jnp.eye(m, dtype=jnp.float32) if left else _placeholder())
-            v.append(jnp.eye(n, dtype=jnp.float32) if right else _placeholder())
-            keep_stats = source == "second"
-            sl.append(jnp.zeros((m, m), jnp.float32) if left and keep_stats else _placeholder())
-            sr.append(jnp.zeros((n, n), jnp.float32) if right and keep_stats else _placeholder())
+                                 "can be rotated (or 3-D ones with an int group axis); fix: mask it out")
+            left, right = _sides(shape, on, geometry, max_dim)
+            m, n = shape if on else (0, 0)
+            slots = (jnp.eye(m, dtype=jnp.float32) if left else _placeholder(),
+                     jnp.eye(n, dtype=jnp.float32) if right else _placeholder(),
+                     jnp.zeros((m, m), jnp.float32) if left and source == "second" else _placeholder(),
+                     jnp.zeros((n, n), jnp.float32) if right and source == "second" else _placeholder())
+            if group is not None:  # one set of bases per matrix, stacked on a leading axis
+                slots = tuple(jnp.broadcast_to(x, (jnp.shape(p)[group], *x.shape)) for x in slots)
+            for store, x in zip((u, v, sl, sr), slots):
+                store.append(x)
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
         return RotatedAdamState(
             count=jnp.zeros([], jnp.int32),
@@ -285,11 +311,21 @@ def rotated_adam(
         fields = [treedef.flatten_up_to(x) for x in state[1:]]
         count_inc = optax.safe_increment(state.count)
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-        out = [_leaf_update(g, p, leaf, count_inc, period, lr)
-               for g, p, period, *leaf in zip(g_flat, p_flat, periods, *fields)]
+        groups = [_group_axis(f, jnp.shape(g)) if rotate else None
+                  for f, g in zip(_mask_leaves(updates, treedef), g_flat)]
+        out = [_grouped_update(g, p, leaf, count_inc, period, lr, group)
+               for g, p, period, group, *leaf in zip(g_flat, p_flat, periods, groups, *fields)]
         new_updates = jax.tree.unflatten(treedef, [o[0] for o in out])
         new_fields = [jax.tree.unflatten(treedef, [o[1][i] for o in out]) for i in range(6)]
         return new_updates, RotatedAdamState(count_inc, *new_fields)
+
+    def _grouped_update(g, p, leaf, count_inc, period, lr, group):
+        """`_leaf_update`, vmapped over the group axis of a grouped leaf (bases stacked on axis 0)."""
+        if group is None:
+            return _leaf_update(g, p, leaf, count_inc, period, lr)
+        one = lambda g1, p1, *lf: _leaf_update(g1, p1, lf, count_inc, period, lr)  # noqa: E731
+        in_axes = (group, None if p is None else group, group, group, 0, 0, 0, 0)
+        return jax.vmap(one, in_axes=in_axes, out_axes=(group, (group, group, 0, 0, 0, 0)))(g, p, *leaf)
 
     def _leaf_update(g, p, leaf, count_inc, period, lr):
         mu, nu, u_mm, v_nn, l_mm, r_nn = leaf
