@@ -42,9 +42,9 @@ def _train(opt: optax.GradientTransformation, params: dict, steps: int):
     return out
 
 
-def _close(t1, t2, atol: float) -> None:
+def _close(t1, t2, atol: float, rtol: float = 0.0) -> None:
     for x, y in zip(jax.tree.leaves(t1), jax.tree.leaves(t2), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
 
 
 # ----------------------------------------------------------------------------- identity == adamw
@@ -305,7 +305,7 @@ def test_sharded_params_match_unsharded():
         runs.append((q, s))
     assert runs[1][0]["a"].sharding.spec == P("x", None)
     assert runs[1][1].basis_r["a"].shape == (4, 4) and runs[1][1].basis_l["c"].shape == (4, 4)
-    _close(runs[0], runs[1], atol=1e-5)
+    _close(runs[0], runs[1], atol=1e-5, rtol=1e-6)  # Gram statistics reach ~5e2: relative rounding
 
 
 def test_grouped_3d_leaf_equals_its_matrices_as_separate_leaves():
