@@ -213,9 +213,6 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
         v = getattr(t, name)
         _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
     _need(0.0 <= t.rot_beta < 1.0, f"train.rot_beta: {t.rot_beta} outside [0, 1); fix: e.g. --rot-beta 0.95")
-    _need(t.optimizer != "rotation" or parse_mesh(t.mesh).get("model", 1) == 1,
-          "train.optimizer: basis rotation with a model axis > 1 is not supported yet (the compiled step does "
-          "not keep the bases' layout across steps); fix: use --optimizer adamw, or data parallelism only (model=1)")
     _validate_pipeline(t, m)
     if t.offload_plan:
         _validate_offload_plan(t, m)

@@ -46,7 +46,6 @@ def test_invalid_model_configs(model, field):
     (dict(pipeline_delay=3), "train.pipeline_delay"),
     (dict(warmup=50, steps=50), "train.warmup"),
     (dict(rot_beta=1.0), "train.rot_beta"),
-    (dict(optimizer="rotation", strategy="btp", mesh="data=1,model=2"), "train.optimizer"),
 ])
 def test_invalid_train_configs(train, field):
     with pytest.raises(ConfigError, match=f"^{field}: .*fix: "):

@@ -320,12 +320,21 @@ def rotated_adam(
         return new_updates, RotatedAdamState(count_inc, *new_fields)
 
     def _grouped_update(g, p, leaf, count_inc, period, lr, group):
-        """`_leaf_update`, vmapped over the group axis of a grouped leaf (bases stacked on axis 0)."""
+        """`_leaf_update` per matrix of a grouped leaf (bases stacked on axis 0), restacked.
+
+        A Python loop over the G <= 3 matrices rather than `vmap`: each matrix then has its own
+        refresh conditional, exactly like a 2-D leaf (a vmapped conditional over a TP-sharded
+        stack made XLA's CPU collectives hang)."""
         if group is None:
             return _leaf_update(g, p, leaf, count_inc, period, lr)
-        one = lambda g1, p1, *lf: _leaf_update(g1, p1, lf, count_inc, period, lr)  # noqa: E731
-        in_axes = (group, None if p is None else group, group, group, 0, 0, 0, 0)
-        return jax.vmap(one, in_axes=in_axes, out_axes=(group, (group, group, 0, 0, 0, 0)))(g, p, *leaf)
+        mu, nu, *bases = leaf
+        take = lambda x, i: jax.lax.index_in_dim(x, i, axis=group, keepdims=False)  # noqa: E731
+        outs = [_leaf_update(take(g, i), None if p is None else take(p, i),
+                             (take(mu, i), take(nu, i), *(b[i] for b in bases)), count_inc, period, lr)
+                for i in range(g.shape[group])]
+        upd = jnp.stack([o[0] for o in outs], axis=group)
+        mu, nu = (jnp.stack([o[1][k] for o in outs], axis=group) for k in (0, 1))
+        return upd, (mu, nu, *(jnp.stack([o[1][k] for o in outs]) for k in range(2, 6)))
 
     def _leaf_update(g, p, leaf, count_inc, period, lr):
         mu, nu, u_mm, v_nn, l_mm, r_nn = leaf
