@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from boostjax.config import Config, ConfigError
-from boostjax.optim import baselines, delay, schedule
+from boostjax.optim import baselines, delay, rotation, schedule
 
 
 @dataclass(frozen=True)
@@ -118,10 +118,6 @@ def make_train_step(loss_fn, tx: optax.GradientTransformation, lr_fn: optax.Sche
     return step
 
 
-# rotation bases / statistics: [m, m] even when the parameter is square [m, m], never its layout
-REPLICATED_STATE_FIELDS = frozenset({"basis_l", "basis_r", "stat_l", "stat_r"})
-
-
 def state_shardings(abstract_state: Any, params: Any, specs: Any, mesh) -> Any:
     """Shardings for optimizer (and delay) state on the parameters' mesh.
 
@@ -136,7 +132,7 @@ def state_shardings(abstract_state: Any, params: Any, specs: Any, mesh) -> Any:
 
     def sharding(path, leaf):
         keys = tuple(map(str, path))
-        if any(k.lstrip(".") in REPLICATED_STATE_FIELDS for k in keys):
+        if any(k.lstrip(".") in rotation.REPLICATED_FIELDS for k in keys):
             return NamedSharding(mesh, P())
         for n in range(len(keys), 0, -1):
             hit = by_path.get(keys[-n:])

@@ -79,6 +79,11 @@ class RotatedAdamState(NamedTuple):
     stat_r: optax.Updates
 
 
+# state fields whose leaves are [m, m] / [n, n] (or stacked [G, m, m]) matrices of the rotation, never
+# laid out like the parameter even when the shapes agree (square weights): replicate them on a mesh
+REPLICATED_FIELDS: frozenset[str] = frozenset({"basis_l", "basis_r", "stat_l", "stat_r"})
+
+
 def default_rotation_mask(params: Any) -> Any:
     """Rotate every leaf with ndim == 2."""
     return jax.tree.map(lambda p: jnp.ndim(p) == 2, params)
