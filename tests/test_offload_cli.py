@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 from boostjax.cli import main
 from boostjax.offload.apply import load_plan
@@ -57,10 +56,9 @@ def test_plan_summary_and_infeasible_budget(capsys):
 
 
 def test_lazytrain_27b_instance(capsys):
-    t0 = time.perf_counter()
+    # solve time is measured by experiments/offload.py; here the time limit only bounds a stuck solve
     assert main(["plan", "--instance", "lazytrain-27b", "--json", "--time-limit", "25"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert time.perf_counter() - t0 < 30
     assert rep["status"] == "OPTIMAL" and rep["n_layers"] == 64
     assert rep["predicted_peak_bytes"] <= 21.55e9
     mega = rep["baselines"]["megatrain"]

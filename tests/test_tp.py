@@ -1,5 +1,6 @@
 """Every TP strategy (and data parallelism) against the single-device reference: loss and gradients."""
 
+import zlib
 from dataclasses import replace
 
 import jax
@@ -21,8 +22,24 @@ def _rel(a, b):
     return float(jnp.linalg.norm((a - b).ravel()) / (jnp.linalg.norm(b.ravel()) + 1e-30))
 
 
+def seed_of(*names: str) -> int:
+    """A seed fixed by the test's parameters (``hash`` of a str changes with every interpreter)."""
+    return zlib.crc32("/".join(names).encode())
+
+
+# LaX's latent-crossing gates are scalars whose gradient is one full contraction over batch x seq x rank
+# of terms that cancel: over 150 seeds their rel. error reached 1.9e-5 while every matrix stayed below 7e-7
+GATE_TOL = 1e-4
+
+
+def assert_matches(loss_err: float, grad_errs: dict[str, float], tol: float = 1e-5):
+    """Loss and every gradient within ``tol`` (the LaX gates within ``GATE_TOL``)."""
+    bad = {k: e for k, e in grad_errs.items() if e >= (GATE_TOL if k.endswith("['cross']") else tol)}
+    assert loss_err < tol and not bad, (loss_err, bad)
+
+
 def _compare(cfg: Config, seed: int):
-    """Max relative error of the loss and of every gradient, parallel vs single device."""
+    """Relative error of the loss and of each gradient (by path), parallel vs single device."""
     graphdef, params = init_model(cfg)
     rng = np.random.default_rng(seed)
     # fresh random values everywhere, norm scales and LaX gates included
@@ -36,15 +53,15 @@ def _compare(cfg: Config, seed: int):
     if plan.to_canonical is not None:  # a pipeline's stacked layers, back to per-layer gradients
         grads = plan.to_canonical(grads)
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
-    return abs(float(loss - ref_loss)) / abs(float(ref_loss)), max(jax.tree.leaves(jax.tree.map(_rel, grads, ref_grads)))
+    errs = jax.tree_util.tree_flatten_with_path(jax.tree.map(_rel, grads, ref_grads))[0]
+    return abs(float(loss - ref_loss)) / abs(float(ref_loss)), {jax.tree_util.keystr(p): e for p, e in errs}
 
 
 @pytest.mark.parametrize("strategy,kind", CASES)
 @pytest.mark.parametrize("mesh", ["data=1,model=2", "data=2,model=2", "data=1,model=4", "data=2,model=4"])
 def test_strategy_matches_single_device(strategy, kind, mesh):
     cfg = Config(replace(TINY, kind=kind), TrainConfig(strategy=strategy, mesh=mesh, batch=4, seq=16))
-    loss_err, grad_err = _compare(cfg, seed=hash((strategy, kind, mesh)) % 2**31)
-    assert loss_err < 1e-5 and grad_err < 1e-5, (loss_err, grad_err)
+    assert_matches(*_compare(cfg, seed=seed_of(strategy, kind, mesh)))
 
 
 @pytest.mark.parametrize("strategy,kind,remat", [("btp", "cola", "lowrank"), ("btp", "lax", "full"),
@@ -52,22 +69,19 @@ def test_strategy_matches_single_device(strategy, kind, mesh):
 def test_strategy_with_remat(strategy, kind, remat):
     cfg = Config(replace(TINY, kind=kind, n_layers=2), TrainConfig(strategy=strategy, mesh="data=2,model=2", remat=remat,
                                                        batch=4, seq=16))
-    loss_err, grad_err = _compare(cfg, seed=7)
-    assert loss_err < 1e-5 and grad_err < 1e-5, (loss_err, grad_err)
+    assert_matches(*_compare(cfg, seed=7))
 
 
 @pytest.mark.parametrize("strategy,kind", [("btp", "cola"), ("fullrank-tp", "llama")])
 def test_strategy_without_gqa(strategy, kind):
     cfg = Config(replace(TINY, kind=kind, n_kv_heads=0), TrainConfig(strategy=strategy, mesh="data=1,model=4",
                                                                      batch=2, seq=8))
-    loss_err, grad_err = _compare(cfg, seed=3)
-    assert loss_err < 1e-5 and grad_err < 1e-5, (loss_err, grad_err)
+    assert_matches(*_compare(cfg, seed=3))
 
 
 def test_data_parallel_only():
     cfg = Config(replace(TINY, kind="cola"), TrainConfig(strategy="none", mesh="data=4", batch=8, seq=8))
-    loss_err, grad_err = _compare(cfg, seed=11)
-    assert loss_err < 1e-5 and grad_err < 1e-5, (loss_err, grad_err)
+    assert_matches(*_compare(cfg, seed=11))
 
 
 @pytest.mark.parametrize("field,overrides,strategy", [
