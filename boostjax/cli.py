@@ -13,7 +13,7 @@ import sys
 import typing
 from typing import Any, Callable, Sequence
 
-from boostjax.config import (MODEL_KINDS, PRESETS, Config, ConfigError, ModelConfig, TrainConfig,
+from boostjax.config import (PRESETS, Config, ConfigError, ModelConfig, TrainConfig,
                              preset, validate)
 
 _RENAMED = {"kind": "model"}  # config field -> flag name where they differ
