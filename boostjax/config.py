@@ -237,6 +237,9 @@ def _validate_pipeline(t: TrainConfig, m: ModelConfig) -> None:
     _need(t.microbatches == 0 or local % t.microbatches == 0,
           f"train.microbatches: the batch per data shard ({t.batch}/data={data} = {local}) is not divisible "
           f"by {t.microbatches} micro-batches; fix: pass --microbatches a divisor of {local} or 0 (auto)")
+    _need(local * t.seq % stages == 0,
+          f"train.seq: the head and loss are split over the stages by tokens, and the {local}x{t.seq} tokens "
+          f"per data shard do not split into stage={stages} equal parts; fix: pass --seq a multiple of {stages}")
     _need(t.pipeline_delay == 1, "train.pipeline_delay: delay emulation and real pipeline stages exclude each "
                                  "other; fix: drop --pipeline-delay or the stage= axis of --mesh")
     _need(t.optimizer != "rotation", "train.optimizer: basis rotation is not implemented for stage-stacked "

@@ -2,6 +2,7 @@
 match the single-device reference, with DP and TP (BTP included); bad splits fail before compiling;
 a stage-mesh run checkpoints, resumes bit-identically and loads back per layer."""
 
+import re
 import shutil
 from dataclasses import replace
 
@@ -43,6 +44,21 @@ def test_stage_parameters_are_sharded_over_stage():
         assert shard.index[0] == slice(2 * stage, 2 * stage + 2)
 
 
+def test_each_stage_runs_the_head_on_its_share_of_the_tokens():
+    """The last stage's features are scattered over the stages: every stage's logits cover b·t/P tokens
+    (and V/T vocabulary entries), not the whole batch."""
+    cfg = validate(Config(replace(TINY, n_layers=4), TrainConfig(strategy="btp", mesh="data=2,stage=2,model=2",
+                                                                 batch=8, seq=8)))
+    graphdef, params = init_model(cfg)
+    plan = placement(cfg, graphdef, params)
+    batch = {k: np.zeros((8, 8), np.int32) for k in ("inputs", "targets")}
+    text = jax.jit(plan.loss_fn).lower(plan.put_params(params), plan.put_batch(batch)).as_text()
+    tokens, vocab = 8 // 2 * 8, TINY.vocab_size // 2  # per data shard; per model shard
+    # leading sizes of every [..., V/T] f32 tensor (logits and their softmax terms; head weights are [d, V/T])
+    rows = {int(np.prod([int(n) for n in dims.split("x")])) for dims in re.findall(rf"tensor<([0-9x]+)x{vocab}xf32>", text)}
+    assert tokens // 2 in rows and tokens not in rows, rows  # half the shard's tokens per stage, never all
+
+
 def test_bubble_fraction_and_microbatches():
     assert bubble_fraction(1, 4) == 0.0 and bubble_fraction(2, 4) == 0.2 and bubble_fraction(4, 8) == 3 / 11
     auto = TrainConfig(mesh="data=2,stage=2", batch=16)  # 8 per data shard, at most 4 x 2 micro-batches
@@ -58,6 +74,7 @@ def test_bubble_fraction_and_microbatches():
     (dict(n_layers=4), dict(mesh="data=2,stage=2", batch=7), "train.batch"),
     (dict(n_layers=4), dict(mesh="data=2", microbatches=2), "train.microbatches"),
     (dict(n_layers=4), dict(mesh="stage=2", pipeline_delay=2), "train.pipeline_delay"),
+    (dict(n_layers=4), dict(mesh="stage=4", batch=1, seq=6, microbatches=1), "train.seq"),
 ])
 def test_bad_pipeline_configs_fail_before_compile(model_kw, train_kw, field):
     cfg = Config(replace(TINY, **model_kw), TrainConfig(**train_kw))

@@ -3,9 +3,9 @@
 Layout. The training state keeps the blocks *stacked*: `params["layers"]` is one Block-shaped tree
 whose leaves carry a leading layer axis `[L, ...]`, sharded `P("stage", *tp_spec)` (`stage_specs`), so
 stage `s` holds exactly its contiguous layers `[s·L/P, (s+1)·L/P)`. Embedding, final norm and LM head
-keep their TP spec and are replicated over `stage`; only stage 0 uses the embedding and only the
-last stage the norm and head, so their gradients come from those stages (shard_map sums the zero
-contributions of the others). `stack_layers` / `unstack_layers` convert to and from the canonical
+keep their TP spec and are replicated over `stage`; only stage 0 uses the embedding (the others
+contribute zero to its gradient), and every stage runs norm and head on its share of the tokens
+(below). `stack_layers` / `unstack_layers` convert to and from the canonical
 per-layer layout (`layers: {0: Block, 1: Block, ...}`) that `TrainResult`, `load_run` and
 `export-hf` see; checkpoints hold the training (stacked) layout and `Checkpointer.restore_params`
 unstacks them.
@@ -13,9 +13,12 @@ unstacks them.
 Schedule (GPipe). Each data shard's batch is cut into M micro-batches. At tick `t` (M + P - 1 ticks)
 stage `s` runs its layers on micro-batch `t - s` (stage 0 reads it from the embedding, the others
 receive it from stage `s - 1` by `ppermute`); the last stage's outputs of ticks `P-1 ... M+P-2` are
-the M micro-batches' features, on which it computes norm, head and loss. The backward is the
-autodiff of this loop: all forwards, then all backwards in reverse tick order (GPipe with a flush).
-Idle fraction of every stage: `bubble_fraction(P, M) = (P - 1) / (M + P - 1)`.
+the M micro-batches' features. One `psum_scatter` over `stage` hands each stage 1/P of those tokens,
+and every stage computes final norm, LM head and loss on its share: the head's GEMMs and fp32 logits
+are split P ways instead of run by every stage (a stage-dependent `cond` around the head would idle
+the others but puts collectives under a conditional, which XLA's CPU runtime deadlocks on).
+The backward is the autodiff of this loop: all forwards, then all backwards in reverse tick order
+(GPipe with a flush). Idle fraction of every stage: `bubble_fraction(P, M) = (P - 1) / (M + P - 1)`.
 """
 
 from __future__ import annotations
@@ -133,11 +136,14 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int) -> Calla
         carry0 = jax.lax.pcast(jnp.zeros_like(emb_mbtd[0]), STAGE, to="varying")
         _, out_kbtd = jax.lax.scan(tick, carry0, jnp.concatenate([emb_mbtd, fill]))
         # on the last stage, ticks P-1 .. M+P-2 carry micro-batches 0 .. M-1 through all layers
-        y_btd = out_kbtd[stages - 1:].reshape(b, t, -1)
-        logits_btv = top.logits(top.final_norm(y_btd, coll))
-        loss = vocab_parallel_cross_entropy(logits_btv, targets_bt, coll)
-        loss = jax.lax.psum(jnp.where(s == stages - 1, loss, 0.0), STAGE)
-        return jax.lax.pmean(loss, "data")
+        y_nd = jnp.where(s == stages - 1, out_kbtd[stages - 1:], 0).reshape(b * t, -1)
+        # each stage gets tokens [s·n, (s+1)·n) of the last stage's features and their targets
+        y_nd = jax.lax.psum_scatter(y_nd, STAGE, scatter_dimension=0, tiled=True)
+        n = b * t // stages
+        targets_n = jax.lax.dynamic_slice_in_dim(targets_bt.reshape(b * t), s * n, n)
+        logits_1nv = top.logits(top.final_norm(y_nd[None], coll))
+        loss = vocab_parallel_cross_entropy(logits_1nv, targets_n[None], coll)  # mean over the stage's share
+        return jax.lax.pmean(loss, ("data", STAGE))
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
     return lambda params, batch: sharded(params, batch["inputs"], batch["targets"])
@@ -156,6 +162,9 @@ def pipeline_placement(cfg: Config, params_like: Any, mesh: Mesh):
     if local % n_micro:
         raise ConfigError(f"train.microbatches: the batch per data shard ({local}) is not divisible by "
                           f"{n_micro} micro-batches; fix: pass --microbatches a divisor of {local} or 0 (auto)")
+    if local * cfg.train.seq % stages:
+        raise ConfigError(f"train.seq: the {local}x{cfg.train.seq} tokens per data shard do not split into "
+                          f"stage={stages} equal parts for the head; fix: pass --seq a multiple of {stages}")
     stacked_like = jax.eval_shape(stack_layers, params_like)
     specs = stage_specs(cfg.train.strategy, stacked_like, mesh.shape["model"])
     p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
