@@ -148,30 +148,19 @@ def markdown(res: dict) -> str:
 
 
 def chart(res: dict, path: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
+    from strategy_bars import save, strategy_bars, subplots  # noqa: PLC0415
 
     names = list(res["runs"])
-    x = np.arange(len(names))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{n.upper()} TP{res['runs'][n]['btp']['tp']}" for n in names]
+    fig, axes = subplots(2, (11, 4))
     for ax, key, title in ((axes[0], "forward_allreduce_bytes_per_layer", "forward, per layer"),
                            (axes[1], "allreduce_bytes_per_layer", "forward + backward, per layer")):
-        for i, strategy in enumerate(STRATEGIES):
-            vals = [res["runs"][n][strategy][key] / GIB for n in names]
-            ax.bar(x + (i - 1) * 0.27, vals, 0.27, label=NAMES[strategy])
-            if key.startswith("forward") and "7b" in names:
-                ax.plot(names.index("7b") + (i - 1) * 0.27, PAPER_7B[strategy], "k_", markersize=14,
-                        label="BOOST 7B (paper)" if i == 0 else None)
-        ax.set_xticks(x, [f"{n.upper()} TP{res['runs'][n]['btp']['tp']}" for n in names])
-        ax.set_ylabel("all-reduce GiB per device")
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"All-reduce volume from compiled HLO (batch {BATCH}, seq {SEQ}, bf16)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        bars = {s: [res["runs"][n][s][key] / GIB for n in names] for s in STRATEGIES}
+        ticks = ({s: [PAPER_7B[s] if n == "7b" else None for n in names] for s in STRATEGIES}
+                 if key.startswith("forward") else None)
+        strategy_bars(ax, labels, bars, NAMES, ticks=ticks, tick_label="BOOST 7B (paper)",
+                      ylabel="all-reduce GiB per device", title=title)
+    save(fig, path, f"All-reduce volume from compiled HLO (batch {BATCH}, seq {SEQ}, bf16)")
 
 
 def main(argv: list[str] | None = None) -> int:

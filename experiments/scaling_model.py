@@ -378,31 +378,20 @@ def markdown(res: dict) -> str:
 
 
 def chart(res: dict, path: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from strategy_bars import save, strategy_bars, subplots  # noqa: PLC0415
 
     rows = res["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = subplots(2, (12, 4.2))
     for ax, table, title in ((axes[0], "paper", "A100: model (bars) vs BOOST (black ticks)"),
                              (axes[1], None, "H200 projection")):
         sel = [r for r in rows if (r["table"] == table if table else r["table"] in ("h200", "big"))]
         setups = list(dict.fromkeys(r["setup"] for r in sel))
-        x = np.arange(len(setups))
-        for i, s in enumerate(STRATEGIES):
-            vals = [next(r for r in sel if r["setup"] == u and r["strategy"] == s) for u in setups]
-            ax.bar(x + (i - 1) * 0.27, [v["iteration_s"] for v in vals], 0.27, label=NAMES[s])
-            if table:
-                ax.plot(x + (i - 1) * 0.27, [v["paper_s"] for v in vals], "k_", markersize=14,
-                        label="BOOST (paper)" if i == 0 else None)
-        ax.set_xticks(x, setups, fontsize=8)
-        ax.set_ylabel("seconds per iteration")
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"Latency-bandwidth + roofline model from compiled HLO (eta = {res['eta']:.3f})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        cell = {(r["setup"], r["strategy"]): r for r in sel}
+        bars = {s: [cell[u, s]["iteration_s"] for u in setups] for s in STRATEGIES}
+        ticks = {s: [cell[u, s]["paper_s"] for u in setups] for s in STRATEGIES} if table else None
+        strategy_bars(ax, setups, bars, NAMES, ticks=ticks, tick_label="BOOST (paper)",
+                      ylabel="seconds per iteration", title=title, label_size=8)
+    save(fig, path, f"Latency-bandwidth + roofline model from compiled HLO (eta = {res['eta']:.3f})")
 
 
 def main(argv: list[str] | None = None) -> int:
