@@ -120,28 +120,42 @@ def test_rotation_optimizer_on_a_tp_mesh_matches_one_device(strategy):
     Parameters agree to rel 5e-2 (measured <= 1.1e-2), not to rounding like AdamW's (2e-8 here): the bases are
     eigenvectors of Gram matrices of a few tiny batches, whose close or zero eigenvalues make them
     sensitive to the rounding of the sharded matmuls, and early Adam steps are nearly sign steps."""
+    model = ModelConfig(kind="cola", d_model=32, n_layers=1, n_heads=2, d_ff=64, rank=16, max_seq_len=16)
+    train = TrainConfig(batch=4, seq=16, optimizer="rotation", rot_refresh=2, progress=False)
+    ref, got = (_train_steps(model, t, 4) for t in (train, replace(train, strategy=strategy, mesh="data=1,model=2")))
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(ref[1]), jax.tree.leaves(got[1]), strict=True):
+        assert _rel(np.asarray(b), np.asarray(a)) < 5e-2
+
+
+def _train_steps(model: ModelConfig, train: TrainConfig, steps: int) -> tuple[list[float], dict]:
+    """Losses of `steps` training steps on the default corpus, and the final per-layer parameters."""
     from boostjax.data import BatchIterator, load_corpus  # noqa: PLC0415
     from boostjax.step import build_step_fns  # noqa: PLC0415
 
-    model = ModelConfig(kind="cola", d_model=32, n_layers=1, n_heads=2, d_ff=64, rank=16, max_seq_len=16)
-    train = TrainConfig(batch=4, seq=16, optimizer="rotation", rot_refresh=2, progress=False)
-    corpus = load_corpus("")
-    runs = []
-    for t in (train, replace(train, strategy=strategy, mesh="data=1,model=2")):
-        cfg = Config(model, t)
-        graphdef, params = init_model(cfg)
-        fns = build_step_fns(cfg, graphdef, params)
-        params, opt_state = fns.init(params)
-        data = BatchIterator(corpus.train, 4, 16, 0, vocab_size=model.vocab_size)
-        step = fns.compile(params, opt_state, data.batch_at(0))
-        losses = []
-        for _ in range(4):
-            params, opt_state, m = step(params, opt_state, fns.put_batch(data.next()))
-            losses.append(float(m["loss"]))
-        runs.append((losses, jax.device_get(fns.to_canonical(params))))
-    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1]), strict=True):
-        assert _rel(np.asarray(b), np.asarray(a)) < 5e-2
+    cfg = Config(model, train)
+    graphdef, params = init_model(cfg)
+    fns = build_step_fns(cfg, graphdef, params)
+    params, opt_state = fns.init(params)
+    data = BatchIterator(load_corpus("").train, train.batch, train.seq, 0, vocab_size=model.vocab_size)
+    step = fns.compile(params, opt_state, data.batch_at(0))
+    losses = []
+    for _ in range(steps):
+        params, opt_state, m = step(params, opt_state, fns.put_batch(data.next()))
+        losses.append(float(m["loss"]))
+    return losses, jax.device_get(fns.to_canonical(params))
+
+
+def test_pipeline_delay_emulation_on_a_tp_mesh_matches_one_device():
+    """`--pipeline-delay 2` (per-stage stale weights, PipeDream-LR's delay-scaled steps) on a
+    data=2 x model=2 BTP mesh: the single-device losses and parameters to fp32 rounding."""
+    model = ModelConfig(kind="cola", d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=16, max_seq_len=16)
+    train = TrainConfig(batch=4, seq=16, optimizer="pipedream-lr", pipeline_delay=2, progress=False)
+    ref, got = (_train_steps(model, t, 5) for t in (train, replace(train, strategy="btp", mesh="data=2,model=2")))
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    errs = {k: _rel(np.asarray(b), np.asarray(a)) for (k, a), (_, b) in
+            zip(jax.tree_util.tree_flatten_with_path(ref[1])[0], jax.tree_util.tree_flatten_with_path(got[1])[0])}
+    assert max(errs.values()) < 1e-6, errs
 
 
 @pytest.mark.parametrize("strategy", ["btp", "vanilla-tp"])
