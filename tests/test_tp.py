@@ -146,11 +146,13 @@ def _train_steps(model: ModelConfig, train: TrainConfig, steps: int) -> tuple[li
     return losses, jax.device_get(fns.to_canonical(params))
 
 
-def test_pipeline_delay_emulation_on_a_tp_mesh_matches_one_device():
-    """`--pipeline-delay 2` (per-stage stale weights, PipeDream-LR's delay-scaled steps) on a
-    data=2 x model=2 BTP mesh: the single-device losses and parameters to fp32 rounding."""
+@pytest.mark.parametrize("optimizer,delay", [("pipedream-lr", 2), ("adam8bit", 1)])
+def test_optimizers_on_a_tp_mesh_match_one_device(optimizer, delay):
+    """On a data=2 x model=2 BTP mesh, the single-device losses and parameters to fp32 rounding:
+    `--pipeline-delay 2` (per-stage stale weights, PipeDream-LR's delay-scaled steps) and the
+    block-quantised 8-bit Adam state."""
     model = ModelConfig(kind="cola", d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=16, max_seq_len=16)
-    train = TrainConfig(batch=4, seq=16, optimizer="pipedream-lr", pipeline_delay=2, progress=False)
+    train = TrainConfig(batch=4, seq=16, optimizer=optimizer, pipeline_delay=delay, progress=False)
     ref, got = (_train_steps(model, t, 5) for t in (train, replace(train, strategy="btp", mesh="data=2,model=2")))
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
     errs = {k: _rel(np.asarray(b), np.asarray(a)) for (k, a), (_, b) in
