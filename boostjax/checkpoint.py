@@ -1,17 +1,53 @@
-"""Orbax checkpoints of a run: parameters, optimizer state and the data iterator's position.
+"""Orbax checkpoints of a run that survive crashes, kills and damaged files.
 
-Saves are asynchronous (training continues while the previous step's arrays are written); the last
-`keep` are kept; `latest_step()` is what a restarted run resumes from. The state is saved in the
-training layout: per-layer, or with the layers stacked `[L, ...]` under a pipeline (`stage` mesh axis).
+A checkpoint `checkpoints/<step>/` holds the parameters, the optimizer state (Orbax `StandardSave`,
+in the training layout: per layer, or with the layers stacked `[L, ...]` under a pipeline) and the
+data iterator's position (`JsonSave`). On top of Orbax:
+
+- **Checksums.** When a save has committed, `SHA256SUMS` (the `sha256sum` format: `sha256sum -c`
+  checks it by hand) lists every file of the step with its digest. Before a restore every listed
+  file is hashed again; a missing, truncated or changed file makes the checkpoint *damaged*.
+- **Fallback.** `restore_latest` walks from the newest step to the oldest and restores the first one
+  that verifies and that Orbax can read; the damaged ones it passed are reported (and, by the
+  writer, moved aside to `checkpoints-aside/`, never deleted).
+- **Atomic clean-up.** Old steps beyond `keep` are renamed into `checkpoints/.trash/` (one atomic
+  step) and only then deleted, so a kill never leaves a half-deleted step where a restore looks.
+  Orbax's own temporary folders of an interrupted save are removed when a writer opens the folder.
+
+A step without `SHA256SUMS` (written by an older boostjax, or the process died between the commit
+and the checksums) is restored unverified, with a note.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
-from typing import Any
+import shutil
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
+
+MANIFEST = "SHA256SUMS"
+TRASH = ".trash"
+ASIDE = "checkpoints-aside"  # sibling of checkpoints/: damaged or non-finite steps, kept for inspection
+
+
+class CheckpointError(ValueError):
+    """No checkpoint of a run folder can be restored; the message names the folder and the fix."""
+
+
+@dataclass
+class Restored:
+    step: int
+    params: Any
+    opt_state: Any
+    data_state: dict
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (step, why) of newer, damaged steps
+    verified: bool = True
 
 
 def _intify(tree: Any) -> Any:
@@ -21,29 +57,172 @@ def _intify(tree: Any) -> Any:
     return tree
 
 
+def _sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(step_dir: pathlib.Path) -> None:
+    """`SHA256SUMS` of every file under `step_dir`, replaced in one step (never half written)."""
+    lines = [f"{_sha256(p)}  {p.relative_to(step_dir).as_posix()}\n" for p in _files(step_dir)]
+    tmp = step_dir / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(step_dir / MANIFEST)
+
+
+def verify_manifest(step_dir: pathlib.Path) -> str | None:
+    """Why `step_dir` is damaged (a file missing or changed since its save), or None if it verifies.
+    Raises FileNotFoundError when the step has no manifest (nothing to verify against)."""
+    manifest = step_dir / MANIFEST
+    try:
+        text = manifest.read_text()
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{MANIFEST} unreadable ({e.__class__.__name__})"
+    entries = [line.split("  ", 1) for line in text.splitlines() if line.strip()]
+    if not entries or any(len(e) != 2 or len(e[0]) != 64 for e in entries):
+        return f"{MANIFEST} is malformed"
+    for digest, rel in entries:
+        path = step_dir / rel
+        try:
+            if _sha256(path) != digest:
+                return f"{rel}: checksum mismatch"
+        except FileNotFoundError:
+            return f"{rel}: missing"
+        except OSError as e:
+            return f"{rel}: unreadable ({e.strerror or e.__class__.__name__})"
+    return None
+
+
+def _reason(e: BaseException) -> str:
+    """A one-line, short account of why Orbax could not read a step."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{e.__class__.__name__}: {first[:160]}" if first else e.__class__.__name__
+
+
+def step_dirs(directory: pathlib.Path) -> list[int]:
+    """Committed steps under `directory` (folders named by an integer), oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
 class Checkpointer:
-    def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, async_save: bool = True):
+    """Saves (asynchronously) and restores the checkpoints of one run folder.
+
+    `writer=False` opens the folder for reading only: nothing is created, cleaned or moved.
+    """
+
+    def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, async_save: bool = True,
+                 writer: bool = True, primary: bool = True):
         self.directory = pathlib.Path(directory).absolute()
+        self.keep, self.writer, self.primary = keep, writer, primary
+        if writer and primary:
+            shutil.rmtree(self.directory / TRASH, ignore_errors=True)  # a clean-up a kill interrupted
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+            max_to_keep=None, create=writer, cleanup_tmp_directories=writer,
+            enable_async_checkpointing=async_save and writer,
         )
         self._mgr = ocp.CheckpointManager(self.directory, options=options)
+        self._finishing: threading.Thread | None = None
+        self._finish_error: BaseException | None = None
+
+    # --------------------------------------------------------------------------------- listing
+
+    def steps(self) -> list[int]:
+        return step_dirs(self.directory)
 
     def latest_step(self) -> int | None:
-        return self._mgr.latest_step()
+        steps = self.steps()
+        return steps[-1] if steps else None
 
-    def all_steps(self) -> list[int]:
-        return list(self._mgr.all_steps())
+    def verify(self, step: int) -> tuple[str | None, bool]:
+        """(why the step is damaged or None, whether it had checksums to verify against)."""
+        try:
+            return verify_manifest(self.directory / str(step)), True
+        except FileNotFoundError:
+            return None, False
+
+    # ---------------------------------------------------------------------------------- saving
 
     def save(self, step: int, params: Any, opt_state: Any, data_state: dict) -> None:
+        """Start an asynchronous save of `step`; its checksums are written once it has committed."""
+        self._join()
         state = {"params": params, "opt_state": opt_state}
-        self._mgr.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
-        )
+        self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                     data=ocp.args.JsonSave(data_state)), force=True)
+        self._finishing = threading.Thread(target=self._finish, args=(step,), name=f"ckpt-finish-{step}",
+                                           daemon=True)
+        self._finishing.start()
 
-    def restore(self, step: int, params_like: Any, opt_state_like: Any) -> tuple[Any, Any, dict]:
-        """Restore into the structure (and shardings) of `params_like` / `opt_state_like`."""
+    def _finish(self, step: int) -> None:
+        try:
+            self._mgr.wait_until_finished()
+            if self.primary:
+                write_manifest(self.directory / str(step))
+                self._prune(step)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by `_join`
+            self._finish_error = e
+
+    def _prune(self, newest: int) -> None:
+        """Keep the newest `keep` steps up to `newest`; older ones go through `.trash/` (atomic)."""
+        old = [s for s in self.steps() if s <= newest][:-self.keep]
+        if not old:
+            return
+        trash = self.directory / TRASH
+        trash.mkdir(exist_ok=True)
+        for s in old:
+            (self.directory / str(s)).rename(trash / str(s))
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _join(self) -> None:
+        if self._finishing is not None:
+            self._finishing.join()
+            self._finishing = None
+            self._mgr.reload()
+        if self._finish_error is not None:
+            err, self._finish_error = self._finish_error, None
+            raise err
+
+    def wait(self) -> None:
+        """Block until the last save has committed and its checksums are written."""
+        self._mgr.wait_until_finished()
+        self._join()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._mgr.close()
+
+    def set_aside(self, step: int, why: str) -> pathlib.Path:
+        """Move step `step` out of the way (to `checkpoints-aside/`), keeping it for inspection."""
+        self.wait()
+        aside = self.directory.parent / ASIDE
+        aside.mkdir(exist_ok=True)
+        target = aside / f"{step}-{why}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = aside / f"{step}-{why}-{n}"
+        (self.directory / str(step)).rename(target)
+        self._mgr.reload()
+        return target
+
+    # -------------------------------------------------------------------------------- restoring
+
+    def _restore_state(self, step: int, params_like: Any, opt_state_like: Any) -> tuple[Any, Any, dict]:
         target = {"params": params_like, "opt_state": opt_state_like}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         out = self._mgr.restore(
@@ -52,21 +231,60 @@ class Checkpointer:
         )
         state = out["state"]
         opt_state = jax.tree.unflatten(jax.tree.structure(opt_state_like), jax.tree.leaves(state["opt_state"]))
-        return state["params"], opt_state, dict(out["data"])
+        data = out["data"]
+        if not isinstance(data, dict) or "step" not in data:
+            raise ValueError("the data item holds no iterator position")
+        return state["params"], opt_state, dict(data)
 
-    def restore_params(self, step: int | None = None) -> dict:
-        """Parameters alone, without knowing the optimizer's state: for export and evaluation. Always
-        in the canonical per-layer layout (a pipeline run's stacked layers are unstacked)."""
+    def _first_restorable(self, read: Callable[[int], Any], steps: list[int] | None = None,
+                          ) -> tuple[int, Any, list[tuple[int, str]], bool] | None:
+        """(step, what `read(step)` gave, damaged newer steps, verified) of the newest step that
+        verifies and reads; None when the folder holds no step. CheckpointError if none reads."""
+        steps = self.steps() if steps is None else steps
+        skipped: list[tuple[int, str]] = []
+        for step in reversed(steps):
+            why, verified = self.verify(step)
+            if why is None:
+                try:
+                    return step, read(step), skipped, verified
+                except Exception as e:  # noqa: BLE001 - any failure to read means "damaged"
+                    why = _reason(e)
+            skipped.append((step, why))
+        if not skipped:
+            return None
+        detail = "; ".join(f"step {s}: {w}" for s, w in skipped)
+        raise CheckpointError(
+            f"checkpoints: no checkpoint in {self.directory} can be restored ({detail}); fix: move the "
+            f"checkpoints folder aside to start the run afresh, or pass another run folder")
+
+    def restore_latest(self, params_like: Any, opt_state_like: Any) -> Restored | None:
+        """The newest restorable checkpoint into the structure (and shardings) of the `*_like`
+        trees; None when there is no checkpoint. Damaged newer steps are listed in `skipped`."""
+        self.wait()
+        got = self._first_restorable(lambda s: self._restore_state(s, params_like, opt_state_like))
+        if got is None:
+            return None
+        step, (params, opt_state, data_state), skipped, verified = got
+        return Restored(step, params, opt_state, data_state, skipped, verified)
+
+    def _restore_params(self, step: int) -> dict:
+        out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        return out["state"]["params"]
+
+    def restore_params(self, step: int | None = None) -> tuple[int, dict, list[tuple[int, str]]]:
+        """(step, parameters, damaged newer steps) without knowing the optimizer's state, for export
+        and evaluation: the given step, or the newest restorable one. Always in the canonical
+        per-layer layout (a pipeline run's stacked layers are unstacked)."""
         from boostjax.sharding.pipeline import unstack_layers  # noqa: PLC0415
 
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}; fix: train first or pass another --run")
-        out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-        return unstack_layers(_intify(out["state"]["params"]))
-
-    def wait(self) -> None:
-        self._mgr.wait_until_finished()
-
-    def close(self) -> None:
-        self._mgr.close()
+        steps = self.steps()
+        if step is not None and step not in steps:
+            have = ", ".join(map(str, steps)) or "none"
+            raise CheckpointError(f"step: no checkpoint {step} in {self.directory} (have: {have}); "
+                                  f"fix: pass one of them or omit --step for the newest")
+        got = self._first_restorable(self._restore_params, [step] if step is not None else steps)
+        if got is None:
+            raise CheckpointError(f"checkpoints: no checkpoint in {self.directory}; fix: train first "
+                                  f"(boostjax train --out RUN) or pass another run folder")
+        found, params, skipped, _ = got
+        return found, unstack_layers(_intify(params)), skipped

@@ -69,6 +69,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     if setup(cfg.train) is None:  # a multi-host job simulates each process's share of the devices
         simulate_for_mesh(cfg.train.mesh)
+    from boostjax.interrupt import TrainingInterrupted  # noqa: PLC0415
     from boostjax.train import NonFiniteLoss, train  # noqa: PLC0415 (after the device count is set)
 
     try:
@@ -76,6 +77,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except NonFiniteLoss as e:
         print(f"boostjax: {e}", file=sys.stderr)
         return 1
+    except TrainingInterrupted as e:
+        if is_main_process():
+            print(f"boostjax: {e}", file=sys.stderr)
+        return e.exit_code
     if is_main_process():
         print(result.summary)
     return 0
@@ -85,6 +90,9 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
     from boostjax.hf import to_hf  # noqa: PLC0415
     from boostjax.run import load_run  # noqa: PLC0415
 
+    from boostjax.runfolder import check_export_target  # noqa: PLC0415
+
+    check_export_target(args.out)
     cfg, model, step = load_run(args.run, args.step)
     path = to_hf(model, args.out, dtype=args.dtype)
     print(f"exported step {step} of {args.run} ({cfg.model.kind}) to {path} in Hugging Face LLaMA layout")

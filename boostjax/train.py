@@ -4,10 +4,12 @@
     result = train(Config(ModelConfig(kind="cola"), TrainConfig(steps=200, out="runs/nb")))
     result.metrics[-1]["loss"], result.model(tokens)
 
-A run folder holds `config.json`, `metrics.jsonl` (one JSON object per logged step) and Orbax
-`checkpoints/`. Starting a run in a folder that has checkpoints resumes from the latest one; the
-data iterator's position is part of the checkpoint, so the resumed losses equal an uninterrupted run's.
-In a multi-host job (`boostjax.multihost`) every process runs `train`; process 0 writes the files.
+A run folder (`boostjax.runfolder`) holds `config.json`, `metrics.jsonl` (one JSON object per logged
+step) and checksummed Orbax `checkpoints/` (`boostjax.checkpoint`). Starting a run in a folder that
+has checkpoints resumes from the newest one that verifies; the data iterator's position is part of
+the checkpoint, so the resumed losses equal an uninterrupted run's. SIGINT / SIGTERM stop the run
+after the current step with a consistent checkpoint (`boostjax.interrupt`). In a multi-host job
+(`boostjax.multihost`) every process runs `train`; process 0 writes the files.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import signal
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -25,11 +30,13 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from boostjax import multihost
-from boostjax.checkpoint import Checkpointer
-from boostjax.config import Config, ConfigError, TrainConfig, parse_mesh, validate
+from boostjax.checkpoint import CheckpointError, Checkpointer, step_dirs
+from boostjax.config import Config, ConfigError, TrainConfig, parse_mesh, validate, warmup_steps
 from boostjax.data import BatchIterator, eval_batches, load_corpus
+from boostjax.interrupt import StopSignals, TrainingInterrupted
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA
+from boostjax.runfolder import RunFolder
 from boostjax.step import StepFns, build_step_fns
 
 
@@ -66,49 +73,44 @@ def init_model(cfg: Config) -> tuple[Any, dict]:
     return graphdef, state.to_pure_dict()
 
 
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-    """Replace `path` in one step, so other processes never read half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def stacked_layers(t: TrainConfig) -> bool:
     """Whether a run's training state keeps its layers stacked (pipeline stages, `stage` > 1)."""
     return parse_mesh(t.mesh).get("stage", 1) > 1
 
 
-def _prepare_out_dir(cfg: Config) -> pathlib.Path:
-    out = pathlib.Path(cfg.train.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg_path = out / "config.json"
-    if cfg_path.exists() and (out / "checkpoints").exists():
-        old = Config.from_dict(json.loads(cfg_path.read_text()))
-        if old.model != cfg.model:
-            raise ConfigError(
-                f"out: {out} holds a run of a different model; fix: pass another --out or the same model flags"
-            )
-        was, now = stacked_layers(old.train), stacked_layers(cfg.train)
-        if was != now:
-            layout = {True: "stacked layers (a stage mesh)", False: "per-layer parameters (no stage axis)"}
-            raise ConfigError(f"train.mesh: {out} holds checkpoints with {layout[was]} but this mesh trains "
-                              f"{layout[now]}; fix: resume {'with' if was else 'without'} stage > 1 in --mesh, "
-                              f"or pass another --out")
-    multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
-    if multihost.is_main_process():
-        _write_atomic(cfg_path, cfg.to_json() + "\n")
-    return out
+def _check_layout(folder: RunFolder, old: Config, cfg: Config) -> None:
+    was, now = stacked_layers(old.train), stacked_layers(cfg.train)
+    if was != now:
+        layout = {True: "stacked layers (a stage mesh)", False: "per-layer parameters (no stage axis)"}
+        raise ConfigError(f"train.mesh: {folder.path} holds checkpoints with {layout[was]} but this mesh trains "
+                          f"{layout[now]}; fix: resume {'with' if was else 'without'} stage > 1 in --mesh, "
+                          f"or pass another --out")
 
 
-def _trim_metrics(path: pathlib.Path, last_step: int) -> list[dict]:
-    """Keep the records up to the checkpoint we resume from (later ones are recomputed)."""
-    if not path.exists():
-        return []
-    kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    kept = [m for m in kept if m["step"] <= last_step]
+def _say(msg: str) -> None:
+    """One line on stderr from process 0 (what happened to a checkpoint, where a run stopped)."""
     if multihost.is_main_process():
-        _write_atomic(path, "".join(json.dumps(m) + "\n" for m in kept))
-    return kept
+        print(f"boostjax: {msg}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _lock_if_main(folder: RunFolder) -> Iterator[None]:
+    """Process 0 holds the run folder's lock (the other processes of a job share its folder)."""
+    if multihost.is_main_process():
+        with folder.lock():
+            yield
+    else:
+        yield
+
+
+def _fixes(t: TrainConfig) -> str:
+    """Remedies for a diverged run, none of them a value that is already set."""
+    out = [f"lower --lr (now {t.lr:g}; e.g. --lr {t.lr / 10:g})"]
+    if t.clip == 0:
+        out.append("clip gradients with --clip 1.0")
+    if warmup_steps(t) < min(1000, t.steps // 10):
+        out.append(f"raise --warmup (now {warmup_steps(t)} steps)")
+    return ", ".join(out[:-1]) + (" or " if len(out) > 1 else "") + out[-1]
 
 
 def _evaluate(fns: StepFns, params, batches: list[dict]) -> float:
@@ -116,36 +118,78 @@ def _evaluate(fns: StepFns, params, batches: list[dict]) -> float:
     return float(np.mean(jax.device_get(losses)))
 
 
+def _restore(ckpt: Checkpointer, params, opt_state, data: BatchIterator) -> tuple[int, Any, Any]:
+    """Resume from the newest checkpoint that verifies and restores (damaged newer ones are moved to
+    `checkpoints-aside/` with one line each); (0, params, opt_state) when there is none."""
+    restored = ckpt.restore_latest(params, opt_state)  # CheckpointError when none restores
+    if restored is None:
+        return 0, params, opt_state
+    for step, why in restored.skipped:
+        where = ckpt.set_aside(step, "damaged") if multihost.is_main_process() else None
+        _say(f"checkpoint {step} in {ckpt.directory} cannot be restored ({why}); "
+             f"moved to {where}; resuming from step {restored.step}")
+    multihost.barrier("boostjax-damaged-set-aside")
+    if not restored.verified:
+        _say(f"checkpoint {restored.step} has no checksums (the run stopped before they were written, or an "
+             f"older boostjax wrote it); restored without verification")
+    data.restore(restored.data_state)
+    if data.step != restored.step:
+        raise CheckpointError(f"checkpoints: step {restored.step} in {ckpt.directory} holds the data position "
+                              f"{data.step}; fix: move that checkpoint aside")
+    return restored.step, restored.params, restored.opt_state
+
+
 def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> TrainResult:
-    """Train (or resume) the run described by `cfg`; returns the metrics and final parameters."""
+    """Train (or resume) the run described by `cfg`; returns the metrics and final parameters.
+
+    Raises `TrainingInterrupted` (a KeyboardInterrupt) after SIGINT/SIGTERM once a consistent
+    checkpoint is saved, `NonFiniteLoss` when the loss diverges, `ConfigError` / `CheckpointError`
+    for what cannot run (before anything is written or compiled where the configuration is at fault).
+    """
     validate(cfg)
     t = cfg.train
     multihost.setup(t)  # joins a multi-host job before JAX starts (a no-op for one process or if done)
-    corpus = load_corpus(t.data, t.data_dtype)
-    graphdef, params = init_model(cfg)
-    fns = build_step_fns(cfg, graphdef, params)  # checks strategy, mesh and shapes: nothing written yet
-    out = _prepare_out_dir(cfg)
-    params, opt_state = fns.init(params)
+    folder = RunFolder(t.out)
+    if multihost.is_main_process():
+        folder.check_target()
+    with StopSignals(multi_process=jax.process_count() > 1) as stop, _lock_if_main(folder):
+        old = folder.stored_config()
+        resuming = bool(step_dirs(folder.checkpoints))
+        changes = folder.check_resume(old, cfg, resuming)
+        if resuming and old is not None:
+            _check_layout(folder, old, cfg)
+        corpus = load_corpus(t.data, t.data_dtype)
+        graphdef, params = init_model(cfg)
+        fns = build_step_fns(cfg, graphdef, params)  # checks strategy, mesh and shapes: nothing written yet
+        multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
+        params, opt_state = fns.init(params)
+        share, count = fns.batch_share  # the block of each global batch's rows this process loads
+        data = BatchIterator(corpus.train, t.batch, t.seq, t.seed, vocab_size=cfg.model.vocab_size,
+                             process_index=share, process_count=count)
+        ckpt = Checkpointer(folder.checkpoints, keep=t.keep_ckpts, primary=multihost.is_main_process())
+        try:
+            start, params, opt_state = _restore(ckpt, params, opt_state, data) if resuming else (0, params, opt_state)
+            if multihost.is_main_process():
+                folder.write_config(cfg, start, changes)
+            metrics = folder.trim_metrics(start, write=multihost.is_main_process())
+            return _loop(cfg, graphdef, fns, ckpt, folder, stop, data, params, opt_state, start, metrics, corpus, on_log)
+        finally:
+            ckpt.close()
 
-    ckpt = Checkpointer(out / "checkpoints", keep=t.keep_ckpts)
-    start = ckpt.latest_step() or 0
-    share, count = fns.batch_share  # the block of each global batch's rows this process loads
-    data = BatchIterator(corpus.train, t.batch, t.seq, t.seed, vocab_size=cfg.model.vocab_size,
-                         process_index=share, process_count=count)
-    if start:
-        params, opt_state, data_state = ckpt.restore(start, params, opt_state)
-        data.restore(data_state)
-    metrics_path = out / "metrics.jsonl"
-    metrics = _trim_metrics(metrics_path, start)
+
+def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFolder, stop: StopSignals,
+          data: BatchIterator, params, opt_state, start: int, metrics: list[dict], corpus,
+          on_log: Callable[[dict], None] | None) -> TrainResult:
+    t = cfg.train
+    share, count = fns.batch_share
     val_batches = eval_batches(corpus.val, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
                                process_index=share, process_count=count)
-
     t0 = time.perf_counter()
     step_fn = fns.compile(params, opt_state, data.batch_at(start))
     compile_s = time.perf_counter() - t0
     tokens_per_step = t.batch * t.seq
     fpt = flops_per_token(cfg.model, t.seq)
-    writer = open(metrics_path, "a") if multihost.is_main_process() else None
+    writer = open(folder.metrics_path, "a") if multihost.is_main_process() else None
 
     def log(record: dict) -> None:
         metrics.append(record)
@@ -158,26 +202,22 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
     if fns.info:  # e.g. the pipeline's schedule and bubble fraction, logged once per (re)start
         log({"step": start, **fns.info})
     pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet fetched
-    last_good = start
     bar = tqdm(total=t.steps, initial=start, disable=not t.progress or not multihost.is_main_process(),
                desc=f"{cfg.model.kind} {t.strategy}" + (f" bubble {fns.info['bubble_fraction']:.0%}"
                                                          if "bubble_fraction" in fns.info else ""),
                unit="step", dynamic_ncols=True)
     interval_t0, interval_steps = time.perf_counter(), 0
-    step = start
+    step = saved = start
     first_loss = next((m["loss"] for m in metrics if "loss" in m), None)
 
-    def flush_pending() -> None:
-        nonlocal pending, last_good, interval_t0, interval_steps, first_loss
+    def flush_pending(record: bool = True) -> None:
+        """Fetch the pending steps' metrics, stop on a non-finite one, log the newest."""
+        nonlocal pending, interval_t0, interval_steps, first_loss
         fetched = jax.device_get([m for _, m in pending])
         for (s, _), m in zip(pending, fetched):
             if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
-                raise NonFiniteLoss(
-                    f"non-finite loss {float(m['loss'])} (grad norm {float(m['grad_norm'])}) at step {s}; "
-                    f"stopped, the last good checkpoint "
-                    f"(step {ckpt.latest_step()}) is kept; fix: lower --lr, raise --warmup or use --clip 1.0"
-                )
-        if pending:
+                raise _diverged(cfg, ckpt, s, float(m["loss"]), float(m["grad_norm"]))
+        if pending and record:
             elapsed = time.perf_counter() - interval_t0
             s, m = pending[-1][0], fetched[-1]
             step_s = elapsed / max(interval_steps, 1)
@@ -187,12 +227,11 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
             first_loss = first_loss if first_loss is not None else float(fetched[0]["loss"])
             log(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-            last_good = s
         pending = []
         interval_t0, interval_steps = time.perf_counter(), 0
 
     try:
-        while step < t.steps:
+        while step < t.steps and not (stop.requested and not stop.multi_process):
             batch = fns.put_batch(data.next())
             params, opt_state, m = step_fn(params, opt_state, batch)
             step += 1
@@ -205,15 +244,22 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
                 log({"step": step, "val_loss": _evaluate(fns, params, val_batches)})
             if step % t.ckpt_every == 0 or step == t.steps:
                 ckpt.save(step, params, opt_state, data.state())
-    except KeyboardInterrupt:
-        flush_pending()
-        if last_good == step and step > (ckpt.latest_step() or 0):
-            ckpt.save(step, params, opt_state, data.state())
-        raise
+                saved = step
+            if stop.should_stop(step):
+                break
+        if stop.requested and step < t.steps:
+            stop.saving = f"saving the checkpoint of step {step}"
+            flush_pending(record=False)  # a diverged step is never saved
+            if step > saved:
+                ckpt.save(step, params, opt_state, data.state())
+                saved = step
+            ckpt.wait()
+            name = signal.Signals(stop.signum).name
+            where = (f"checkpoint {saved} is in {ckpt.directory}" if saved else "no checkpoint was written yet")
+            raise TrainingInterrupted(f"stopped by {name} after step {step}; {where}; resume with the same "
+                                      f"command (--out {folder.path})", stop.signum, saved or None)
     finally:
         bar.close()
-        ckpt.wait()
-        ckpt.close()
         if writer:
             writer.close()
 
@@ -225,10 +271,26 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
         f"steps {start}->{step}, loss {first_loss if first_loss is not None else float('nan'):.3f} -> "
         f"{final.get('loss', float('nan')):.3f} (val {val:.3f}), "
         f"{np.median(speed) if speed else float('nan'):.0f} tok/s, compile {compile_s:.1f}s, "
-        f"checkpoints in {out / 'checkpoints'}"
+        f"checkpoints in {ckpt.directory}"
     )
     if "bubble_fraction" in fns.info:
         summary += (f"; pipeline {fns.info['schedule']} P={fns.info['stages']} M={fns.info['microbatches']}, "
                     f"bubble {fns.info['bubble_fraction']:.1%}")
-    return TrainResult(cfg, metrics, fns.to_canonical(params), graphdef, out, resumed_from=start or None,
-                       summary=summary, extra={"compile_s": compile_s, **fns.info})
+    return TrainResult(cfg, metrics, fns.to_canonical(params), graphdef, folder.path,
+                       resumed_from=start or None, summary=summary, extra={"compile_s": compile_s, **fns.info})
+
+
+def _diverged(cfg: Config, ckpt: Checkpointer, step: int, loss: float, grad_norm: float) -> NonFiniteLoss:
+    """The error for a non-finite loss at `step`. The parameters that produced it are those of step
+    `step - 1`: if that step was checkpointed, the checkpoint is moved aside, so the newest one left
+    is one whose parameters gave a finite loss and gradient."""
+    ckpt.wait()
+    bad = step - 1
+    moved = ""
+    if bad in ckpt.steps():
+        where = ckpt.set_aside(bad, "nonfinite") if multihost.is_main_process() else None
+        moved = f"checkpoint {bad} (whose parameters produced it) was moved to {where}; "
+    good = ckpt.latest_step()
+    kept = f"the last good checkpoint is step {good}" if good else "no good checkpoint is left (a rerun starts at step 0)"
+    return NonFiniteLoss(f"non-finite loss {loss} (grad norm {grad_norm}) at step {step}; stopped; {moved}{kept}; "
+                         f"fix: {_fixes(cfg.train)}")
