@@ -268,7 +268,18 @@ class Checkpointer:
         return Restored(step, params, opt_state, data_state, skipped, verified)
 
     def _restore_params(self, step: int) -> dict:
-        out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        """The parameters alone, onto this process's first device whatever mesh saved them (the
+        optimizer state is not read)."""
+        meta = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+        tree = dict(getattr(meta, "tree", meta))
+        if "params" not in tree:
+            raise ValueError("the state item holds no parameters")
+        on = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        abstract = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=on),
+                                           tree["params"])}
+        args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=on), abstract)
+        out = self._mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=abstract, restore_args=args, partial_restore=True)))
         return out["state"]["params"]
 
     def restore_params(self, step: int | None = None) -> tuple[int, dict, list[tuple[int, str]]]:

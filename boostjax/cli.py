@@ -87,11 +87,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
-    from boostjax.hf import to_hf  # noqa: PLC0415
-    from boostjax.run import load_run  # noqa: PLC0415
-
+    from boostjax.hf import hf_config, to_hf  # noqa: PLC0415
+    from boostjax.run import load_run, read_config  # noqa: PLC0415
     from boostjax.runfolder import check_export_target  # noqa: PLC0415
 
+    hf_config(read_config(args.run).model)  # a low-rank run is refused before its checkpoints are read
     check_export_target(args.out)
     cfg, model, step = load_run(args.run, args.step)
     path = to_hf(model, args.out, dtype=args.dtype)

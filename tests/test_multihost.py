@@ -109,3 +109,37 @@ def test_process_group_sources(monkeypatch):
     assert resolve(_cfg(num_processes=1).train, {}) is None  # --num-processes 1 overrides the job
     with pytest.raises(ConfigError, match="do not split evenly over 2 processes"):
         resolve(_cfg(mesh="data=3").train, {})
+
+
+def test_a_signal_to_one_process_stops_the_whole_job_at_one_step(tmp_path):
+    """SIGTERM reaches one process of a job: JAX's preemption service tells the other, both stop after
+    the same step, the checkpoint of that step is saved by both, and both exit 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from boostjax.checkpoint import Checkpointer
+    from boostjax.launch import free_port
+
+    out, port = tmp_path / "job", free_port()
+    flags = [*FLAGS, "--steps", "1000", "--ckpt-every", "500", "--out", str(out)]  # the last --steps wins
+    procs = [subprocess.Popen([sys.executable, "-m", "boostjax.cli", *flags, "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 240
+        while (not out.is_dir() or len(_records(out)) < 3) and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [143, 143], errs
+    assert "Traceback" not in errs[0] + errs[1]
+    stop = int(errs[0].strip().splitlines()[-1].split("after step ")[1].split(";")[0])
+    assert 3 <= stop < 1000
+    ck = Checkpointer(out / "checkpoints", writer=False)
+    assert ck.steps() == [stop] and ck.verify(stop) == (None, True)
+    ck.close()

@@ -58,10 +58,20 @@ def test_bf16_compute_trains(tmp_path):
 
 
 def test_export_hf_from_cli(tmp_path, capsys):
+    """A run trained on a data=1,model=2 mesh exports from a process with one device (the restore
+    takes this process's devices, not the saved topology); a low-rank run is refused before reading."""
+    import os
+    import subprocess
+    import sys
+
     from boostjax.hf import from_hf
 
-    _run(tmp_path, "dense", replace(MICRO, kind="llama"), steps=10, ckpt_every=10)
-    assert main(["export-hf", "--run", str(tmp_path / "dense"), "--out", str(tmp_path / "hf")]) == 0
+    _run(tmp_path, "dense", replace(MICRO, kind="llama"), steps=10, ckpt_every=10, strategy="fullrank-tp",
+         mesh="data=1,model=2")
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "boostjax.cli", "export-hf", "--run", str(tmp_path / "dense"),
+                           "--out", str(tmp_path / "hf")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "config.json").exists()
     hf_model = from_hf(tmp_path / "hf")
     _, model, _ = load_run(tmp_path / "dense")
@@ -69,7 +79,7 @@ def test_export_hf_from_cli(tmp_path, capsys):
     np.testing.assert_allclose(hf_model(toks), model(toks), rtol=1e-6, atol=1e-6)
     _run(tmp_path, "lowrank", steps=10, ckpt_every=10)
     assert main(["export-hf", "--run", str(tmp_path / "lowrank"), "--out", str(tmp_path / "hf2")]) == 2
-    assert "low-rank" in capsys.readouterr().err
+    assert "low-rank" in capsys.readouterr().err and not (tmp_path / "hf2").exists()
 
 
 def test_trains_on_token_bin_and_text_files(tmp_path):
