@@ -91,8 +91,8 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
     from boostjax.run import load_run, read_config  # noqa: PLC0415
     from boostjax.runfolder import check_export_target  # noqa: PLC0415
 
-    hf_config(read_config(args.run).model)  # a low-rank run is refused before its checkpoints are read
     check_export_target(args.out)
+    hf_config(read_config(args.run).model)  # a low-rank run is refused before its checkpoints are read
     cfg, model, step = load_run(args.run, args.step)
     path = to_hf(model, args.out, dtype=args.dtype)
     print(f"exported step {step} of {args.run} ({cfg.model.kind}) to {path} in Hugging Face LLaMA layout")

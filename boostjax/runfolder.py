@@ -127,6 +127,17 @@ def _check_writable_dir(path: pathlib.Path, what: str) -> None:
                           f"another --out") from None
 
 
+def check_folder_path(p: pathlib.Path, what: str) -> bool:
+    """`p` is a folder or can be created as one by this process; returns whether it exists."""
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{what}: {p} is a file, not a folder; fix: pass a folder path to --out")
+    base = _nearest_existing(p.absolute())
+    if not base.is_dir():
+        raise ConfigError(f"{what}: {p} lies under the file {base}; fix: pass a folder path to --out")
+    _check_writable_dir(base, what)
+    return p.is_dir()
+
+
 def describe_foreign(folder: pathlib.Path) -> str | None:
     """What `folder` holds when it is not a boostjax run folder (None: empty, or a run folder)."""
     try:
@@ -169,13 +180,7 @@ class RunFolder:
     def check_target(self) -> None:
         """Refuse (ConfigError, nothing written) a path that cannot hold this run."""
         p = self.path
-        if p.exists() and not p.is_dir():
-            raise ConfigError(f"train.out: {p} is a file, not a folder; fix: pass a folder path to --out")
-        base = _nearest_existing(p.absolute())
-        if not base.is_dir():
-            raise ConfigError(f"train.out: {p} lies under the file {base}; fix: pass a folder path to --out")
-        _check_writable_dir(base, "train.out")
-        if not p.is_dir():
+        if not check_folder_path(p, "train.out"):
             return
         foreign = describe_foreign(p)
         if foreign:
@@ -283,13 +288,7 @@ def check_export_target(path: str | pathlib.Path) -> None:
     """Refuse (ConfigError, nothing written) an export folder that is a file, lies under one, or
     holds anything but a previous Hugging Face export (a run folder, a user's files)."""
     p = pathlib.Path(path)
-    if p.exists() and not p.is_dir():
-        raise ConfigError(f"export.out: {p} is a file, not a folder; fix: pass a folder path to --out")
-    base = _nearest_existing(p.absolute())
-    if not base.is_dir():
-        raise ConfigError(f"export.out: {p} lies under the file {base}; fix: pass a folder path to --out")
-    _check_writable_dir(base, "export.out")
-    if not p.is_dir():
+    if not check_folder_path(p, "export.out"):
         return
     names = {q.name for q in p.iterdir()}
     if not names:
