@@ -241,7 +241,10 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
         _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
     _need(t.batch * t.seq <= MAX_TOKENS, f"train.batch: batch x seq = {t.batch} x {t.seq} tokens exceeds {MAX_TOKENS} "
                                          "(int32 positions); fix: lower --batch or --seq")
-    _need(t.seed >= 0, f"train.seed: must be >= 0, got {t.seed}; fix: pass --seed N with N >= 0")
+    _need(0 <= t.seed < 1 << 63, f"train.seed: must lie in [0, 2^63), got {t.seed}; fix: pass --seed N with N >= 0")
+    _need(bool(t.out.strip()) and "\0" not in t.out,
+          f"train.out: {t.out!r} is not a folder name (an empty one would write into the current folder); "
+          "fix: pass --out runs/NAME")
     _need(t.lr > 0, f"train.lr: must be positive, got {t.lr}; fix: pass e.g. --lr 1e-3")
     _need(t.warmup == -1 or 0 <= t.warmup < t.steps,
           f"train.warmup: {t.warmup} must lie in [0, steps={t.steps}) or be -1 (5 % of steps); fix: lower --warmup")

@@ -67,6 +67,7 @@ def test_invalid_model_configs(model, field):
     (dict(batch=1 << 20, seq=4096), "train.batch"),
     (dict(init_timeout=0), "train.init_timeout"),
     (dict(seed=-1), "train.seed"),
+    (dict(out=""), "train.out"),
 ])
 def test_invalid_train_configs(train, field):
     with pytest.raises(ConfigError, match=f"^{field}: .*fix: "):
