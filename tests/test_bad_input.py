@@ -78,7 +78,8 @@ def _digest(path: pathlib.Path) -> str:
     (["--batch", "0"], "train.batch"), (["--batch", "1048576", "--seq", "4096"], "train.batch"),
     (["--max-seq-len", "1073741824"], "model.max_seq_len"), (["--vocab-size", "0"], "model.vocab_size"),
     (["--lr", "abc"], "train.lr"), (["--model", "mamba"], "model.kind"), (["--mesh", "data=2,data=2"], "train.mesh"),
-    (["--mesh", "gpu=2"], "train.mesh"), (["--mesh", "data=0"], "train.mesh"),
+    (["--mesh", "gpu=2"], "train.mesh"), (["--mesh", "data=0"], "train.mesh"), (["--out", ""], "train.out"),
+    (["--seed", str(1 << 64)], "train.seed"),
 ])
 def test_train_numbers_and_fields(capsys, tmp_path, flags, field):
     _refused(capsys, [*TRAIN, "--out", tmp_path / "run", *flags], field)

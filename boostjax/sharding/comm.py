@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from boostjax.config import (LOW_RANK_KINDS, MAX_SEQ_LEN, PRESETS, Config, ConfigError, ModelConfig, REMAT,
-                             TrainConfig, one_line_parse_errors, parse_mesh, preset, validate)
+                             TrainConfig, mesh_devices, one_line_parse_errors, parse_mesh, preset, validate)
 from boostjax.sharding import hlo
 
 STRATEGIES = ("fullrank-tp", "vanilla-tp", "btp")
@@ -499,7 +499,14 @@ def _cmd_comm(args: argparse.Namespace) -> int:
         simulate_for_mesh(args.mesh, "comm.mesh")
     except RuntimeError as e:  # JAX already started with fewer devices
         raise ConfigError(f"comm.mesh: {e}") from e
-    from boostjax.sharding.strategies import check_strategy  # noqa: PLC0415 (imports JAX: after the device count)
+    import jax  # noqa: PLC0415 (after the device count is set)
+
+    from boostjax.sharding.strategies import check_strategy  # noqa: PLC0415
+
+    devices, visible = mesh_devices(args.mesh, "comm.mesh"), jax.device_count()
+    if devices > visible:  # e.g. an accelerator with fewer devices than the mesh (nothing simulated)
+        raise ConfigError(f"comm.mesh: {args.mesh} needs {devices} devices but {visible} are visible; "
+                          f"fix: pick sizes whose product is at most {visible}")
 
     for s in names:  # every strategy's shapes before the first (possibly long) compile
         try:
