@@ -3,11 +3,13 @@ and compare it with the baseline policies (no offload, full remat, MegaTrain-sty
 
     boostjax plan --preset 7b --model llama --hardware H800-80GB --memory-cap 70 --batch 8 --seq 2048
     boostjax plan --instance lazytrain-27b --json
-    boostjax plan --preset tiny --batch 4 --seq 32 --dtype float32 --memory-cap 0.01 --out plan.json
+    boostjax plan --preset tiny --batch 4 --seq 32 --dtype float32 --optimizer adamw --memory-cap 0.01 --out plan.json
     boostjax train --preset tiny --batch 4 --seq 32 --offload-plan plan.json
 
-`--out` writes the plan (`Plan.to_json`) that `boostjax train --offload-plan` applies. A budget no
-plan fits exits with status 2 and one line giving the smallest budget that works.
+`--out` writes the plan (`Plan.to_json`) that `boostjax train --offload-plan` applies; the file records
+the model shapes, batch, seq, dtype and optimizer it was planned for, and train refuses a run that
+differs. `--out` never replaces a file that is not a boostjax plan. A budget no plan fits exits with
+status 2 and one line giving the smallest budget that works.
 """
 
 from __future__ import annotations
