@@ -131,16 +131,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    from boostjax.config import one_line_parse_errors  # noqa: PLC0415
+
+    def one_line(e: BaseException) -> str:
+        return " ".join(str(e).split())
+
+    parser = one_line_parse_errors(build_parser())
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help exits 0; a bad command line was reported in one line
+        if e.code in (0, None):
+            raise
+        return 2
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
     except ConfigError as e:
-        print(f"boostjax: error: {e}", file=sys.stderr)
+        print(f"boostjax: error: {one_line(e)}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as e:
-        print(f"boostjax: error: {e}", file=sys.stderr)
+    except OSError as e:  # last resort: a file the command could not read or write, named
+        if e.errno is None:  # raised with our own message (e.g. run: no config.json in ...)
+            print(f"boostjax: error: {one_line(e)}", file=sys.stderr)
+        else:
+            where = e.filename if e.filename is not None else args.command
+            print(f"boostjax: error: {where}: {e.strerror or type(e).__name__}; fix: check the path, its "
+                  "permissions and the free disk space", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"boostjax: error: {one_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
+import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -19,6 +21,13 @@ STRATEGIES: tuple[str, ...] = ("none", "fullrank-tp", "vanilla-tp", "btp")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 REMAT: tuple[str, ...] = ("none", "full", "lowrank")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit")
+MESH_AXES: tuple[str, ...] = ("data", "stage", "model")
+# Sizes past which a number is a typo, not a run: token positions and ids are int32 in the step, and a
+# materialised attention of a longer sequence has more than 2^40 scores per head and sequence.
+MAX_SEQ_LEN: int = 1 << 20
+MAX_TOKENS: int = (1 << 31) - 1  # batch x seq of one step
+MAX_VOCAB: int = 1 << 32  # uint32 token files
+MAX_INIT_TIMEOUT: int = 24 * 3600
 
 
 class ConfigError(ValueError):
@@ -98,6 +107,7 @@ class TrainConfig:
     coordinator: str = ""  # HOST:PORT of process 0's coordination service
     num_processes: int = 0  # processes in the job; 0 = from the environment (1 process if none); 1 = force one
     process_id: int = -1  # this process's index in [0, num_processes); -1 = from the environment
+    init_timeout: int = 300  # seconds a multi-host process waits for the whole job to join before it gives up
 
 
 def warmup_steps(t: TrainConfig) -> int:
@@ -146,17 +156,27 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return replace(PRESETS[key], **overrides)
 
 
-def parse_mesh(spec: str) -> dict[str, int]:
-    """'data=2,model=4' -> {'data': 2, 'model': 4}; '' -> {}."""
+def parse_mesh(spec: str, name: str = "train.mesh") -> dict[str, int]:
+    """'data=2,model=4' -> {'data': 2, 'model': 4}; '' -> {}. `name` is the field named in errors."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"{name}: must be a string like 'data=2,model=4', got {spec!r}; fix: pass e.g. --mesh data=2,model=4")
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, sep, size = part.partition("=")
-        if not sep or not size.strip().isdigit() or int(size) < 1:
-            raise ConfigError(f"train.mesh: cannot read {part!r}; fix: write it like data=2,model=4")
-        if name.strip() not in ("data", "stage", "model"):
-            raise ConfigError(f"train.mesh: unknown axis {name!r}; fix: use the axes data, stage and model")
-        out[name.strip()] = int(size)
+        axis, sep, size = (x.strip() for x in part.partition("="))
+        if not sep or not (size.isascii() and size.isdigit()) or int(size) < 1:
+            raise ConfigError(f"{name}: cannot read {part!r}; fix: write it like data=2,model=4 (sizes >= 1)")
+        if axis not in MESH_AXES:
+            raise ConfigError(f"{name}: unknown axis {axis!r}; fix: use the axes data, stage and model")
+        if axis in out:
+            raise ConfigError(f"{name}: axis {axis!r} appears twice in {spec!r}; fix: give each axis once, "
+                              "e.g. data=4,model=2")
+        out[axis] = int(size)
     return out
+
+
+def mesh_devices(spec: str, name: str = "train.mesh") -> int:
+    """The device count of a `--mesh` string: the product of its sizes (1 for '')."""
+    return math.prod(parse_mesh(spec, name).values())
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -164,11 +184,38 @@ def _need(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _check_types(obj: Any, prefix: str) -> None:
+    """Every field holds its declared type (the Python API takes any object; the CLI parses flags).
+    Floats must be finite: NaN slips through every comparison, and inf is never a setting."""
+    hints = typing.get_type_hints(type(obj))
+    for f in fields(obj):
+        v, kind, flag = getattr(obj, f.name), hints[f.name], "--" + f.name.replace("_", "-")
+        if kind is bool:
+            _need(isinstance(v, bool), f"{prefix}.{f.name}: must be true or false, got {v!r}; fix: pass {flag} "
+                                       f"or --no-{f.name.replace('_', '-')}")
+        elif kind is int:
+            _need(isinstance(v, int) and not isinstance(v, bool),
+                  f"{prefix}.{f.name}: must be an integer, got {v!r}; fix: pass {flag} N")
+        elif kind is float:
+            _need(isinstance(v, (int, float)) and not isinstance(v, bool),
+                  f"{prefix}.{f.name}: must be a number, got {v!r}; fix: pass {flag} X")
+            _need(math.isfinite(v), f"{prefix}.{f.name}: must be a finite number, got {v}; "
+                                    f"fix: pass {flag} with a finite value (default {f.default!r})")
+        else:  # str and Literal[str, ...]
+            _need(isinstance(v, str), f"{prefix}.{f.name}: must be a string, got {v!r}; fix: pass {flag} TEXT")
+
+
 def validate_model(m: ModelConfig) -> None:
+    _need(isinstance(m, ModelConfig), f"model: need a ModelConfig, got {type(m).__name__}; fix: pass ModelConfig(...)")
+    _check_types(m, "model")
     _need(m.kind in MODEL_KINDS, f"model.kind: unknown kind {m.kind!r}; fix: use one of {', '.join(MODEL_KINDS)}")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "rank", "max_seq_len"):
         v = getattr(m, name)
         _need(v > 0, f"model.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
+    _need(m.vocab_size <= MAX_VOCAB, f"model.vocab_size: {m.vocab_size} exceeds {MAX_VOCAB} (uint32 token ids); "
+                                     f"fix: pass --vocab-size <= {MAX_VOCAB}")
+    _need(m.max_seq_len <= MAX_SEQ_LEN, f"model.max_seq_len: {m.max_seq_len} exceeds {MAX_SEQ_LEN}; "
+                                        f"fix: pass --max-seq-len <= {MAX_SEQ_LEN}")
     _need(m.n_kv_heads >= 0, f"model.n_kv_heads: must be >= 0, got {m.n_kv_heads}; fix: pass 0 (= n_heads) or a divisor of n_heads")
     _need(m.d_model % m.n_heads == 0,
           f"model.d_model: {m.d_model} is not divisible by n_heads={m.n_heads}; fix: choose d_model a multiple of n_heads")
@@ -180,19 +227,30 @@ def validate_model(m: ModelConfig) -> None:
         limit = min(m.d_model, m.d_ff, kv_dim)
         _need(m.rank <= limit,
               f"model.rank: r={m.rank} exceeds the smallest projection width {limit}; fix: pass --rank <= {limit}")
-    _need(m.norm_eps > 0, f"model.norm_eps: must be positive, got {m.norm_eps}; fix: pass e.g. --norm-eps 1e-5")
+    _need(m.rope_theta > 1, f"model.rope_theta: must be > 1 (RoPE's frequencies theta^(-2i/d) must fall), "
+                            f"got {m.rope_theta}; fix: pass e.g. --rope-theta 10000")
+    _need(0 < m.norm_eps < 1, f"model.norm_eps: must lie in (0, 1), got {m.norm_eps}; fix: pass e.g. --norm-eps 1e-5")
     _need(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}; fix: pass e.g. --init-std 0.02")
 
 
 def validate_train(t: TrainConfig, m: ModelConfig) -> None:
+    _need(isinstance(t, TrainConfig), f"train: need a TrainConfig, got {type(t).__name__}; fix: pass TrainConfig(...)")
+    _check_types(t, "train")
     for name in ("steps", "batch", "seq", "ckpt_every", "keep_ckpts", "log_every", "eval_every", "eval_batches"):
         v = getattr(t, name)
         _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
+    _need(t.batch * t.seq <= MAX_TOKENS, f"train.batch: batch x seq = {t.batch} x {t.seq} tokens exceeds {MAX_TOKENS} "
+                                         "(int32 positions); fix: lower --batch or --seq")
+    _need(0 <= t.seed < 1 << 63, f"train.seed: must lie in [0, 2^63), got {t.seed}; fix: pass --seed N with N >= 0")
+    _need(bool(t.out.strip()) and "\0" not in t.out,
+          f"train.out: {t.out!r} is not a folder name (an empty one would write into the current folder); "
+          "fix: pass --out runs/NAME")
     _need(t.lr > 0, f"train.lr: must be positive, got {t.lr}; fix: pass e.g. --lr 1e-3")
     _need(t.warmup == -1 or 0 <= t.warmup < t.steps,
           f"train.warmup: {t.warmup} must lie in [0, steps={t.steps}) or be -1 (5 % of steps); fix: lower --warmup")
     _need(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio: {t.min_lr_ratio} outside [0, 1]; fix: pass e.g. 0.1")
-    _need(0.0 <= t.b1 < 1.0 and 0.0 <= t.b2 < 1.0, "train.b1/b2: betas must lie in [0, 1); fix: e.g. --b1 0.9 --b2 0.95")
+    _need(0.0 <= t.b1 < 1.0, f"train.b1: {t.b1} outside [0, 1); fix: pass e.g. --b1 0.9")
+    _need(0.0 <= t.b2 < 1.0, f"train.b2: {t.b2} outside [0, 1); fix: pass e.g. --b2 0.95")
     _need(t.clip >= 0, f"train.clip: must be >= 0 (0 disables), got {t.clip}; fix: pass e.g. --clip 1.0")
     _need(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}; fix: pass e.g. 0.01")
     _need(t.dtype in DTYPES, f"train.dtype: unknown dtype {t.dtype!r}; fix: use one of {', '.join(DTYPES)}")
@@ -213,6 +271,8 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
         v = getattr(t, name)
         _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
     _need(0.0 <= t.rot_beta < 1.0, f"train.rot_beta: {t.rot_beta} outside [0, 1); fix: e.g. --rot-beta 0.95")
+    _need(1 <= t.init_timeout <= MAX_INIT_TIMEOUT,
+          f"train.init_timeout: {t.init_timeout} s outside [1, {MAX_INIT_TIMEOUT}]; fix: pass e.g. --init-timeout 300")
     _validate_pipeline(t, m)
     if t.offload_plan:
         _validate_offload_plan(t, m)
@@ -247,19 +307,29 @@ def _validate_pipeline(t: TrainConfig, m: ModelConfig) -> None:
 
 
 def _validate_offload_plan(t: TrainConfig, m: ModelConfig) -> None:
-    """The plan file exists, is a plan, has one decision per layer, and runs on one device."""
-    path = pathlib.Path(t.offload_plan)
-    _need(path.is_file(), f"train.offload_plan: {path} does not exist; fix: write one with boostjax plan --out {path}")
-    try:
-        n = len(json.loads(path.read_text())["decisions"]["boundary"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"train.offload_plan: {path} is not a plan file ({e!r}); "
-                          "fix: write it with boostjax plan --out") from None
-    _need(n == m.n_layers, f"train.offload_plan: the plan has {n} layers but n_layers={m.n_layers}; "
-                           "fix: plan for the same model (boostjax plan with the same shape flags)")
+    """The plan file is a plan made for this model, batch, seq, dtype and optimizer, and runs on one device."""
+    from boostjax.offload.costmodel import build_instance  # noqa: PLC0415 (offload imports this module)
+    from boostjax.offload.decisions import check_decisions  # noqa: PLC0415
+    from boostjax.offload.plans import check_planned_for, read_plan  # noqa: PLC0415
+
     _need(t.strategy == "none" and not parse_mesh(t.mesh),
           "train.offload_plan: an offload plan runs on one device; fix: drop --strategy and --mesh")
     _need(t.remat == "none", "train.offload_plan: the plan sets the remat policy; fix: drop --remat")
+    path = pathlib.Path(t.offload_plan)
+    plan = read_plan(path)
+    n = len(plan.decisions.boundary)
+    _need(n == m.n_layers, f"train.offload_plan: the plan has {n} layers but n_layers={m.n_layers} ({path}); "
+                           f"fix: re-run boostjax plan with --n-layers {m.n_layers} (and this run's other flags) "
+                           f"--out {path}")
+    check_planned_for(plan, m, t, path)
+    inst = build_instance(m, t.batch, t.seq, "H800-80GB", dtype_bytes=4 if t.dtype == "float32" else 2,
+                          eight_bit=t.optimizer == "adam8bit")
+    try:
+        check_decisions(inst, plan.decisions)
+    except ValueError as e:
+        why = str(e).split("; fix:")[0]
+        raise ConfigError(f"train.offload_plan: {path} holds decisions this model does not allow ({why}); "
+                          f"fix: re-run boostjax plan --out {path}") from None
 
 
 def validate_processes(coordinator: str, num_processes: int, process_id: int, mesh: str,
@@ -308,12 +378,68 @@ def validate_process_mesh(num_processes: int, mesh: str) -> None:
 
 def validate(cfg: Config) -> Config:
     """Raise `ConfigError` on the first invalid field; return the config unchanged otherwise."""
+    _need(isinstance(cfg, Config), f"config: need a Config, got {type(cfg).__name__}; fix: pass Config(model, train)")
     validate_model(cfg.model)
     validate_train(cfg.train, cfg.model)
     t = cfg.train
     validate_processes(t.coordinator, t.num_processes, t.process_id, t.mesh)
+    _validate_data(t, cfg.model)  # last: it reads the data (a .bin file once, in chunks)
     return cfg
+
+
+def _validate_data(t: TrainConfig, m: ModelConfig) -> None:
+    """`train.data` exists, can be read, and holds no token id >= `model.vocab_size`."""
+    from boostjax.data import check_data  # noqa: PLC0415 (numpy only; keeps this module light)
+
+    try:
+        check_data(t.data, t.data_dtype, m.vocab_size)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def field_names(cls: type) -> list[str]:
     return [f.name for f in fields(cls)]
+
+
+def one_line_parse_errors(parser: Any) -> Any:
+    """Make an argparse parser (and its subcommands' parsers) report a bad command line as one line,
+    `boostjax: error: <field>: <what>; fix: see <prog> --help`, and exit with status 2 (argparse
+    prints its usage block and the message on separate lines). Returns the parser."""
+    import argparse  # noqa: PLC0415
+    import re  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    model_fields = set(field_names(ModelConfig))
+
+    def install(p: argparse.ArgumentParser, command: str | None) -> None:
+        def error(message: str) -> typing.NoReturn:
+            where = command or "boostjax"
+            m = re.match(r"argument (\S+?)(?:/\S+)?: (.*)$", message, re.S)
+            if m:
+                name = m.group(1)
+                action = next((a for a in p._actions  # noqa: SLF001
+                               if name in a.option_strings or name in (a.dest, a.metavar)), None)
+                dest = action.dest if action is not None else name.lstrip("-").replace("-", "_")
+                if command is None:
+                    where = dest
+                elif command == "train" and dest != "preset":
+                    where = f"{'model' if dest in model_fields else 'train'}.{dest}"
+                elif command == "train":
+                    where = dest
+                else:
+                    where = f"{command}.{dest}"
+                message = m.group(2)
+            text = " ".join(message.split())
+            sys.stderr.write(f"boostjax: error: {where}: {text}; fix: see {p.prog} --help\n")
+            sys.exit(2)
+
+        p.error = error  # type: ignore[method-assign]
+        for a in p._actions:  # noqa: SLF001
+            if isinstance(a, argparse._SubParsersAction):  # noqa: SLF001
+                for name, sub in a.choices.items():
+                    install(sub, name)
+
+    install(parser, None)
+    return parser

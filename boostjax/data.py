@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import stat
 import sysconfig
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -78,15 +79,35 @@ def _stdlib_root() -> pathlib.Path:
     return pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 
+def _unreadable(path: Any, e: OSError) -> ValueError:
+    why = e.strerror or type(e).__name__
+    return ValueError(
+        f"data: cannot read {path}: {why}; fix: check that the file is readable (permissions, disk) "
+        f"or pass another --data"
+    )
+
+
+def _read_bytes(path: pathlib.Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _raise(e: OSError) -> None:
+    raise _unreadable(e.filename, e)
+
+
 def _walk_files(
-    root: pathlib.Path, suffixes: tuple[str, ...], skip_dirs: tuple[str, ...] = ()
+    root: pathlib.Path, suffixes: tuple[str, ...], skip_dirs: tuple[str, ...] = (), strict: bool = False
 ) -> list[pathlib.Path]:
     """Regular files under ``root`` with one of ``suffixes``, sorted by relative POSIX path.
 
-    Does not follow directory symlinks (no cycles, no files counted twice).
+    Does not follow directory symlinks (no cycles, no files counted twice). ``strict``: a folder that
+    cannot be listed is an error (ValueError naming it), not silently skipped.
     """
     found: list[tuple[str, pathlib.Path]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_raise if strict else None):
         dirnames[:] = [d for d in dirnames if d not in skip_dirs]
         for fname in filenames:
             if fname.endswith(suffixes):
@@ -117,7 +138,7 @@ def _tail_split(tokens: np.ndarray, val_fraction: float, name: str) -> Corpus:
 
 def _files_corpus(files: list[pathlib.Path], name: str, val_fraction: float) -> Corpus:
     """Concatenate files (each followed by FILE_SEP); file i is validation iff i % 50 == 49."""
-    chunks = [path.read_bytes() + FILE_SEP for path in files]
+    chunks = [_read_bytes(path) + FILE_SEP for path in files]
     if all(len(c) == len(FILE_SEP) for c in chunks):
         raise ValueError(
             f"data: empty corpus {name}: {len(files)} files, all empty; fix: point --data at real text"
@@ -155,40 +176,160 @@ def _missing(path: str) -> ValueError:
     )
 
 
-def load_corpus(path: str = "", dtype: str = "uint16", val_fraction: float = 0.02) -> Corpus:
-    """Load ``""`` (stdlib), a ``.bin`` token file (memmap), a text file or a directory of text files."""
-    if not 0.0 < val_fraction < 1.0:
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"))
+
+
+def _stat(path: str) -> os.stat_result:
+    """``os.stat`` of a ``--data`` path: ValueError (one line) when it is missing or cannot be read."""
+    if "\0" in path:
+        raise ValueError(f"data: {path!r} contains a NUL byte; fix: pass the path of a real file or folder")
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise _missing(path) from None
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _check_kind(path: str, st: os.stat_result) -> None:
+    if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
+        return
+    kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+    raise ValueError(
+        f"data: {path} is {kind}, not a file or folder; fix: pass --data with a text file, a folder of text "
+        f"files or a .bin token file (write the stream to a file first)"
+    )
+
+
+def _check_bin_size(path: str, size: int, dtype: str) -> int:
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(
+            f"load_corpus: dtype must be one of {TOKEN_DTYPES}, got {dtype!r}; fix: --data-dtype uint16"
+        )
+    itemsize = np.dtype(dtype).itemsize
+    if size % itemsize:
+        raise ValueError(
+            f"data: {path!r} has {size} bytes, not a multiple of {dtype} ({itemsize} bytes); "
+            f"fix: pass the --data-dtype it was written with"
+        )
+    return itemsize
+
+
+SCAN_BYTES: int = 1 << 26  # the token scan reads 64 MiB at a time
+_MAX_CACHE: dict[tuple, int] = {}
+
+
+def token_max(path: str | os.PathLike, dtype: str = "uint16") -> int:
+    """The largest token id in a ``.bin`` file, read in ``SCAN_BYTES`` chunks (never the whole file
+    at once, and with plain reads: an I/O error is an exception, not a SIGBUS of a memory map). Cached
+    per file (path, inode, size and modification time), so `validate` and `load_corpus` scan once."""
+    p = os.fspath(path)
+    st = _stat(p)
+    itemsize = _check_bin_size(p, st.st_size, dtype)
+    key = (os.path.realpath(p), st.st_ino, st.st_size, st.st_mtime_ns, dtype)
+    if key in _MAX_CACHE:
+        return _MAX_CACHE[key]
+    buf = np.empty(SCAN_BYTES // itemsize, dtype=dtype)
+    view = memoryview(buf.view(np.uint8))
+    top = 0
+    try:
+        with open(p, "rb") as f:
+            while True:
+                n = 0
+                while n < len(view):  # fill the chunk (a read may return less than asked)
+                    got = f.readinto(view[n:])
+                    if not got:
+                        break
+                    n += got
+                if n:
+                    top = max(top, int(buf[: n // itemsize].max()))
+                if n < len(view):
+                    break
+    except OSError as e:
+        raise _unreadable(p, e) from None
+    _MAX_CACHE[key] = top
+    return top
+
+
+def _vocab_error(path: str, top: int, vocab_size: int, binary: bool) -> ValueError:
+    alt = "or the --data-dtype the file was written with" if binary else "(byte-level text needs 256)"
+    return ValueError(
+        f"data: {path} holds token id {top} but model.vocab_size is {vocab_size}; "
+        f"fix: pass --vocab-size {top + 1} or more {alt}"
+    )
+
+
+def check_data(path: str, dtype: str, vocab_size: int) -> None:
+    """Everything about ``--data`` that can be known before a run starts (no corpus is kept): it
+    exists, is a readable file or folder, a ``.bin`` file holds whole ``dtype`` tokens, and every
+    token id is below ``vocab_size`` (a ``.bin`` file is scanned once, in chunks; text is byte-level,
+    ids < 256, so it is read only when ``vocab_size < 256``). ValueError (one line) otherwise."""
+    if path == "":
+        if vocab_size < ByteTokenizer.vocab_size:
+            c = stdlib_corpus()
+            top = max(int(c.train.max()), int(c.val.max()))
+            if top >= vocab_size:
+                raise _vocab_error("the built-in stdlib corpus", top, vocab_size, False)
+        return
+    st = _stat(path)
+    _check_kind(path, st)
+    if stat.S_ISDIR(st.st_mode):
+        if vocab_size < ByteTokenizer.vocab_size:
+            for f in _walk_files(pathlib.Path(path), TEXT_SUFFIXES, strict=True):
+                raw = _read_bytes(f)
+                top = max(raw) if raw else 0
+                if top >= vocab_size:
+                    raise _vocab_error(f, top, vocab_size, False)
+        return
+    if path.endswith(".bin"):
+        top = token_max(path, dtype)
+        if st.st_size and top >= vocab_size:
+            raise _vocab_error(path, top, vocab_size, True)
+    elif vocab_size < ByteTokenizer.vocab_size:
+        raw = _read_bytes(pathlib.Path(path))
+        top = max(raw) if raw else 0
+        if top >= vocab_size:
+            raise _vocab_error(path, top, vocab_size, False)
+
+
+def load_corpus(path: str = "", dtype: str = "uint16", val_fraction: float = 0.02,
+                vocab_size: int | None = None) -> Corpus:
+    """Load ``""`` (stdlib), a ``.bin`` token file (memmap), a text file or a directory of text files.
+
+    With ``vocab_size``, a token id >= ``vocab_size`` anywhere in the data is an error here, at load
+    (a ``.bin`` file is scanned once, in chunks), rather than at the step that reads it."""
+    if not (isinstance(val_fraction, (int, float)) and 0.0 < val_fraction < 1.0):
         raise ValueError(f"load_corpus: val_fraction must be in (0, 1), got {val_fraction}; fix: e.g. 0.02")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"data: need a path, got {path!r}; fix: pass --data PATH (or '' for the stdlib corpus)")
+    path = os.fspath(path)
+    if vocab_size is not None:
+        check_data(path, dtype, vocab_size)
     if path == "":
         return stdlib_corpus()
     p = pathlib.Path(path)
-    if not p.exists():
-        raise _missing(path)
-    if p.is_dir():
-        files = _walk_files(p, TEXT_SUFFIXES)
+    st = _stat(path)
+    _check_kind(path, st)
+    if stat.S_ISDIR(st.st_mode):
+        files = _walk_files(p, TEXT_SUFFIXES, strict=True)
         if not files:
             raise ValueError(
                 f"data: empty corpus: no {'/'.join('*' + s for s in TEXT_SUFFIXES)} files under {path!r}; "
                 f"fix: point --data at a directory with text files, a text file or a .bin token file"
             )
         return _files_corpus(files, str(p), val_fraction)
-    size = p.stat().st_size
+    size = st.st_size
     if size == 0:
         raise ValueError(f"data: empty corpus: {path!r} has 0 bytes; fix: point --data at a non-empty file")
     if p.suffix == ".bin":
-        if dtype not in TOKEN_DTYPES:
-            raise ValueError(
-                f"load_corpus: dtype must be one of {TOKEN_DTYPES}, got {dtype!r}; fix: --data-dtype uint16"
-            )
-        itemsize = np.dtype(dtype).itemsize
-        if size % itemsize:
-            raise ValueError(
-                f"data: {path!r} has {size} bytes, not a multiple of {dtype} ({itemsize} bytes); "
-                f"fix: pass the --data-dtype it was written with"
-            )
-        tokens = np.memmap(p, dtype=np.dtype(dtype), mode="r")
+        _check_bin_size(path, size, dtype)
+        try:
+            tokens = np.memmap(p, dtype=np.dtype(dtype), mode="r")
+        except OSError as e:
+            raise _unreadable(p, e) from None
         return _tail_split(tokens, val_fraction, str(p))
-    return _tail_split(np.frombuffer(p.read_bytes(), dtype=np.uint8), val_fraction, str(p))
+    return _tail_split(np.frombuffer(_read_bytes(p), dtype=np.uint8), val_fraction, str(p))
 
 
 # ----------------------------------------------------------------------------- batches
@@ -254,8 +395,10 @@ class BatchIterator:
 
     def _check_vocab(self, ids: np.ndarray) -> None:
         if ids.size and int(ids.max()) >= self.vocab_size:  # type: ignore[operator]
+            where = getattr(self.tokens if hasattr(self, "tokens") else ids, "filename", None)
             raise ValueError(
-                f"BatchIterator: token id {int(ids.max())} >= vocab_size {self.vocab_size}; "
+                f"BatchIterator: token id {int(ids.max())} >= vocab_size {self.vocab_size}"
+                f"{f' in {where}' if where else ''}; "
                 f"fix: a --vocab-size > {int(ids.max())} or the --data-dtype the file was written with"
             )
 

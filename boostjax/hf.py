@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from boostjax.config import ModelConfig, validate_model
@@ -88,25 +88,49 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     }
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     """A dense `ModelConfig` from a Hugging Face LLaMA `config.json` dict; ValueError if unsupported."""
 
     def bad(field: str, got: Any, fix: str) -> ValueError:
         return ValueError(f"config_from_hf: {field}={got!r} is not supported; fix: {fix}")
 
+    def kind(field: str, want: str) -> ValueError:
+        return ValueError(f"config_from_hf: {field} must be {want}, got {d.get(field)!r}; "
+                          f"fix: write a complete LlamaConfig config.json")
+
+    if not isinstance(d, Mapping):
+        raise ValueError(f"config_from_hf: need a config object (dict), got a {type(d).__name__}; "
+                         f"fix: pass the parsed config.json of a LlamaForCausalLM")
     if d.get("model_type", "llama") != "llama":
         raise bad("model_type", d.get("model_type"), "export a LLaMA-architecture model (model_type 'llama')")
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
-        if not isinstance(d.get(name), int):
+        if not _is_int(d.get(name)):
             raise ValueError(f"config_from_hf: {name} is missing or not an int (got {d.get(name)!r}); "
                              f"fix: write a complete LlamaConfig config.json")
+    for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
+        if d.get(name) is not None and not _is_num(d[name]):
+            raise kind(name, "a number")
+    for name in ("max_position_embeddings", "head_dim", "num_key_value_heads"):
+        if d.get(name) is not None and not _is_int(d[name]):
+            raise kind(name, "an integer")
+    for name in ("rope_parameters", "rope_scaling"):
+        if d.get(name) is not None and not isinstance(d[name], Mapping):
+            raise kind(name, "an object or null")
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise bad("hidden_act", act, "boostjax LLaMA uses SwiGLU; only hidden_act 'silu' maps onto it")
     for flag in ("attention_bias", "mlp_bias"):
         if d.get(flag, False):
             raise bad(flag, d[flag], "boostjax LLaMA has no biases; use a checkpoint trained without them")
-    theta = d.get("rope_theta", 10000.0)
+    theta = d.get("rope_theta") if d.get("rope_theta") is not None else 10000.0
     rope_params = d.get("rope_parameters")
     if rope_params:
         if rope_params.get("rope_type", "default") != "default":
@@ -116,11 +140,15 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
             raise bad("rope_parameters.partial_rotary_factor", rope_params["partial_rotary_factor"],
                       "boostjax rotates the whole head; use partial_rotary_factor 1.0")
         theta = rope_params.get("rope_theta", theta)
+        if not _is_num(theta):
+            raise bad("rope_parameters.rope_theta", theta, "write rope_theta as a number, e.g. 10000.0")
     scaling = d.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
         raise bad("rope_scaling", scaling,
                   "boostjax implements plain RoPE only; use a checkpoint with rope_scaling null")
     hidden, heads = d["hidden_size"], d["num_attention_heads"]
+    if hidden < 1 or heads < 1:
+        raise bad("hidden_size/num_attention_heads", (hidden, heads), "write positive sizes")
     if hidden % heads:
         raise bad("hidden_size", hidden, f"hidden_size must be a multiple of num_attention_heads={heads}")
     head_dim = d.get("head_dim") or hidden // heads
@@ -137,9 +165,9 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
         n_kv_heads=0 if kv == heads else kv,
         d_ff=d["intermediate_size"],
         rope_theta=float(theta),
-        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        max_seq_len=int(d.get("max_position_embeddings", 2048)),
-        init_std=float(d.get("initializer_range", 0.02)),
+        norm_eps=float(d.get("rms_norm_eps") if d.get("rms_norm_eps") is not None else 1e-6),
+        max_seq_len=int(d.get("max_position_embeddings") or 2048),
+        init_std=float(d.get("initializer_range") if d.get("initializer_range") is not None else 0.02),
     )
     validate_model(cfg)
     return cfg
@@ -281,26 +309,62 @@ def to_hf(model_or_params: Any, path: str | pathlib.Path, cfg: ModelConfig | Non
     return out
 
 
+def _read_json(file: pathlib.Path) -> Any:
+    """A JSON file of a model folder; ValueError (one line naming the file) when it cannot be read."""
+    try:
+        raw = file.read_bytes()
+    except OSError as e:
+        raise ValueError(f"from_hf: cannot read {file}: {e.strerror or type(e).__name__}; fix: check the file's "
+                         "permissions and the disk") from None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"from_hf: {file} is not JSON text (not UTF-8); fix: restore it from the model's "
+                         "save_pretrained output") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"from_hf: {file} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                         "fix: restore it from the model's save_pretrained output") from None
+
+
+def _shards(folder: pathlib.Path) -> list[pathlib.Path]:
+    index = folder / INDEX_NAME
+    d = _read_json(index)
+    weight_map = d.get("weight_map") if isinstance(d, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(v, str) and v and pathlib.Path(v).name == v for v in weight_map.values()):
+        raise ValueError(f"from_hf: {index} has no weight_map of tensor name -> shard file name; "
+                         "fix: restore it from the model's save_pretrained output")
+    files = [folder / name for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"from_hf: {INDEX_NAME} lists missing shard(s) {missing}; "
+                         f"fix: copy every shard into {folder}")
+    return files
+
+
 def read_tensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
     """Every tensor of a folder's `model.safetensors`, or of the shards its index lists."""
     folder = pathlib.Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"from_hf: {folder} is not a folder; fix: pass a Hugging Face model folder "
+                         "(config.json and model.safetensors)")
     if (folder / WEIGHTS_NAME).is_file():
         files = [folder / WEIGHTS_NAME]
     elif (folder / INDEX_NAME).is_file():
-        weight_map = json.loads((folder / INDEX_NAME).read_text()).get("weight_map", {})
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"from_hf: {INDEX_NAME} lists missing shard(s) {missing}; "
-                             f"fix: copy every shard into {folder}")
+        files = _shards(folder)
     else:
         raise ValueError(f"from_hf: no {WEIGHTS_NAME} or {INDEX_NAME} in {folder}; fix: save the model with "
                          f"save_pretrained(..., safe_serialization=True) (pytorch .bin files are not read)")
     tensors: dict[str, np.ndarray] = {}
     for file in files:
-        with safe_open(str(file), framework="np") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(file), framework="np") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except (SafetensorError, OSError, ValueError, TypeError) as e:
+            why = " ".join(str(e).split())[:200] or type(e).__name__
+            raise ValueError(f"from_hf: {file} is not a readable safetensors file ({why}); fix: re-download or "
+                             "re-export it (save_pretrained(..., safe_serialization=True))") from None
     if "embed_tokens.weight" in tensors and "model.embed_tokens.weight" not in tensors:  # bare LlamaModel
         tensors = {k if k.startswith("lm_head.") else f"model.{k}": v for k, v in tensors.items()}
     return tensors
@@ -311,8 +375,15 @@ def read_hf(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, Any]]:
     folder = pathlib.Path(path)
     if not (folder / CONFIG_NAME).is_file():
         raise ValueError(f"from_hf: no {CONFIG_NAME} in {folder}; fix: pass a Hugging Face model folder")
-    d = json.loads((folder / CONFIG_NAME).read_text())
-    cfg = config_from_hf(d)
+    file = folder / CONFIG_NAME
+    d = _read_json(file)
+    if not isinstance(d, dict):
+        raise ValueError(f"from_hf: {file} holds a JSON {type(d).__name__}, not a config object; "
+                         "fix: restore it from the model's save_pretrained output")
+    try:
+        cfg = config_from_hf(d)
+    except ValueError as e:  # ConfigError included: name the file
+        raise ValueError(f"from_hf: {file}: {str(e).removeprefix('config_from_hf: ')}") from None
     tensors = read_tensors(folder)
     tied = bool(d.get("tie_word_embeddings", False))
     if "lm_head.weight" not in tensors and not tied:

@@ -44,8 +44,11 @@ def launch_local(args: Sequence[str], num_processes: int = 2, *, port: int | Non
     process that exits non-zero (or a `timeout` in seconds) stops the others. With `echo`, output
     lines are printed as they come, prefixed `[I]`.
     """
-    if num_processes < 1:
-        raise ValueError(f"launch_local: num_processes must be >= 1, got {num_processes}")
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"launch_local: num_processes must be an integer >= 1, got {num_processes!r}; "
+                         "fix: pass e.g. num_processes=2")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        raise ValueError(f"launch_local: port {port!r} is not a TCP port; fix: pass 1..65535 or None (a free one)")
     port = port or free_port()
     base_env = {**os.environ, **(env or {})}
     base_env.setdefault("JAX_PLATFORMS", "cpu")
@@ -95,14 +98,59 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _cmd_launch(args: argparse.Namespace) -> int:
+MULTIHOST_FLAGS = ("--coordinator", "--num-processes", "--process-id")
+
+
+def check_launch(args: argparse.Namespace) -> list[str]:
+    """Every launch flag and the train command line, checked once here before any process starts
+    (`ConfigError`, one line); returns the train command line."""
+    from boostjax.cli import _config, build_parser  # noqa: PLC0415 (the CLI imports this module)
+    from boostjax.config import ConfigError, mesh_devices, one_line_parse_errors  # noqa: PLC0415
+    from boostjax.devices import simulated_device_cap  # noqa: PLC0415
+    from boostjax.multihost import port_in_use  # noqa: PLC0415
+
+    n = args.num_processes
+    if n < 2:
+        raise ConfigError(f"launch.num_processes: a job needs 2 or more processes, got {n}; fix: pass -n 2 or "
+                          "more (one process is a plain boostjax train)")
+    cap = simulated_device_cap()
+    if n > cap:
+        raise ConfigError(f"launch.num_processes: {n} processes on one machine exceed the {cap} simulated CPU "
+                          f"devices they share; fix: pass -n {cap} or fewer")
+    if args.port is not None:
+        if not 0 < args.port < 65536:
+            raise ConfigError(f"launch.port: {args.port} is not a TCP port; fix: pass --port in 1..65535, or drop "
+                              "it to use a free one")
+        why = port_in_use(args.port)
+        if why:
+            raise ConfigError(f"launch.port: port {args.port} {why} on this host; fix: pass another --port, or drop "
+                              "it to use a free one")
     rest = list(args.command_line)
     if rest and rest[0] == "--":
         rest = rest[1:]
     if not rest or rest[0] != "train":
-        print("boostjax: error: launch: give the train command after --, e.g. "
-              "boostjax launch -n 2 -- train --mesh data=2,model=2", file=sys.stderr)
-        return 2
+        raise ConfigError("launch: no train command; fix: give it after --, e.g. "
+                          "boostjax launch -n 2 -- train --mesh data=2,model=2")
+    for flag in MULTIHOST_FLAGS:
+        if any(a == flag or a.startswith(flag + "=") for a in rest[1:]):
+            raise ConfigError(f"launch: {flag} is set by launch for each process; fix: drop it from the train command")
+    parser = one_line_parse_errors(build_parser())
+    train_args = parser.parse_args([*rest, "--coordinator", f"127.0.0.1:{args.port or 1}",
+                                    "--num-processes", str(n), "--process-id", "0"])
+    cfg = _config(train_args)  # the whole train configuration, as each process will check it
+    devices = mesh_devices(cfg.train.mesh)
+    cpu_only = os.environ.get("JAX_PLATFORMS", "cpu").strip().lower() == "cpu"
+    if cpu_only and devices > cap:
+        raise ConfigError(f"train.mesh: {devices} devices are simulated on this machine by {n} processes, more "
+                          f"than {cap}; fix: use a mesh of at most {cap} devices")
+    return rest
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    try:
+        rest = check_launch(args)
+    except SystemExit as e:  # the train command line did not parse (reported in one line)
+        return 2 if e.code not in (0, None) else 0
     results = launch_local(rest, args.num_processes, port=args.port)
     bad = [r for r in results if r.returncode != 0]
     for r in bad:

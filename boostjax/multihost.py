@@ -18,8 +18,12 @@ hosts share); only process 0 writes `config.json`, `metrics.jsonl`, the progress
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import socket
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -113,13 +117,93 @@ def setup(t: TrainConfig) -> ProcessGroup | None:
     # exactly `local` CPU devices per process (an inherited larger count would not add up to the mesh)
     os.environ["XLA_FLAGS"] = re.sub(_FLAG + r"=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
     if local > 1:
-        simulate_devices(local)
+        simulate_devices(local, "train.mesh")
+    if group.coordinator is not None and group.process_id == 0:
+        _check_port_free(group)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if group.coordinator is None:  # JAX reads the SLURM / Open MPI environment itself
-        jax.distributed.initialize()
-    else:
-        jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id)
+    _initialize(group, t.init_timeout)
     return group
+
+
+INIT_GRACE_S = 30  # JAX's own deadline runs this much after ours (it aborts the process from C++)
+
+
+def _where(group: ProcessGroup) -> str:
+    at = group.coordinator or f"the {group.source} job's coordinator"
+    return f"process {group.process_id} of {group.num_processes} ({at})"
+
+
+def port_in_use(port: int) -> str | None:
+    """Why this host cannot serve a coordinator on `port` (every interface, as JAX binds it), or None."""
+    for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host
+            continue
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # only a listener makes bind fail
+            s.bind((addr, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return "is in use"
+            if e.errno == errno.EACCES:
+                return "needs privileges"
+            if e.errno == errno.EADDRNOTAVAIL:
+                continue
+            return e.strerror or "cannot be bound"
+        finally:
+            s.close()
+        return None
+    return None
+
+
+def _check_port_free(group: ProcessGroup) -> None:
+    """Process 0 serves the coordinator on every interface at the port of `--coordinator`; another
+    program listening there would make JAX log a C++ error and fail, so say it in one line first."""
+    port = int(str(group.coordinator).rpartition(":")[2])
+    why = port_in_use(port)
+    if why:
+        raise ConfigError(f"train.coordinator: port {port} {why} on this host, where process 0 of "
+                          f"{group.num_processes} must serve the coordinator; fix: pass a free port in "
+                          f"--coordinator HOST:PORT to every process of the job")
+
+
+def _initialize(group: ProcessGroup, timeout: int) -> None:
+    """`jax.distributed.initialize` that gives up after `timeout` seconds with one line.
+
+    When a peer never starts, jax 0.10.2 ends the wait by aborting the process from C++ (SIGABRT, a
+    fatal log line and a stack trace; no Python exception). A watchdog thread therefore ends the
+    process first, at `timeout`, with one `boostjax: error:` line and exit status 2; JAX's own
+    deadline is set `INIT_GRACE_S` later as a backstop. Other failures (e.g. the coordinator's port
+    cannot be served) raise, and become a `ConfigError`."""
+    import jax  # noqa: PLC0415
+
+    msg = (f"train.coordinator: {_where(group)} waited {timeout} s for the job to assemble and gave up "
+           f"(a process never started, or the coordinator is unreachable); fix: start all {group.num_processes} "
+           f"processes (--process-id 0..{group.num_processes - 1}) with the same --coordinator and "
+           f"--num-processes {group.num_processes} within --init-timeout seconds, or raise --init-timeout")
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(timeout):
+            sys.stderr.write(f"boostjax: error: {msg}\n")
+            sys.stderr.flush()
+            os._exit(2)  # the main thread is blocked inside JAX's C++ connect
+
+    threading.Thread(target=watchdog, name="boostjax-init-watchdog", daemon=True).start()
+    try:
+        if group.coordinator is None:  # JAX reads the SLURM / Open MPI environment itself
+            jax.distributed.initialize(initialization_timeout=timeout + INIT_GRACE_S)
+        else:
+            jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id,
+                                       initialization_timeout=timeout + INIT_GRACE_S)
+    except Exception as e:  # noqa: BLE001 (JaxRuntimeError and friends: one line, not a traceback)
+        why = " ".join(str(e).split())[:200]
+        raise ConfigError(f"train.coordinator: {_where(group)} could not join the job ({why}); fix: check "
+                          f"--coordinator (process 0's HOST:PORT, reachable from every process) and "
+                          f"--num-processes {group.num_processes}") from None
+    finally:
+        done.set()
 
 
 def is_main_process() -> bool:

@@ -28,6 +28,13 @@ def test_presets_follow_the_design_table():
     (dict(n_kv_heads=3), "model.n_kv_heads"),
     (dict(kind="mamba"), "model.kind"),
     (dict(d_model=12, n_heads=4), "model.d_model"),  # odd head_dim: RoPE needs pairs
+    (dict(rope_theta=0.0), "model.rope_theta"),
+    (dict(rope_theta=float("nan")), "model.rope_theta"),
+    (dict(rope_theta=float("inf")), "model.rope_theta"),
+    (dict(norm_eps=float("nan")), "model.norm_eps"),
+    (dict(init_std=float("inf")), "model.init_std"),
+    (dict(d_model="128"), "model.d_model"),
+    (dict(max_seq_len=1 << 30), "model.max_seq_len"),
 ])
 def test_invalid_model_configs(model, field):
     with pytest.raises(ConfigError, match=f"^{field}: .*fix: "):
@@ -46,6 +53,21 @@ def test_invalid_model_configs(model, field):
     (dict(pipeline_delay=3), "train.pipeline_delay"),
     (dict(warmup=50, steps=50), "train.warmup"),
     (dict(rot_beta=1.0), "train.rot_beta"),
+    (dict(lr=float("inf")), "train.lr"),
+    (dict(lr=float("nan")), "train.lr"),
+    (dict(min_lr_ratio=float("nan")), "train.min_lr_ratio"),
+    (dict(weight_decay=float("inf")), "train.weight_decay"),
+    (dict(b1=float("nan")), "train.b1"),
+    (dict(b2=float("nan")), "train.b2"),
+    (dict(clip=float("inf")), "train.clip"),
+    (dict(rot_beta=float("nan")), "train.rot_beta"),
+    (dict(lr="1e-3"), "train.lr"),
+    (dict(mesh="data=2,data=2"), "train.mesh"),
+    (dict(mesh="data=2,model=2,model=2"), "train.mesh"),
+    (dict(batch=1 << 20, seq=4096), "train.batch"),
+    (dict(init_timeout=0), "train.init_timeout"),
+    (dict(seed=-1), "train.seed"),
+    (dict(out=""), "train.out"),
 ])
 def test_invalid_train_configs(train, field):
     with pytest.raises(ConfigError, match=f"^{field}: .*fix: "):

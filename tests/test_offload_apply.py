@@ -164,8 +164,9 @@ def test_config_checks_the_plan(tmp_path):
 
 
 def test_train_with_offload_plan_loss_falls(tmp_path):
-    path = tmp_path / "plan.json"
-    path.write_text(PLANS["flat"].to_json())
+    path = tmp_path / "plan.json"  # the flat plan's decisions, planned for this run's batch and seq
+    inst = build_instance(MICRO, 8, 32, "H800-80GB", budget_bytes=1e12, dtype_bytes=4, eight_bit=False)
+    path.write_text(make_plan(inst, PLANS["flat"].decisions, "manual").to_json())
     res = train(Config(MICRO, TrainConfig(steps=40, batch=8, seq=32, log_every=5, eval_every=40, eval_batches=1,
                                           ckpt_every=40, progress=False, out=str(tmp_path / "run"),
                                           offload_plan=str(path))))

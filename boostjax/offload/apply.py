@@ -44,7 +44,6 @@ Only a single device (strategy "none", no mesh) is supported.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import re
 from dataclasses import dataclass, replace
@@ -61,6 +60,7 @@ from boostjax.models.llama import RematSegment
 from boostjax.offload.costmodel import PlanInstance, activation_names, build_instance
 from boostjax.offload.hardware import HardwareProfile
 from boostjax.offload.planner import Plan, simulate
+from boostjax.offload.plans import check_planned_for, read_plan
 
 HOST, DEVICE = "pinned_host", "device"
 _OFFLOAD = dict(offload_src=DEVICE, offload_dst=HOST)
@@ -71,14 +71,9 @@ _HAS_STATS = ("qkv_latent", "o_latent", "gate_up_latent", "down_latent")
 
 
 def load_plan(path: str | pathlib.Path) -> Plan:
-    """A `Plan` from a plan.json written by `boostjax plan --out` (or `Plan.to_json`)."""
-    p = pathlib.Path(path)
-    if not p.is_file():
-        raise ConfigError(f"train.offload_plan: {p} does not exist; fix: write one with boostjax plan --out {p}")
-    try:
-        return Plan.from_json(p.read_text())
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ConfigError(f"train.offload_plan: {p} is not a plan file ({e}); fix: write it with boostjax plan --out") from e
+    """A `Plan` from a plan.json written by `boostjax plan --out` (or `Plan.to_json`); `ConfigError`
+    (one line naming the file and the fix) for anything else."""
+    return read_plan(path)
 
 
 def check_plan(plan: Plan, cfg: Config) -> None:
@@ -95,6 +90,8 @@ def check_plan(plan: Plan, cfg: Config) -> None:
         raise ConfigError("train.offload_plan: an offload plan runs on one device; fix: drop --strategy/--mesh")
     if cfg.train.remat != "none":
         raise ConfigError("train.offload_plan: the plan decides the remat policy; fix: drop --remat (or pass none)")
+    # a plan object built in Python may lack the record; a plan file without one is refused by `validate`
+    check_planned_for(plan, cfg.model, cfg.train, cfg.train.offload_plan or "the plan", require=False)
 
 
 # ----------------------------------------------------------------------------- policies

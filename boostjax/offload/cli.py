@@ -3,11 +3,13 @@ and compare it with the baseline policies (no offload, full remat, MegaTrain-sty
 
     boostjax plan --preset 7b --model llama --hardware H800-80GB --memory-cap 70 --batch 8 --seq 2048
     boostjax plan --instance lazytrain-27b --json
-    boostjax plan --preset tiny --batch 4 --seq 32 --dtype float32 --memory-cap 0.01 --out plan.json
+    boostjax plan --preset tiny --batch 4 --seq 32 --dtype float32 --optimizer adamw --memory-cap 0.01 --out plan.json
     boostjax train --preset tiny --batch 4 --seq 32 --offload-plan plan.json
 
-`--out` writes the plan (`Plan.to_json`) that `boostjax train --offload-plan` applies. A budget no
-plan fits exits with status 2 and one line giving the smallest budget that works.
+`--out` writes the plan (`Plan.to_json`) that `boostjax train --offload-plan` applies; the file records
+the model shapes, batch, seq, dtype and optimizer it was planned for, and train refuses a run that
+differs. `--out` never replaces a file that is not a boostjax plan. A budget no plan fits exits with
+status 2 and one line giving the smallest budget that works.
 """
 
 from __future__ import annotations
@@ -15,17 +17,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import pathlib
+import stat
 import sys
 from dataclasses import replace
 from typing import Any
 
-from boostjax.config import MODEL_KINDS, PRESETS, ConfigError, preset, validate_model
+from boostjax.config import MAX_SEQ_LEN, MAX_TOKENS, MODEL_KINDS, PRESETS, ConfigError, preset, validate_model
 from boostjax.offload.costmodel import ATTENTION, PlanInstance, build_instance, lazytrain_27b
 from boostjax.offload.hardware import PROFILES, get_profile
 from boostjax.offload.planner import BASELINES, BOUNDARY_STATES, Plan, PlanInfeasible, baseline_plan, solve
+from boostjax.offload.plans import is_plan_file
 
 GB = 1e9
 INSTANCES = ("lazytrain-27b",)
+MAX_MEMORY_GB = 1e6  # a petabyte: anything larger is a typo (and 1e300 GB overflows to inf bytes)
+MAX_TIME_LIMIT_S = 7 * 24 * 3600.0
+MAX_PLAN_LAYERS = 1024  # the CP-SAT model grows with L^2 (512 layers: 11 s and 0.6 GB to build)
 _SHAPE_FLAGS = ("n_layers", "d_model", "d_ff", "n_heads", "n_kv_heads", "rank", "vocab_size")
 
 
@@ -62,24 +71,42 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _number(args: argparse.Namespace, name: str, low: float, high: float, example: str) -> float:
+    """A finite float flag in (low, high]; NaN and inf are refused (NaN passes every comparison test)."""
+    v = getattr(args, name)
+    flag = "--" + name.replace("_", "-")
+    if not (math.isfinite(v) and low < v <= high):
+        raise ConfigError(f"plan.{name}: must be a finite number in ({low:g}, {high:g}], got {v}; "
+                          f"fix: pass e.g. {flag} {example}")
+    return v
+
+
 def instance_from_args(args: argparse.Namespace) -> PlanInstance:
     """The plan instance the flags describe (raises ConfigError on bad shapes or numbers)."""
     cap = None
     if args.memory_cap is not None:
-        if not args.memory_cap > 0:
-            raise ConfigError(f"plan.memory_cap: must be positive, got {args.memory_cap}; fix: pass e.g. --memory-cap 70")
-        cap = args.memory_cap * GB
-    if args.time_limit <= 0:
-        raise ConfigError(f"plan.time_limit: must be positive, got {args.time_limit}; fix: pass e.g. --time-limit 60")
+        cap = _number(args, "memory_cap", 0.0, MAX_MEMORY_GB, "70") * GB
+    _number(args, "time_limit", 0.0, MAX_TIME_LIMIT_S, "60")
     try:
         hw = get_profile(args.hardware)
-    except ValueError as e:
-        raise ConfigError(f"plan.{e}") from None
+    except ValueError:
+        raise ConfigError(f"plan.hardware: unknown profile {args.hardware!r}; fix: pass one of {', '.join(PROFILES)} "
+                          "(or an alias: h800, h100, h200, a100, a100-40gb, 3090)") from None
     if args.instance == "lazytrain-27b":
         inst = lazytrain_27b(hw)
         return inst if cap is None else inst.with_budget(cap)
-    if args.batch < 1 or args.seq < 1:
-        raise ConfigError(f"plan.batch/seq: must be positive, got {args.batch}/{args.seq}; fix: pass --batch N --seq N")
+    for name in ("batch", "seq"):
+        v = getattr(args, name)
+        if v < 1:
+            raise ConfigError(f"plan.{name}: must be positive, got {v}; fix: pass --{name} N with N >= 1")
+    if args.seq > MAX_SEQ_LEN:
+        raise ConfigError(f"plan.seq: {args.seq} exceeds {MAX_SEQ_LEN}; fix: pass --seq <= {MAX_SEQ_LEN}")
+    if args.batch * args.seq > MAX_TOKENS:
+        raise ConfigError(f"plan.batch: batch x seq = {args.batch} x {args.seq} tokens exceeds {MAX_TOKENS}; "
+                          "fix: lower --batch or --seq")
+    if args.n_layers is not None and args.n_layers > MAX_PLAN_LAYERS:
+        raise ConfigError(f"plan.n_layers: {args.n_layers} layers exceed the planner's {MAX_PLAN_LAYERS}; "
+                          f"fix: pass --n-layers <= {MAX_PLAN_LAYERS}")
     over = {k: getattr(args, k) for k in _SHAPE_FLAGS if getattr(args, k) is not None}
     if args.model:
         over["kind"] = args.model
@@ -159,8 +186,51 @@ def summary(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def check_out(out: str) -> pathlib.Path:
+    """`--out` can take the plan: not a folder, its folder exists and is writable, and it is not an
+    existing file other than a boostjax plan (which is replaced). Checked before solving."""
+    if "\0" in out:
+        raise ConfigError(f"plan.out: {out!r} contains a NUL byte; fix: pass a file path such as plan.json")
+    p = pathlib.Path(out)
+    if p.is_dir():
+        raise ConfigError(f"plan.out: {p} is a folder; fix: pass a file path such as {p / 'plan.json'}")
+    parent = p.parent
+    try:
+        st = os.stat(parent)
+    except FileNotFoundError:
+        raise ConfigError(f"plan.out: the folder {parent} does not exist; fix: create it (mkdir -p {parent}) "
+                          "or pass another --out") from None
+    except NotADirectoryError:
+        raise ConfigError(f"plan.out: {parent} is not a folder (a file is on the path); fix: pass another --out") \
+            from None
+    except OSError as e:
+        raise ConfigError(f"plan.out: cannot reach the folder {parent} ({e.strerror}); fix: pass another --out") \
+            from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"plan.out: {parent} is a file, not a folder; fix: pass another --out")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"plan.out: the folder {parent} is not writable; fix: pass another --out")
+    if (p.exists() or p.is_symlink()) and not is_plan_file(p):
+        raise ConfigError(f"plan.out: {p} exists and is not a boostjax plan (left untouched); fix: pass another "
+                          "--out, or move that file away yourself")
+    return p
+
+
+def write_plan(plan: Plan, path: pathlib.Path) -> None:
+    """Write the plan through a temporary file in the same folder, so a failed write leaves no half file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(plan.to_json() + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"plan.out: cannot write {path} ({e.strerror}); fix: check the folder's free space and "
+                          "permissions, or pass another --out") from None
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     inst = instance_from_args(args)
+    out = check_out(args.out) if args.out else None  # before the solve: a bad --out costs nothing
     baselines = {n: baseline_plan(inst, n) for n in BASELINES}
     try:
         plan = solve(inst, time_limit_s=args.time_limit)
@@ -170,9 +240,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                           f"the smallest budget that works is {need / GB:.6g} GB; "
                           f"fix: pass --memory-cap {math.ceil(need / GB * 1e4) / 1e4:g} or more") from None
     rep = report(inst, plan, baselines)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(plan.to_json() + "\n")
+    if out is not None:
+        write_plan(plan, out)
         rep["out"] = args.out
     print(json.dumps(rep, indent=1) if args.json else summary(rep))
     if args.out and not args.json:
@@ -180,4 +249,4 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["INSTANCES", "instance_from_args", "layer_runs", "register", "report", "schedule_shape", "summary"]
+__all__ = ["INSTANCES", "check_out", "instance_from_args", "write_plan", "layer_runs", "register", "report", "schedule_shape", "summary"]

@@ -213,6 +213,9 @@ class PlanInstance:
     # per layer: the gradient of a `device`-mode layer, resident from its backward window B_k to the
     # epilogue E where the optimizer consumes it (empty: none beyond `mode_device_bytes`)
     grad_device_bytes: tuple[float, ...] = ()
+    # what the instance models, as (field, value) pairs (`planned_for`): a plan applies only to a
+    # run with these values (empty for hand-built instances)
+    planned_for: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         L = len(self.boundary_bytes)
@@ -296,7 +299,24 @@ def build_instance(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile |
         head_work_bytes=3.0 * 4 * chunk * cfg.vocab_size + 2.0 * tokens * cfg.d_model * dtype_bytes,
         fixed_bytes=float(fixed), host_budget_bytes=float(hw.host_bytes), max_segment=max_segment,
         h2d_lead=h2d_lead, d2h_lag=d2h_lag, activation_names=activation_names(cfg), tokens=tokens,
-        model_flops=6.0 * total_param_count(cfg) * tokens)
+        model_flops=6.0 * total_param_count(cfg) * tokens,
+        planned_for=planned_for(cfg, batch, seq, dtype_bytes, eight_bit, attention))
+
+
+PLAN_DTYPES: dict[int, str] = {4: "float32", 2: "bfloat16"}  # activation bytes -> compute dtype
+
+
+def planned_for(cfg: ModelConfig, batch: int, seq: int, dtype_bytes: int, eight_bit: bool,
+                attention: str) -> tuple[tuple[str, object], ...]:
+    """The run a plan of these inputs is valid for, as (field, value) pairs named like the config
+    fields: the model shapes the cost model reads, batch, seq, compute dtype, optimizer-state sizes
+    (`adam8bit` or fp32 `adamw`) and the attention memory model."""
+    return (("model.kind", cfg.kind), ("model.vocab_size", cfg.vocab_size), ("model.d_model", cfg.d_model),
+            ("model.n_layers", cfg.n_layers), ("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.kv_heads),
+            ("model.d_ff", cfg.d_ff), ("model.rank", cfg.rank if cfg.low_rank else 0),
+            ("train.batch", batch), ("train.seq", seq),
+            ("train.dtype", PLAN_DTYPES.get(dtype_bytes, f"{dtype_bytes}-byte")),
+            ("train.optimizer", "adam8bit" if eight_bit else "adamw"), ("attention", attention))
 
 
 # 27B LLaMA-like shape (assumption): d 5120, 64 layers, 40 heads with 8 KV heads (GQA), d_ff 22016,
@@ -341,5 +361,5 @@ __all__ = [
     "adam_state_bytes", "block_graph", "build_instance", "default_inner_options", "embedding_param_count",
     "grad_bytes_per_layer", "head_param_count", "instance_family", "layer_cost", "layer_param_shapes",
     "lazytrain_27b", "opt_state_bytes_per_layer", "param_bytes_per_layer", "param_count_per_layer",
-    "recompute_cost", "total_param_count",
+    "planned_for", "recompute_cost", "total_param_count",
 ]

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+import os
+import pathlib
+import stat
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from boostjax.offload.costmodel import ALL, BOUNDARY, MODES, PlanInstance
@@ -170,6 +173,9 @@ class Plan:
     transfers: list[dict[str, Any]] = field(default_factory=list)
     tokens: int = 0
     model_flops: float = 0.0
+    # the run this plan is for (`costmodel.planned_for`: model shapes, batch, seq, dtype, optimizer,
+    # attention); `boostjax train --offload-plan` refuses a run that differs
+    planned_for: dict[str, Any] = field(default_factory=dict)
 
     @property
     def boundary(self) -> tuple[str, ...]:
@@ -213,15 +219,58 @@ class Plan:
                 "segment": seg, "params": self.param_place[k], "opt_state": self.opt_place[k]}
 
     def to_json(self) -> str:
-        d = asdict(self)
+        d = {"format": PLAN_FORMAT, "version": PLAN_VERSION, **asdict(self)}
         d["gap"] = None if math.isinf(self.gap) else self.gap  # unknown gap (time-out fallback)
         return json.dumps(d, indent=1, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        d = json.loads(text)
-        d["gap"] = math.inf if d["gap"] is None else d["gap"]
-        d["decisions"] = Decisions(**{k: tuple(v) for k, v in d["decisions"].items()})
+        """A plan from `to_json` text; ValueError (one line, what is wrong) for anything else."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Plan":
+        if not isinstance(d, dict):
+            raise ValueError(f"a JSON {type(d).__name__}, not a plan object")
+        d = dict(d)
+        if d.pop("format", PLAN_FORMAT) != PLAN_FORMAT:
+            raise ValueError("its 'format' is not a boostjax plan")
+        d.pop("version", None)
+        names = {f.name for f in fields(cls)}
+        missing = sorted(n for n in names if n not in d and n not in _OPTIONAL)
+        if missing:
+            raise ValueError(f"no {', '.join(repr(m) for m in missing[:3])} entry")
+        extra = sorted(k for k in d if k not in names)
+        if extra:
+            raise ValueError(f"unknown entry {extra[0]!r}")
+        for name in ("instance", "method", "status"):
+            if not isinstance(d[name], str):
+                raise ValueError(f"{name!r} is not a string")
+        for name in ("objective", "solve_s", "predicted_step_s", "predicted_peak_bytes", "predicted_host_bytes",
+                     "budget_bytes", "model_flops", "tokens"):
+            v = d.get(name, 0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name!r} is not a number")
+        gap = d["gap"]
+        if gap is not None and (isinstance(gap, bool) or not isinstance(gap, (int, float))):
+            raise ValueError("'gap' is not a number")
+        d["gap"] = math.inf if gap is None else gap
+        d["decisions"] = _decisions_from(d["decisions"])
+        saves = d["option_saves"]
+        if not (isinstance(saves, dict) and all(isinstance(v, list) and all(isinstance(x, str) for x in v)
+                                                for v in saves.values())):
+            raise ValueError("'option_saves' is not a map of name lists")
+        acts = d["activation_names"]
+        if not (isinstance(acts, list) and all(isinstance(x, str) for x in acts)):
+            raise ValueError("'activation_names' is not a list of names")
+        if not isinstance(d.get("transfers", []), list):
+            raise ValueError("'transfers' is not a list")
+        if not isinstance(d.get("planned_for", {}), dict):
+            raise ValueError("'planned_for' is not an object")
         return cls(**d)
 
     def summary(self) -> str:
@@ -229,6 +278,125 @@ class Plan:
         return (f"{self.instance} [{self.method}] {self.status}: step {self.predicted_step_s:.4f} s "
                 f"(recompute+exposed {self.objective:.4f} s), peak {self.predicted_peak_bytes / 2**30:.2f} GiB "
                 f"of {self.budget_bytes / 2**30:.2f} GiB, boundaries {c}, solve {self.solve_s:.2f} s")
+
+
+PLAN_FORMAT = "boostjax-plan"
+PLAN_VERSION = 2  # 2: records `planned_for`; version 1 files (no "format" key) have no record
+MAX_PLAN_BYTES = 64 << 20  # a plan of 1000 layers is a few MB
+_OPTIONAL = {"transfers", "tokens", "model_flops", "planned_for"}
+_DECISION_KINDS = {"boundary": str, "inner": str, "mode": str, "offload_lag": int, "fetch_lead": int,
+                   "param_fwd_lead": int, "param_bwd_lead": int, "grad_lag": int, "flat": bool}
+
+
+def _decisions_from(raw: Any) -> Decisions:
+    if not isinstance(raw, dict):
+        raise ValueError("'decisions' is not an object")
+    extra = sorted(set(raw) - set(_DECISION_KINDS))
+    if extra:
+        raise ValueError(f"unknown decision {extra[0]!r}")
+    missing = [k for k in _DECISION_KINDS if k != "flat" and k not in raw]
+    if missing:
+        raise ValueError(f"no decision {missing[0]!r}")
+    n = None
+    for name, kind in _DECISION_KINDS.items():
+        v = raw.get(name, [])
+        ok = isinstance(v, list) and all(isinstance(x, kind) and (kind is bool or not isinstance(x, bool)) for x in v)
+        if not ok:
+            raise ValueError(f"decisions.{name} is not a list of {kind.__name__}")
+        if name != "flat" or v:
+            if n is not None and len(v) != n:
+                raise ValueError(f"decisions.{name} has {len(v)} entries, decisions.boundary {n}")
+            n = len(v) if n is None else n
+    if not n:
+        raise ValueError("decisions for 0 layers")
+    return Decisions(**{k: tuple(v) for k, v in raw.items()})
+
+
+def _plan_error(path: Any, what: str, fix: str, name: str) -> Exception:
+    from boostjax.config import ConfigError  # noqa: PLC0415
+
+    return ConfigError(f"{name}: {path} {what}; fix: {fix}")
+
+
+def read_plan(path: str | os.PathLike, name: str = "train.offload_plan") -> Plan:
+    """The `Plan` in a plan.json written by `boostjax plan --out`; `ConfigError` (one line naming
+    `name`, the file and the fix) for a missing, unreadable or foreign file. Never blocks on a FIFO."""
+    p = pathlib.Path(path)
+    again = f"write it with boostjax plan ... --out {p}"
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise _plan_error(p, "does not exist", again, name) from None
+    except OSError as e:
+        raise _plan_error(p, f"cannot be read ({e.strerror or e})", f"check the path and its permissions, or {again}",
+                          name) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise _plan_error(p, "is a directory", f"pass the plan file inside it, or {again}", name)
+    if not stat.S_ISREG(st.st_mode):
+        raise _plan_error(p, "is not a regular file", f"pass a plan.json file; {again}", name)
+    if st.st_size > MAX_PLAN_BYTES:
+        raise _plan_error(p, f"is not a plan file ({st.st_size} bytes, a plan is far smaller)", again, name)
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise _plan_error(p, "is not a plan file (not UTF-8 text)", again, name) from None
+    except OSError as e:
+        raise _plan_error(p, f"cannot be read ({e.strerror or e})", f"check the file and its permissions, or {again}",
+                          name) from None
+    try:
+        return Plan.from_json(text)
+    except (ValueError, TypeError) as e:
+        reason = " ".join(str(e).split())[:160]
+        raise _plan_error(p, f"is not a plan file ({reason})", again, name) from None
+
+
+def is_plan_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is a plan file `boostjax plan --out` may replace (a regular file holding a plan,
+    of this or the previous format version)."""
+    p = pathlib.Path(path)
+    try:
+        st = p.stat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_PLAN_BYTES:
+            return False
+        d = json.loads(p.read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(d, dict) or d.get("format", PLAN_FORMAT) != PLAN_FORMAT:
+        return False
+    return {"instance", "method", "decisions", "option_saves", "activation_names"} <= d.keys()
+
+
+_PLAN_FLAGS = {"model.kind": "--model", "train.optimizer": "--optimizer", "attention": "--attention"}
+
+
+def check_planned_for(plan: Plan, model: Any, train: Any, path: Any = "the plan",
+                      name: str = "train.offload_plan", require: bool = True) -> None:
+    """`ConfigError` naming the first field where the run (`model`: ModelConfig, `train`: TrainConfig)
+    differs from what the plan was made for, both values and the fix. `require`: refuse a plan that
+    has no record (plan files of version 1)."""
+    from boostjax.config import ConfigError  # noqa: PLC0415
+    from boostjax.offload.costmodel import planned_for  # noqa: PLC0415
+
+    redo = f"re-run boostjax plan with this run's shape, --batch, --seq, --dtype and --optimizer flags --out {path}"
+    rec = plan.planned_for
+    if not rec:
+        if require:
+            raise ConfigError(f"{name}: {path} does not record the model, batch, seq and dtype it was planned for "
+                              f"(written by an older boostjax); fix: {redo}")
+        return
+    dtype_bytes = 4 if train.dtype == "float32" else 2
+    want = dict(planned_for(model, train.batch, train.seq, dtype_bytes, train.optimizer == "adam8bit",
+                            "materialized"))
+    for key, value in want.items():
+        got = rec.get(key)
+        if got != value:
+            flag = _PLAN_FLAGS.get(key, "--" + key.split(".")[-1].replace("_", "-"))
+            if key == "attention":
+                fix = f"boostjax train materialises attention; re-run boostjax plan with --attention {value} --out {path}"
+            else:
+                fix = f"re-run boostjax plan with {flag} {value} (and this run's other flags) --out {path}"
+            raise ConfigError(f"{name}: {path} was planned for {key}={got!r} but this run has {key}={value!r}; "
+                              f"fix: {fix}")
 
 
 def make_plan(inst: PlanInstance, d: Decisions, method: str, status: str | None = None,
@@ -241,7 +409,8 @@ def make_plan(inst: PlanInstance, d: Decisions, method: str, status: str | None 
                 predicted_host_bytes=ev.host_bytes, budget_bytes=inst.budget_bytes, decisions=d,
                 option_saves={n: list(s) for n, s in zip(inst.option_names, inst.option_saves)},
                 activation_names=list(inst.activation_names), transfers=transfers_of(inst, d),
-                tokens=inst.tokens, model_flops=inst.model_flops)
+                tokens=inst.tokens, model_flops=inst.model_flops, planned_for=dict(inst.planned_for))
 
 
-__all__ = ["Evaluation", "Plan", "PlanInfeasible", "evaluate", "make_plan", "simulate", "transfers_of"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Evaluation", "Plan", "PlanInfeasible", "check_planned_for", "evaluate",
+           "is_plan_file", "make_plan", "read_plan", "simulate", "transfers_of"]

@@ -30,8 +30,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from boostjax.config import (LOW_RANK_KINDS, PRESETS, Config, ConfigError, ModelConfig, REMAT, TrainConfig,
-                             parse_mesh, preset, validate)
+from boostjax.config import (LOW_RANK_KINDS, MAX_SEQ_LEN, PRESETS, Config, ConfigError, ModelConfig, REMAT,
+                             TrainConfig, mesh_devices, one_line_parse_errors, parse_mesh, preset, validate)
 from boostjax.sharding import hlo
 
 STRATEGIES = ("fullrank-tp", "vanilla-tp", "btp")
@@ -314,6 +314,8 @@ def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: s
     if remat not in REMAT:
         raise ConfigError(f"comm.remat: unknown remat {remat!r}; fix: use one of {', '.join(REMAT)}")
     m = model_for(model, strategy)
+    if dump_hlo:
+        check_dump_dir(dump_hlo, (strategy,))
     full = _compile(m, mesh, batch, seq, strategy, remat, dtype, True)
     two = _compile(replace(m, n_layers=2), mesh, batch, seq, strategy, remat, dtype)
     one = _compile(replace(m, n_layers=1), mesh, batch, seq, strategy, remat, dtype)
@@ -415,18 +417,104 @@ def _table(reports: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _cmd_comm(args: argparse.Namespace) -> int:
-    if not parse_mesh(args.mesh):
+def _comm_error(e: ConfigError) -> ConfigError:
+    """A `train.*` message from the shared validation, renamed to the `comm.*` flag it came from."""
+    text = str(e)
+    return ConfigError("comm." + text[len("train."):] if text.startswith("train.") else text)
+
+
+def check_dump_dir(path: str, strategies: Sequence[str]) -> None:
+    """`--dump-hlo DIR` can take `DIR/<strategy>.hlo.txt` and `.fwd.hlo.txt`: DIR is a folder or can be
+    made one (no file on its path), and files already there are HLO dumps (replaced), never anything
+    else. Checked before anything is compiled."""
+    if "\0" in path:
+        raise ConfigError(f"comm.dump_hlo: {path!r} contains a NUL byte; fix: pass a folder path")
+    p = os.path.abspath(path)
+    probe = p
+    while not os.path.exists(probe):  # the nearest existing folder on the path must be a folder
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        what = "is a file" if probe == p else f"lies under the file {probe}"
+        raise ConfigError(f"comm.dump_hlo: {path} {what}, not a folder; fix: pass a folder for the HLO dumps, "
+                          "e.g. --dump-hlo hlo")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"comm.dump_hlo: the folder {probe} is not writable; fix: pass another --dump-hlo")
+    for s in strategies:
+        for name in (f"{s}.hlo.txt", f"{s}.fwd.hlo.txt"):
+            f = os.path.join(p, name)
+            if os.path.lexists(f) and not _is_hlo_dump(f):
+                raise ConfigError(f"comm.dump_hlo: {f} exists and is not an HLO dump (left untouched); "
+                                  "fix: pass another --dump-hlo folder, or move that file away yourself")
+
+
+def _is_hlo_dump(path: str) -> bool:
+    try:
+        if not os.path.isfile(path):
+            return False
+        if os.path.getsize(path) == 0:
+            return True  # an empty forward dump (compiled_step writes none)
+        with open(path, "rb") as fh:
+            return fh.read(9) == b"HloModule"
+    except OSError:
+        return False
+
+
+def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelConfig, dict[str, int]]:
+    """Every flag of `boostjax comm`, checked before JAX starts; returns the model and mesh sizes."""
+    for name in ("batch", "seq"):
+        v = getattr(args, name)
+        if v < 1:
+            raise ConfigError(f"comm.{name}: must be positive, got {v}; fix: pass --{name} N with N >= 1")
+    if args.seq > MAX_SEQ_LEN:
+        raise ConfigError(f"comm.seq: {args.seq} exceeds {MAX_SEQ_LEN}; fix: pass --seq <= {MAX_SEQ_LEN}")
+    sizes = parse_mesh(args.mesh, "comm.mesh")
+    if not sizes:
         raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
+    if args.batch % sizes.get("data", 1):
+        raise ConfigError(f"comm.batch: {args.batch} is not divisible by data={sizes['data']}; "
+                          f"fix: pass --batch a multiple of {sizes['data']}")
+    if sizes.get("stage", 1) > 1:
+        raise ConfigError("comm.mesh: comm compiles 1- and 2-layer programs, which do not split into pipeline "
+                          "stages; fix: drop stage= from --mesh (use the data and model axes)")
+    base = preset(args.preset, kind=args.model)
+    base = replace(base, max_seq_len=max(base.max_seq_len, args.seq))  # comm has no --max-seq-len
+    for s in names:
+        try:
+            validate(Config(model_for(base, s), TrainConfig(batch=args.batch, seq=args.seq, strategy=s,
+                                                            mesh=args.mesh, remat=args.remat, dtype=args.dtype)))
+        except ConfigError as e:
+            raise _comm_error(e) from None
+    if args.dump_hlo is not None:
+        check_dump_dir(args.dump_hlo, names)
+    return base, sizes
+
+
+def _cmd_comm(args: argparse.Namespace) -> int:
+    names = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    base, sizes = _check_args(args, names)
     from boostjax.devices import exact_low_precision, simulate_for_mesh  # noqa: PLC0415
 
     exact_low_precision()
     try:
-        simulate_for_mesh(args.mesh)
+        simulate_for_mesh(args.mesh, "comm.mesh")
     except RuntimeError as e:  # JAX already started with fewer devices
         raise ConfigError(f"comm.mesh: {e}") from e
-    base = preset(args.preset, kind=args.model)
-    names = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    import jax  # noqa: PLC0415 (after the device count is set)
+
+    from boostjax.sharding.strategies import check_strategy  # noqa: PLC0415
+
+    devices, visible = mesh_devices(args.mesh, "comm.mesh"), jax.device_count()
+    if devices > visible:  # e.g. an accelerator with fewer devices than the mesh (nothing simulated)
+        raise ConfigError(f"comm.mesh: {args.mesh} needs {devices} devices but {visible} are visible; "
+                          f"fix: pick sizes whose product is at most {visible}")
+
+    for s in names:  # every strategy's shapes before the first (possibly long) compile
+        try:
+            check_strategy(model_for(base, s), s, sizes.get("model", 1))
+        except ConfigError as e:
+            what = str(e).split("; fix:")[0]
+            raise ConfigError(f"comm.mesh: {what}; fix: pass a --mesh model size that divides the {args.preset} "
+                              "preset's shapes, or another --preset") from None
     reports = {s: comm_report(base, args.mesh, args.batch, args.seq, s, args.remat, args.dtype, args.dump_hlo)
                for s in names}
     print(json.dumps(reports, indent=1) if args.json else _table(reports))
@@ -438,14 +526,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="boostjax")
     sub = parser.add_subparsers(dest="command")
     register(sub)
+    one_line_parse_errors(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "comm":
         argv = ["comm", *argv]
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help exits 0; a bad command line was reported in one line
+        if e.code in (0, None):
+            raise
+        return 2
     try:
         return args.func(args)
     except ConfigError as e:
-        print(f"boostjax: error: {e}", file=sys.stderr)
+        print(f"boostjax: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

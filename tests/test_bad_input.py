@@ -1,0 +1,420 @@
+"""Bad input on every entry point: one line `boostjax: error: <field or file>: <what>; fix: <what to do>`
+on stderr, exit status 2, no traceback, before anything is compiled or written, and nothing a user owns
+is overwritten. The CLI runs in-process (`boostjax.cli.main`) with `jax.jit` and `Lowered.compile`
+disabled, so a case that reaches a compile fails; the two cases that need a fresh process (the
+simulated-device cap, a multi-host job whose peer never starts) run one."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import boostjax.data
+import boostjax.launch
+import boostjax.offload.apply  # noqa: F401 (imported before jax.jit is disabled)
+import boostjax.sharding.strategies  # noqa: F401
+import boostjax.step  # noqa: F401
+import boostjax.train  # noqa: F401
+from boostjax import hf
+from boostjax.cli import main
+from boostjax.config import ModelConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHAPE = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--rank", "8"]
+TRAIN = ["train", *SHAPE, "--batch", "4", "--seq", "32", "--steps", "2", "--no-progress"]
+PLAN = ["plan", *SHAPE, "--batch", "4", "--seq", "32", "--dtype", "float32", "--optimizer", "adamw",
+        "--memory-cap", "0.1", "--time-limit", "5"]
+
+
+@pytest.fixture(autouse=True)
+def no_compile(monkeypatch):
+    """Bad input must be refused before anything is traced for compilation or compiled."""
+    def refuse(*a, **k):
+        raise AssertionError("bad input reached a compile")
+
+    monkeypatch.setattr(jax, "jit", refuse)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", refuse)
+
+
+def _refused(capsys, argv, *needles) -> str:
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2, (rc, err)
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith("boostjax: error: ") and "; fix: " in line, line
+    assert "Traceback" not in err
+    for n in needles:
+        assert str(n) in line, (n, line)
+    return line
+
+
+def _digest(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------ numbers and fields
+
+@pytest.mark.parametrize("flags,field", [
+    (["--lr", "inf"], "train.lr"), (["--lr", "nan"], "train.lr"), (["--lr", "-1"], "train.lr"),
+    (["--rope-theta", "0"], "model.rope_theta"), (["--rope-theta", "nan"], "model.rope_theta"),
+    (["--rope-theta", "inf"], "model.rope_theta"), (["--norm-eps", "nan"], "model.norm_eps"),
+    (["--init-std", "inf"], "model.init_std"), (["--min-lr-ratio", "nan"], "train.min_lr_ratio"),
+    (["--weight-decay", "inf"], "train.weight_decay"), (["--b1", "nan"], "train.b1"), (["--b2", "1.5"], "train.b2"),
+    (["--clip", "-inf"], "train.clip"), (["--rot-beta", "nan"], "train.rot_beta"),
+    (["--init-timeout", "0"], "train.init_timeout"), (["--seed", "-3"], "train.seed"),
+    (["--batch", "0"], "train.batch"), (["--batch", "1048576", "--seq", "4096"], "train.batch"),
+    (["--max-seq-len", "1073741824"], "model.max_seq_len"), (["--vocab-size", "0"], "model.vocab_size"),
+    (["--lr", "abc"], "train.lr"), (["--model", "mamba"], "model.kind"), (["--mesh", "data=2,data=2"], "train.mesh"),
+    (["--mesh", "gpu=2"], "train.mesh"), (["--mesh", "data=0"], "train.mesh"), (["--out", ""], "train.out"),
+    (["--seed", str(1 << 64)], "train.seed"),
+])
+def test_train_numbers_and_fields(capsys, tmp_path, flags, field):
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", *flags], field)
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_command_and_flag(capsys):
+    _refused(capsys, ["bogus"], "command", "invalid choice")
+    _refused(capsys, ["plan", "--batch", "x"], "plan.batch", "invalid int")
+
+
+# ------------------------------------------------------------------------------ device meshes
+
+def test_mesh_over_the_simulated_device_cap(capsys, tmp_path, monkeypatch):
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--mesh", "data=100000"], "train.mesh", "100000", "64")
+    _refused(capsys, ["comm", "--preset", "tiny", "--mesh", "data=1,model=128"], "comm.mesh", "128")
+    monkeypatch.setenv("BOOSTJAX_MAX_CPU_DEVICES", "many")
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--mesh", "data=2"], "BOOSTJAX_MAX_CPU_DEVICES")
+    assert not (tmp_path / "run").exists()
+
+
+def test_huge_mesh_in_a_fresh_process_is_refused_before_jax(tmp_path):
+    """The CLI would otherwise ask XLA for 100000 CPU devices (tens of GB) before any message."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "boostjax.cli", "train", "--mesh", "data=100000", "--out",
+                             str(tmp_path / "run")], env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    err = proc.stderr.read().decode()
+    assert os.waitstatus_to_exitcode(status) == 2, err
+    assert err.count("\n") == 1 and err.startswith("boostjax: error: train.mesh: 100000 devices"), err
+    assert time.monotonic() - t0 < 60 and usage.ru_maxrss < 1_000_000  # KiB: well under 1 GB
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------ boostjax plan
+
+@pytest.mark.parametrize("flags,field", [
+    (["--memory-cap", "inf"], "plan.memory_cap"), (["--memory-cap", "nan"], "plan.memory_cap"),
+    (["--memory-cap", "1e300"], "plan.memory_cap"), (["--memory-cap", "-1"], "plan.memory_cap"),
+    (["--time-limit", "inf"], "plan.time_limit"), (["--time-limit", "nan"], "plan.time_limit"),
+    (["--time-limit", "0"], "plan.time_limit"), (["--hardware", "tpu9"], "plan.hardware"),
+    (["--batch", "0"], "plan.batch"), (["--seq", "-1"], "plan.seq"), (["--seq", "100000000"], "plan.seq"),
+    (["--batch", "1000000000000"], "plan.batch"), (["--n-layers", "5000"], "plan.n_layers"),
+    (["--d-model", "-1"], "model.d_model"), (["--preset", "huge"], "preset"),
+])
+def test_plan_flags(capsys, tmp_path, flags, field):
+    _refused(capsys, [*PLAN, "--out", tmp_path / "plan.json", *flags], field)
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_plan_out_is_checked_before_the_solve(capsys, tmp_path, monkeypatch):
+    import boostjax.offload.cli as plan_cli
+
+    monkeypatch.setattr(plan_cli, "solve", lambda *a, **k: pytest.fail("solved before --out was checked"))
+    _refused(capsys, [*PLAN, "--out", tmp_path / "missing" / "plan.json"], "plan.out", "does not exist")
+    _refused(capsys, [*PLAN, "--out", tmp_path], "plan.out", "is a folder")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    _refused(capsys, [*PLAN, "--out", tmp_path / "notes.txt" / "plan.json"], "plan.out", "not a folder")
+    for content in (b"my thesis\n", b'{"decisions": 1}', b"\xff\xfe garbage"):
+        (tmp_path / "mine.json").write_bytes(content)
+        _refused(capsys, [*PLAN, "--out", tmp_path / "mine.json"], "plan.out", "is not a boostjax plan")
+        assert (tmp_path / "mine.json").read_bytes() == content  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json", "notes.txt"]
+
+
+def test_plan_out_replaces_only_a_plan(capsys, tmp_path, monkeypatch):
+    out = tmp_path / "plan.json"
+    assert main([*PLAN, "--out", str(out)]) == 0
+    capsys.readouterr()
+    first = json.loads(out.read_text())
+    assert first["format"] == "boostjax-plan" and first["planned_for"]["train.batch"] == 4
+    assert main([*PLAN, "--out", str(out), "--memory-cap", "0.2"]) == 0  # our own plan: replaced
+    capsys.readouterr()
+    assert json.loads(out.read_text())["budget_bytes"] == 0.2e9
+    before = _digest(out)
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    _refused(capsys, [*PLAN, "--out", out], "plan.out", "No space left")
+    assert _digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+# ------------------------------------------------------------------------------ train --offload-plan
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert main([*PLAN, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--d-model", "64"], ["model.d_model=32", "model.d_model=64"]),
+    (["--n-kv-heads", "1"], ["model.n_kv_heads=2", "model.n_kv_heads=1"]),
+    (["--vocab-size", "512"], ["model.vocab_size=256", "model.vocab_size=512"]),
+    (["--batch", "8"], ["train.batch=4", "train.batch=8"]),
+    (["--seq", "64"], ["train.seq=32", "train.seq=64"]),
+    (["--dtype", "bfloat16"], ["train.dtype='float32'", "train.dtype='bfloat16'"]),
+    (["--optimizer", "adam8bit"], ["train.optimizer='adamw'", "train.optimizer='adam8bit'"]),
+    (["--n-layers", "4"], ["the plan has 2 layers", "n_layers=4"]),
+])
+def test_offload_plan_for_another_run(capsys, tmp_path, plan_file, flags, needles):
+    line = _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--offload-plan", plan_file, *flags],
+                    "train.offload_plan", str(plan_file), *needles)
+    assert "re-run boostjax plan" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_offload_plan_files_that_are_not_plans(capsys, tmp_path, plan_file):
+    run = ["--out", tmp_path / "run"]
+    assert main([*TRAIN, "--out", str(tmp_path / "run"), "--offload-plan", str(plan_file), "--steps", "0"]) == 2  # the plan itself is fine
+    assert "train.steps" in capsys.readouterr().err
+    cases = {"garbage.json": os.urandom(4096), "text.json": b"not json at all", "list.json": b"[1, 2, 3]",
+             "other.json": json.dumps({"x": 1}).encode(), "empty.json": b""}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        line = _refused(capsys, [*TRAIN, *run, "--offload-plan", tmp_path / name], "train.offload_plan",
+                        tmp_path / name, "is not a plan file")
+        assert len(line) < 400, line  # one short line, not the file's bytes
+    old = json.loads(plan_file.read_text())
+    for key in ("format", "version", "planned_for"):
+        old.pop(key)
+    (tmp_path / "old.json").write_text(json.dumps(old))  # a plan file of the first format: no record
+    _refused(capsys, [*TRAIN, *run, "--offload-plan", tmp_path / "old.json"], "does not record", "re-run boostjax plan")
+    bad = json.loads(plan_file.read_text())
+    bad["decisions"]["boundary"][0] = "moon"
+    (tmp_path / "edited.json").write_text(json.dumps(bad))
+    _refused(capsys, [*TRAIN, *run, "--offload-plan", tmp_path / "edited.json"], "decisions.boundary[0]")
+    _refused(capsys, [*TRAIN, *run, "--offload-plan", tmp_path], "is a directory")
+    os.mkfifo(tmp_path / "fifo.json")  # never opened: reading a FIFO would block
+    _refused(capsys, [*TRAIN, *run, "--offload-plan", tmp_path / "fifo.json"], "is not a regular file")
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------ boostjax comm
+
+@pytest.mark.parametrize("flags,field", [
+    (["--batch", "0"], "comm.batch"), (["--seq", "0"], "comm.seq"), (["--seq", "99999999"], "comm.seq"),
+    (["--mesh", "data=2,data=2"], "comm.mesh"), (["--mesh", "data"], "comm.mesh"), (["--mesh", "data=x"], "comm.mesh"),
+    (["--mesh", "gpu=4"], "comm.mesh"), (["--mesh", ""], "comm.mesh"), (["--mesh", "data=2,stage=2"], "comm.mesh"),
+    (["--mesh", "data=1,model=3"], "comm.mesh"), (["--batch", "3", "--mesh", "data=2,model=2"], "comm.batch"),
+    (["--preset", "nope"], "preset"), (["--strategy", "zero"], "comm.strategy"),
+])
+def test_comm_flags(capsys, flags, field):
+    _refused(capsys, ["comm", "--preset", "tiny", "--seq", "16", *flags], field)
+
+
+def test_comm_dump_hlo_is_checked_before_compiling(capsys, tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("mine\n")
+    _refused(capsys, ["comm", "--preset", "tiny", "--dump-hlo", f], "comm.dump_hlo", "is a file")
+    _refused(capsys, ["comm", "--preset", "tiny", "--dump-hlo", f / "sub"], "comm.dump_hlo", f"under the file {f}")
+    d = tmp_path / "dumps"
+    d.mkdir()
+    (d / "btp.fwd.hlo.txt").write_text("my notes\n")
+    _refused(capsys, ["comm", "--preset", "tiny", "--strategy", "btp", "--mesh", "data=1,model=2", "--dump-hlo", d],
+             "comm.dump_hlo", "is not an HLO dump")
+    assert f.read_text() == "mine\n" and (d / "btp.fwd.hlo.txt").read_text() == "my notes\n"
+    assert sorted(p.name for p in d.iterdir()) == ["btp.fwd.hlo.txt"]
+
+
+# ------------------------------------------------------------------------------ launch
+
+@pytest.mark.parametrize("argv,field", [
+    (["launch", "-n", "0", "--", "train"], "launch.num_processes"),
+    (["launch", "-n", "1", "--", "train"], "launch.num_processes"),
+    (["launch", "-n", "100000", "--", "train"], "launch.num_processes"),
+    (["launch", "--port", "99999", "--", "train"], "launch.port"),
+    (["launch", "--port", "0", "--", "train"], "launch.port"),
+    (["launch"], "launch"),
+    (["launch", "--", "plan"], "launch"),
+    (["launch", "--", "train", "--coordinator", "h:1"], "launch"),
+    (["launch", "--", "train", "--process-id=1"], "launch"),
+    (["launch", "-n", "3", "--", "train", "--mesh", "data=2"], "train.mesh"),
+    (["launch", "--", "train", "--mesh", "data=200"], "train.mesh"),
+    (["launch", "--", "train", "--mesh", "data=2", "--lr", "nan"], "train.lr"),
+    (["launch", "--", "train", "--mesh", "data=2", "--lr", "x"], "train.lr"),
+])
+def test_launch_starts_nothing_on_bad_input(capsys, monkeypatch, argv, field):
+    monkeypatch.setattr(boostjax.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    _refused(capsys, argv, field)
+
+
+def test_launch_port_in_use(capsys, monkeypatch):
+    monkeypatch.setattr(boostjax.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        _refused(capsys, ["launch", "--port", port, "--", "train", "--mesh", "data=2"], "launch.port", "in use")
+
+
+def test_multihost_peer_that_never_starts(tmp_path):
+    """Process 0 of a 2-process job alone: one line naming the coordinator and the process count after
+    --init-timeout seconds (jax 0.10.2 would abort from C++ with a stack trace, after 300 s)."""
+    port = boostjax.launch.free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "boostjax.cli", *TRAIN, "--mesh", "data=2", "--coordinator",
+                        f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0", "--init-timeout", "2",
+                        "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("boostjax: error: train.coordinator: "), r.stderr
+    assert f"127.0.0.1:{port}" in lines[0] and "of 2" in lines[0] and "--init-timeout" in lines[0]
+    assert time.monotonic() - t0 < 60
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------ data
+
+def test_token_ids_above_the_vocabulary_deep_in_a_bin_file(capsys, tmp_path, monkeypatch):
+    ids = np.arange(1_000_000, dtype=np.uint16) % 256
+    ids[987_654] = 4000
+    path = tmp_path / "tokens.bin"
+    ids.tofile(path)
+    monkeypatch.setattr(boostjax.data, "SCAN_BYTES", 1 << 16)  # many chunks: the max is in a late one
+    boostjax.data._MAX_CACHE.clear()
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--data", path], f"data: {path}", "token id 4000",
+             "model.vocab_size is 256", "--vocab-size 4001")
+    (tmp_path / "odd.bin").write_bytes(b"\x00" * 7)
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--data", tmp_path / "odd.bin"], "not a multiple of uint16")
+    (tmp_path / "text.txt").write_text("héllo wörld " * 100)  # byte tokens up to 0xc3
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--data", tmp_path / "text.txt", "--vocab-size", "128"],
+             "token id 195", "--vocab-size 196")
+    assert not (tmp_path / "run").exists()
+
+
+def _fail_for(target: pathlib.Path, exc: OSError):
+    real = pathlib.Path.read_bytes
+
+    def read_bytes(self):
+        if pathlib.Path(self) == target:
+            raise exc
+        return real(self)
+
+    return read_bytes
+
+
+@pytest.mark.parametrize("exc,why", [
+    (PermissionError(errno.EACCES, "Permission denied"), "Permission denied"),
+    (OSError(errno.EIO, "Input/output error"), "Input/output error"),
+])
+def test_unreadable_data(capsys, tmp_path, monkeypatch, exc, why):
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello world\n" * 200)
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"f{i}.txt").write_text(f"file {i}\n" * 100)
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "read_bytes", _fail_for(text, exc))
+        _refused(capsys, [*TRAIN, "--out", out, "--data", text], f"data: cannot read {text}", why)
+    with monkeypatch.context() as m:  # one unreadable file in a folder
+        m.setattr(pathlib.Path, "read_bytes", _fail_for(folder / "f1.txt", exc))
+        _refused(capsys, [*TRAIN, "--out", out, "--data", folder], f"{folder / 'f1.txt'}", why)
+    real_scandir = os.scandir
+    with monkeypatch.context() as m:  # a folder that cannot be listed
+        m.setattr(os, "scandir", lambda p=".": (_ for _ in ()).throw(type(exc)(exc.errno, exc.strerror, str(p)))
+                  if str(p) == str(folder) else real_scandir(p))
+        _refused(capsys, [*TRAIN, "--out", out, "--data", folder], f"data: cannot read {folder}", why)
+    binary = tmp_path / "tokens.bin"
+    (np.arange(5000, dtype=np.uint16) % 256).tofile(binary)
+    boostjax.data._MAX_CACHE.clear()
+    with monkeypatch.context() as m:  # the .bin scan reads with open(): an I/O error there
+        m.setattr(boostjax.data, "open", lambda *a, **k: (_ for _ in ()).throw(exc), raising=False)
+        _refused(capsys, [*TRAIN, "--out", out, "--data", binary], f"data: cannot read {binary}", why)
+    assert not out.exists()
+
+
+def test_data_that_is_not_a_file(capsys, tmp_path):
+    fifo = tmp_path / "stream.txt"
+    os.mkfifo(fifo)  # never opened: reading a FIFO would block
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--data", fifo], "data:", "is a FIFO")
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--data", tmp_path / "missing.bin"], "no such file")
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------ Hugging Face folders
+
+@pytest.fixture()
+def hf_folder(tmp_path):
+    cfg = ModelConfig(kind="llama", vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    (tmp_path / hf.CONFIG_NAME).write_text(json.dumps(hf.hf_config(cfg)))
+    from safetensors.numpy import save_file
+
+    save_file({"model.norm.weight": np.ones(16, np.float32), "lm_head.weight": np.zeros((64, 16), np.float32)},
+              str(tmp_path / hf.WEIGHTS_NAME))
+    return tmp_path
+
+
+def _hf_refused(folder, *needles):
+    for fn in (hf.read_hf, hf.from_hf):
+        with pytest.raises(ValueError) as e:
+            fn(folder)
+        msg = str(e.value)
+        assert "\n" not in msg and "fix:" in msg and len(msg) < 500, msg
+        for n in needles:
+            assert str(n) in msg, (n, msg)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random", "empty"])
+def test_hf_damaged_weights(hf_folder, damage):
+    w = hf_folder / hf.WEIGHTS_NAME
+    raw = w.read_bytes()
+    w.write_bytes({"truncated": raw[: len(raw) // 2], "random": os.urandom(len(raw)), "empty": b""}[damage])
+    _hf_refused(hf_folder, w, "not a readable safetensors file")
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"{not json", "is not valid JSON"), (b"\xff\xfe\x00", "not UTF-8"), (b"[1, 2]", "JSON list"),
+    (b'"llama"', "JSON str"), (json.dumps({"hidden_size": "16"}).encode(), "hidden_size"),
+])
+def test_hf_bad_config(hf_folder, content, needle):
+    (hf_folder / hf.CONFIG_NAME).write_bytes(content)
+    _hf_refused(hf_folder, hf_folder / hf.CONFIG_NAME, needle)
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"rope_scaling": "linear"}, "rope_scaling"), ({"rms_norm_eps": "tiny"}, "rms_norm_eps"),
+    ({"rope_theta": 0, "rope_parameters": {"rope_theta": 0}}, "model.rope_theta"), ({"rope_parameters": {"rope_theta": None}}, "rope_theta"),
+    ({"max_position_embeddings": 2.5}, "max_position_embeddings"), ({"num_hidden_layers": True}, "num_hidden_layers"),
+])
+def test_hf_config_values(hf_folder, change, needle):
+    d = json.loads((hf_folder / hf.CONFIG_NAME).read_text())
+    (hf_folder / hf.CONFIG_NAME).write_text(json.dumps({**d, **change}))
+    _hf_refused(hf_folder, hf_folder / hf.CONFIG_NAME, needle)
+
+
+def test_hf_unreadable_config(hf_folder, monkeypatch):
+    monkeypatch.setattr(pathlib.Path, "read_bytes",
+                        _fail_for(hf_folder / hf.CONFIG_NAME, PermissionError(errno.EACCES, "Permission denied")))
+    _hf_refused(hf_folder, hf_folder / hf.CONFIG_NAME, "Permission denied")
