@@ -33,6 +33,7 @@ _HELP = {
     "coordinator": "multi-host: HOST:PORT of process 0 ('' = from BOOSTJAX_COORDINATOR or SLURM/Open MPI)",
     "num_processes": "multi-host: processes in the job (0 = from the environment; 1 = one process)",
     "process_id": "multi-host: this process's index, 0..num_processes-1 (-1 = from the environment)",
+    "init_timeout": "multi-host: seconds to wait for every process of the job to join before giving up",
 }
 
 
@@ -146,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
+    except KeyboardInterrupt:  # Ctrl-C before a run installs its own handler: nothing was saved
+        print(f"boostjax: {args.command}: interrupted before any training step; nothing was saved",
+              file=sys.stderr)
+        return 130
     except ConfigError as e:
         print(f"boostjax: error: {one_line(e)}", file=sys.stderr)
         return 2

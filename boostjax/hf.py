@@ -22,7 +22,9 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from boostjax import __version__
 from boostjax.config import ModelConfig, validate_model
+from boostjax.runfolder import EXPORT_MARK, check_export_target
 from boostjax.models.llama import LLaMA
 
 WEIGHTS_NAME = "model.safetensors"
@@ -85,6 +87,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "bos_token_id": None,  # boostjax's byte-level tokenizer has no special tokens
         "eos_token_id": None,
         "pad_token_id": None,
+        EXPORT_MARK: {"version": __version__},  # lets a later export replace this folder, and nothing else
     }
 
 
@@ -303,6 +306,7 @@ def to_hf(model_or_params: Any, path: str | pathlib.Path, cfg: ModelConfig | Non
     cfg, params = _resolve(model_or_params, cfg)
     tensors = params_to_hf(cfg, params, dtype)
     out = pathlib.Path(path)
+    check_export_target(out)  # never into a run folder or a folder of files boostjax did not write
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     (out / CONFIG_NAME).write_text(json.dumps(hf_config(cfg, dtype), indent=2, sort_keys=True) + "\n")

@@ -40,6 +40,7 @@ MUTABLE: frozenset[str] = frozenset({
     "microbatches", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh", "delay_lr_tc",
     "offload_plan", "progress", "coordinator", "num_processes", "process_id", "init_timeout",
 })
+EXPORT_MARK = "boostjax_export"  # key of an exported config.json (transformers keeps unknown keys)
 IGNORED: frozenset[str] = frozenset({"out", "progress", "coordinator", "num_processes", "process_id"})
 
 
@@ -301,9 +302,6 @@ def check_export_target(path: str | pathlib.Path) -> None:
     if not ours or names - export_files:
         raise ConfigError(f"export.out: {p} is not empty and is not an earlier boostjax export; fix: pass a new "
                           f"or empty folder to --out (boostjax never overwrites files it did not write)")
-
-
-EXPORT_MARK = "boostjax_export"  # key in an exported config.json (transformers keeps unknown keys)
 
 
 def _is_boostjax_export(cfg_path: pathlib.Path) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import signal
 import sys
@@ -71,6 +72,27 @@ def init_model(cfg: Config) -> tuple[Any, dict]:
     model = LLaMA(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
     graphdef, state = nnx.split(model)
     return graphdef, state.to_pure_dict()
+
+
+def abstract_model(cfg: Config) -> tuple[Any, dict]:
+    """(graphdef, parameter shapes) of the model, without allocating it."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))))
+    return graphdef, state.to_pure_dict()
+
+
+STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients and two Adam moments
+
+
+def _check_fits_host(cfg: Config) -> None:
+    """On a machine without accelerators, refuse a model whose training state alone exceeds its memory."""
+    if jax.default_backend() != "cpu":
+        return
+    need = param_count(cfg.model) * STATE_BYTES_PER_PARAM
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ConfigError(f"model: {param_count(cfg.model) / 1e9:.2f} B parameters need about {need / 1e9:.0f} GB "
+                          f"for fp32 weights, gradients and Adam state, but this machine has {have / 1e9:.0f} GB and "
+                          f"no accelerator; fix: a smaller --preset or shape flags, or a machine with accelerators")
 
 
 def stacked_layers(t: TrainConfig) -> bool:
@@ -149,6 +171,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
     validate(cfg)
     t = cfg.train
     multihost.setup(t)  # joins a multi-host job before JAX starts (a no-op for one process or if done)
+    _check_fits_host(cfg)
     folder = RunFolder(t.out)
     if multihost.is_main_process():
         folder.check_target()
@@ -159,8 +182,8 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
         if resuming and old is not None:
             _check_layout(folder, old, cfg)
         corpus = load_corpus(t.data, t.data_dtype)
+        fns = build_step_fns(cfg, *abstract_model(cfg))  # checks strategy, mesh and shapes on shapes alone
         graphdef, params = init_model(cfg)
-        fns = build_step_fns(cfg, graphdef, params)  # checks strategy, mesh and shapes: nothing written yet
         multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
         params, opt_state = fns.init(params)
         share, count = fns.batch_share  # the block of each global batch's rows this process loads

@@ -112,7 +112,9 @@ def test_huge_mesh_in_a_fresh_process_is_refused_before_jax(tmp_path):
     err = proc.stderr.read().decode()
     assert os.waitstatus_to_exitcode(status) == 2, err
     assert err.count("\n") == 1 and err.startswith("boostjax: error: train.mesh: 100000 devices"), err
-    assert time.monotonic() - t0 < 60 and usage.ru_maxrss < 1_000_000  # KiB: well under 1 GB
+    # KiB. The child alone needs ~0.2 GB, but its high-water mark may include the pages of the forked
+    # pytest worker (1-2 GB late in a run) before exec; the failure this guards against is tens of GB.
+    assert time.monotonic() - t0 < 60 and usage.ru_maxrss < 4_000_000
     assert not (tmp_path / "run").exists()
 
 

@@ -56,8 +56,9 @@ def test_plan_summary_and_infeasible_budget(capsys):
 
 
 def test_lazytrain_27b_instance(capsys):
-    # solve time is measured by experiments/offload.py; here the time limit only bounds a stuck solve
-    assert main(["plan", "--instance", "lazytrain-27b", "--json", "--time-limit", "25"]) == 0
+    # solve time is measured by experiments/offload.py (~4 s here); the time limit is wall-clock, so it
+    # only bounds a stuck solve and leaves room for a machine busy with other tests
+    assert main(["plan", "--instance", "lazytrain-27b", "--json", "--time-limit", "120"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["status"] == "OPTIMAL" and rep["n_layers"] == 64
     assert rep["predicted_peak_bytes"] <= 21.55e9
