@@ -24,6 +24,7 @@ import hashlib
 import os
 import pathlib
 import shutil
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -48,6 +49,27 @@ class Restored:
     data_state: dict
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (step, why) of newer, damaged steps
     verified: bool = True
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """Drop one harmless report. When Orbax's restore fails part-way (a damaged step), TensorStore
+    still completes the other reads and calls back into the asyncio loop that Orbax has already
+    closed; each callback's `RuntimeError: Event loop is closed` goes to `sys.unraisablehook` from
+    C++, dozens of tracebacks for an error we have already handled. Only exceptions raised there,
+    with no Python caller above `call_soon_threadsafe`, are dropped."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_boostjax_quiet", False):
+        return
+
+    def hook(args) -> None:  # noqa: ANN001 - sys.UnraisableHookArgs
+        tb = args.exc_traceback
+        if (args.exc_type is RuntimeError and str(args.exc_value) == "Event loop is closed" and tb is not None
+                and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"):
+            return
+        previous(args)
+
+    hook._boostjax_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _intify(tree: Any) -> Any:
@@ -131,7 +153,7 @@ class Checkpointer:
         if writer and primary:
             shutil.rmtree(self.directory / TRASH, ignore_errors=True)  # a clean-up a kill interrupted
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None, create=writer, cleanup_tmp_directories=writer,
+            max_to_keep=None, create=writer, cleanup_tmp_directories=writer, lightweight_initialize=True,
             enable_async_checkpointing=async_save and writer,
         )
         self._mgr = ocp.CheckpointManager(self.directory, options=options)
@@ -242,6 +264,7 @@ class Checkpointer:
         verifies and reads; None when the folder holds no step. CheckpointError if none reads."""
         steps = self.steps() if steps is None else steps
         skipped: list[tuple[int, str]] = []
+        _quiet_closed_loop_callbacks()
         for step in reversed(steps):
             why, verified = self.verify(step)
             if why is None:

@@ -132,6 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["train"]:  # before the slow imports: a signal is recorded, and acted on by the run
+        from boostjax.interrupt import defer_signals  # noqa: PLC0415 (imports no JAX)
+
+        restore = defer_signals()
+        try:
+            return _main(argv)
+        finally:
+            if argv is not None:  # in-process caller: its handlers come back (a process keeps deferring
+                restore()         # until it exits, so its final print and shutdown are never interrupted)
+    return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from boostjax.config import one_line_parse_errors  # noqa: PLC0415
 
     def one_line(e: BaseException) -> str:

@@ -4,7 +4,9 @@ While `StopSignals` is active a signal only *records* a stop request; the traini
 `requested` between steps, so the step in flight finishes, the parameters, optimizer state and
 data position that are saved belong together, and no donated buffer is touched. Further signals
 while the final checkpoint is written are acknowledged and ignored (SIGKILL still ends the process;
-the previous checkpoint is then intact). The old handlers come back when the block exits.
+the previous checkpoint is then intact). The old handlers come back when the block exits. The CLI
+calls `defer_signals` first, so a signal during the imports, or after the run while the process
+prints its summary and exits, is recorded instead of raised (no traceback, never lost).
 
 In a multi-host job a stop must happen at the same step on every process: SIGTERM is left to JAX's
 preemption notifier (which shares the notice over the coordination service) and SIGINT is turned
@@ -18,7 +20,7 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import Any
+from typing import Any, Callable
 
 SIGNALS: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
 EXIT_CODES: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + signal number
@@ -35,6 +37,31 @@ class TrainingInterrupted(KeyboardInterrupt):
         super().__init__(message)
         self.signum, self.step = signum, step
         self.exit_code = EXIT_CODES.get(signum, 128 + signum)
+
+
+class _Deferred:
+    """Signals that arrived before `StopSignals` took over (the CLI defers them from its first line)."""
+
+    signum: int | None = None
+
+    @classmethod
+    def handle(cls, signum: int, frame: FrameType | None) -> None:  # noqa: ARG003
+        if cls.signum is None:
+            cls.signum = signum
+
+
+def defer_signals() -> Callable[[], None]:
+    """From now on SIGINT / SIGTERM are recorded, not raised, until a `StopSignals` block acts on
+    them: a `boostjax train` process never dies in its imports or its final print. Returns a
+    function that puts the previous handlers back (for in-process callers such as tests)."""
+    old = {s: signal.signal(s, _Deferred.handle) for s in SIGNALS}
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+        _Deferred.signum = None
+
+    return restore
 
 
 class StopSignals:
@@ -79,6 +106,11 @@ class StopSignals:
             sigs = (signal.SIGINT,) if self.multi_process else SIGNALS
             for s in sigs:
                 self._old[s] = signal.signal(s, self._handle)
+            if _Deferred.signum is not None:  # arrived during the imports: act on it now
+                early, _Deferred.signum = _Deferred.signum, None
+                self._handle(early, None)
+                if self.multi_process and early == signal.SIGTERM:
+                    os.kill(os.getpid(), signal.SIGTERM)  # now JAX's preemption notifier hears it
         return self
 
     def __exit__(self, *exc: Any) -> None:

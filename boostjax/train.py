@@ -140,12 +140,21 @@ def _evaluate(fns: StepFns, params, batches: list[dict]) -> float:
     return float(np.mean(jax.device_get(losses)))
 
 
-def _restore(ckpt: Checkpointer, params, opt_state, data: BatchIterator) -> tuple[int, Any, Any]:
+def _stop_early(stop: StopSignals, folder: RunFolder) -> None:
+    """A signal that came before the first step: nothing new to save, stop now (one process)."""
+    if stop.requested and not stop.multi_process:
+        name = signal.Signals(stop.signum).name
+        raise TrainingInterrupted(f"stopped by {name} before the first step; nothing in {folder.path} changed; "
+                                  f"rerun the same command to train", stop.signum, None)
+
+
+def _restore(ckpt: Checkpointer, params, opt_state, data: BatchIterator) -> tuple[int, Any, Any, bool]:
     """Resume from the newest checkpoint that verifies and restores (damaged newer ones are moved to
-    `checkpoints-aside/` with one line each); (0, params, opt_state) when there is none."""
+    `checkpoints-aside/` with one line each): (step, params, opt_state, verified); step 0 when there
+    is none."""
     restored = ckpt.restore_latest(params, opt_state)  # CheckpointError when none restores
     if restored is None:
-        return 0, params, opt_state
+        return 0, params, opt_state, True
     for step, why in restored.skipped:
         where = ckpt.set_aside(step, "damaged") if multihost.is_main_process() else None
         _say(f"checkpoint {step} in {ckpt.directory} cannot be restored ({why}); "
@@ -158,7 +167,7 @@ def _restore(ckpt: Checkpointer, params, opt_state, data: BatchIterator) -> tupl
     if data.step != restored.step:
         raise CheckpointError(f"checkpoints: step {restored.step} in {ckpt.directory} holds the data position "
                               f"{data.step}; fix: move that checkpoint aside")
-    return restored.step, restored.params, restored.opt_state
+    return restored.step, restored.params, restored.opt_state, restored.verified
 
 
 def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> TrainResult:
@@ -176,6 +185,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
     if multihost.is_main_process():
         folder.check_target()
     with StopSignals(multi_process=jax.process_count() > 1) as stop, _lock_if_main(folder):
+        _stop_early(stop, folder)
         old = folder.stored_config()
         resuming = bool(step_dirs(folder.checkpoints))
         changes = folder.check_resume(old, cfg, resuming)
@@ -183,6 +193,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
             _check_layout(folder, old, cfg)
         corpus = load_corpus(t.data, t.data_dtype)
         fns = build_step_fns(cfg, *abstract_model(cfg))  # checks strategy, mesh and shapes on shapes alone
+        _stop_early(stop, folder)
         graphdef, params = init_model(cfg)
         multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
         params, opt_state = fns.init(params)
@@ -191,18 +202,20 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
                              process_index=share, process_count=count)
         ckpt = Checkpointer(folder.checkpoints, keep=t.keep_ckpts, primary=multihost.is_main_process())
         try:
-            start, params, opt_state = _restore(ckpt, params, opt_state, data) if resuming else (0, params, opt_state)
+            start, params, opt_state, verified = (_restore(ckpt, params, opt_state, data) if resuming
+                                                  else (0, params, opt_state, True))
             if multihost.is_main_process():
                 folder.write_config(cfg, start, changes)
             metrics = folder.trim_metrics(start, write=multihost.is_main_process())
-            return _loop(cfg, graphdef, fns, ckpt, folder, stop, data, params, opt_state, start, metrics, corpus, on_log)
+            return _loop(cfg, graphdef, fns, ckpt, folder, stop, data, params, opt_state, start, metrics, corpus,
+                         on_log, unverified=None if verified else start)
         finally:
             ckpt.close()
 
 
 def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFolder, stop: StopSignals,
           data: BatchIterator, params, opt_state, start: int, metrics: list[dict], corpus,
-          on_log: Callable[[dict], None] | None) -> TrainResult:
+          on_log: Callable[[dict], None] | None, unverified: int | None = None) -> TrainResult:
     t = cfg.train
     share, count = fns.batch_share
     val_batches = eval_batches(corpus.val, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
@@ -239,7 +252,7 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
         fetched = jax.device_get([m for _, m in pending])
         for (s, _), m in zip(pending, fetched):
             if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
-                raise _diverged(cfg, ckpt, s, float(m["loss"]), float(m["grad_norm"]))
+                raise _diverged(cfg, ckpt, s, float(m["loss"]), float(m["grad_norm"]), unverified)
         if pending and record:
             elapsed = time.perf_counter() - interval_t0
             s, m = pending[-1][0], fetched[-1]
@@ -303,7 +316,8 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
                        resumed_from=start or None, summary=summary, extra={"compile_s": compile_s, **fns.info})
 
 
-def _diverged(cfg: Config, ckpt: Checkpointer, step: int, loss: float, grad_norm: float) -> NonFiniteLoss:
+def _diverged(cfg: Config, ckpt: Checkpointer, step: int, loss: float, grad_norm: float,
+              unverified: int | None) -> NonFiniteLoss:
     """The error for a non-finite loss at `step`. The parameters that produced it are those of step
     `step - 1`: if that step was checkpointed, the checkpoint is moved aside, so the newest one left
     is one whose parameters gave a finite loss and gradient."""
@@ -315,5 +329,9 @@ def _diverged(cfg: Config, ckpt: Checkpointer, step: int, loss: float, grad_norm
         moved = f"checkpoint {bad} (whose parameters produced it) was moved to {where}; "
     good = ckpt.latest_step()
     kept = f"the last good checkpoint is step {good}" if good else "no good checkpoint is left (a rerun starts at step 0)"
+    fix = _fixes(cfg.train)
+    if unverified is not None and unverified == good:
+        fix = (f"checkpoint {good} was restored without checksums and may be damaged: if a rerun diverges again, "
+               f"move {ckpt.directory / str(good)} aside; otherwise {fix}")
     return NonFiniteLoss(f"non-finite loss {loss} (grad norm {grad_norm}) at step {step}; stopped; {moved}{kept}; "
-                         f"fix: {_fixes(cfg.train)}")
+                         f"fix: {fix}")

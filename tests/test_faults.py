@@ -107,6 +107,18 @@ def test_signal_saves_a_consistent_checkpoint_and_resume_is_exact(tmp_path, env,
     _resume_and_compare(out, env, reference)
 
 
+def test_a_signal_during_startup_is_one_line(tmp_path, env):
+    """SIGTERM while the process still imports: recorded, acted on when the run starts (exit 143)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("boostjax: stopped by SIGTERM "), err
+
+
 def test_sigkill_during_a_checkpoint_save_loses_nothing(tmp_path, env, reference):
     out = tmp_path / "run"
     ckdir = out / "checkpoints"
@@ -168,6 +180,24 @@ def test_damaged_latest_checkpoint_falls_back_and_resumes_exactly(tmp_path, caps
     assert "checkpoint 30" in err and "cannot be restored" in err and "resuming from step 20" in err
     assert (out / ASIDE / "30-damaged").is_dir()  # moved aside, not deleted
     assert _losses(out) == reference
+
+
+def test_unverified_step_that_orbax_cannot_read_is_one_line(tmp_path, capfd):
+    """No SHA256SUMS (a kill before they were written) and a damaged blob: Orbax's failure is the
+    one line, without TensorStore's late callbacks printing tracebacks."""
+    out = tmp_path / "run"
+    reference = _losses(_train(out, steps=20).out_dir)
+    step = out / "checkpoints" / "20"
+    (step / MANIFEST).unlink()
+    os.truncate(_largest_file(step), 7)
+    capfd.readouterr()
+    res = _train(out, steps=20)
+    time.sleep(0.5)  # late callbacks, if any, would print by now
+    err = capfd.readouterr().err
+    assert res.resumed_from == 10 and _losses(out) == reference
+    assert "Traceback" not in err and "Event loop is closed" not in err, err
+    assert [line for line in err.splitlines() if line.strip()] == [next(
+        line for line in err.splitlines() if line.startswith("boostjax: checkpoint 20 "))]
 
 
 def test_no_restorable_checkpoint_is_one_line_and_moves_nothing(tmp_path, capsys):
