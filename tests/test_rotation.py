@@ -64,8 +64,11 @@ def test_identity_bases_equal_optax_adamw_step_for_step():
     for kw in (dict(rotate=False), dict(max_dim=2), dict(mask=lambda p: jax.tree.map(lambda _: False, p))):
         got = _train(rotated_adam(sched, B1, B2, EPS, WD, **kw), _tree(), 20)
         assert all(x.shape == (1,) for x in jax.tree.leaves((got[-1][1].basis_l, got[-1][1].basis_r)))
+        # same elementwise formula, other op order and fusion: each of the 20 steps may round |p| <= 2.4
+        # differently (1 ulp = 2.4e-7), so 5e-6; measured 1.2e-7 (ISA, BLAS kernels, gradient noise).
+        # Dropping the weight decay alone gives 7e-3 (1.5e-4 after the second step).
         for (p_ref, _), (p_got, _) in zip(ref, got):
-            _close(p_ref, p_got, atol=1e-6)
+            _close(p_ref, p_got, atol=5e-6)
 
 
 # ----------------------------------------------------------------------------- NumPy reference
@@ -133,7 +136,11 @@ def test_matches_float64_numpy_reference(source, geometry, shape):
     for g, w_ref in zip(grads, ref):
         u, s = upd(jnp.asarray(g, jnp.float32), s, w)
         w = w + u
-        np.testing.assert_allclose(np.asarray(w), w_ref, atol=2e-5, rtol=0)
+        # fp32 against float64, on the scale of w: the refreshes amplify rounding (first-order unilateral
+        # builds V from M̃ᵀM̃, a squared condition number): 4.7e-6 max|w| with 1-ulp noise on the gradients,
+        # 9.7e-6 with 4-ulp noise and --xla_cpu_max_isa=AVX (the old 2e-5 absolute failed there); 1e-4
+        # leaves 10x. A dropped weight decay moves w by 1.1e-3 max|w|, a v left unpermuted or unrestarted by >= 5e-3.
+        np.testing.assert_allclose(np.asarray(w), w_ref, atol=1e-4 * np.abs(w_ref).max(), rtol=0)
 
 
 # ----------------------------------------------------------------------------- bases
@@ -234,8 +241,12 @@ def test_permutation_bases_reduce_to_adam_while_eigen_order_changes():
         nu = nu if t > 1 else np.zeros(4)
         w, s = step(w, s)
         orders.add(tuple(np.argmax(np.abs(np.asarray(s.basis_l)), axis=0)))
-        np.testing.assert_allclose(np.diagonal(np.asarray(w)), d, rtol=2e-5, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(w)[~np.eye(4, dtype=bool)], 0.0, atol=1e-3)
+        # fp32 against float64 after up to 30 steps: 1.7e-5 under every perturbation tried; 2e-4 (5e-5 of
+        # max |tgt|) leaves 10x, while a v left unpermuted at a refresh is off by 0.33
+        np.testing.assert_allclose(np.diagonal(np.asarray(w)), d, rtol=0, atol=2e-4)
+        # off-diagonal: basis round-off divided by eps = 1e-3. 1.9e-4 here, but a 1-ulp (6e-8) change of the
+        # bases per step, as another QR/eigh kernel may give, already reaches 3.3e-3
+        np.testing.assert_allclose(np.asarray(w)[~np.eye(4, dtype=bool)], 0.0, atol=1e-2)
     assert len(orders) >= 3, orders  # the eigenvalue order really changed several times
 
 
