@@ -88,7 +88,9 @@ def test_remat_changes_nothing(kind, remat):
     l0, g0 = jax.value_and_grad(loss)(state, "none")
     l1, g1 = jax.value_and_grad(loss)(state, remat)
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
+    # per leaf on its own scale: some gradient leaves (b_q, norms) peak at 3e-6, where the former atol 1e-7
+    # let a 3 % error pass; remat recomputes the same ops (bit-identical here), 1e-5 of the scale is ~100 ulps
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.abs(b).max())), g0, g1)
 
 
 def test_svd_is_linear_in_the_bottleneck_and_cola_is_not():
