@@ -28,8 +28,9 @@ def seed_of(*names: str) -> int:
 
 
 # LaX's latent-crossing gates are scalars whose gradient is one full contraction over batch x seq x rank
-# of terms that cancel: over 150 seeds their rel. error reached 1.9e-5 while every matrix stayed below 7e-7
-GATE_TOL = 1e-4
+# of terms that cancel: over 150 seeds their rel. error reached 1.9e-5 (1.4e-5 in a rerun of 25 seeds at
+# model=4), so 2e-4 leaves 10x; a gate gradient missing the other shards' terms is off by O(1)
+GATE_TOL = 2e-4
 # Matrices: the key gradient sum_j p_ij (v_j - o_i) cancels too; llama's w_k with remat reached 1.2e-6
 # (12 seeds; 1.07e-6 at the test seed with --xla_cpu_max_isa=AVX), so 2e-5 leaves >= 10x. A 1.001 scale
 # on one of two equal gradient shards is off by 1e-3/sqrt(2) = 7e-4, a missed psum over two shards by O(1).
