@@ -94,8 +94,12 @@ def test_fp32_path_equals_optax_adamw_with_clipping():
         grads = jax.tree.map(lambda p: jnp.cos(p * (i + 1)) * (10.0 if i % 2 else 0.01), p_o)  # clip on/off
         u_o, s_o = jax.jit(ours.update)(grads, s_o, p_o)
         u_r, s_r = ref.update(grads, s_r, p_r)
+        # per leaf on the scale of the update: the clipping norm is summed in another order, and Adam's
+        # normalisation lets that reach entries that nearly cancel with the weight decay. 1-ulp gradient
+        # noise gives 1.05e-6 max|u| (0.67 of the old rtol 2e-5 / atol 1e-8); 2e-5 max|u| leaves 19x,
+        # a dropped weight decay is off by 5.5e-2 max|u|
         for a, b in zip(jax.tree.leaves(u_o), jax.tree.leaves(u_r)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-8)
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-5 * float(jnp.abs(b).max()))
         p_o, p_r = optax.apply_updates(p_o, u_o), optax.apply_updates(p_r, u_r)
     with pytest.raises(ValueError, match="weight_decay"):
         ours.update(grads, s_o)
@@ -109,7 +113,10 @@ def test_jit_matches_eager_and_schedule():
     grads = {"w": jnp.sin(params["w"] * 7)}
     u_j, s_j = jax.jit(opt.update)(grads, st, params)
     u_e, s_e = opt.update(grads, st, params)
-    np.testing.assert_allclose(np.asarray(u_j["w"]), np.asarray(u_e["w"]), rtol=1e-6, atol=1e-9)
+    # fused vs op by op (FMA contraction): 1.7e-7 max|u|, 3.4e-7 with 1-ulp gradient noise (0.31 of the old
+    # rtol 1e-6); 5e-6 max|u| leaves 15x. The codes below stay exact: m = (1 - b1) g, then one division.
+    np.testing.assert_allclose(np.asarray(u_j["w"]), np.asarray(u_e["w"]), rtol=0,
+                               atol=5e-6 * float(jnp.abs(u_e["w"]).max()))
     np.testing.assert_array_equal(np.asarray(s_j.mu["w"].codes), np.asarray(s_e.mu["w"].codes))
     assert int(s_j.count) == 1 and isinstance(s_j.mu["w"], QTensor)
     no_wd = adam8bit(1e-2)  # without weight decay the params argument is optional

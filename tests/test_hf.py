@@ -57,7 +57,10 @@ def _assert_close(ours: np.ndarray, theirs: np.ndarray) -> float:
     diff = float(np.abs(ours - theirs).max())
     assert scale > 0.5, f"logits too small ({scale}) for a meaningful comparison"
     print(f"max|logit diff| = {diff:.3g}  (logit scale {scale:.3g}, relative {diff / scale:.3g})")
-    assert diff < 2e-5 and diff / scale < 5e-6, (diff, scale)
+    # relative to the logit scale: two libraries, other matmul kernels and reduction orders. Measured up to
+    # 7.5e-7 (8 seeds per config; XLA and ATen/MKL/oneDNN ISA limits) against the old 5e-6 (and 2e-5 absolute,
+    # the binding one at scale 3); 1e-5 leaves 13x, a norm eps off by 10x is 1e-3.
+    assert diff / scale < 1e-5, (diff, scale)
     return diff
 
 

@@ -69,7 +69,11 @@ def test_gqa_equals_repeated_kv_heads():
     kv = jax.random.normal(k[1], (1, 6, 2, 8)), jax.random.normal(k[2], (1, 6, 2, 8))
     got = ops.causal_attention(q, *kv)
     rep = [jnp.repeat(t, 2, axis=2) for t in kv]
-    np.testing.assert_allclose(got, ops.causal_attention(q, *rep), rtol=1e-6, atol=1e-6)
+    ref = np.asarray(ops.causal_attention(q, *rep))
+    # on the scale of the output (|ref| <= 2.9): grouped and repeated heads reduce in another order, and
+    # 1-ulp input noise already moves entries by 4e-7 max|ref| (0.67 of the old atol = rtol = 1e-6);
+    # 1e-5 max|ref| leaves 24x, while tiling the kv heads instead of repeating them is off by 0.84 max|ref|
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("kind,remat", [("cola", "lowrank"), ("cola", "full"), ("llama", "full"), ("lax", "lowrank")])
@@ -84,7 +88,9 @@ def test_remat_changes_nothing(kind, remat):
     l0, g0 = jax.value_and_grad(loss)(state, "none")
     l1, g1 = jax.value_and_grad(loss)(state, remat)
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
+    # per leaf on its own scale: some gradient leaves (b_q, norms) peak at 3e-6, where the former atol 1e-7
+    # let a 3 % error pass; remat recomputes the same ops (bit-identical here), 1e-5 of the scale is ~100 ulps
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.abs(b).max())), g0, g1)
 
 
 def test_svd_is_linear_in_the_bottleneck_and_cola_is_not():
@@ -101,7 +107,9 @@ def test_svd_is_linear_in_the_bottleneck_and_cola_is_not():
         h = jax.nn.silu(gate) * up
         hd = h @ mlp.a_down[...]
         out = (hd if linear else jax.nn.silu(hd)) @ mlp.b_down[...]
-        np.testing.assert_allclose(mlp(x, LOCAL), out, rtol=1e-5, atol=1e-6)
+        # on the scale of the output: max|out| is 1.6e-4 (svd) and 1e-5 (cola), so the former atol 1e-6
+        # let a 10 % error pass; both sides run the same ops (bit-identical here), 1e-5 of the scale is ~100 ulps
+        np.testing.assert_allclose(mlp(x, LOCAL), out, rtol=0, atol=1e-5 * float(jnp.abs(out).max()))
     del cos, sin
 
 

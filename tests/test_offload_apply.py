@@ -54,6 +54,15 @@ def _cfg(**kw) -> Config:
     return Config(MICRO, TrainConfig(batch=B, seq=T, **kw))
 
 
+def _close_on_scale(got, want, rel: float = 1e-5) -> None:
+    """Per leaf, max|got - want| <= rel * max|want|. A fixed atol is no bound for Adam's v: after two
+    steps 95 % of its entries lie below 1e-7. Both sides run the same arithmetic here (bit-identical on
+    CPU); a reordered fp32 sum would give ~1e-7 of the scale, so rel = 1e-5 leaves ~100x."""
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        np.testing.assert_allclose(x, y, rtol=0, atol=rel * float(np.abs(y).max()))
+
+
 @pytest.fixture(scope="module")
 def model():
     graphdef, params = init_model(_cfg())
@@ -87,8 +96,7 @@ def test_loss_and_gradients_equal_plan_free(model, reference, name):
     placed = apply.offload_placement(_cfg(offload_plan="unused"), graphdef, PLANS[name])
     loss, grads = jax.jit(jax.value_and_grad(placed.loss_fn))(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_g)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    _close_on_scale(grads, ref_g)
     # CUDA lowering: the boundaries the plan offloads are the only host placements (and fetches)
     # (on CPU, jax 0.10.2 lowers device_put to a memory kind only for GPU/TPU: the CPU program has
     # no trace of activation offload, so the check runs on the CUDA lowering, which needs no GPU)
@@ -118,10 +126,8 @@ def test_step_with_host_state_matches_plan_free(model, tmp_path):
         out[key] = (p, o, float(m["loss"]), step, fns)
     p, o, loss, step, fns = out["plan"]
     np.testing.assert_allclose(loss, out["ref"][2], rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(out["ref"][0])):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    for a, b in zip(jax.tree.leaves(o), jax.tree.leaves(out["ref"][1])):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    _close_on_scale(p, out["ref"][0])
+    _close_on_scale(o, out["ref"][1])
     # layer 0 streams its parameters, layers 0 and 2 keep optimizer states on the host
     mask_p = apply.host_mask(p, PLANS["nested"].param_place)
     mask_o = apply.host_mask(o, PLANS["nested"].opt_place)

@@ -28,11 +28,16 @@ def seed_of(*names: str) -> int:
 
 
 # LaX's latent-crossing gates are scalars whose gradient is one full contraction over batch x seq x rank
-# of terms that cancel: over 150 seeds their rel. error reached 1.9e-5 while every matrix stayed below 7e-7
-GATE_TOL = 1e-4
+# of terms that cancel: over 150 seeds their rel. error reached 1.9e-5 (1.4e-5 in a rerun of 25 seeds at
+# model=4), so 2e-4 leaves 10x; a gate gradient missing the other shards' terms is off by O(1)
+GATE_TOL = 2e-4
+# Matrices: the key gradient sum_j p_ij (v_j - o_i) cancels too; llama's w_k with remat reached 1.2e-6
+# (12 seeds; 1.07e-6 at the test seed with --xla_cpu_max_isa=AVX), so 2e-5 leaves >= 10x. A 1.001 scale
+# on one of two equal gradient shards is off by 1e-3/sqrt(2) = 7e-4, a missed psum over two shards by O(1).
+TOL = 2e-5
 
 
-def assert_matches(loss_err: float, grad_errs: dict[str, float], tol: float = 1e-5):
+def assert_matches(loss_err: float, grad_errs: dict[str, float], tol: float = TOL):
     """Loss and every gradient within ``tol`` (the LaX gates within ``GATE_TOL``)."""
     bad = {k: e for k, e in grad_errs.items() if e >= (GATE_TOL if k.endswith("['cross']") else tol)}
     assert loss_err < tol and not bad, (loss_err, bad)
@@ -154,7 +159,10 @@ def test_optimizers_on_a_tp_mesh_match_one_device(optimizer, delay):
     model = ModelConfig(kind="cola", d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=16, max_seq_len=16)
     train = TrainConfig(batch=4, seq=16, optimizer=optimizer, pipeline_delay=delay, progress=False)
     ref, got = (_train_steps(model, t, 5) for t in (train, replace(train, strategy="btp", mesh="data=2,model=2")))
-    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    # a loss is a mean over 64 tokens, each a logsumexp over a vocabulary split across the model axis:
+    # measured 2 ulps at 5.5 (0.17 of the old rtol 1e-6, under every perturbation); 5e-6 leaves 29x.
+    # A delay of 1 instead of 2 moves the losses by 3.9e-4.
+    np.testing.assert_allclose(got[0], ref[0], rtol=5e-6)
     errs = {k: _rel(np.asarray(b), np.asarray(a)) for (k, a), (_, b) in
             zip(jax.tree_util.tree_flatten_with_path(ref[1])[0], jax.tree_util.tree_flatten_with_path(got[1])[0])}
     assert max(errs.values()) < 1e-6, errs
