@@ -48,7 +48,8 @@ def test_run_folder_contents(tmp_path):
     _, model, step = load_run(out)
     assert step == 40
     toks = np.zeros((1, 8), np.int32)
-    np.testing.assert_allclose(model(toks), res.model(toks), rtol=1e-6)
+    want = np.asarray(res.model(toks))  # the same weights: equal up to rounding on the logits' scale
+    np.testing.assert_allclose(model(toks), want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
 def test_bf16_compute_trains(tmp_path):
@@ -96,7 +97,7 @@ def test_trains_on_token_bin_and_text_files(tmp_path):
 def test_btp_training_matches_single_device_and_restores_sharded(tmp_path):
     single = _run(tmp_path, "one", steps=10, log_every=1)
     btp = _run(tmp_path, "btp", steps=10, log_every=1, strategy="btp", mesh="data=2,model=2")
-    np.testing.assert_allclose(btp.losses, single.losses, rtol=2e-4)
+    np.testing.assert_allclose(btp.losses, single.losses, rtol=2e-5)  # measured <= 1.9e-6 (reordered sums)
     again = _run(tmp_path, "btp", steps=10, log_every=1, strategy="btp", mesh="data=2,model=2")
     assert again.resumed_from == 10
     for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(btp.params)):
