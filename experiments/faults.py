@@ -68,8 +68,9 @@ NONFINITE = re.compile(r"^boostjax: non-finite loss \S+ \(grad norm \S+\) at ste
 
 # Every stderr line boostjax may print in this campaign; anything else is reported.
 KNOWN_LINES = {
-    "stopped": re.compile(r"^boostjax: stopped by (SIGINT|SIGTERM) after step (\d+); (?:checkpoint (\d+) is in \S+|"
-                          r"no checkpoint was written yet); resume with the same command \(--out \S+\)$"),
+    "stopped": re.compile(r"^boostjax: stopped by (SIGINT|SIGTERM) (?:after step (\d+); (?:checkpoint (\d+) is in \S+|"
+                          r"no checkpoint was written yet); resume with the same command \(--out \S+\)|"
+                          r"before the first step; nothing in \S+ changed; rerun the same command to train)$"),
     "again": re.compile(r"^boostjax: (SIGINT|SIGTERM) again: .*; wait for it \(SIGKILL would lose only this save, "
                         r"the previous checkpoint stays intact\)$"),
     "damaged": re.compile(r"^boostjax: checkpoint (\d+) in \S+ cannot be restored \((.*)\); moved to (\S+); "
@@ -78,17 +79,11 @@ KNOWN_LINES = {
 }
 
 EXPLAIN = {  # anomaly kind -> what it means (printed under the anomalies that occurred)
-    "unexpected exit status": "A signal whose exit status was not the promised one. 'Before the run's first step "
-        "(startup)': the start had not yet written its config_history line; exit -2 (SIGINT) or -15 (SIGTERM) there "
-        "means the signal arrived before `boostjax train` installed its handlers (`StopSignals` is entered inside "
-        "`boostjax.train.train`, after the CLI has imported ortools, pandas, JAX, Flax and Orbax), so Python's default "
-        "action applied: KeyboardInterrupt with a traceback (SIGINT) or death by the signal (SIGTERM). Nothing had been "
-        "written by that start; the next start resumed as usual.",
+    "unexpected exit status": "A signal whose exit status was not the promised one (-9 after SIGKILL, 130 after "
+        "SIGINT, 143 after SIGTERM, 0 only when the run had finished).",
     "traceback": "A Python traceback on stderr (its exception line and innermost frames are shown).",
     "signal lost": "A SIGINT/SIGTERM that changed nothing: the run did not stop, trained to the last step and exited 0 "
-        "(and exit 0 was not a race with the end of the run: it had not logged step N - 2 when the signal was sent). "
-        "Sent before the start had restored, i.e. before `boostjax train` installed its handlers, so Python's default "
-        "SIGINT handler applied, and the KeyboardInterrupt it raises did not end the process.",
+        "(and exit 0 was not a race with the end of the run: it had not logged step N - 2 when the signal was sent).",
     "temporary folders not cleaned": "An Orbax temporary folder a kill left (the same folder: inode and ctime) was "
         "still in checkpoints/ after the next start had begun a save (Orbax removes such folders in a background "
         "thread that it joins before its first save).",
@@ -614,6 +609,8 @@ def check_stop(c: Campaign, a: Attempt, fault: dict, sig: dict, rc: int | None, 
         if not m or lines[-1] != stopped[-1] or m.group(1) != first or len(stopped) != 1:
             c.anomaly("stop message", where, f"expected one last line 'boostjax: stopped by {first} after step N; ...'; "
                                              f"stderr: {a.stderr()[-1500:]}")
+        elif m.group(2) is None:  # a signal during the imports: acted on before anything was written
+            out["stopped_before_first_step"] = True
         else:
             n = int(m.group(2))
             out["stopped_after"] = n
