@@ -403,6 +403,15 @@ def field_names(cls: type) -> list[str]:
     return [f.name for f in fields(cls)]
 
 
+def check_batch_seq(batch: int, seq: int, where: str) -> None:
+    """A command's --batch and --seq: positive and within the sizes one step can hold."""
+    for name, v in (("batch", batch), ("seq", seq)):
+        _need(v >= 1, f"{where}.{name}: must be positive, got {v}; fix: pass --{name} N with N >= 1")
+    _need(seq <= MAX_SEQ_LEN, f"{where}.seq: {seq} exceeds {MAX_SEQ_LEN}; fix: pass --seq <= {MAX_SEQ_LEN}")
+    _need(batch * seq <= MAX_TOKENS, f"{where}.batch: batch x seq = {batch} x {seq} tokens exceeds {MAX_TOKENS}; "
+                                     "fix: lower --batch or --seq")
+
+
 def one_line_parse_errors(parser: Any) -> Any:
     """Make an argparse parser (and its subcommands' parsers) report a bad command line as one line,
     `boostjax: error: <field>: <what>; fix: see <prog> --help`, and exit with status 2 (argparse

@@ -1,24 +1,18 @@
 """Smoke test of experiments/faults.py: `--quick` (a reference run, 2 signals, 1 damaged checkpoint)
 end to end; the result file's counts add up and nothing differs from the uninterrupted run."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import load_experiment
+
 pytestmark = pytest.mark.xdist_group("faults")  # starts training subprocesses, like tests/test_faults.py
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("faults_experiment", ROOT / "experiments" / "faults.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["faults_experiment"] = mod  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("faults")
 
 
 def test_helpers(tmp_path):

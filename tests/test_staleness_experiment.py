@@ -1,22 +1,16 @@
 """Smoke test of experiments/staleness.py: a tiny run end to end, result files well-formed and finite."""
 
-import importlib.util
 import json
 import math
-import pathlib
-import sys
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import load_experiment
+
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("staleness", ROOT / "experiments" / "staleness.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["staleness"] = mod  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("staleness")
 
 
 def test_helpers():

@@ -24,7 +24,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from boostjax.config import MAX_SEQ_LEN, MAX_TOKENS, MODEL_KINDS, PRESETS, ConfigError, preset, validate_model
+from boostjax.config import MODEL_KINDS, check_batch_seq, PRESETS, ConfigError, preset, validate_model
 from boostjax.offload.costmodel import ATTENTION, PlanInstance, build_instance, lazytrain_27b
 from boostjax.offload.hardware import PROFILES, get_profile
 from boostjax.offload.planner import BASELINES, BOUNDARY_STATES, Plan, PlanInfeasible, baseline_plan, solve
@@ -95,15 +95,7 @@ def instance_from_args(args: argparse.Namespace) -> PlanInstance:
     if args.instance == "lazytrain-27b":
         inst = lazytrain_27b(hw)
         return inst if cap is None else inst.with_budget(cap)
-    for name in ("batch", "seq"):
-        v = getattr(args, name)
-        if v < 1:
-            raise ConfigError(f"plan.{name}: must be positive, got {v}; fix: pass --{name} N with N >= 1")
-    if args.seq > MAX_SEQ_LEN:
-        raise ConfigError(f"plan.seq: {args.seq} exceeds {MAX_SEQ_LEN}; fix: pass --seq <= {MAX_SEQ_LEN}")
-    if args.batch * args.seq > MAX_TOKENS:
-        raise ConfigError(f"plan.batch: batch x seq = {args.batch} x {args.seq} tokens exceeds {MAX_TOKENS}; "
-                          "fix: lower --batch or --seq")
+    check_batch_seq(args.batch, args.seq, "plan")
     if args.n_layers is not None and args.n_layers > MAX_PLAN_LAYERS:
         raise ConfigError(f"plan.n_layers: {args.n_layers} layers exceed the planner's {MAX_PLAN_LAYERS}; "
                           f"fix: pass --n-layers <= {MAX_PLAN_LAYERS}")

@@ -30,8 +30,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from boostjax.config import (LOW_RANK_KINDS, MAX_SEQ_LEN, PRESETS, Config, ConfigError, ModelConfig, REMAT,
-                             TrainConfig, mesh_devices, one_line_parse_errors, parse_mesh, preset, validate)
+from boostjax.config import (LOW_RANK_KINDS, PRESETS, REMAT, Config, ConfigError, ModelConfig,
+                             TrainConfig, check_batch_seq, mesh_devices, parse_mesh, preset, validate)
 from boostjax.sharding import hlo
 
 STRATEGIES = ("fullrank-tp", "vanilla-tp", "btp")
@@ -461,12 +461,7 @@ def _is_hlo_dump(path: str) -> bool:
 
 def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelConfig, dict[str, int]]:
     """Every flag of `boostjax comm`, checked before JAX starts; returns the model and mesh sizes."""
-    for name in ("batch", "seq"):
-        v = getattr(args, name)
-        if v < 1:
-            raise ConfigError(f"comm.{name}: must be positive, got {v}; fix: pass --{name} N with N >= 1")
-    if args.seq > MAX_SEQ_LEN:
-        raise ConfigError(f"comm.seq: {args.seq} exceeds {MAX_SEQ_LEN}; fix: pass --seq <= {MAX_SEQ_LEN}")
+    check_batch_seq(args.batch, args.seq, "comm")
     sizes = parse_mesh(args.mesh, "comm.mesh")
     if not sizes:
         raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
@@ -523,24 +518,10 @@ def _cmd_comm(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`boostjax comm ...` as a standalone entry point: `python -m boostjax.sharding.comm --preset 1b`."""
-    parser = argparse.ArgumentParser(prog="boostjax")
-    sub = parser.add_subparsers(dest="command")
-    register(sub)
-    one_line_parse_errors(parser)
+    from boostjax.cli import main as cli_main  # noqa: PLC0415 (the CLI imports this module lazily)
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "comm":
-        argv = ["comm", *argv]
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help exits 0; a bad command line was reported in one line
-        if e.code in (0, None):
-            raise
-        return 2
-    try:
-        return args.func(args)
-    except ConfigError as e:
-        print(f"boostjax: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    return cli_main(argv if argv[:1] == ["comm"] else ["comm", *argv])
 
 
 if __name__ == "__main__":
