@@ -2,6 +2,7 @@
 
     python experiments/gpu_suite.py                  # on a CUDA GPU, <= 8 minutes (--budget-s 480)
     python experiments/gpu_suite.py --smoke          # every section on CPU at tiny shapes (CI)
+    python experiments/gpu_suite.py --budget-s 900 --attention auto --policies plan,no-offload
 
 Sections (each measuring run in its own process, so each peak is its own; a run that fails or runs
 past its time limit records why and the suite goes on; when the budget runs low the remaining runs
@@ -12,12 +13,18 @@ are skipped with the reason):
 (b) memory: per model, `device.memory_stats()["peak_bytes_in_use"]` of (a)'s process beside the
     prediction of the very executable it ran (`compiled.memory_analysis()`: argument + output - alias
     + temp) and, where boostjax has `memory_report`, the CPU-compiled (abstract) prediction of the
-    same step (its `peak_bytes_per_device` and weight / optimizer / activation parts).
+    same step (its `peak_bytes_per_device` and weight / optimizer / activation parts). That CPU compile
+    starts first and runs on the host CPU beside the GPU runs (it touches no GPU).
 (c) offload: the CP-SAT offload plan vs no-offload / full-remat / MegaTrain-style streaming at a
     device memory cap (1B CoLA, 8-bit Adam): tokens/s and peak, through `experiments/offload_gpu.py`.
 (d) collectives: the BTP step of the 1B CoLA compiled for this GPU on a data=1,model=1 mesh; the
     all-reduces one layer adds (2-layer minus 1-layer program): count, bytes, how many act on one
     device only. A 1-GPU mesh cannot show TP traffic (see the `cannot_show` key).
+
+JSON: `device` (the probe: kind, bytes_limit), `attention`, `settings` (shapes, steps, cap, per-run time
+limits), `budget_s`, `elapsed_s`, and `sections.{throughput,memory,collectives,offload}`, each with
+`status` (ok / partial / failed / skipped), `smoke`, and its runs (`status` ok / failed / timeout /
+skipped / oom / infeasible, with `error` or `reason`).
 
 Writes experiments/results/gpu_suite.{json,md} (`--out` elsewhere). Without a GPU it exits with status
 2 and one line, before importing JAX or writing anything. `--smoke` runs every section on CPU at tiny
@@ -144,8 +151,6 @@ def _numbers(d: dict) -> dict:
 
 def predict_worker(sh: Shapes, attention: str) -> dict:
     """(b) The CPU-compiled (abstract) per-device peak of each model's step, via `memory_report`."""
-    from boostjax.config import ConfigError  # noqa: PLC0415
-
     try:
         from boostjax.sharding.comm import memory_report  # noqa: PLC0415
     except ImportError:
@@ -167,8 +172,9 @@ def predict_worker(sh: Shapes, attention: str) -> dict:
         for mesh, strategy in (("", "none"), ("data=1,model=1", "fullrank-tp" if kind == "llama" else "btp")):
             try:
                 rep = memory_report(model, mesh, sh.batch, sh.seq, strategy, remat="none", dtype="bfloat16")
-            except (ConfigError, ValueError, TypeError, KeyError) as e:
-                errors.append(f"{strategy}@{mesh or 'one device'}: {str(e).splitlines()[0][:200]}")
+            except Exception as e:  # noqa: BLE001 (an unsupported program: try the next, record why)
+                first = str(e).splitlines()[0][:200] if str(e) else ""
+                errors.append(f"{strategy}@{mesh or 'one device'}: {type(e).__name__}: {first}")
                 continue
             rows[kind] = {"status": "ok", "mesh": mesh, "strategy": strategy, "attention": cpu_attention or None,
                           **_numbers(rep)}
@@ -179,33 +185,38 @@ def predict_worker(sh: Shapes, attention: str) -> dict:
             "models": rows}
 
 
-def _allreduce_summary(cs: list) -> dict:
+def _allreduce_summary(cs: list, batch: int, seq: int) -> dict:
+    """All-reduce instructions, their operands and bytes (logical element types); an operand whose
+    leading dims are [batch, seq] is an activation (a TP latent or norm statistic), any other a
+    parameter's gradient (the data-parallel mean)."""
     ar = [c for c in cs if c.kind == "all-reduce"]
+    ops = [(a, dt, c.trivial) for c in ar for a, dt in zip(c.results, c.logical_dtypes)]
+    act = [(a, dt, t) for a, dt, t in ops if tuple(a.shape[:2]) == (batch, seq)]
     others: dict[str, int] = {}
     for c in cs:
         if c.kind != "all-reduce":
             others[c.kind] = others.get(c.kind, 0) + 1
     return {"count": len(ar), "trivial_count": sum(c.trivial for c in ar),
-            "bytes": sum(c.logical_bytes for c in ar), "trivial_bytes": sum(c.logical_bytes for c in ar if c.trivial),
-            "variadic_count": sum(len(c.results) > 1 for c in ar), "other_collectives": others}
+            "variadic_count": sum(len(c.results) > 1 for c in ar), "operands": len(ops),
+            "bytes": sum(a.bytes(dt) for a, dt, _ in ops), "trivial_bytes": sum(a.bytes(dt) for a, dt, t in ops if t),
+            "activation_operands": len(act), "activation_bytes": sum(a.bytes(dt) for a, dt, _ in act),
+            "other_collectives": others}
 
 
 def _layer_allreduces(two: list, one: list) -> list[dict]:
-    """All-reduces of the 2-layer program without a same-shaped match in the 1-layer one."""
-    key = lambda c: (tuple(str(a) for a in c.results), c.logical_dtypes)  # noqa: E731
+    """All-reduce operands of the 2-layer program without a same-shaped match in the 1-layer one."""
+    key = lambda a, dt, t: (str(a), dt, t)  # noqa: E731
+    ops = lambda cs: [(a, dt, c.trivial) for c in cs if c.kind == "all-reduce"  # noqa: E731
+                      for a, dt in zip(c.results, c.logical_dtypes)]
     left: dict = {}
-    for c in one:
-        if c.kind == "all-reduce":
-            left[key(c)] = left.get(key(c), 0) + 1
+    for o in ops(one):
+        left[key(*o)] = left.get(key(*o), 0) + 1
     out = []
-    for c in two:
-        if c.kind != "all-reduce":
-            continue
-        if left.get(key(c), 0):
-            left[key(c)] -= 1
+    for a, dt, t in ops(two):
+        if left.get(key(a, dt, t), 0):
+            left[key(a, dt, t)] -= 1
         else:
-            out.append({"shapes": [str(a) for a in c.results], "dtypes": list(c.logical_dtypes),
-                        "bytes": c.logical_bytes, "trivial": c.trivial, "async": c.is_async})
+            out.append({"shape": str(a), "dtype": dt, "bytes": a.bytes(dt), "trivial": t})
     return out
 
 
@@ -223,12 +234,12 @@ def collectives_worker(sh: Shapes, attention: str) -> dict:
         c = comm.compiled_step(dataclasses.replace(model, n_layers=n), mesh, sh.batch, sh.seq, "btp", "none",
                                "bfloat16")
         progs[n] = hlo.collectives(c.step_text)
-    two, one = _allreduce_summary(progs[2]), _allreduce_summary(progs[1])
-    per_layer = {k: two[k] - one[k] for k in ("count", "trivial_count", "bytes", "trivial_bytes", "variadic_count")}
+    two, one = (_allreduce_summary(progs[n], sh.batch, sh.seq) for n in (2, 1))
+    per_layer = {k: v - one[k] for k, v in two.items() if k != "other_collectives"}
     expected = comm.expected_per_layer(model, "btp", sh.batch * sh.seq, "bfloat16")
     return {"status": "ok", "platform": dev.platform, "device": dev.device_kind, "mesh": mesh, "strategy": "btp",
             "attention": getattr(model, "attention", None), "compile_s": time.perf_counter() - t0,
-            "allreduce_per_layer": per_layer, "allreduces_per_layer": _layer_allreduces(progs[2], progs[1]),
+            "allreduce_per_layer": per_layer, "allreduce_operands_per_layer": _layer_allreduces(progs[2], progs[1]),
             "two_layer": two, "one_layer": one, "expected_btp_step_bytes_per_layer": expected["step_bytes"],
             "expected_btp_forward_bytes_per_layer": expected["forward_bytes"], "cannot_show": CANNOT_SHOW}
 
@@ -456,9 +467,10 @@ def markdown(res: dict) -> str:
     m = secs["memory"]
     pred = m["prediction"]
     out += ["", f"## (b) Peak memory: measured vs predicted ({m['status']})", "",
-            "Measured: `memory_stats()['peak_bytes_in_use']` of (a)'s process. Compiled: `memory_analysis()` of the "
-            "executable (a) ran (argument + output - alias + temp). CPU prediction: `memory_report` compiled "
-            f"abstractly on CPU ({pred.get('status')}{': ' + _why(pred) if _why(pred) else ''}).", "",
+            "Measured: `memory_stats()['peak_bytes_in_use']` of (a)'s process (initialisation included). Compiled: "
+            "`memory_analysis()` of the executable (a) ran (argument + output - alias + temp). CPU prediction: "
+            "`memory_report` compiled abstractly on the host CPU while the GPU runs ran "
+            f"({pred.get('status')}{': ' + _why(pred) if _why(pred) else ''}).", "",
             "| model | measured GiB | compiled GiB | of which temp GiB | CPU-predicted GiB | weights / optimizer / "
             "activations GiB | measured / compiled | measured / CPU-predicted |", "|---|---|---|---|---|---|---|---|"]
     for r in m["rows"]:
@@ -478,14 +490,15 @@ def markdown(res: dict) -> str:
     if c.get("status") == "ok":
         pl = c["allreduce_per_layer"]
         out += [f"Mesh {c['mesh']}, {c['device']} ({c['platform']}), compiled in {c['compile_s']:.1f} s; one layer = "
-                "the 2-layer program minus the 1-layer program.", "",
-                "| all-reduces per layer | of which one-device | variadic | bytes per layer | of which one-device | "
-                "BTP expected step bytes per layer |", "|---|---|---|---|---|---|",
-                f"| {pl['count']} | {pl['trivial_count']} | {pl['variadic_count']} | {pl['bytes']} | "
-                f"{pl['trivial_bytes']} | {c['expected_btp_step_bytes_per_layer']} |", ""]
-        for a in c["allreduces_per_layer"]:
-            out.append(f"- {', '.join(a['shapes'])} ({'/'.join(a['dtypes'])}; {a['bytes']} B"
-                       f"{', one device' if a['trivial'] else ''})")
+                "the 2-layer program minus the 1-layer program. Counts are static HLO instructions and XLA combines "
+                "all-reduces into variadic ones, so read operands and bytes. Activation operands ([batch, seq, ...]) "
+                "are BTP's latents and norm statistics; the rest are parameter gradients (the data-axis mean).", "",
+                "| per layer | all-reduces | one-device | variadic | operands | bytes | one-device bytes "
+                "| activation operands | activation bytes | BTP expected step bytes |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+                f"| | {pl['count']} | {pl['trivial_count']} | {pl['variadic_count']} | {pl['operands']} | {pl['bytes']} "
+                f"| {pl['trivial_bytes']} | {pl['activation_operands']} | {pl['activation_bytes']} "
+                f"| {c['expected_btp_step_bytes_per_layer']} |"]
     else:
         out.append(f"{c.get('status')}: {_why(c)}")
     out += ["", f"What it cannot show: {CANNOT_SHOW}"]
@@ -570,10 +583,14 @@ def main(argv: list[str] | None = None) -> int:
         "reference (this boostjax has no ModelConfig.attention; the materialising XLA attention ran)")
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     pending = start_prediction(clock, sh, args, attention)
-    tput = throughput(clock, sh, args, attention)
-    secs = {"throughput": tput, "collectives": collectives(clock, sh, args, attention),
-            "offload": offload(clock, sh, args, attention, probe)}
-    secs["memory"] = memory(pending, tput)
+    try:
+        tput = throughput(clock, sh, args, attention)
+        secs = {"throughput": tput, "collectives": collectives(clock, sh, args, attention),
+                "offload": offload(clock, sh, args, attention, probe)}
+        secs["memory"] = memory(pending, tput)
+    finally:  # interrupted: do not leave the background prediction running
+        if isinstance(pending, Background) and pending.proc.poll() is None:
+            pending.proc.kill()
     for s in secs.values():
         s["smoke"] = args.smoke
     res = {"suite": "gpu_suite", "smoke": args.smoke, "command": "python experiments/gpu_suite.py " + " ".join(argv),
