@@ -177,7 +177,7 @@ def predict_worker(sh: Shapes, attention: str) -> dict:
                 errors.append(f"{strategy}@{mesh or 'one device'}: {type(e).__name__}: {first}")
                 continue
             rows[kind] = {"status": "ok", "mesh": mesh, "strategy": strategy, "attention": cpu_attention or None,
-                          **_numbers(rep)}
+                          **_numbers(rep), **({"refused": errors} if errors else {})}
             break
         else:
             rows[kind] = {"status": "failed", "error": " | ".join(errors)}
@@ -471,18 +471,23 @@ def markdown(res: dict) -> str:
             "`memory_analysis()` of the executable (a) ran (argument + output - alias + temp). CPU prediction: "
             "`memory_report` compiled abstractly on the host CPU while the GPU runs ran "
             f"({pred.get('status')}{': ' + _why(pred) if _why(pred) else ''}).", "",
-            "| model | measured GiB | compiled GiB | of which temp GiB | CPU-predicted GiB | weights / optimizer / "
-            "activations GiB | measured / compiled | measured / CPU-predicted |", "|---|---|---|---|---|---|---|---|"]
+            "| model | measured GiB | compiled GiB | of which temp GiB | CPU-predicted GiB (program) | weights / "
+            "optimizer / activations GiB | measured / compiled | measured / CPU-predicted |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in m["rows"]:
         p = r.get("predicted_cpu") or {}
         parts = " / ".join(_gib(p.get(k)) for k in ("weight_bytes", "optimizer_bytes", "activation_bytes"))
+        prog = f" ({p['strategy']}, {p['mesh'] or 'one device'})" if p.get("status") == "ok" else ""
         out.append(f"| {gs.NAMES[r['kind']]} | {_gib(r['measured_peak_bytes'])} | {_gib(r['compiled_total_bytes'])} | "
-                   f"{_gib((r.get('compiled') or {}).get('temp_bytes'))} | {_gib(r['predicted_cpu_peak_bytes'])} | "
+                   f"{_gib((r.get('compiled') or {}).get('temp_bytes'))} | {_gib(r['predicted_cpu_peak_bytes'])}{prog} | "
                    f"{parts} | {_ratio(r['measured_over_compiled'])} | {_ratio(r['measured_over_predicted_cpu'])} |")
     o = secs["offload"]
     out += ["", f"## (c) Offload plan vs baselines at a {o['memory_cap_gb']} GB cap ({o['status']})", "",
-            f"{sh['preset']} CoLA, 8-bit Adam, the same batch; each policy in its own process with the allocator capped "
-            f"(XLA_PYTHON_CLIENT_MEM_FRACTION={o['mem_fraction']}).", "", *og.table(o["runs"])]
+            f"{sh['preset']} CoLA, 8-bit Adam, the same batch; "
+            + ("smoke: the policies share one CPU process, no allocator cap." if res["smoke"] else
+               "each policy in its own process with the allocator capped "
+               f"(XLA_PYTHON_CLIENT_MEM_FRACTION={o['mem_fraction']:.4f}); the planner's budget is 0.85 x the cap."),
+            "", *og.table(o["runs"])]
     why = [f"{r['policy']}: {_why(r)}" for r in o["runs"] if _why(r)]
     out += (["", "Not measured: " + "; ".join(why)] if why else [])
     c = secs["collectives"]
@@ -493,10 +498,10 @@ def markdown(res: dict) -> str:
                 "the 2-layer program minus the 1-layer program. Counts are static HLO instructions and XLA combines "
                 "all-reduces into variadic ones, so read operands and bytes. Activation operands ([batch, seq, ...]) "
                 "are BTP's latents and norm statistics; the rest are parameter gradients (the data-axis mean).", "",
-                "| per layer | all-reduces | one-device | variadic | operands | bytes | one-device bytes "
+                "| per layer: all-reduces | one-device | variadic | operands | bytes | one-device bytes "
                 "| activation operands | activation bytes | BTP expected step bytes |",
-                "|---|---|---|---|---|---|---|---|---|---|",
-                f"| | {pl['count']} | {pl['trivial_count']} | {pl['variadic_count']} | {pl['operands']} | {pl['bytes']} "
+                "|---|---|---|---|---|---|---|---|---|",
+                f"| {pl['count']} | {pl['trivial_count']} | {pl['variadic_count']} | {pl['operands']} | {pl['bytes']} "
                 f"| {pl['trivial_bytes']} | {pl['activation_operands']} | {pl['activation_bytes']} "
                 f"| {c['expected_btp_step_bytes_per_layer']} |"]
     else:

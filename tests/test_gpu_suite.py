@@ -84,3 +84,28 @@ def test_smoke_runs_every_section(tmp_path, monkeypatch):
     assert plan["policy"] == "plan" and plan["status"] == "ok" and plan["tokens_per_s"] > 0
     md = (tmp_path / "gpu_suite.md").read_text()
     assert "SMOKE RUN ON CPU" in md and all(f"## ({x})" in md for x in "abcd")
+
+
+def test_prediction_reads_memory_report_and_falls_back_to_a_one_device_tp_mesh(monkeypatch):
+    from boostjax.config import ConfigError
+    from boostjax.sharding import comm
+
+    calls = []
+
+    def fake(model, mesh, batch, seq, strategy, remat="none", dtype="bfloat16", **train_fields):
+        calls.append((model.kind, mesh, batch, seq, strategy, remat, dtype))
+        if strategy == "none":
+            raise ConfigError("comm.strategy: 'none' is not a TP strategy; fix: pass btp")
+        return {"peak_bytes_per_device": 300, "weight_bytes": 100, "optimizer_bytes": 150, "activation_bytes": 50,
+                "memory": {"temp_bytes": 7}}
+
+    monkeypatch.setattr(comm, "memory_report", fake, raising=False)
+    big = suite.dataclasses.replace(suite.SMOKE, preset="60m")  # not the smoke preset: both models
+    rec = suite.predict_worker(big, "")
+    assert rec["status"] == "ok"
+    assert [c[4] for c in calls] == ["none", "fullrank-tp", "none", "btp"]
+    assert all(c[1:4] in (("", 2, 16), ("data=1,model=1", 2, 16)) and c[5:] == ("none", "bfloat16") for c in calls)
+    cola = rec["models"]["cola"]
+    assert cola["strategy"] == "btp" and cola["peak_bytes_per_device"] == 300 and "memory" not in cola
+    assert "not a TP strategy" in cola["refused"][0]
+    json.dumps(rec)  # what the worker prints
