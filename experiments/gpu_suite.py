@@ -489,7 +489,7 @@ def markdown(res: dict) -> str:
                f"(XLA_PYTHON_CLIENT_MEM_FRACTION={o['mem_fraction']:.4f}); the planner's budget is 0.85 x the cap."),
             "", *og.table(o["runs"])]
     why = [f"{r['policy']}: {_why(r)}" for r in o["runs"] if _why(r)]
-    out += (["", "Not measured: " + "; ".join(why)] if why else [])
+    out += (["", "Why: " + "; ".join(why)] if why else [])
     c = secs["collectives"]
     out += ["", f"## (d) All-reduces per layer of the BTP step compiled for this device ({c['status']})", ""]
     if c.get("status") == "ok":
