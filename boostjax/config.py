@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 ModelKind = Literal["llama", "cola", "svd", "lax"]
+Attention = Literal["auto", "xla", "cudnn", "chunked"]
+ATTENTION: tuple[str, ...] = ("auto", "xla", "cudnn", "chunked")
 MODEL_KINDS: tuple[str, ...] = ("llama", "cola", "svd", "lax")
 LOW_RANK_KINDS: tuple[str, ...] = ("cola", "svd", "lax")
 STRATEGIES: tuple[str, ...] = ("none", "fullrank-tp", "vanilla-tp", "btp")
@@ -50,6 +52,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     max_seq_len: int = 4096
     init_std: float = 0.02
+    # attention kernel (boostjax.models.attention); the math is the same, so a resumed run may change these.
+    # auto: cuDNN flash attention on a CUDA GPU in bf16/fp16, else chunked; xla: the materialised reference
+    attention: Attention = "auto"
+    attention_block: int = 512  # query/key positions per tile of the chunked path
 
     @property
     def kv_heads(self) -> int:
@@ -231,6 +237,10 @@ def validate_model(m: ModelConfig) -> None:
                             f"got {m.rope_theta}; fix: pass e.g. --rope-theta 10000")
     _need(0 < m.norm_eps < 1, f"model.norm_eps: must lie in (0, 1), got {m.norm_eps}; fix: pass e.g. --norm-eps 1e-5")
     _need(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}; fix: pass e.g. --init-std 0.02")
+    _need(m.attention in ATTENTION, f"model.attention: unknown attention {m.attention!r}; "
+                                    f"fix: use one of {', '.join(ATTENTION)}")
+    _need(1 <= m.attention_block <= MAX_SEQ_LEN, f"model.attention_block: must lie in [1, {MAX_SEQ_LEN}], got "
+                                                 f"{m.attention_block}; fix: pass e.g. --attention-block 512")
 
 
 def validate_train(t: TrainConfig, m: ModelConfig) -> None:
@@ -255,6 +265,9 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _need(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}; fix: pass e.g. 0.01")
     _need(t.dtype in DTYPES, f"train.dtype: unknown dtype {t.dtype!r}; fix: use one of {', '.join(DTYPES)}")
     _need(t.data_dtype in ("uint16", "uint32"), f"train.data_dtype: {t.data_dtype!r}; fix: use uint16 or uint32")
+    _need(m.attention != "cudnn" or t.dtype != "float32",
+          "model.attention: cudnn runs in bfloat16/float16 and the compute dtype is float32; "
+          "fix: pass --dtype bfloat16 or --attention chunked")
     _need(t.seq <= m.max_seq_len, f"train.seq: {t.seq} exceeds model.max_seq_len={m.max_seq_len}; fix: lower --seq or raise --max-seq-len")
     _need(t.strategy in STRATEGIES, f"train.strategy: unknown strategy {t.strategy!r}; fix: use one of {', '.join(STRATEGIES)}")
     _need(t.remat in REMAT, f"train.remat: unknown remat {t.remat!r}; fix: use one of {', '.join(REMAT)}")

@@ -35,6 +35,7 @@ from boostjax.checkpoint import CheckpointError, Checkpointer, step_dirs
 from boostjax.config import Config, ConfigError, TrainConfig, parse_mesh, validate, warmup_steps
 from boostjax.data import BatchIterator, eval_batches, load_corpus
 from boostjax.interrupt import StopSignals, TrainingInterrupted
+from boostjax.models import attention
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA
 from boostjax.runfolder import RunFolder
@@ -181,6 +182,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
     t = cfg.train
     multihost.setup(t)  # joins a multi-host job before JAX starts (a no-op for one process or if done)
     _check_fits_host(cfg)
+    attention.check_backend(cfg.model, t.dtype)  # --attention cudnn needs a CUDA GPU
     folder = RunFolder(t.out)
     if multihost.is_main_process():
         folder.check_target()

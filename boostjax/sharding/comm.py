@@ -96,6 +96,9 @@ def _build(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, r
         raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
     cfg = validate(Config(model, TrainConfig(batch=batch, seq=seq, strategy=strategy, mesh=mesh,
                                              remat=remat, dtype=dtype)))
+    from boostjax.models.attention import check_backend  # noqa: PLC0415
+
+    check_backend(model, dtype)  # --attention cudnn compiles only for a CUDA GPU
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(model, rngs=nnx.Rngs(0))))
     params = state.to_pure_dict()
     plan = strategies.placement(cfg, graphdef, params)
