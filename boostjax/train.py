@@ -200,7 +200,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
         multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
         params, opt_state = fns.init(params)
         share, count = fns.batch_share  # the block of each global batch's rows this process loads
-        data = BatchIterator(corpus.train, t.batch, t.seq, t.seed, vocab_size=cfg.model.vocab_size,
+        data = BatchIterator(corpus.train, t.batch * t.grad_accum, t.seq, t.seed, vocab_size=cfg.model.vocab_size,
                              process_index=share, process_count=count)
         ckpt = Checkpointer(folder.checkpoints, keep=t.keep_ckpts, primary=multihost.is_main_process())
         try:
@@ -225,7 +225,7 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
     t0 = time.perf_counter()
     step_fn = fns.compile(params, opt_state, data.batch_at(start))
     compile_s = time.perf_counter() - t0
-    tokens_per_step = t.batch * t.seq
+    tokens_per_step = t.batch * t.grad_accum * t.seq  # all micro-batches of one optimizer step
     fpt = flops_per_token(cfg.model, t.seq)
     writer = open(folder.metrics_path, "a") if multihost.is_main_process() else None
 
