@@ -37,7 +37,7 @@ RUN_FILES: frozenset[str] = frozenset({CONFIG, HISTORY, METRICS, LOCK, CHECKPOIN
 MUTABLE: frozenset[str] = frozenset({
     "steps", "lr", "min_lr_ratio", "warmup", "weight_decay", "b1", "b2", "clip", "dtype", "out",
     "ckpt_every", "keep_ckpts", "log_every", "eval_every", "eval_batches", "strategy", "mesh",
-    "microbatches", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh", "delay_lr_tc",
+    "microbatches", "pipeline_schedule", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh", "delay_lr_tc",
     "offload_plan", "progress", "coordinator", "num_processes", "process_id", "init_timeout",
 })
 EXPORT_MARK = "boostjax_export"  # key of an exported config.json (transformers keeps unknown keys)
