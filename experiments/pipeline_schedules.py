@@ -140,10 +140,10 @@ def plot(data: dict, path: str) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for schedule, marker in zip(SCHEDULES, "os"):
+    for schedule, marker, label in zip(SCHEDULES, "os", ("GPipe", "1F1B")):
         rs = sorted((r for r in data["runs"] if r["schedule"] == schedule), key=lambda r: r["microbatches"])
         ax.plot([r["microbatches"] for r in rs], [r["temp_bytes"] / GIB for r in rs], marker=marker,
-                label=schedule.upper() if schedule == "gpipe" else "1F1B")
+                label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches M (micro-batch size 1)")
     ax.set_ylabel("temp GiB per device (compiled)")

@@ -2,6 +2,7 @@
 equal GPipe's and the single-device reference for P = 2 and 4 stages, M = P and 2P micro-batches, BTP
 (TP 2) and no TP, with remat; a training step through `build_step_fns` matches GPipe's."""
 
+import json
 from dataclasses import replace
 
 import jax
@@ -106,3 +107,19 @@ def test_schedule_may_change_on_resume(tmp_path):
     new = replace(old, train=replace(old.train, pipeline_schedule="1f1b"))
     changes = RunFolder(tmp_path / "run").check_resume(old, new, resuming=True)
     assert changes == {"train.pipeline_schedule": ["gpipe", "1f1b"]}
+
+
+def test_schedules_experiment_renders_its_results(tmp_path):
+    """experiments/pipeline_schedules.py re-renders its committed measurements (no compile): GPipe's
+    compiled temp grows with M, 1F1B's stays flat."""
+    from helpers import ROOT, load_experiment
+
+    exp = load_experiment("pipeline_schedules")
+    src = ROOT / "experiments" / "results" / "pipeline_schedules.json"
+    assert exp.main(["--from-json", str(src), "--out", str(tmp_path)]) == 0
+    assert "| 32 |" in (tmp_path / "pipeline_schedules.md").read_text()
+    runs = json.loads(src.read_text())["runs"]
+    temp = {s: [r["temp_bytes"] for r in sorted(runs, key=lambda r: r["microbatches"]) if r["schedule"] == s]
+            for s in ("gpipe", "1f1b")}
+    assert all(a < b for a, b in zip(temp["gpipe"], temp["gpipe"][1:]))
+    assert max(temp["1f1b"]) < 1.05 * min(temp["1f1b"]) and temp["1f1b"][-1] < 0.5 * temp["gpipe"][-1]
