@@ -1,4 +1,5 @@
-"""Pipeline parallelism over the mesh axis `stage` (GPipe; 1F1B in `pipeline_1f1b`), composed with `data` and every TP strategy.
+"""Pipeline parallelism over the mesh axis `stage` (GPipe here, 1F1B in `pipeline_1f1b`), composed with
+`data` and every TP strategy.
 
 Layout. The training state keeps the blocks *stacked*: `params["layers"]` is one Block-shaped tree
 whose leaves carry a leading layer axis `[L, ...]`, sharded `P("stage", *tp_spec)` (`stage_specs`), so
@@ -36,6 +37,7 @@ from boostjax.config import Config, ConfigError, TrainConfig, parse_mesh
 from boostjax.models import ops
 from boostjax.models.llama import LLaMA, Block, resolve_remat
 from boostjax.sharding.collectives import vocab_parallel_cross_entropy
+from boostjax.sharding.pipeline_1f1b import onef1b_loss_fn, ring_slots
 from boostjax.sharding.specs import COLLECTIVES, param_specs
 
 STAGE = "stage"
@@ -61,7 +63,7 @@ def microbatches(t: TrainConfig) -> int:
 def activation_slots(schedule: str, stages: int, microbatches: int) -> int:
     """Micro-batches whose stage activations one device keeps for the backward: GPipe's autodiff saves
     every one of its `M + P - 1` ticks; 1F1B a ring of `2P - 1` (`pipeline_1f1b.ring_slots`)."""
-    return 2 * stages - 1 if schedule == "1f1b" else microbatches + stages - 1
+    return ring_slots(stages) if schedule == "1f1b" else microbatches + stages - 1
 
 
 def pipeline_info(t: TrainConfig) -> dict:
@@ -179,8 +181,6 @@ def pipeline_placement(cfg: Config, params_like: Any, mesh: Mesh):
     b_shard = NamedSharding(mesh, P("data"))
     loss_fn = pipeline_loss_fn(cfg, mesh, specs, n_micro)
     if cfg.train.pipeline_schedule == "1f1b":  # the same loss; its gradient runs the 1F1B schedule
-        from boostjax.sharding.pipeline_1f1b import onef1b_loss_fn  # noqa: PLC0415
-
         loss_fn = onef1b_loss_fn(cfg, mesh, specs, n_micro, forward=loss_fn)
     return Placement(
         loss_fn=loss_fn,
