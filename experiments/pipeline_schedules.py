@@ -12,7 +12,8 @@ of `2P - 1` micro-batches, so its temp should stay flat in M. Writes
   experiments/results/pipeline_schedules.png    temp GiB per device vs M
 
 Run: `python experiments/pipeline_schedules.py` (a few minutes on 2 CPU cores; `--micro 4 8` for fewer
-points; `--from-json experiments/results/pipeline_schedules.json` re-renders without compiling).
+points; `--from-json experiments/results/pipeline_schedules.json` re-renders without compiling; `--speed`
+adds the time per value-and-grad of both schedules on a small model).
 """
 
 from __future__ import annotations
@@ -77,6 +78,45 @@ def measure_one(schedule: str, micro: int) -> dict:
             "activation_slots": info["activation_slots"], "compile_s": round(time.perf_counter() - t0, 1)}
 
 
+SPEED_MODEL = ModelConfig(kind="cola", vocab_size=1024, d_model=256, n_layers=4, n_heads=4, d_ff=688, rank=64)
+SPEED_SEQ, SPEED_MICRO, SPEED_ROUNDS = 128, 16, 5
+
+
+def measure_speed() -> dict:
+    """Seconds per pipelined value-and-grad of a small fp32 model (P = 4 simulated CPU devices on the
+    host's cores, M = 16): medians of interleaved rounds, run on real (random) inputs."""
+    import numpy as np  # noqa: PLC0415
+
+    from boostjax.train import init_model  # noqa: PLC0415
+
+    calls = {}
+    for schedule in SCHEDULES:
+        t = TrainConfig(mesh=f"stage={STAGES}", batch=SPEED_MICRO, seq=SPEED_SEQ, microbatches=SPEED_MICRO,
+                        pipeline_schedule=schedule)
+        cfg = validate(Config(SPEED_MODEL, t))
+        graphdef, params = init_model(cfg)
+        plan = placement(cfg, graphdef, params)
+        rng = np.random.default_rng(0)
+        batch = plan.put_batch({k: rng.integers(0, SPEED_MODEL.vocab_size, (t.batch, t.seq)).astype(np.int32)
+                                for k in ("inputs", "targets")})
+        placed = plan.put_params(params)
+        fn = jax.jit(jax.value_and_grad(plan.loss_fn)).lower(placed, batch).compile()
+        jax.block_until_ready(fn(placed, batch))  # warm-up
+        calls[schedule] = (fn, placed, batch)
+    times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
+    for _ in range(SPEED_ROUNDS):
+        for schedule, (fn, placed, batch) in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(placed, batch))
+            times[schedule].append(time.perf_counter() - t0)
+    med = {s: float(np.median(v)) for s, v in times.items()}
+    _log(f"speed: {med}; 1F1B / GPipe {med['1f1b'] / med['gpipe']:.3f}")
+    return {"model": {k: getattr(SPEED_MODEL, k) for k in ("kind", "vocab_size", "d_model", "n_layers", "n_heads",
+                                                             "d_ff", "rank")},
+            "seq": SPEED_SEQ, "microbatches": SPEED_MICRO, "stages": STAGES, "dtype": "float32",
+            "rounds": SPEED_ROUNDS, "seconds": times, "median_s": med, "ratio_1f1b_over_gpipe": med["1f1b"] / med["gpipe"]}
+
+
 def measure(micros: list[int]) -> dict:
     runs = []
     for m in micros:
@@ -119,6 +159,14 @@ def render(data: dict) -> str:
         lines.append(f"| {mm} | {g['temp_bytes'] / GIB:.2f} | {o['temp_bytes'] / GIB:.2f} | "
                      f"{o['temp_bytes'] / g['temp_bytes']:.2f} | {g['activation_slots']} | {o['activation_slots']} | "
                      f"{g['bubble_fraction']:.3f} |")
+    sp = data.get("speed")
+    if sp:
+        m2 = sp["model"]
+        lines += ["", f"Time per value-and-grad (CPU, {sp['stages']} simulated devices sharing the host's cores, "
+                      f"{m2['kind']} d_model {m2['d_model']}, {m2['n_layers']} layers, seq {sp['seq']}, M = "
+                      f"{sp['microbatches']}, {sp['dtype']}; median of {sp['rounds']} interleaved rounds): GPipe "
+                      f"{sp['median_s']['gpipe']:.3f} s, 1F1B {sp['median_s']['1f1b']:.3f} s "
+                      f"(1F1B / GPipe = {sp['ratio_1f1b_over_gpipe']:.2f}; `--speed`)."]
     lines += [
         "",
         "Bubble: both schedules idle `(P-1)/(M+P-1)` of a stage's time. 1F1B here runs forward-only ticks "
@@ -128,7 +176,9 @@ def render(data: dict) -> str:
         "needs a whole tick to reach the next stage, so micro-batch `i` is in flight at stage 0 for "
         "`2(P-1)` ticks); GPipe's autodiff keeps all `M+P-1` ticks'.",
         "",
-        "Command: `python experiments/pipeline_schedules.py`",
+        "Commands: `python experiments/pipeline_schedules.py` (memory), then `python experiments/pipeline_schedules.py "
+        "--from-json experiments/results/pipeline_schedules.json --speed` (time; measured on a 2-core machine shared "
+        "with other jobs, so noisy).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -161,12 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, nargs="+", default=list(MICRO))
     ap.add_argument("--from-json", default="")
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--speed", action="store_true", help="also time both schedules on a small model")
     args = ap.parse_args(argv)
     if args.from_json:
         with open(args.from_json) as fh:
             data = json.load(fh)
     else:
         data = measure(args.micro)
+    if args.speed:
+        data["speed"] = measure_speed()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "pipeline_schedules.json"), "w") as fh:
         json.dump(data, fh, indent=2)
