@@ -80,6 +80,9 @@ def _digest(path: pathlib.Path) -> str:
     (["--lr", "abc"], "train.lr"), (["--model", "mamba"], "model.kind"), (["--mesh", "data=2,data=2"], "train.mesh"),
     (["--mesh", "gpu=2"], "train.mesh"), (["--mesh", "data=0"], "train.mesh"), (["--out", ""], "train.out"),
     (["--seed", str(1 << 64)], "train.seed"),
+    (["--pipeline-schedule", "2f2b", "--mesh", "stage=2"], "train.pipeline_schedule"),
+    (["--pipeline-schedule", "1f1b"], "train.pipeline_schedule"), (["--pipeline-schedule", "1f1b", "--mesh", "data=2"],
+                                                                   "train.pipeline_schedule"),
 ])
 def test_train_numbers_and_fields(capsys, tmp_path, flags, field):
     _refused(capsys, [*TRAIN, "--out", tmp_path / "run", *flags], field)
