@@ -21,6 +21,9 @@ _HELP = {
     "kind": "model kind: dense LLaMA or a low-rank variant",
     "n_kv_heads": "key/value heads for grouped-query attention (0 = n_heads)",
     "rank": "rank r of every low-rank projection",
+    "attention": "attention kernel: auto (cudnn on a CUDA GPU in bf16, else chunked), xla (materialised scores), "
+                 "cudnn (cuDNN flash attention), chunked (blockwise, no t x t buffer)",
+    "attention_block": "query/key positions per tile of the chunked attention",
     "dtype": "compute dtype (parameters stay fp32)",
     "data": "corpus: '' = this Python's standard library sources; a .bin token file, a text file or a folder",
     "strategy": "tensor-parallel strategy",
