@@ -57,6 +57,15 @@ def resolve(impl: str, dtype) -> str:
     return impl
 
 
+def memory_kind(model: ModelConfig, seq: int, dtype: str) -> str:
+    """What the offload cost model should assume for this attention: "materialized" when the step holds
+    `[t, t]` probabilities (the xla path, or chunked with the whole sequence in one block), "flash" when
+    it keeps only the per-row log-sum-exp (cuDNN, or chunked over several blocks)."""
+    impl = resolve(model.attention, jnp.dtype(dtype))
+    flash = impl == "cudnn" or (impl == "chunked" and seq > model.attention_block)
+    return "flash" if flash else "materialized"
+
+
 def check_backend(model: ModelConfig, dtype: str) -> None:
     """ConfigError, before anything compiles, when `model.attention` cannot run on this backend."""
     resolve(model.attention, jnp.dtype(dtype))
