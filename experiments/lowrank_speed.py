@@ -189,7 +189,7 @@ def run_shape(shape: str, kinds: list[str], args: argparse.Namespace) -> dict:
     if args.breakdown_here:
         bd = {kind: op_breakdown(*state[kind], args.profile_steps) for kind in kinds}
     del state
-    return {"shape": shape, "runs": runs, "other_runnable_tasks_median": statistics.median(others),
+    return {"shape": shape, "rounds": args.rounds, "runs": runs, "other_runnable_tasks_median": statistics.median(others),
             "other_runnable_tasks_max": max(others), "breakdown": bd}
 
 
@@ -332,8 +332,9 @@ def markdown(res: dict) -> str:
              f"Command: `{res['command']}` (wall time {res['runtime_s']:.0f} s).", "",
              f"Real training step (`boostjax.step.build_step_fns`: forward, backward, clip 1.0 + AdamW, fp32 "
              f"parameters, {a['dtype']} compute), batch {a['batch']} x sequence {a['seq']}, vocabulary {a['vocab']}, "
-             f"compiled ahead of time; {a['warmup']} untimed warm-up steps per model, then {a['rounds']} interleaved "
-             "rounds (one step of every model per round, each ended by `block_until_ready`). Step ms and tokens/s "
+             f"compiled ahead of time; {a['warmup']} untimed warm-up step(s) per model, then interleaved rounds ("
+             + ", ".join(f"{x['shape']}: {x['rounds']}" for x in res["shapes"]) + "; one step of every model per "
+             "round, each ended by `block_until_ready`). Step ms and tokens/s "
              "are medians over rounds; `x dense` is the median (and quartiles) of the per-round ratio "
              "dense step time / model step time; GFLOP/s counts model FLOPs (PaLM convention, `flops.py`).", "",
              f"Machine: {mf['cpu_model'] or 'unknown CPU'}, {mf['cpus_usable']} usable CPUs, {mf['platform']}, "
@@ -416,9 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4, help="sequences per step (default: 4)")
     ap.add_argument("--seq", type=int, default=256, help="sequence length (default: 256)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per model (default: 2)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per model after compiling (default: 1)")
     ap.add_argument("--rounds", type=int, default=0,
-                    help="timed rounds per shape (default 0: 12 for the first shape, 4 for the others)")
+                    help="timed rounds per shape (default 0: 10 for the first shape, 3 for the others)")
     ap.add_argument("--profile-steps", type=int, default=2, help="steps traced for the breakdown (default: 2)")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiled op breakdown")
     ap.add_argument("--out", default=RESULTS, help="results folder")
@@ -441,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for i, shape in enumerate(shapes):
         a = argparse.Namespace(**vars(args))
-        a.rounds = args.rounds or (12 if i == 0 else 4)
+        a.rounds = args.rounds or (10 if i == 0 else 3)
         a.breakdown_here = i == 0 and not args.no_breakdown
         results.append(run_shape(shape, kinds, a))
         print(json.dumps({s: round(r["tokens_per_s"]) for s, r in results[-1]["runs"].items()}), shape, flush=True)
