@@ -380,7 +380,7 @@ def markdown(res: dict) -> str:
                       for o in bd[k]["top_ops"][:8]]
             lines.append("")
     if res.get("notes"):
-        lines += ["## Findings", "", *res["notes"], ""]
+        lines += ["## Findings (written when the fix was made; this run does not recompute them)", "", *res["notes"], ""]
     return "\n".join(lines) + "\n"
 
 
