@@ -103,14 +103,17 @@ def test_sharded_state_steps_equal_the_replicated_steps(mesh, strategy, optimize
 def test_checkpoints_resume_across_the_layouts(tmp_path):
     """A zero=0 checkpoint resumes with zero=1, whose checkpoint resumes with zero=0: the losses and
     parameters of the uninterrupted zero=0 run (a constant learning rate: the schedule depends on
-    `steps`, which the resumed commands raise)."""
+    `steps`, which the resumed commands raise). With `--grad-accum 2` the data position (in optimizer
+    steps of batch x 2 rows) resumes exactly, and tokens/s counts both micro-batches."""
     TOKENS.tofile(tmp_path / "tokens.bin")
     fast = TrainConfig(steps=6, batch=4, seq=16, mesh="data=2", lr=1e-3, warmup=0, min_lr_ratio=1.0, log_every=1,
-                       eval_every=100, eval_batches=1, ckpt_every=2, data=str(tmp_path / "tokens.bin"), progress=False)
+                       eval_every=100, eval_batches=1, ckpt_every=2, data=str(tmp_path / "tokens.bin"), grad_accum=2,
+                       progress=False)
     ref = train(Config(MODEL, replace(fast, out=str(tmp_path / "ref"))))
     out = str(tmp_path / "run")
     for steps, zero in ((2, 0), (4, 1), (6, 0)):
         res = train(Config(MODEL, replace(fast, steps=steps, zero=zero, out=out)))
         assert res.resumed_from == (steps - 2 or None)
     np.testing.assert_allclose(res.losses, ref.losses, rtol=1e-6)
+    assert all(m["tokens_per_s"] * m["step_s"] == pytest.approx(4 * 2 * 16) for m in res.metrics if "step_s" in m)
     assert _rel(res.params, ref.params) < 1e-6
