@@ -27,6 +27,9 @@ _HELP = {
     "mesh": "device mesh, e.g. data=2,stage=2,model=4 ('' = one device; CPU devices are simulated as needed)",
     "microbatches": "pipeline micro-batches per data shard when the mesh has stage > 1 (0 = auto: the largest "
                     "divisor of the shard's batch that is <= 4 x stages)",
+    "grad_accum": "micro-batches of --batch rows per optimizer step (a lax.scan sums their gradients); the "
+                  "effective batch is batch x grad_accum",
+    "zero": "data-parallel state sharding (ZeRO): 0 replicated, 1 optimizer state split over data, 3 parameters too",
     "remat": "rematerialisation: none, full (per block), lowrank (keep r-dim latents, no collective recomputed)",
     "out": "run folder (config.json, metrics.jsonl, checkpoints/); an existing run there is resumed",
     "offload_plan": "plan.json from boostjax plan: per-layer remat/offload policies, host-resident params/optimizer",
