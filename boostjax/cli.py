@@ -33,6 +33,9 @@ _HELP = {
     "pipeline_schedule": "pipeline schedule when the mesh has stage > 1: gpipe (all forwards, then all backwards; "
                          "activations of every micro-batch) or 1f1b (one forward, one backward; activations of "
                          "2 x stages - 1 micro-batches); the same bubble (P-1)/(M+P-1)",
+    "grad_accum": "micro-batches of --batch rows per optimizer step (a lax.scan sums their gradients); the "
+                  "effective batch is batch x grad_accum",
+    "zero": "data-parallel state sharding (ZeRO): 0 replicated, 1 optimizer state split over data, 3 parameters too",
     "remat": "rematerialisation: none, full (per block), lowrank (keep r-dim latents, no collective recomputed)",
     "out": "run folder (config.json, metrics.jsonl, checkpoints/); an existing run there is resumed",
     "offload_plan": "plan.json from boostjax plan: per-layer remat/offload policies, host-resident params/optimizer",

@@ -156,8 +156,11 @@ def state_shardings(abstract_state: Any, params: Any, specs: Any, mesh, zero: in
 
     A state leaf whose key path ends with a parameter's path takes that parameter's spec when the
     shapes agree (Adam moments), or the spec behind leading replicated axes when it stacks copies of
-    the parameter (delay histories); everything else (counters, rotation bases, 8-bit blocks) is
-    replicated. With `zero` >= 1 every leaf then also splits over `data` (`specs.data_sharded`).
+    the parameter (delay histories); everything else (counters, rotation bases and Gram statistics,
+    8-bit blocks and scales) is replicated. With `zero` >= 1 every leaf then also splits over `data`
+    (`specs.data_sharded`): any layout computes the same update (XLA gathers what it needs), but a
+    partitioned matmul rounds differently, and the rotation's `eigh` of a rank-deficient Gram matrix
+    turns a 1e-7 difference into a different basis of its null space.
     Fixing them at init keeps every step's output, and a restored checkpoint, on the same layout.
     """
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
@@ -167,7 +170,7 @@ def state_shardings(abstract_state: Any, params: Any, specs: Any, mesh, zero: in
 
     def spec_of(keys, leaf):
         if any(k.lstrip(".") in rotation.REPLICATED_FIELDS for k in keys):
-            return P()
+            return None
         for n in range(len(keys), 0, -1):
             hit = by_path.get(keys[-n:])
             if hit is not None:
@@ -179,6 +182,8 @@ def state_shardings(abstract_state: Any, params: Any, specs: Any, mesh, zero: in
 
     def sharding(path, leaf):
         spec = spec_of(tuple(map(str, path)), leaf)
+        if spec is None:  # a rotation basis or Gram statistic: replicated over model, split over data
+            spec = P()
         return NamedSharding(mesh, data_sharded(spec, leaf.shape, data))
 
     return jax.tree_util.tree_map_with_path(sharding, abstract_state)
@@ -272,14 +277,22 @@ def train_state_shapes(cfg: Config, graphdef, params_like: Any) -> tuple[Any, An
     return _shapes(lay.state_like, lay.params), _shapes(lay.opt_like, lay.opt_state), {"inputs": rows, "targets": rows}
 
 
+def layout_step(cfg: Config, lay: Layout) -> Callable:
+    """The (unjitted) training step on `lay`'s placement, as `StepFns.compile` jits it: lower it with
+    `train_state_shapes` to compile the step abstractly."""
+    plan = lay.plan
+    return make_train_step(plan.loss_fn, lay.tx, lay.lr_fn, delayed=cfg.train.pipeline_delay > 1,
+                           fetch=getattr(plan, "fetch", None), store=getattr(plan, "store", None),
+                           accum=cfg.train.grad_accum, micro_sharding=lay.micro, accum_sharding=lay.grads)
+
+
 def build_step_fns(cfg: Config, graphdef, params_like: Any) -> StepFns:
     """Step functions for `cfg.train.strategy` (one device when "none" and no mesh)."""
     lay = step_layout(cfg, graphdef, params_like)
     plan, t = lay.plan, cfg.train
-    fetch, store = getattr(plan, "fetch", None), getattr(plan, "store", None)
+    fetch = getattr(plan, "fetch", None)
     eval_fn = plan.eval_loss_fn if fetch else plan.loss_fn
-    step = make_train_step(plan.loss_fn, lay.tx, lay.lr_fn, delayed=t.pipeline_delay > 1, fetch=fetch, store=store,
-                           accum=t.grad_accum, micro_sharding=lay.micro, accum_sharding=lay.grads)
+    step = layout_step(cfg, lay)
     to_state = getattr(plan, "to_state", None) or (lambda p: p)
 
     def init(params):
@@ -298,7 +311,10 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any) -> StepFns:
             raise ConfigError("train.mesh: a multi-host job needs a mesh over all processes' devices; "
                               "fix: pass --mesh data=D,model=T")
         share = multihost.batch_share(b_shard, rows, t.seq)
-        put_batch = multihost.put_global_batch(b_shard, rows)
+
+        def put_batch(batch):  # a step's rows, or an evaluation batch's (batch rows: no accumulation)
+            local = len(next(iter(batch.values())))
+            return multihost.put_global_batch(b_shard, local * share[1])(batch)
 
     def compile_step(params, opt_state, batch):
         kw = {}

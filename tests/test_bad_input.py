@@ -84,6 +84,9 @@ def _digest(path: pathlib.Path) -> str:
     (["--pipeline-schedule", "1f1b"], "train.pipeline_schedule"), (["--pipeline-schedule", "1f1b", "--mesh", "data=2"],
                                                                    "train.pipeline_schedule"),
     (["--attention", "bogus"], "model.attention"), (["--attention-block", "0"], "model.attention_block"),
+    (["--grad-accum", "0"], "train.grad_accum"), (["--grad-accum", "-2"], "train.grad_accum"),
+    (["--grad-accum", "1048576", "--seq", "4096"], "train.grad_accum"),
+    (["--zero", "2"], "train.zero"), (["--zero", "-1"], "train.zero"),
 ])
 def test_train_numbers_and_fields(capsys, tmp_path, flags, field):
     _refused(capsys, [*TRAIN, "--out", tmp_path / "run", *flags], field)
@@ -204,6 +207,12 @@ def test_offload_plan_for_another_run(capsys, tmp_path, plan_file, flags, needle
     line = _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--offload-plan", plan_file, *flags],
                     "train.offload_plan", str(plan_file), *needles)
     assert "re-run boostjax plan" in line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags,field", [(["--grad-accum", "2"], "train.grad_accum"), (["--zero", "1"], "train.zero")])
+def test_offload_plan_without_accumulation_or_zero(capsys, tmp_path, plan_file, flags, field):
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--offload-plan", plan_file, *flags], field, "--offload-plan")
     assert not (tmp_path / "run").exists()
 
 

@@ -43,6 +43,7 @@ def run(tmp_path_factory):
     (["--seq", "16"], "train.seq: "),
     (["--seed", "3"], "train.seed: "),
     (["--optimizer", "adam8bit"], "train.optimizer: "),
+    (["--grad-accum", "2"], "train.grad_accum: "),  # the effective batch: the data position counts its rows
     (["--d-model", "64"], "model.d_model: "),
     (["--model", "llama"], "model.kind: "),
     (["--data", __file__], "train.data: "),
