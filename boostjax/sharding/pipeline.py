@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from boostjax.config import Config, ConfigError, TrainConfig, parse_mesh
 from boostjax.models import ops
 from boostjax.models.llama import LLaMA, Block, resolve_remat
+from boostjax.models.remat import tied_checkpoint
 from boostjax.sharding.collectives import vocab_parallel_cross_entropy
 from boostjax.sharding.specs import COLLECTIVES, param_specs
 
@@ -119,11 +120,14 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int) -> Calla
         s = jax.lax.axis_index(STAGE)
         cos_te, sin_te = ops.rope_tables(t, mcfg.head_dim, mcfg.rope_theta)
 
-        def block(p, x_btd):
-            return nnx.merge(block_def, p)(x_btd, cos_te, sin_te, coll)
+        def apply(p, x_btd, c_te, s_te):
+            return nnx.merge(block_def, p)(x_btd, c_te, s_te, coll)
 
-        if policy is not None:
-            block = jax.checkpoint(block, policy=policy)
+        if policy is not None:  # recomputed only once the backward reaches the layer
+            apply = tied_checkpoint(apply, policy)
+
+        def block(p, x_btd):
+            return apply(p, x_btd, cos_te, sin_te)
 
         def tick(carry_btd, emb_btd):
             x_btd = jnp.where(s == 0, emb_btd, carry_btd)  # stage 0 reads the next micro-batch
