@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 ModelKind = Literal["llama", "cola", "svd", "lax"]
+Attention = Literal["auto", "xla", "cudnn", "chunked"]
+ATTENTION: tuple[str, ...] = ("auto", "xla", "cudnn", "chunked")
 MODEL_KINDS: tuple[str, ...] = ("llama", "cola", "svd", "lax")
 LOW_RANK_KINDS: tuple[str, ...] = ("cola", "svd", "lax")
 STRATEGIES: tuple[str, ...] = ("none", "fullrank-tp", "vanilla-tp", "btp")
@@ -22,6 +24,7 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 REMAT: tuple[str, ...] = ("none", "full", "lowrank")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit")
 MESH_AXES: tuple[str, ...] = ("data", "stage", "model")
+ZERO_STAGES: tuple[int, ...] = (0, 1, 3)
 # Sizes past which a number is a typo, not a run: token positions and ids are int32 in the step, and a
 # materialised attention of a longer sequence has more than 2^40 scores per head and sequence.
 MAX_SEQ_LEN: int = 1 << 20
@@ -50,6 +53,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     max_seq_len: int = 4096
     init_std: float = 0.02
+    # attention kernel (boostjax.models.attention); the math is the same, so a resumed run may change these.
+    # auto: cuDNN flash attention on a CUDA GPU in bf16/fp16, else chunked; xla: the materialised reference
+    attention: Attention = "auto"
+    attention_block: int = 512  # query/key positions per tile of the chunked path
 
     @property
     def kv_heads(self) -> int:
@@ -91,6 +98,8 @@ class TrainConfig:
     strategy: str = "none"
     mesh: str = ""  # "data=D,stage=P,model=T"; "" = one device
     microbatches: int = 0  # pipeline micro-batches per data shard (stage > 1); 0 = auto (see sharding.pipeline)
+    grad_accum: int = 1  # N micro-batches of `batch` rows per optimizer step (effective batch: batch x N)
+    zero: int = 0  # data-parallel state sharding: 0 replicated, 1 optimizer state over data, 3 params too
     remat: str = "none"
     optimizer: str = "adamw"
     pipeline_delay: int = 1  # S: emulate an asynchronous pipeline of S stages (1 = no delay)
@@ -231,6 +240,10 @@ def validate_model(m: ModelConfig) -> None:
                             f"got {m.rope_theta}; fix: pass e.g. --rope-theta 10000")
     _need(0 < m.norm_eps < 1, f"model.norm_eps: must lie in (0, 1), got {m.norm_eps}; fix: pass e.g. --norm-eps 1e-5")
     _need(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}; fix: pass e.g. --init-std 0.02")
+    _need(m.attention in ATTENTION, f"model.attention: unknown attention {m.attention!r}; "
+                                    f"fix: use one of {', '.join(ATTENTION)}")
+    _need(1 <= m.attention_block <= MAX_SEQ_LEN, f"model.attention_block: must lie in [1, {MAX_SEQ_LEN}], got "
+                                                 f"{m.attention_block}; fix: pass e.g. --attention-block 512")
 
 
 def validate_train(t: TrainConfig, m: ModelConfig) -> None:
@@ -241,6 +254,7 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
         _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
     _need(t.batch * t.seq <= MAX_TOKENS, f"train.batch: batch x seq = {t.batch} x {t.seq} tokens exceeds {MAX_TOKENS} "
                                          "(int32 positions); fix: lower --batch or --seq")
+    _validate_accum_zero(t)
     _need(0 <= t.seed < 1 << 63, f"train.seed: must lie in [0, 2^63), got {t.seed}; fix: pass --seed N with N >= 0")
     _need(bool(t.out.strip()) and "\0" not in t.out,
           f"train.out: {t.out!r} is not a folder name (an empty one would write into the current folder); "
@@ -255,6 +269,9 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _need(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}; fix: pass e.g. 0.01")
     _need(t.dtype in DTYPES, f"train.dtype: unknown dtype {t.dtype!r}; fix: use one of {', '.join(DTYPES)}")
     _need(t.data_dtype in ("uint16", "uint32"), f"train.data_dtype: {t.data_dtype!r}; fix: use uint16 or uint32")
+    _need(m.attention != "cudnn" or t.dtype != "float32",
+          "model.attention: cudnn runs in bfloat16/float16 and the compute dtype is float32; "
+          "fix: pass --dtype bfloat16 or --attention chunked")
     _need(t.seq <= m.max_seq_len, f"train.seq: {t.seq} exceeds model.max_seq_len={m.max_seq_len}; fix: lower --seq or raise --max-seq-len")
     _need(t.strategy in STRATEGIES, f"train.strategy: unknown strategy {t.strategy!r}; fix: use one of {', '.join(STRATEGIES)}")
     _need(t.remat in REMAT, f"train.remat: unknown remat {t.remat!r}; fix: use one of {', '.join(REMAT)}")
@@ -276,6 +293,22 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _validate_pipeline(t, m)
     if t.offload_plan:
         _validate_offload_plan(t, m)
+
+
+def _validate_accum_zero(t: TrainConfig) -> None:
+    """Gradient accumulation and ZeRO stages (`boostjax.step`)."""
+    _need(t.grad_accum >= 1, f"train.grad_accum: must be >= 1 (1 = no accumulation), got {t.grad_accum}; "
+                             "fix: pass --grad-accum N with N >= 1")
+    _need(t.batch * t.grad_accum * t.seq <= MAX_TOKENS,
+          f"train.grad_accum: batch x grad_accum x seq = {t.batch} x {t.grad_accum} x {t.seq} tokens per step "
+          f"exceeds {MAX_TOKENS}; fix: lower --grad-accum, --batch or --seq")
+    _need(t.zero in ZERO_STAGES, f"train.zero: unknown ZeRO stage {t.zero}; fix: pass --zero 0 (replicated), "
+                                 "1 (optimizer state over data) or 3 (parameters too)")
+    if t.offload_plan:
+        _need(t.grad_accum == 1, "train.grad_accum: an offload plan budgets one batch per step and no gradient "
+                                 "accumulator; fix: drop --grad-accum or --offload-plan")
+        _need(t.zero == 0, "train.zero: an offload plan runs on one device with nothing to shard over data; "
+                           "fix: drop --zero or --offload-plan")
 
 
 def _validate_pipeline(t: TrainConfig, m: ModelConfig) -> None:

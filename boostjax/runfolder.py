@@ -32,14 +32,16 @@ CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS = "config.json", "config_history.jso
 RUN_FILES: frozenset[str] = frozenset({CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS, "checkpoints-aside",
                                        CONFIG + ".tmp", METRICS + ".tmp"})
 
-# Training fields a resumed run may change (everything else, and every model field, is fixed: the
-# checkpoint's shapes, the data order or the optimizer state's meaning depend on it).
+# Training fields a resumed run may change (everything else, and every model field but MUTABLE_MODEL, is
+# fixed: the checkpoint's shapes, the data order or the optimizer state's meaning depend on it).
 MUTABLE: frozenset[str] = frozenset({
     "steps", "lr", "min_lr_ratio", "warmup", "weight_decay", "b1", "b2", "clip", "dtype", "out",
     "ckpt_every", "keep_ckpts", "log_every", "eval_every", "eval_batches", "strategy", "mesh",
-    "microbatches", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh", "delay_lr_tc",
+    "microbatches", "zero", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh", "delay_lr_tc",
     "offload_plan", "progress", "coordinator", "num_processes", "process_id", "init_timeout",
 })
+# Model fields a resumed run may change: the attention kernel computes the same function.
+MUTABLE_MODEL: frozenset[str] = frozenset({"attention", "attention_block"})
 EXPORT_MARK = "boostjax_export"  # key of an exported config.json (transformers keeps unknown keys)
 IGNORED: frozenset[str] = frozenset({"out", "progress", "coordinator", "num_processes", "process_id"})
 
@@ -256,7 +258,7 @@ class RunFolder:
                 va, vb = getattr(a, f.name), getattr(b, f.name)
                 if va == vb or (section == "train" and f.name in IGNORED):
                     continue
-                fixed = section == "model" or f.name not in MUTABLE
+                fixed = f.name not in (MUTABLE_MODEL if section == "model" else MUTABLE)
                 if resuming and fixed:
                     raise ConfigError(
                         f"{section}.{f.name}: the checkpoints in {self.path} were trained with {f.name}={va!r}, "

@@ -35,6 +35,7 @@ from boostjax.checkpoint import CheckpointError, Checkpointer, step_dirs
 from boostjax.config import Config, ConfigError, TrainConfig, parse_mesh, validate, warmup_steps
 from boostjax.data import BatchIterator, eval_batches, load_corpus
 from boostjax.interrupt import StopSignals, TrainingInterrupted
+from boostjax.models import attention
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA
 from boostjax.runfolder import RunFolder
@@ -181,6 +182,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
     t = cfg.train
     multihost.setup(t)  # joins a multi-host job before JAX starts (a no-op for one process or if done)
     _check_fits_host(cfg)
+    attention.check_backend(cfg.model, t.dtype)  # --attention cudnn needs a CUDA GPU
     folder = RunFolder(t.out)
     if multihost.is_main_process():
         folder.check_target()
@@ -198,7 +200,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
         multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
         params, opt_state = fns.init(params)
         share, count = fns.batch_share  # the block of each global batch's rows this process loads
-        data = BatchIterator(corpus.train, t.batch, t.seq, t.seed, vocab_size=cfg.model.vocab_size,
+        data = BatchIterator(corpus.train, t.batch * t.grad_accum, t.seq, t.seed, vocab_size=cfg.model.vocab_size,
                              process_index=share, process_count=count)
         ckpt = Checkpointer(folder.checkpoints, keep=t.keep_ckpts, primary=multihost.is_main_process())
         try:
@@ -223,7 +225,7 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
     t0 = time.perf_counter()
     step_fn = fns.compile(params, opt_state, data.batch_at(start))
     compile_s = time.perf_counter() - t0
-    tokens_per_step = t.batch * t.seq
+    tokens_per_step = t.batch * t.grad_accum * t.seq  # all micro-batches of one optimizer step
     fpt = flops_per_token(cfg.model, t.seq)
     writer = open(folder.metrics_path, "a") if multihost.is_main_process() else None
 

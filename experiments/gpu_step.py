@@ -11,10 +11,16 @@ step time does not depend on the data.
 
     python experiments/gpu_step.py                      # 1B, full-rank vs CoLA, bf16, on the GPU
     python experiments/gpu_step.py --allow-cpu --preset tiny --steps 2 --warmup 1   # CPU smoke run
+    python experiments/gpu_step.py --attention cudnn    # cuDNN flash attention (ModelConfig.attention)
 
 BOOST reports CoLA 1.44x faster than full-rank at 1B on one A100 (its iteration times 0.85 s vs
 0.59 s). Writes experiments/results/gpu_step.{json,md}. Without a GPU it exits with status 2 and a
 one-line message, unless `--allow-cpu --preset tiny` (a smoke mode whose numbers mean nothing).
+Each run also records `compiled.memory_analysis()` of the very executable it times (`compiled_memory`:
+argument + output - alias + temp = `total_bytes`), beside the measured peak.
+
+Importable pieces (experiments/gpu_suite.py uses them): `parser`, `measure`, `run_worker`,
+`worker_cmd`, `peak_flops_for`, `attention_field`.
 """
 
 from __future__ import annotations
@@ -48,6 +54,15 @@ def peak_flops_for(device_kind: str) -> float | None:
     return None
 
 
+def attention_field() -> bool:
+    """Whether this boostjax's `ModelConfig` has the `attention` field (auto/xla/cudnn/chunked)."""
+    import dataclasses  # noqa: PLC0415
+
+    from boostjax.config import ModelConfig  # noqa: PLC0415
+
+    return "attention" in {f.name for f in dataclasses.fields(ModelConfig)}
+
+
 def measure(kind: str, args: argparse.Namespace) -> dict:
     """Compile and time the real training step for one model kind on this process's first device."""
     import jax  # noqa: PLC0415
@@ -55,6 +70,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
 
     from boostjax.config import Config, TrainConfig, preset, validate  # noqa: PLC0415
     from boostjax.models.flops import flops_per_token, param_count  # noqa: PLC0415
+    from boostjax.offload.apply import compiled_memory  # noqa: PLC0415
     from boostjax.step import build_step_fns  # noqa: PLC0415
     from boostjax.train import init_model  # noqa: PLC0415
 
@@ -64,7 +80,12 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
         overrides["vocab_size"] = args.vocab
     if args.layers:
         overrides["n_layers"] = args.layers
+    has_attention = attention_field()
+    if args.attention and has_attention:
+        overrides["attention"] = args.attention
     model = preset(args.preset, **overrides)
+    # without the field (an older boostjax) the step runs the materialising reference attention
+    attention = getattr(model, "attention", None) if has_attention else "reference (no ModelConfig.attention)"
     cfg = validate(Config(model, TrainConfig(batch=args.batch, seq=args.seq, dtype="bfloat16", remat=args.remat,
                                              steps=args.warmup + args.steps + 1, warmup=0, out="unused")))
     graphdef, params = init_model(cfg)
@@ -92,7 +113,8 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops_for(dev.device_kind)
     stats = dev.memory_stats() or {}
     return {"kind": kind, "device": dev.device_kind, "platform": dev.platform, "params": param_count(model),
-            "compile_s": compile_s, "step_s": step_s, "step_s_all": times, "tokens_per_s": tokens_per_step / step_s,
+            "attention": attention, "attention_requested": args.attention or None,
+            "compiled_memory": compiled_memory(step), "compile_s": compile_s, "step_s": step_s, "step_s_all": times, "tokens_per_s": tokens_per_step / step_s,
             "flops_per_token": fpt, "model_tflops_per_s": fpt * tokens_per_step / step_s / 1e12,
             "peak_bf16_tflops": peak / 1e12 if peak else None,
             "mfu": fpt * tokens_per_step / step_s / peak if peak else None,
@@ -100,14 +122,47 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
             "losses": losses}
 
 
+def worker_cmd(kind: str, argv: list[str]) -> list[str]:
+    """The command line of one measuring process (this script in worker mode)."""
+    return [sys.executable, os.path.abspath(__file__), *argv, "--worker", kind]
+
+
+def run_worker(cmd: list[str], env: dict[str, str], timeout: float | None = None, **tag) -> dict:
+    """Run one worker process and read its result (`worker_result`); running past `timeout` seconds
+    gives `status: timeout` (the process is killed)."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**tag, "status": "timeout", "error": f"killed after the {timeout:.0f} s limit"}
+    return worker_result(out.returncode, out.stdout, out.stderr, **tag)
+
+
+def worker_result(returncode: int, stdout: str, stderr: str, **tag) -> dict:
+    """A worker's result: the last stdout line that is a JSON object (optionally prefixed `RESULT `),
+    with `tag` and `status` (default ok). A crash or a missing result gives `status: failed` with the
+    last stderr line."""
+    lines = [ln.removeprefix("RESULT ") for ln in stdout.splitlines()
+             if ln.startswith("{") or ln.startswith("RESULT {")]
+    if returncode or not lines:
+        tail = (stderr.strip().splitlines() or ["no output"])[-1]
+        return {**tag, "status": "failed", "error": tail[:500]}
+    rec = json.loads(lines[-1])
+    return {**tag, **rec, "status": rec.get("status", "ok")}
+
+
 def _child(kind: str, argv: list[str], env: dict[str, str]) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", kind]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode or not lines:
-        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"kind": kind, "status": "failed", "error": tail}
-    return {**json.loads(lines[-1]), "status": "ok"}
+    return run_worker(worker_cmd(kind, argv), env, kind=kind)
+
+
+def run_row(r: dict) -> str:
+    """One table row of a successful run (the columns of `markdown`'s table)."""
+    mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
+    mem = f"{r['peak_bytes_in_use'] / 2**30:.2f}" if r["peak_bytes_in_use"] is not None else "n/a"
+    compiled = r.get("compiled_memory", {}).get("total_bytes")
+    cmem = f"{compiled / 2**30:.2f}" if compiled is not None else "n/a"
+    return (f"| {NAMES[r['kind']]} | {r['device']} | {r.get('attention')} | {r['params'] / 1e6:.1f}M | "
+            f"{r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {r['model_tflops_per_s']:.2f} | {mfu} | {mem} | "
+            f"{cmem} | {r['compile_s']:.1f} |")
 
 
 def markdown(res: dict) -> str:
@@ -116,16 +171,14 @@ def markdown(res: dict) -> str:
              f"Preset {a['preset']} (vocabulary {a['vocab'] or 'preset'}, layers {a['layers'] or 'preset'}), batch {a['batch']} x sequence {a['seq']}, "
              f"bf16 compute, fp32 master weights, AdamW, remat {a['remat']}; {a['warmup']} warm-up steps, median of "
              f"{a['steps']} timed steps. Command: `{res['command']}`", "",
-             "| model | device | params | step s | tokens/s | model TFLOP/s | MFU | peak memory GiB | compile s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | device | attention | params | step s | tokens/s | model TFLOP/s | MFU | peak memory GiB "
+             "| compiled GiB | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         if r.get("status") != "ok":
-            lines.append(f"| {NAMES[r['kind']]} | failed: {r.get('error', '')} | | | | | | | |")
+            lines.append(f"| {NAMES[r['kind']]} | {r.get('status')}: {r.get('error', '')} | | | | | | | | | |")
             continue
-        mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
-        mem = f"{r['peak_bytes_in_use'] / 2**30:.2f}" if r["peak_bytes_in_use"] is not None else "n/a"
-        lines.append(f"| {NAMES[r['kind']]} | {r['device']} | {r['params'] / 1e6:.1f}M | {r['step_s']:.4f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['model_tflops_per_s']:.2f} | {mfu} | {mem} | {r['compile_s']:.1f} |")
+        lines.append(run_row(r))
     if res.get("speedup"):
         lines += ["", f"CoLA / full-rank tokens/s: {res['speedup']:.2f}x (BOOST, 1B on one A100: {PAPER_SPEEDUP:.2f}x)."]
     if res["runs"] and res["runs"][0].get("platform") == "cpu":
@@ -133,8 +186,8 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parser() -> argparse.ArgumentParser:
+    """The command-line flags (also the settings `measure` reads)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="1b", help="model shapes (default: 1b)")
     ap.add_argument("--vocab", type=int, default=32000, help="vocabulary size, 0 = the preset's (default: 32000)")
@@ -149,7 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of llama,cola")
     ap.add_argument("--allow-cpu", action="store_true", help="smoke mode on CPU (only with --preset tiny)")
     ap.add_argument("--out", default=RESULTS, help="results folder")
+    ap.add_argument("--attention", default="", choices=("", "auto", "xla", "cudnn", "chunked"),
+                    help="ModelConfig.attention (default: the config's own default)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = parser()
     args = ap.parse_args(argv)
     if args.batch < 1 or args.seq < 1 or args.steps < 1 or args.warmup < 0 or args.layers < 0 or args.vocab < 0:
         ap.error("--batch, --seq and --steps must be >= 1; --warmup, --layers and --vocab >= 0")

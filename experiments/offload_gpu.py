@@ -9,8 +9,12 @@ is enforced by the allocator; a policy that does not fit reports `oom`.
 
     python experiments/offload_gpu.py --preset 1b --model cola --batch 8 --seq 1024 --memory-cap 20
 
-Writes experiments/results/offload_gpu.json and offload_gpu.md. Without a GPU it exits with status 2
-and a one-line message (nothing is measured on CPU).
+Writes experiments/results/offload_gpu.json and offload_gpu.md (or `--out`). Without a GPU it exits
+with status 2 and a one-line message (nothing is measured on CPU), unless `--allow-cpu --preset tiny`
+(a smoke run of the code path: no memory cap, no host offload of activations, numbers mean nothing).
+
+Importable pieces (experiments/gpu_suite.py uses them): `parser`, `probe`, `cap_fraction`,
+`policy_env`, `worker_cmd`, `worker`, `markdown`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ POLICIES = ("plan", "no-offload", "full-remat", "megatrain")
 GB = 1e9
 
 
-def _probe() -> dict:
+def probe() -> dict:
     """In a child process: is there a CUDA device, and how many bytes can the allocator use."""
     code = ("import json, jax\n"
             "try:\n    d = jax.devices('gpu')[0]\nexcept RuntimeError as e:\n"
@@ -46,7 +50,27 @@ def _probe() -> dict:
     return json.loads(lines[-1])
 
 
-def _worker(args: argparse.Namespace) -> dict:
+def cap_fraction(probe_rec: dict, cap_gb: float) -> tuple[float, float]:
+    """(total device bytes, XLA_PYTHON_CLIENT_MEM_FRACTION for a cap of `cap_gb` GB) from `probe()`."""
+    total = probe_rec["bytes_limit"] / 0.95
+    return total, min(0.95, cap_gb * GB / total)
+
+
+def policy_env(fraction: float | None) -> dict[str, str]:
+    """The environment of one policy's process: the allocator capped at `fraction` (None: no cap)."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    if fraction is not None:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.4f}"
+        env.pop("JAX_PLATFORMS", None)
+    return env
+
+
+def worker_cmd(argv: list[str], policy: str) -> list[str]:
+    """The command line of one policy's process (this script in worker mode)."""
+    return [sys.executable, os.path.abspath(__file__), *argv, "--policy", policy]
+
+
+def worker(args: argparse.Namespace) -> dict:
     """One policy in this process (the parent set the memory fraction before JAX started)."""
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
@@ -59,9 +83,16 @@ def _worker(args: argparse.Namespace) -> dict:
     from boostjax.train import init_model  # noqa: PLC0415
 
     dev = jax.devices()[0]
-    if dev.platform != "gpu":
+    if dev.platform != "gpu" and not (args.allow_cpu and args.preset == "tiny"):
         raise SystemExit(f"offload_gpu: the worker found {dev.platform}, not a GPU")
-    model = preset(args.preset, **({"kind": args.model} if args.model else {}))
+    overrides = {"kind": args.model} if args.model else {}
+    if args.vocab:
+        overrides["vocab_size"] = args.vocab
+    if args.layers:
+        overrides["n_layers"] = args.layers
+    if args.attention:
+        overrides["attention"] = args.attention  # ModelConfig.attention (the caller checked it exists)
+    model = preset(args.preset, **overrides)
     hw = measure(device=dev) if args.hardware == "measure" else get_profile(args.hardware)
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = os.path.join(tmp, "plan.json")
@@ -69,7 +100,7 @@ def _worker(args: argparse.Namespace) -> dict:
                                         clip=args.clip, steps=args.steps + args.warmup, out=tmp,
                                         offload_plan=plan_path))
         inst = apply.instance_for(cfg, hw, budget_bytes=args.memory_cap * GB * args.budget_fraction)
-        rec: dict = {"policy": args.policy, "device": dev.device_kind, "instance": inst.name}
+        rec: dict = {"policy": args.policy, "device": dev.device_kind, "platform": dev.platform, "instance": inst.name}
         try:
             plan = solve(inst, time_limit_s=args.time_limit) if args.policy == "plan" else baseline_plan(inst, args.policy)
         except PlanInfeasible as e:
@@ -104,15 +135,49 @@ def _worker(args: argparse.Namespace) -> dict:
             raise
         stats = dev.memory_stats() or {}
         rec.update(status="ok", step_s=dt, tokens_per_s=args.batch * args.seq / dt, loss=float(m["loss"]),
-                   peak_bytes_in_use=int(stats.get("peak_bytes_in_use", 0)),
+                   compiled_total_bytes=_compiled_total(step), peak_bytes_in_use=int(stats.get("peak_bytes_in_use", 0)),
                    bytes_limit=int(stats.get("bytes_limit", 0)))
         return rec
 
 
-def main(argv: list[str] | None = None) -> int:
+def _compiled_total(step) -> int | None:
+    from boostjax.offload.apply import compiled_memory  # noqa: PLC0415
+
+    try:
+        return compiled_memory(step)["total_bytes"]
+    except Exception:  # noqa: BLE001 (a backend without memory_analysis: nothing to record)
+        return None
+
+
+def markdown(res: dict) -> str:
+    s = res["setup"]
+    lines = [f"# Offload plan vs baselines on {s['device']} (measured)", "",
+             f"{s['preset']} {s['model'] or ''} batch {s['batch']} x seq {s['seq']}, bf16, {s['optimizer']}, "
+             f"cap {s['memory_cap']} GB", "", *table(res["runs"])]
+    return "\n".join(lines) + "\n"
+
+
+def table(runs: list[dict]) -> list[str]:
+    """The markdown table of the policies' records."""
+    nan = float("nan")
+    lines = ["| policy | status | tokens/s | step s | peak GB (memory_stats) | predicted step s | predicted peak GB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r['policy']} | {r['status']} | {r.get('tokens_per_s', nan):.0f} | "
+                     f"{r.get('step_s', nan):.4f} | {(r.get('peak_bytes_in_use') or 0) / GB:.2f} | "
+                     f"{r.get('predicted_step_s', nan):.4f} | {(r.get('predicted_peak_bytes') or 0) / GB:.2f} |")
+    return lines
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command-line flags (also the settings `worker` reads)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="1b")
     ap.add_argument("--model", default=None, help="model kind (default: the preset's)")
+    ap.add_argument("--vocab", type=int, default=0, help="vocabulary size, 0 = the preset's (default: 0)")
+    ap.add_argument("--layers", type=int, default=0, help="transformer layers, 0 = the preset's (default: 0)")
+    ap.add_argument("--attention", default="", choices=("", "auto", "xla", "cudnn", "chunked"),
+                    help="ModelConfig.attention (default: the config's own default)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--memory-cap", type=float, default=20.0, help="device memory cap in GB")
@@ -125,49 +190,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--allow-cpu", action="store_true", help="smoke mode on CPU (only with --preset tiny)")
+    ap.add_argument("--out", default=RESULTS, help="results folder")
     ap.add_argument("--policy", default=None, help=argparse.SUPPRESS)  # worker mode
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.policy:
-        print("RESULT " + json.dumps(_worker(args)), flush=True)
+        print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
 
-    probe = _probe()
-    if not probe.get("gpu"):
-        print(f"offload_gpu: no CUDA GPU visible to JAX ({probe.get('why', 'unknown')}); this script measures "
+    smoke = args.allow_cpu and args.preset == "tiny"
+    probe_rec = probe()
+    if not probe_rec.get("gpu") and smoke:
+        probe_rec = {"gpu": False, "kind": "cpu (smoke run, no memory cap)", "bytes_limit": 0}
+    elif not probe_rec.get("gpu"):
+        print(f"offload_gpu: no CUDA GPU visible to JAX ({probe_rec.get('why', 'unknown')}); this script measures "
               "tokens/s and peak memory on a real GPU only — run it where `jax.devices('gpu')` works "
               "(jax[cuda12]); nothing was measured", file=sys.stderr)
         return 2
-    total = probe["bytes_limit"] / 0.95
-    fraction = min(0.95, args.memory_cap * GB / total)
-    print(f"{probe['kind']}: {total / GB:.1f} GB, cap {args.memory_cap} GB -> XLA_PYTHON_CLIENT_MEM_FRACTION="
-          f"{fraction:.4f}", flush=True)
+    total, fraction = cap_fraction(probe_rec, args.memory_cap) if probe_rec["gpu"] else (0.0, None)
+    print(f"{probe_rec['kind']}: {total / GB:.1f} GB, cap {args.memory_cap} GB -> XLA_PYTHON_CLIENT_MEM_FRACTION="
+          f"{fraction}", flush=True)
     runs = []
+    argv = list(sys.argv[1:] if argv is None else argv)
     for policy in args.policies.split(","):
-        env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{fraction:.4f}", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        env.pop("JAX_PLATFORMS", None)
-        cmd = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
-               "--policy", policy]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        cmd = worker_cmd(argv, policy)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=policy_env(fraction))
         lines = [ln[7:] for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         rec = json.loads(lines[-1]) if lines else {"policy": policy, "status": "error",
                                                      "error": (out.stderr.strip().splitlines() or ["?"])[-1][:300]}
         runs.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "schedule"}), flush=True)
-    os.makedirs(RESULTS, exist_ok=True)
-    res = {"setup": vars(args) | {"device": probe["kind"], "total_bytes": total}, "runs": runs}
-    with open(os.path.join(RESULTS, "offload_gpu.json"), "w") as f:
+    os.makedirs(args.out, exist_ok=True)
+    res = {"setup": vars(args) | {"device": probe_rec["kind"], "total_bytes": total}, "runs": runs}
+    with open(os.path.join(args.out, "offload_gpu.json"), "w") as f:
         json.dump(res, f, indent=1)
-    lines = [f"# Offload plan vs baselines on {probe['kind']} (measured)", "",
-             f"{args.preset} {args.model or ''} batch {args.batch} x seq {args.seq}, bf16, {args.optimizer}, "
-             f"cap {args.memory_cap} GB", "",
-             "| policy | status | tokens/s | step s | peak GB (memory_stats) | predicted step s | predicted peak GB |",
-             "|---|---|---|---|---|---|---|"]
-    for r in runs:
-        lines.append(f"| {r['policy']} | {r['status']} | {r.get('tokens_per_s', float('nan')):.0f} | "
-                     f"{r.get('step_s', float('nan')):.4f} | {r.get('peak_bytes_in_use', 0) / GB:.2f} | "
-                     f"{r.get('predicted_step_s', float('nan')):.4f} | {r.get('predicted_peak_bytes', 0) / GB:.2f} |")
-    with open(os.path.join(RESULTS, "offload_gpu.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "offload_gpu.md"), "w") as f:
+        f.write(markdown(res))
     return 0
 
 

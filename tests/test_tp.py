@@ -43,16 +43,18 @@ def assert_matches(loss_err: float, grad_errs: dict[str, float], tol: float = TO
     assert loss_err < tol and not bad, (loss_err, bad)
 
 
-def _compare(cfg: Config, seed: int):
-    """Relative error of the loss and of each gradient (by path), parallel vs single device."""
+def _compare(cfg: Config, seed: int, ref: Config | None = None):
+    """Relative error of the loss and of each gradient (by path), parallel vs single device.
+    `ref`: the single-device reference's config when it differs from `cfg` (e.g. another attention)."""
     graphdef, params = init_model(cfg)
+    ref_graphdef = graphdef if ref is None else init_model(ref)[0]
     rng = np.random.default_rng(seed)
     # fresh random values everywhere, norm scales and LaX gates included
     params = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 0.1 + (p.ndim == 1), jnp.float32), params)
     batch = {k: jnp.asarray(rng.integers(0, cfg.model.vocab_size, (cfg.train.batch, cfg.train.seq)), jnp.int32)
              for k in ("inputs", "targets")}
     with jax.default_matmul_precision("highest"):
-        ref_loss, ref_grads = jax.value_and_grad(local_loss_fn(cfg, graphdef))(params, batch)
+        ref_loss, ref_grads = jax.value_and_grad(local_loss_fn(ref or cfg, ref_graphdef))(params, batch)
         plan = placement(cfg, graphdef, params)
         loss, grads = jax.jit(jax.value_and_grad(plan.loss_fn))(plan.put_params(params), plan.put_batch(batch))
     if plan.to_canonical is not None:  # a pipeline's stacked layers, back to per-layer gradients

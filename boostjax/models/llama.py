@@ -102,7 +102,8 @@ class Attention(nnx.Module):
             q, k, v = (checkpoint_name(xn_btd @ w[...], "qkv") for w in (self.w_q, self.w_k, self.w_v))
         q_bthe = ops.apply_rope(q.reshape(b, t, -1, e), cos_te, sin_te)
         k_btke = ops.apply_rope(k.reshape(b, t, -1, e), cos_te, sin_te)
-        o_btx = ops.causal_attention(q_bthe, k_btke, v.reshape(b, t, -1, e)).reshape(b, t, -1)
+        o_btx = ops.causal_attention(q_bthe, k_btke, v.reshape(b, t, -1, e), impl=cfg.attention,
+                                     block=cfg.attention_block).reshape(b, t, -1)
         if cfg.low_rank:
             h_btr = coll.reduce_latent(o_btx @ self.a_o[...], name="o_latent")
             h_btr = _sigma(cfg.kind)(h_btr)

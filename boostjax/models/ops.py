@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
+from boostjax.models import attention
 from boostjax.sharding.collectives import Collectives
 
 
@@ -59,10 +60,22 @@ def apply_rope(x_bthe: Float[Array, "b t h e"], cos_te, sin_te) -> Float[Array, 
 
 
 def causal_attention(
-    q_bthe: Float[Array, "b t h e"], k_btke: Float[Array, "b t k e"], v_btke: Float[Array, "b t k e"]
+    q_bthe: Float[Array, "b t h e"], k_btke: Float[Array, "b t k e"], v_btke: Float[Array, "b t k e"],
+    *, impl: str = "xla", block: int = 512,
 ) -> Float[Array, "b t h e"]:
-    """Causal softmax attention with grouped-query heads (h a multiple of k); softmax in fp32."""
+    """Causal softmax attention with grouped-query heads (h a multiple of k); softmax in fp32.
+
+    `impl` (`ModelConfig.attention`, resolved by `attention.resolve`): `xla` materialises the fp32
+    scores `[b, k, g, t, t]` (the reference the others are tested against); `cudnn` is cuDNN's flash
+    attention; `chunked` is blockwise attention with `block`-position tiles (`attention.chunked_attention`),
+    which for `t <= block` is one tile, the whole `t x t` anyway, and runs the reference instead.
+    The output is tagged `attn_out` for remat and offload policies."""
+    impl = attention.resolve(impl, q_bthe.dtype)
     b, t, h, e = q_bthe.shape
+    if impl == "chunked" and t > block:
+        return attention.chunked_attention(q_bthe, k_btke, v_btke, block)  # tags attn_out itself
+    if impl == "cudnn":
+        return checkpoint_name(attention.cudnn_attention(q_bthe, k_btke, v_btke), "attn_out")
     kv = k_btke.shape[2]
     q_btkge = q_bthe.reshape(b, t, kv, h // kv, e)
     s_bkgts = jnp.einsum("btkge,bske->bkgts", q_btkge, k_btke, preferred_element_type=jnp.float32)

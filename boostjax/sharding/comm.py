@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from boostjax.config import (LOW_RANK_KINDS, OPTIMIZERS, PRESETS, REMAT, Config, ConfigError, ModelConfig,
+from boostjax.config import (ATTENTION, LOW_RANK_KINDS, OPTIMIZERS, PRESETS, REMAT, Config, ConfigError, ModelConfig,
                              check_batch_seq, mesh_devices, parse_mesh, preset, validate)
 from boostjax.sharding import hlo, memory
 from boostjax.sharding.memory import GIB
@@ -376,7 +376,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="all", choices=(*STRATEGIES, "all"), help="TP strategy (default: all)")
     p.add_argument("--remat", default="none", choices=REMAT, help="rematerialisation policy (default: none)")
     p.add_argument("--dtype", default="bfloat16", choices=tuple(_ITEMSIZE), help="compute dtype (default: bfloat16)")
+    p.add_argument("--attention", default="auto", choices=ATTENTION,
+                   help="attention kernel (default: auto = chunked off a CUDA GPU, no [t, t] buffer)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer (default: adamw)")
+    p.add_argument("--zero", type=int, default=0, help="optimizer-state sharding over data: 0, 1 or 3 (default: 0)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch rows per step (default: 1)")
     p.add_argument("--microbatches", type=int, default=0,
                    help="pipeline micro-batches per data shard with stage= in --mesh (default: 0 = auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object {strategy: report}")
@@ -460,7 +464,8 @@ def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelCo
         raise ConfigError(f"comm.batch: {args.batch} is not divisible by data={sizes['data']}; "
                           f"fix: pass --batch a multiple of {sizes['data']}")
     base = preset(args.preset, kind=args.model)
-    base = replace(base, max_seq_len=max(base.max_seq_len, args.seq))  # comm has no --max-seq-len
+    base = replace(base, max_seq_len=max(base.max_seq_len, args.seq),  # comm has no --max-seq-len
+                   attention=args.attention)
     for s in names:
         try:
             validate(Config(model_for(base, s), memory.train_config(args.batch, args.seq, s, args.mesh, args.remat,
@@ -474,7 +479,8 @@ def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelCo
 
 def _train_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The `TrainConfig` fields of `boostjax comm`'s flags beyond batch/seq/strategy/mesh/remat/dtype."""
-    return {"optimizer": args.optimizer, "microbatches": args.microbatches}
+    return {"optimizer": args.optimizer, "microbatches": args.microbatches, "zero": args.zero,
+            "grad_accum": args.grad_accum}
 
 
 def _cmd_comm(args: argparse.Namespace) -> int:

@@ -74,64 +74,40 @@ def train_config(batch: int, seq: int, strategy: str, mesh: str, remat: str, dty
 
 
 def train_step_compiled(cfg: Config, compiler_options: dict | None = None) -> AbstractStep:
-    """The training step `boostjax train` compiles for `cfg`, compiled on abstract inputs."""
+    """The training step `boostjax train` compiles for `cfg`, compiled on abstract inputs: the state
+    layout from `step.step_layout` / `step.train_state_shapes`, the step from `step.make_train_step`
+    with the same accumulation, donation and output shardings as `StepFns.compile`."""
     import jax  # noqa: PLC0415 (the CLI sets the simulated device count first)
-    import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
-    from jax.sharding import NamedSharding, SingleDeviceSharding  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
+    from boostjax.models.attention import check_backend  # noqa: PLC0415
     from boostjax.models.llama import LLaMA  # noqa: PLC0415
-    from boostjax.sharding import strategies  # noqa: PLC0415
-    from boostjax.step import make_optimizer, make_train_step, state_shardings  # noqa: PLC0415
+    from boostjax.step import make_train_step, step_layout, train_state_shapes  # noqa: PLC0415
 
     t = cfg.train
     if t.offload_plan:
-        raise ConfigError("memory.offload_plan: an offload plan places state in host memory; fix: use "
-                          "`boostjax plan` for its memory, or drop --offload-plan")
+        raise ConfigError("train.offload_plan: an offload plan places state in host memory, which this report "
+                          "does not model; fix: read the plan's memory from `boostjax plan`, or drop --offload-plan")
     need, visible = mesh_devices(t.mesh) if t.mesh else 1, jax.device_count()
     if need > visible:
         raise ConfigError(f"train.mesh: {t.mesh} needs {need} devices but {visible} are visible; "
                           f"fix: pick sizes whose product is at most {visible}")
+    check_backend(cfg.model, t.dtype)  # --attention cudnn compiles only for a CUDA GPU
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg.model, rngs=nnx.Rngs(0))))
     params_like = state.to_pure_dict()
-    plan = strategies.placement(cfg, graphdef, params_like)
-    state_like = jax.eval_shape(plan.to_state, params_like) if plan.to_state else params_like
-    tx, lr_fn = make_optimizer(cfg, state_like)
-    delayed = t.pipeline_delay > 1
-
-    def init_state(params):  # as build_step_fns' init
-        from boostjax.optim import delay  # noqa: PLC0415
-
-        opt_state = tx.init(params)
-        if delayed:
-            stages = delay.assign_stages(params, cfg.model.n_layers, t.pipeline_delay)
-            opt_state = (opt_state, delay.delay_init(params, stages, t.pipeline_delay))
-        return opt_state
-
-    opt_like = jax.eval_shape(init_state, state_like)
-    if plan.mesh is None:
-        one = SingleDeviceSharding(jax.devices()[0])
-        p_shard = jax.tree.map(lambda _: one, state_like)
-        o_shard = jax.tree.map(lambda _: one, opt_like)
-        b_shard, out = one, None
-    else:
-        is_spec = lambda x: isinstance(x, P)  # noqa: E731
-        p_shard = jax.tree.map(lambda s: NamedSharding(plan.mesh, s), plan.specs, is_leaf=is_spec)
-        o_shard = state_shardings(opt_like, state_like, plan.specs, plan.mesh)
-        b_shard = plan.batch_sharding
-        out = (p_shard, o_shard, NamedSharding(plan.mesh, P()))
-    sds = lambda tree, sh: jax.tree.map(  # noqa: E731
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh)
-    p_sds, o_sds = sds(state_like, p_shard), sds(opt_like, o_shard)
-    rows = jax.ShapeDtypeStruct((t.batch, t.seq), jnp.int32, sharding=b_shard)
-    b_sds = {"inputs": rows, "targets": rows}
-    step = make_train_step(plan.loss_fn, tx, lr_fn, delayed=delayed)
-    kw = {"out_shardings": out} if out is not None else {}
+    lay = step_layout(cfg, graphdef, params_like)
+    p_sds, o_sds, b_sds = train_state_shapes(cfg, graphdef, params_like)
+    step = make_train_step(lay.plan.loss_fn, lay.tx, lay.lr_fn, delayed=t.pipeline_delay > 1, accum=t.grad_accum,
+                           micro_sharding=lay.micro, accum_sharding=lay.grads)
+    kw = {}
+    if lay.plan.mesh is not None:  # as StepFns.compile: the state comes back in the layout it came in
+        kw["out_shardings"] = (lay.params, lay.opt_state, NamedSharding(lay.plan.mesh, P()))
     lowered = jax.jit(step, donate_argnums=(0, 1), **kw).lower(p_sds, o_sds, b_sds)
     if compiler_options is None and jax.default_backend() == "cpu":
         compiler_options = FAST_CPU
-    return AbstractStep(lowered.compile(compiler_options), p_sds, o_sds, b_sds, plan.loss_fn, plan.mesh)
+    return AbstractStep(lowered.compile(compiler_options), p_sds, o_sds, b_sds, lay.plan.loss_fn, lay.plan.mesh)
 
 
 def memory_parts(step: AbstractStep) -> dict[str, int]:

@@ -77,3 +77,22 @@ def param_specs(strategy: str, params: Any) -> Any:
         return table.get(two, table.get(one, P()))
 
     return jax.tree_util.tree_map_with_path(spec, params)
+
+
+DATA = "data"
+
+
+def data_sharded(spec: P, shape: tuple[int, ...], data: int) -> P:
+    """`spec` with the `data` axis added to the first dimension that is unsharded and divisible by
+    `data` (ZeRO's partitioning of optimizer state and, at stage 3, parameters over data-parallel
+    replicas: https://arxiv.org/abs/1910.02054); unchanged when no dimension qualifies, when the
+    spec already uses `data`, or when `data` is 1."""
+    used = {a for s in spec for a in (s if isinstance(s, tuple) else (s,)) if a is not None}
+    if data <= 1 or DATA in used:
+        return spec
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for i, (s, n) in enumerate(zip(entries, shape)):
+        if s is None and n >= data and n % data == 0:
+            entries[i] = DATA
+            return P(*entries)
+    return spec

@@ -1,0 +1,193 @@
+"""Causal attention without a `[t, t]` buffer: cuDNN's fused kernel, or blockwise attention in JAX.
+
+`chunked_attention` is FlashAttention-2 (https://arxiv.org/abs/2307.08691) written with `lax` loops:
+the forward walks the query blocks and, for each, the key blocks at or before it (the blocks above
+the causal diagonal are skipped), keeping the running row maximum and sum in fp32; it saves only
+q, k, v, the output and the per-row log-sum-exp. The backward (`jax.custom_vjp`) walks the key
+blocks and, for each, the query blocks at or after it, recomputing each tile's probabilities from
+the saved log-sum-exp: `dS = P ⊙ (dP − D)` with `D = rowsum(dO ⊙ O)`. Every intermediate is a
+`block x block` tile or a sequence-long vector; the HLO does not grow with `t`.
+
+`resolve` turns a `ModelConfig.attention` choice into the path that runs (at trace time, from the
+backend and the compute dtype); `check_backend` refuses, before anything compiles, a choice the
+backend cannot run. Shape letters as in `boostjax.models.ops`; `n` counts blocks, `q`/`s` index the
+query/key positions inside a block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float
+
+from boostjax.config import ConfigError, ModelConfig
+
+HALF_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def on_cuda_gpu() -> bool:
+    """JAX's default backend is a CUDA GPU (cuDNN's flash attention is not built for ROCm or CPU)."""
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        return "cuda" in jax.devices()[0].client.platform_version.lower()
+    except AttributeError:  # a runtime that does not say; cuDNN itself will tell
+        return True
+
+
+def resolve(impl: str, dtype) -> str:
+    """The attention path that runs: `auto` is cuDNN on a CUDA GPU in bf16/fp16, `chunked` otherwise.
+    Raises ConfigError when `cudnn` is asked for where it cannot run."""
+    if impl == "auto":
+        return "cudnn" if jnp.dtype(dtype) in HALF_DTYPES and on_cuda_gpu() else "chunked"
+    if impl == "cudnn":
+        if not on_cuda_gpu():
+            raise ConfigError(f"model.attention: cudnn (cuDNN flash attention) needs a CUDA GPU, but JAX's backend "
+                              f"is {jax.default_backend()!r}; fix: pass --attention chunked (or auto)")
+        if jnp.dtype(dtype) not in HALF_DTYPES:
+            raise ConfigError(f"model.attention: cudnn runs in bfloat16/float16, the compute dtype is "
+                              f"{jnp.dtype(dtype).name}; fix: pass --dtype bfloat16 or --attention chunked")
+    elif impl not in ("xla", "chunked"):
+        raise ConfigError(f"model.attention: unknown attention {impl!r}; fix: use one of auto, xla, cudnn, chunked")
+    return impl
+
+
+def check_backend(model: ModelConfig, dtype: str) -> None:
+    """ConfigError, before anything compiles, when `model.attention` cannot run on this backend."""
+    resolve(model.attention, jnp.dtype(dtype))
+
+
+def cudnn_attention(q_bthe: Float[Array, "b t h e"], k_btke: Float[Array, "b t k e"],
+                    v_btke: Float[Array, "b t k e"]) -> Float[Array, "b t h e"]:
+    """cuDNN flash attention (grouped-query heads: k divides h), scale 1/sqrt(e)."""
+    return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True, implementation="cudnn")
+
+
+# ------------------------------------------------------------------------------------ chunked
+
+
+def _blocks(x_bt__: Array, block: int) -> Array:
+    """[b, t, ...] -> [n, b, block, ...], zero-padded to n·block positions. Padded keys sit after
+    every real query, so the causal mask hides them; padded query rows are sliced off."""
+    b, t = x_bt__.shape[:2]
+    n = -(-t // block)
+    x = jnp.pad(x_bt__, [(0, 0), (0, n * block - t)] + [(0, 0)] * (x_bt__.ndim - 2))
+    return jnp.moveaxis(x.reshape(b, n, block, *x_bt__.shape[2:]), 1, 0)
+
+
+def _unblock(x_nbq__: Array, t: int) -> Array:
+    """[n, b, block, ...] -> [b, t, ...]."""
+    n, b, blk = x_nbq__.shape[:3]
+    return jnp.moveaxis(x_nbq__, 0, 1).reshape(b, n * blk, *x_nbq__.shape[3:])[:, :t]
+
+
+def _scores(q_bqkge, k_bske, diagonal: bool) -> Float[Array, "b k g q s"]:
+    """fp32 scores of one tile (the reference's order: dot, then / sqrt(e)); the diagonal tile masked."""
+    s = jnp.einsum("bqkge,bske->bkgqs", q_bqkge, k_bske, preferred_element_type=jnp.float32)
+    s = s / jnp.sqrt(jnp.float32(q_bqkge.shape[-1]))
+    if diagonal:
+        blk = s.shape[-1]
+        s = jnp.where(jnp.tril(jnp.ones((blk, blk), dtype=bool)), s, -jnp.inf)
+    return s
+
+
+def _zero_like(*xs: Array) -> Float[Array, ""]:
+    """An fp32 zero that varies over the manual mesh axes of every `x` (under shard_map, a loop carry must
+    have the type of what the loop body makes of it, and the gradients mix all inputs)."""
+    return sum(jnp.zeros_like(x, jnp.float32, shape=()) for x in xs)
+
+
+def _grouped(q_bthe: Array, kv: int) -> Array:
+    b, t, h, e = q_bthe.shape
+    return q_bthe.reshape(b, t, kv, h // kv, e)
+
+
+def _forward(q_bthe, k_btke, v_btke, block: int):
+    """Output [b, t, h, e] and log-sum-exp [n, b, k, g, block] (fp32)."""
+    b, t, h, e = q_bthe.shape
+    kv = k_btke.shape[2]
+    q_nbqkge = _blocks(_grouped(q_bthe, kv), block)
+    k_nbske, v_nbske = _blocks(k_btke, block), _blocks(v_btke, block)
+
+    def pv(p_bkgqs, v_bske):
+        return jnp.einsum("bkgqs,bske->bkgqe", p_bkgqs.astype(v_bske.dtype), v_bske,
+                          preferred_element_type=jnp.float32)
+
+    def query_block(i):
+        q_bqkge = q_nbqkge[i]
+        s = _scores(q_bqkge, k_nbske[i], diagonal=True)  # first: every row has a finite maximum
+        m_bkgq = s.max(-1)
+        p = jnp.exp(s - m_bkgq[..., None])
+        carry = (m_bkgq, p.sum(-1), pv(p, v_nbske[i]))
+
+        def key_block(j, carry):  # j < i: no mask
+            m_old, l_old, acc = carry
+            s = _scores(q_bqkge, k_nbske[j], diagonal=False)
+            m_new = jnp.maximum(m_old, s.max(-1))
+            alpha = jnp.exp(m_old - m_new)
+            p = jnp.exp(s - m_new[..., None])
+            return m_new, alpha * l_old + p.sum(-1), alpha[..., None] * acc + pv(p, v_nbske[j])
+
+        m_bkgq, l_bkgq, acc_bkgqe = lax.fori_loop(0, i, key_block, carry)
+        o_bqkge = jnp.einsum("bkgqe->bqkge", acc_bkgqe / l_bkgq[..., None]).astype(v_btke.dtype)
+        return o_bqkge, m_bkgq + jnp.log(l_bkgq)
+
+    o_nbqkge, lse_nbkgq = lax.map(query_block, jnp.arange(q_nbqkge.shape[0]))
+    return _unblock(o_nbqkge, t).reshape(b, t, h, e), lse_nbkgq
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def chunked_attention(q_bthe: Float[Array, "b t h e"], k_btke: Float[Array, "b t k e"],
+                      v_btke: Float[Array, "b t k e"], block: int) -> Float[Array, "b t h e"]:
+    """Blockwise causal attention (FlashAttention-2), `block` query/key positions per tile."""
+    return checkpoint_name(_forward(q_bthe, k_btke, v_btke, block)[0], "attn_out")
+
+
+def _chunked_fwd(q_bthe, k_btke, v_btke, block):
+    o_bthe, lse_nbkgq = _forward(q_bthe, k_btke, v_btke, block)
+    # the residuals a remat/offload policy can keep by name: the output and its fp32 row statistics
+    o_bthe, lse_nbkgq = checkpoint_name(o_bthe, "attn_out"), checkpoint_name(lse_nbkgq, "attn_out_stats")
+    return o_bthe, (q_bthe, k_btke, v_btke, o_bthe, lse_nbkgq)
+
+
+def _chunked_bwd(block, res, do_bthe):
+    q_bthe, k_btke, v_btke, o_bthe, lse_nbkgq = res
+    t, kv, e = q_bthe.shape[1], k_btke.shape[2], q_bthe.shape[3]
+    dt = q_bthe.dtype
+    inv_scale = 1.0 / jnp.sqrt(jnp.float32(e))
+    q_nbqkge, do_nbqkge = (_blocks(_grouped(x, kv), block) for x in (q_bthe, do_bthe))
+    k_nbske, v_nbske = _blocks(k_btke, block), _blocks(v_btke, block)
+    # D = rowsum(dO ⊙ O) = Σ_s P dP: the softmax's correction term, one number per query row and head
+    d_nbkgq = jnp.einsum("nbqkge->nbkgq", (do_nbqkge.astype(jnp.float32) *
+                                           _blocks(_grouped(o_bthe, kv), block).astype(jnp.float32)))
+    n, zero = q_nbqkge.shape[0], _zero_like(*res, do_bthe)
+
+    def key_block(dq_nbqkge, j):
+        k_bske, v_bske = k_nbske[j], v_nbske[j]
+
+        def tile(i, carry, diagonal):
+            dq, dk, dv = carry
+            q_bqkge, do_bqkge = q_nbqkge[i], do_nbqkge[i]
+            p = jnp.exp(_scores(q_bqkge, k_bske, diagonal) - lse_nbkgq[i][..., None])
+            dv = dv + jnp.einsum("bkgqs,bqkge->bske", p.astype(dt), do_bqkge, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bqkge,bske->bkgqs", do_bqkge, v_bske, preferred_element_type=jnp.float32)
+            ds = (p * (dp - d_nbkgq[i][..., None]) * inv_scale).astype(dt)
+            dk = dk + jnp.einsum("bkgqs,bqkge->bske", ds, q_bqkge, preferred_element_type=jnp.float32)
+            dq_i = jnp.einsum("bkgqs,bske->bqkge", ds, k_bske, preferred_element_type=jnp.float32)
+            return dq.at[i].add(dq_i), dk, dv
+
+        dkv0 = jnp.broadcast_to(zero, k_bske.shape)
+        carry = tile(j, (dq_nbqkge, dkv0, dkv0), diagonal=True)
+        dq, dk, dv = lax.fori_loop(j + 1, n, lambda i, c: tile(i, c, diagonal=False), carry)  # i > j only
+        return dq, (dk, dv)
+
+    dq_nbqkge, (dk_nbske, dv_nbske) = lax.scan(key_block, jnp.broadcast_to(zero, q_nbqkge.shape), jnp.arange(n))
+    dq_bthe = _unblock(dq_nbqkge, t).reshape(q_bthe.shape).astype(dt)
+    return dq_bthe, _unblock(dk_nbske, t).astype(k_btke.dtype), _unblock(dv_nbske, t).astype(v_btke.dtype)
+
+
+chunked_attention.defvjp(_chunked_fwd, _chunked_bwd)

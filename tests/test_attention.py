@@ -1,0 +1,143 @@
+"""Chunked (blockwise, FlashAttention-2) attention against the materialised reference: the op, the
+whole model on every strategy, a pipeline and the remat policies; no `[t, t]` buffer in the compiled
+step; the choice's validation and what a resumed run or an export does with it."""
+
+import re
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_tp import TINY, _compare, _rel, assert_matches, seed_of
+
+from boostjax import hf
+from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, validate, validate_model
+from boostjax.models import attention, ops
+from boostjax.runfolder import RunFolder
+from boostjax.sharding.strategies import placement
+from boostjax.train import init_model
+
+BF16_EPS = 2.0**-8  # bfloat16's spacing at 1 (8 significand bits)
+
+
+def _qkv(t: int, dtype, seed: int = 0):
+    """q [2, t, 4, 8], k and v [2, t, 2, 8] (grouped-query heads, h=4, k=2), and a cotangent for q's shape."""
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q, k, v = (jax.random.normal(key, (2, t, n, 8), jnp.float32).astype(dtype) for key, n in zip(ks, (4, 2, 2)))
+    return q, k, v, jax.random.normal(ks[3], (2, t, 4, 8), jnp.float32)
+
+
+def _out_and_grads(impl: str, block: int, q, k, v, w):
+    """Attention output and the gradients of <out, w> for q, k, v (fp32 copies), jitted."""
+    def f(q, k, v):
+        o = ops.causal_attention(q, k, v, impl=impl, block=block)
+        return jnp.sum(o.astype(jnp.float32) * w), o
+
+    (_, o), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return [np.asarray(x, np.float32) for x in (o, *grads)]
+
+
+@pytest.mark.parametrize("t,block", [(128, 32), (100, 32), (64, 16)])  # 100: the last block padded
+def test_chunked_op_matches_reference_fp32(t, block):
+    q, k, v, w = _qkv(t, jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        ref = _out_and_grads("xla", block, q, k, v, w)
+        got = _out_and_grads("chunked", block, q, k, v, w)
+    errs = [_rel(a, b) for a, b in zip(got, ref)]  # out, dq, dk, dv
+    assert max(errs) < 1e-5, errs  # measured <= 3.2e-7
+
+
+def test_chunked_op_matches_reference_bf16():
+    """In bf16 both paths round p before p·v and the gradients' operands; their errors against the
+    fp32 computation on the same (bf16) inputs are of one size, a few bf16 ulps."""
+    q, k, v, w = _qkv(128, jnp.bfloat16, seed=1)
+    with jax.default_matmul_precision("highest"):
+        exact = _out_and_grads("xla", 32, *(x.astype(jnp.float32) for x in (q, k, v)), w)
+        ref = _out_and_grads("xla", 32, q, k, v, w)
+        got = _out_and_grads("chunked", 32, q, k, v, w)
+    for name, g, r, x in zip(("out", "dq", "dk", "dv"), got, ref, exact):
+        err, ref_err = _rel(g, x), _rel(r, x)
+        assert err < 2 * BF16_EPS and err < 2 * ref_err + BF16_EPS / 4, (name, err, ref_err)
+
+
+# TINY with seq 64 and 16-position tiles: four blocks, six of the sixteen tiles skipped as fully masked
+ATTN = replace(TINY, attention="chunked", attention_block=16, max_seq_len=64)
+
+
+@pytest.mark.parametrize("strategy,kind,mesh,remat,layers", [
+    ("none", "cola", "", "none", 1),
+    ("btp", "cola", "data=1,model=2", "lowrank", 2),
+    ("vanilla-tp", "lax", "data=2,model=2", "none", 1),
+    ("fullrank-tp", "llama", "data=1,model=4", "full", 2),
+    ("btp", "svd", "data=1,stage=2,model=2", "none", 2),
+])
+def test_model_matches_the_reference_attention(strategy, kind, mesh, remat, layers):
+    """Loss and every gradient of the chunked model, on each strategy, against the one-device model
+    with the materialised attention (fp32)."""
+    model = replace(ATTN, kind=kind, n_layers=layers)
+    cfg = validate(Config(model, TrainConfig(strategy=strategy, mesh=mesh, remat=remat, batch=4, seq=64)))
+    ref = replace(cfg, model=replace(model, attention="xla"))
+    assert_matches(*_compare(cfg, seed=seed_of(strategy, kind, "attention"), ref=ref), tol=1e-5)
+
+
+SHAPE = re.compile(r"\b[a-z]+\d*\[([\d,]+)\]")
+
+
+def _square_buffers(hlo: str, t: int) -> set[str]:
+    """Shapes in an HLO text with two or more dimensions equal to `t`."""
+    return {m.group(0) for m in SHAPE.finditer(hlo) if m.group(1).split(",").count(str(t)) >= 2}
+
+
+@pytest.mark.parametrize("impl,remat", [("chunked", "none"), ("chunked", "lowrank"), ("xla", "none")])
+def test_compiled_step_holds_no_sequence_squared_buffer(impl, remat):
+    """The compiled loss-and-gradient of a seq-512 model, read from its HLO: no buffer has two
+    sequence-length dimensions with chunked attention (64-position tiles); the reference has them."""
+    t = 512
+    model = ModelConfig(kind="cola", vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=48,
+                        rank=8, max_seq_len=t, attention=impl, attention_block=64)
+    cfg = Config(model, TrainConfig(batch=1, seq=t, remat=remat))
+    graphdef, params = init_model(cfg)
+    plan = placement(cfg, graphdef, params)
+    batch = {k: jax.ShapeDtypeStruct((1, t), jnp.int32) for k in ("inputs", "targets")}
+    hlo = jax.jit(jax.value_and_grad(plan.loss_fn)).lower(params, batch).compile().as_text()
+    square = _square_buffers(hlo, t)
+    if impl == "xla":
+        assert square, "the reference materialises [.., t, t] scores"
+    else:
+        assert not square, sorted(square)
+        assert _square_buffers(hlo, 64), "the tiles are there"
+
+
+def test_auto_resolves_by_backend_and_dtype():
+    assert jax.default_backend() == "cpu"
+    assert attention.resolve("auto", jnp.bfloat16) == "chunked"
+    assert attention.resolve("auto", jnp.float32) == "chunked"
+    assert attention.resolve("xla", jnp.float32) == "xla"
+    with pytest.raises(ConfigError, match=r"^model.attention: cudnn .* CUDA GPU.*'cpu'; fix: pass --attention chunked"):
+        attention.check_backend(replace(TINY, attention="cudnn"), "bfloat16")
+
+
+def test_bad_choices_are_one_line_config_errors():
+    for field, bad in (("attention", "bogus"), ("attention_block", 0)):
+        with pytest.raises(ConfigError, match=rf"^model.{field}: [^\n]*; fix: "):
+            validate_model(replace(TINY, **{field: bad}))
+    with pytest.raises(ConfigError, match=r"^model.attention: cudnn runs in bfloat16/float16 .*fix: pass --dtype bf"):
+        validate(Config(replace(TINY, attention="cudnn"), TrainConfig(dtype="float32")))
+
+
+def test_resume_may_change_the_attention_but_not_the_shapes(tmp_path):
+    old = Config(TINY, TrainConfig())
+    folder = RunFolder(tmp_path / "run")
+    new = replace(old, model=replace(TINY, attention="xla", attention_block=128))
+    assert folder.check_resume(old, new, resuming=True) == {"model.attention": ["auto", "xla"],
+                                                            "model.attention_block": [512, 128]}
+    with pytest.raises(ConfigError, match="model.d_model: the checkpoints"):
+        folder.check_resume(old, replace(new, model=replace(new.model, d_model=32)), resuming=True)
+
+
+def test_hf_export_round_trip_gives_the_default_attention():
+    cfg = replace(TINY, kind="llama", attention="chunked", attention_block=64)
+    back = hf.config_from_hf(hf.hf_config(cfg))
+    assert back.attention == "auto" and back.attention_block == 512
+    assert replace(back, attention="chunked", attention_block=64, rank=cfg.rank) == cfg  # rank: unused by llama

@@ -1,0 +1,68 @@
+"""Gradient accumulation (`--grad-accum N`): the step on N micro-batches of B rows equals the step on
+the batch of N·B rows (the same rows), on one device, a BTP mesh and a pipeline mesh, with AdamW and
+the 8-bit Adam."""
+
+from dataclasses import replace
+
+import jax
+import numpy as np
+import pytest
+
+from boostjax.config import Config, ModelConfig, TrainConfig
+from boostjax.data import BatchIterator, load_corpus
+from boostjax.step import build_step_fns, train_state_shapes
+from boostjax.train import init_model
+
+MODEL = ModelConfig(kind="cola", d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=16, vocab_size=256, max_seq_len=16)
+
+
+def _rel(a, b) -> float:
+    a, b = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)]) for t in (a, b))
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def run_steps(cfg: Config, batches: list[dict]) -> tuple[list[float], dict]:
+    """Losses of one optimizer step per batch, and the final per-layer parameters."""
+    graphdef, params = init_model(cfg)
+    fns = build_step_fns(cfg, graphdef, params)
+    params, opt_state = fns.init(params)
+    step = fns.compile(params, opt_state, batches[0])
+    losses = []
+    for b in batches:
+        params, opt_state, m = step(params, opt_state, fns.put_batch(b))
+        losses.append(float(m["loss"]))
+    return losses, jax.device_get(fns.to_canonical(params))
+
+
+@pytest.mark.parametrize("mesh,strategy,optimizer", [
+    ("", "none", "adamw"),
+    ("data=2,model=2", "btp", "adamw"),
+    ("data=2,model=2", "btp", "adam8bit"),
+    ("data=2,stage=2,model=1", "none", "adamw"),
+])
+def test_accumulated_step_equals_the_large_batch_step(mesh, strategy, optimizer):
+    n, b = 3, 4
+    data = BatchIterator(load_corpus("").train, n * b, 16, 0, vocab_size=MODEL.vocab_size)
+    batches = [data.next() for _ in range(3)]
+    big = TrainConfig(batch=n * b, seq=16, strategy=strategy, mesh=mesh, optimizer=optimizer, lr=1e-3, progress=False)
+    ref = run_steps(Config(MODEL, big), batches)
+    got = run_steps(Config(MODEL, replace(big, batch=b, grad_accum=n)), batches)
+    loss_err = max(abs(x - y) / abs(y) for x, y in zip(got[0], ref[0]))
+    assert loss_err < 1e-6 and _rel(got[1], ref[1]) < 1e-6, (loss_err, _rel(got[1], ref[1]))
+
+
+@pytest.mark.parametrize("mesh,strategy,zero", [("", "none", 0), ("data=2,model=2", "btp", 1),
+                                                ("data=2,stage=2,model=1", "none", 3)])
+def test_train_state_shapes_are_what_init_and_put_batch_place(mesh, strategy, zero):
+    """`train_state_shapes` (nothing allocated) reports the shapes and shardings `StepFns` produces."""
+    cfg = Config(MODEL, TrainConfig(batch=4, seq=16, strategy=strategy, mesh=mesh, zero=zero, grad_accum=3,
+                                    optimizer="adam8bit", progress=False))
+    graphdef, params = init_model(cfg)
+    shapes = train_state_shapes(cfg, graphdef, jax.eval_shape(lambda: params))
+    fns = build_step_fns(cfg, graphdef, params)
+    placed = fns.init(params)
+    batch = fns.put_batch({k: np.zeros((12, 16), np.int32) for k in ("inputs", "targets")})
+    assert jax.tree.structure(shapes) == jax.tree.structure((*placed, batch))
+    for want, got in zip(jax.tree.leaves(shapes), jax.tree.leaves((*placed, batch))):
+        assert (want.shape, want.dtype) == (got.shape, got.dtype)
+        assert want.sharding.is_equivalent_to(got.sharding, len(got.shape)), (want.sharding, got.sharding)
