@@ -51,6 +51,7 @@ class _Compiled:
     residual_bytes: int | None = None
     step_cost: dict[str, float] | None = None  # `compiled.cost_analysis()` of the step (per device)
     parts: dict[str, int] | None = None  # `memory.memory_parts` of the step: peak and its parts
+    fwd_emitted: int = 0  # all-reduces JAX emits in the forward loss (StableHLO, before XLA combines any)
 
 
 def model_for(model: ModelConfig, strategy: str) -> ModelConfig:
@@ -90,10 +91,12 @@ def _build(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, r
     out = _Compiled("", "", {}, {})
     if step:
         step_c = abstract.compiled
-        fwd_c = jax.jit(abstract.loss_fn).lower(p_sds, b_sds).compile(opts) if forward else None
+        fwd_l = jax.jit(abstract.loss_fn).lower(p_sds, b_sds) if forward else None
+        fwd_c = fwd_l.compile(opts) if fwd_l else None
         out = _Compiled(step_c.as_text(), fwd_c.as_text() if fwd_c else "", memory.memory_fields(step_c),
                         memory.memory_fields(fwd_c) if fwd_c else {}, step_cost=_cost(step_c),
-                        parts=memory.memory_parts(abstract))
+                        parts=memory.memory_parts(abstract),
+                        fwd_emitted=fwd_l.as_text().count('"stablehlo.all_reduce"') if fwd_l else 0)
     if with_residuals:  # what the forward keeps for the backward (the remat policy decides it)
         loss_fn = abstract.loss_fn
         res_c = jax.jit(lambda p, b: jax.vjp(loss_fn, p, b)[1]).lower(p_sds, b_sds).compile(opts)
@@ -273,7 +276,8 @@ def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: s
     optimizer's non-layer work are identical in both and cancel, leaving one block's collectives
     (and, in the step, its share of the optimizer's global-norm partial sums:
     `allreduce_scalar_bytes_per_layer`). Counts may be affected by XLA combining all-reduces; bytes
-    are not. `*_bytes` use the communicated element type (bf16 even where the CPU backend widens
+    are not; `forward_allreduce_emitted_per_layer` counts the all-reduces JAX emits (StableHLO,
+    before any XLA pass: what a backend that combines nothing runs). `*_bytes` use the communicated element type (bf16 even where the CPU backend widens
     to f32, see `*_bytes_compiled`); single-device groups (a mesh axis of size 1) are not counted.
 
     Memory (per device, `boostjax.sharding.memory`): `peak_bytes_per_device` = argument + output -
@@ -335,6 +339,7 @@ def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: s
         "allreduce_bytes_per_layer": step_layer,
         "allreduce_bytes_compiled_per_layer": lay("step2", "step1", "bytes_compiled"),
         "forward_allreduce_count_per_layer": lay("fwd2", "fwd1", "count"),
+        "forward_allreduce_emitted_per_layer": two.fwd_emitted - one.fwd_emitted,
         "forward_allreduce_bytes_per_layer": fwd_layer,
         "forward_allreduce_bytes_compiled_per_layer": lay("fwd2", "fwd1", "bytes_compiled"),
         "backward_allreduce_bytes_per_layer": step_layer - fwd_layer,

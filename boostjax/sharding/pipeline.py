@@ -102,6 +102,7 @@ def stage_specs(strategy: str, stacked: Any, tp: int) -> Any:
 # -- the pipelined loss ------------------------------------------------------------------------------
 def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int) -> Callable[[Any, dict], jax.Array]:
     """The mean loss over the global batch, GPipe-scheduled over `stage` inside `shard_map`."""
+    from boostjax.sharding.strategies import loss_mesh  # noqa: PLC0415
     from boostjax.step import cast_params  # noqa: PLC0415
 
     mcfg, stages, tp = cfg.model, mesh.shape[STAGE], mesh.shape["model"]
@@ -147,9 +148,10 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int) -> Calla
         targets_n = jax.lax.dynamic_slice_in_dim(targets_bt.reshape(b * t), s * n, n)
         logits_1nv = top.logits(top.final_norm(y_nd[None], coll))
         loss = vocab_parallel_cross_entropy(logits_1nv, targets_n[None], coll)  # mean over the stage's share
-        return jax.lax.pmean(loss, ("data", STAGE))
+        return jax.lax.pmean(loss, tuple(a for a in ("data", STAGE) if a in inner.axis_names))
 
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
+    inner, rows = loss_mesh(mesh)  # without a data axis of size 1 (no all-reduce over one device)
+    sharded = jax.shard_map(local, mesh=inner, in_specs=(specs, rows, rows), out_specs=P())
     return lambda params, batch: sharded(params, batch["inputs"], batch["targets"])
 
 
