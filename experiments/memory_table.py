@@ -176,6 +176,9 @@ def markdown(res: dict) -> str:
         "(a data dependence XLA cannot remove): +0.29 GiB per layer, 24.5 GiB peak for the 7B goal even "
         "with the materialised attention.",
         "",
+        f"This table took {s.get('wall_s', '?')} s to compile on a 2-core CPU shared with other jobs "
+        "(a test suite ran beside it).",
+        "",
         "Reproduce: `python experiments/memory_table.py`; one row: "
         "`boostjax comm --preset 7b --mesh data=1,model=4 --batch 4 --seq 4096 --strategy btp --remat lowrank "
         "--json` (keys `peak_bytes_per_device`, `weight_bytes`, `optimizer_bytes`, `activation_bytes`).",
