@@ -206,7 +206,6 @@ def chart(res: dict, path: str) -> None:
     ax.axhline(GOAL_GIB, color="k", ls="--", lw=1, label=f"goal {GOAL_GIB:.0f} GiB")
     ax.set_xticks(range(len(rows)), labels, rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("GiB per device")
-    ax.set_yscale("log")
     ax.set_title("Peak per device of the compiled step, remat lowrank (bf16, seq 4096, micro-batch 4, TP 4)")
     ax.legend(fontsize=8)
     fig.tight_layout()
