@@ -21,12 +21,18 @@ _HELP = {
     "kind": "model kind: dense LLaMA or a low-rank variant",
     "n_kv_heads": "key/value heads for grouped-query attention (0 = n_heads)",
     "rank": "rank r of every low-rank projection",
+    "attention": "attention kernel: auto (cudnn on a CUDA GPU in bf16, else chunked), xla (materialised scores), "
+                 "cudnn (cuDNN flash attention), chunked (blockwise, no t x t buffer)",
+    "attention_block": "query/key positions per tile of the chunked attention",
     "dtype": "compute dtype (parameters stay fp32)",
     "data": "corpus: '' = this Python's standard library sources; a .bin token file, a text file or a folder",
     "strategy": "tensor-parallel strategy",
     "mesh": "device mesh, e.g. data=2,stage=2,model=4 ('' = one device; CPU devices are simulated as needed)",
     "microbatches": "pipeline micro-batches per data shard when the mesh has stage > 1 (0 = auto: the largest "
                     "divisor of the shard's batch that is <= 4 x stages)",
+    "pipeline_schedule": "pipeline schedule when the mesh has stage > 1: gpipe (all forwards, then all backwards; "
+                         "activations of every micro-batch) or 1f1b (one forward, one backward; activations of "
+                         "2 x stages - 1 micro-batches); the same bubble (P-1)/(M+P-1)",
     "remat": "rematerialisation: none, full (per block), lowrank (keep r-dim latents, no collective recomputed)",
     "out": "run folder (config.json, metrics.jsonl, checkpoints/); an existing run there is resumed",
     "offload_plan": "plan.json from boostjax plan: per-layer remat/offload policies, host-resident params/optimizer",

@@ -25,6 +25,7 @@ REMAT: tuple[str, ...] = ("none", "full", "lowrank")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit")
 MESH_AXES: tuple[str, ...] = ("data", "stage", "model")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 3)
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 # Sizes past which a number is a typo, not a run: token positions and ids are int32 in the step, and a
 # materialised attention of a longer sequence has more than 2^40 scores per head and sequence.
 MAX_SEQ_LEN: int = 1 << 20
@@ -100,6 +101,7 @@ class TrainConfig:
     microbatches: int = 0  # pipeline micro-batches per data shard (stage > 1); 0 = auto (see sharding.pipeline)
     grad_accum: int = 1  # N micro-batches of `batch` rows per optimizer step (effective batch: batch x N)
     zero: int = 0  # data-parallel state sharding: 0 replicated, 1 optimizer state over data, 3 params too
+    pipeline_schedule: str = "gpipe"  # stage > 1: "gpipe" or "1f1b" (activation memory ~2P micro-batches, not M+P-1)
     remat: str = "none"
     optimizer: str = "adamw"
     pipeline_delay: int = 1  # S: emulate an asynchronous pipeline of S stages (1 = no delay)
@@ -317,6 +319,12 @@ def _validate_pipeline(t: TrainConfig, m: ModelConfig) -> None:
     stages, data = sizes.get("stage", 1), sizes.get("data", 1)
     _need(t.microbatches >= 0, f"train.microbatches: must be >= 0 (0 = auto), got {t.microbatches}; "
                                "fix: pass --microbatches M with M >= 1")
+    _need(t.pipeline_schedule in PIPELINE_SCHEDULES,
+          f"train.pipeline_schedule: unknown schedule {t.pipeline_schedule!r}; fix: use one of "
+          f"{', '.join(PIPELINE_SCHEDULES)}")
+    _need(stages > 1 or t.pipeline_schedule == "gpipe",
+          f"train.pipeline_schedule: {t.pipeline_schedule} schedules pipeline stages, and the mesh has none; "
+          "fix: add stage=P (P >= 2) to --mesh or drop --pipeline-schedule")
     if stages == 1:
         _need(t.microbatches == 0, "train.microbatches: micro-batches need pipeline stages; "
                                    "fix: add stage=P to --mesh or drop --microbatches")

@@ -37,8 +37,8 @@ RUN_FILES: frozenset[str] = frozenset({CONFIG, HISTORY, METRICS, LOCK, CHECKPOIN
 MUTABLE: frozenset[str] = frozenset({
     "steps", "lr", "min_lr_ratio", "warmup", "weight_decay", "b1", "b2", "clip", "dtype", "out",
     "ckpt_every", "keep_ckpts", "log_every", "eval_every", "eval_batches", "strategy", "mesh",
-    "microbatches", "zero", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh", "delay_lr_tc",
-    "offload_plan", "progress", "coordinator", "num_processes", "process_id", "init_timeout",
+    "microbatches", "pipeline_schedule", "zero", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh",
+    "delay_lr_tc", "offload_plan", "progress", "coordinator", "num_processes", "process_id", "init_timeout",
 })
 # Model fields a resumed run may change: the attention kernel computes the same function.
 MUTABLE_MODEL: frozenset[str] = frozenset({"attention", "attention_block"})

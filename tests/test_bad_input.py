@@ -80,9 +80,22 @@ def _digest(path: pathlib.Path) -> str:
     (["--lr", "abc"], "train.lr"), (["--model", "mamba"], "model.kind"), (["--mesh", "data=2,data=2"], "train.mesh"),
     (["--mesh", "gpu=2"], "train.mesh"), (["--mesh", "data=0"], "train.mesh"), (["--out", ""], "train.out"),
     (["--seed", str(1 << 64)], "train.seed"),
+    (["--pipeline-schedule", "2f2b", "--mesh", "stage=2"], "train.pipeline_schedule"),
+    (["--pipeline-schedule", "1f1b"], "train.pipeline_schedule"), (["--pipeline-schedule", "1f1b", "--mesh", "data=2"],
+                                                                   "train.pipeline_schedule"),
+    (["--attention", "bogus"], "model.attention"), (["--attention-block", "0"], "model.attention_block"),
 ])
 def test_train_numbers_and_fields(capsys, tmp_path, flags, field):
     _refused(capsys, [*TRAIN, "--out", tmp_path / "run", *flags], field)
+    assert not (tmp_path / "run").exists()
+
+
+def test_cudnn_attention_off_a_cuda_gpu(capsys, tmp_path):
+    """cuDNN flash attention: refused in fp32 (by validate) and on this CPU backend (before the step is built)."""
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--attention", "cudnn"], "model.attention", "float32",
+             "--dtype bfloat16")
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--attention", "cudnn", "--dtype", "bfloat16"],
+             "model.attention", "CUDA GPU", "'cpu'", "--attention chunked")
     assert not (tmp_path / "run").exists()
 
 

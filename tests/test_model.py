@@ -121,3 +121,46 @@ def test_bf16_compute_is_close_to_fp32():
     s16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), state)
     l16 = nnx.merge(graphdef, s16).loss(toks, toks)
     assert l16.dtype == jnp.float32 and abs(float(l16 - l32)) < 0.05
+
+
+def _stacked_grouped_up(hs, b_grk, coll):
+    """The former layout of the grouped up-projection (group axis in the middle): the reference."""
+    y_btgk = coll.reduce_up(jnp.einsum("btgr,grk->btgk", jnp.stack(hs, 2), b_grk))
+    return tuple(y_btgk[:, :, i] for i in range(len(hs)))
+
+
+def _rel(a, b):
+    return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+
+@pytest.mark.parametrize("kind", ["cola", "svd", "lax"])
+def test_group_major_up_projection_equals_stacked_reference(kind, monkeypatch):
+    from boostjax.models import llama
+
+    model = _model(kind)
+    graphdef, params = nnx.split(model)
+    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(3), p.shape), params)  # LaX gates != 0
+    tokens, targets = _tokens(seed=4), _tokens(seed=5)
+
+    def loss_and_grads():
+        return jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(tokens, targets))(params)
+
+    loss, grads = loss_and_grads()
+    monkeypatch.setattr(llama, "grouped_up", _stacked_grouped_up)
+    ref_loss, ref_grads = loss_and_grads()
+    assert abs(float(loss - ref_loss)) < 1e-5 * abs(float(ref_loss))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert _rel(g, r) < 1e-5
+
+
+def test_rope_tables_are_host_constants_equal_to_traced_ones():
+    seq, e, theta = 64, 16, 10000.0
+    inv = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
+    ang = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv[None, :]
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    cos, sin = ops.rope_tables(seq, e, theta)
+    assert cos.dtype == sin.dtype == jnp.float32 and cos.shape == (seq, e)
+    np.testing.assert_allclose(cos, jnp.cos(ang), atol=2e-6)  # angles < 64: a few ulps of the angle
+    np.testing.assert_allclose(sin, jnp.sin(ang), atol=2e-6)
+    hlo = jax.jit(lambda: ops.rope_tables(seq, e, theta)).lower().as_text()
+    assert "cosine" not in hlo and "sine" not in hlo

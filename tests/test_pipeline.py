@@ -65,7 +65,7 @@ def test_bubble_fraction_and_microbatches():
     assert microbatches(auto) == 8 and microbatches(replace(auto, batch=12)) == 6
     info = pipeline_info(replace(auto, microbatches=2))
     assert info == {"schedule": "gpipe", "stages": 2, "microbatches": 2, "microbatch_size": 4,
-                     "bubble_fraction": 1 / 3}
+                     "bubble_fraction": 1 / 3, "activation_slots": 3}
 
 
 @pytest.mark.parametrize("model_kw,train_kw,field", [
@@ -96,7 +96,7 @@ def test_stage_mesh_trains_checkpoints_and_resumes(tmp_path):
     pipe_cfg = replace(fast, strategy="fullrank-tp", mesh="stage=2,model=2", microbatches=2, out=str(tmp_path / "pp"))
     full = train(Config(model, pipe_cfg))
     assert full.metrics[0] == {"step": 0, "schedule": "gpipe", "stages": 2, "microbatches": 2,
-                               "microbatch_size": 2, "bubble_fraction": 1 / 3}
+                               "microbatch_size": 2, "bubble_fraction": 1 / 3, "activation_slots": 3}
     assert full.extra["bubble_fraction"] == 1 / 3 and "bubble 33.3%" in full.summary
     assert full.losses[-1] < full.losses[0]
     shutil.rmtree(tmp_path / "pp" / "checkpoints" / "6")  # as if killed after the step-4 checkpoint

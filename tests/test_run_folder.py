@@ -59,10 +59,11 @@ def test_resume_refuses_fields_the_checkpoints_depend_on(run, capsys, extra, nee
 def test_resume_accepts_and_records_changes_that_are_safe(tmp_path):
     out = tmp_path / "run"
     assert _train(out) == 0
-    assert _train(out, "--lr", "1e-3", "--log-every", "1", steps=8) == 0
+    assert _train(out, "--lr", "1e-3", "--log-every", "1", "--attention", "xla", steps=8) == 0
     history = [json.loads(x) for x in (out / "config_history.jsonl").read_text().splitlines()]
     assert [h["start_step"] for h in history] == [0, 5]
-    assert history[1]["changed"] == {"train.steps": [5, 8], "train.lr": [3e-3, 1e-3], "train.log_every": [5, 1]}
+    assert history[1]["changed"] == {"train.steps": [5, 8], "train.lr": [3e-3, 1e-3], "train.log_every": [5, 1],
+                                     "model.attention": ["auto", "xla"]}
     assert json.loads((out / "config.json").read_text())["train"]["lr"] == 1e-3
 
 

@@ -6,7 +6,8 @@ the causal diagonal are skipped), keeping the running row maximum and sum in fp3
 q, k, v, the output and the per-row log-sum-exp. The backward (`jax.custom_vjp`) walks the key
 blocks and, for each, the query blocks at or after it, recomputing each tile's probabilities from
 the saved log-sum-exp: `dS = P ⊙ (dP − D)` with `D = rowsum(dO ⊙ O)`. Every intermediate is a
-`block x block` tile or a sequence-long vector; the HLO does not grow with `t`.
+`block x block` tile or has the size of an input (blocked copies, fp32 accumulators, row statistics);
+the HLO does not grow with `t`.
 
 `resolve` turns a `ModelConfig.attention` choice into the path that runs (at trace time, from the
 backend and the compute dtype); `check_backend` refuses, before anything compiles, a choice the
@@ -24,7 +25,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
-from boostjax.config import ConfigError, ModelConfig
+from boostjax.config import ATTENTION, ConfigError, ModelConfig
 
 HALF_DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -52,8 +53,17 @@ def resolve(impl: str, dtype) -> str:
             raise ConfigError(f"model.attention: cudnn runs in bfloat16/float16, the compute dtype is "
                               f"{jnp.dtype(dtype).name}; fix: pass --dtype bfloat16 or --attention chunked")
     elif impl not in ("xla", "chunked"):
-        raise ConfigError(f"model.attention: unknown attention {impl!r}; fix: use one of auto, xla, cudnn, chunked")
+        raise ConfigError(f"model.attention: unknown attention {impl!r}; fix: use one of {', '.join(ATTENTION)}")
     return impl
+
+
+def memory_kind(model: ModelConfig, seq: int, dtype: str) -> str:
+    """What the offload cost model should assume for this attention: "materialized" when the step holds
+    `[t, t]` probabilities (the xla path, or chunked with the whole sequence in one block), "flash" when
+    it keeps only the per-row log-sum-exp (cuDNN, or chunked over several blocks)."""
+    impl = resolve(model.attention, jnp.dtype(dtype))
+    flash = impl == "cudnn" or (impl == "chunked" and seq > model.attention_block)
+    return "flash" if flash else "materialized"
 
 
 def check_backend(model: ModelConfig, dtype: str) -> None:
@@ -85,14 +95,14 @@ def _unblock(x_nbq__: Array, t: int) -> Array:
     return jnp.moveaxis(x_nbq__, 0, 1).reshape(b, n * blk, *x_nbq__.shape[3:])[:, :t]
 
 
-def _scores(q_bqkge, k_bske, diagonal: bool) -> Float[Array, "b k g q s"]:
-    """fp32 scores of one tile (the reference's order: dot, then / sqrt(e)); the diagonal tile masked."""
+def _scores(q_bqkge, k_bske, i, j) -> Float[Array, "b k g q s"]:
+    """fp32 scores of tile (query block i, key block j) in the reference's order (dot, then / sqrt(e)),
+    keys after the query masked (only the diagonal tile i == j has any)."""
     s = jnp.einsum("bqkge,bske->bkgqs", q_bqkge, k_bske, preferred_element_type=jnp.float32)
     s = s / jnp.sqrt(jnp.float32(q_bqkge.shape[-1]))
-    if diagonal:
-        blk = s.shape[-1]
-        s = jnp.where(jnp.tril(jnp.ones((blk, blk), dtype=bool)), s, -jnp.inf)
-    return s
+    blk = s.shape[-1]
+    pos = jnp.arange(blk)
+    return jnp.where((i - j) * blk + pos[:, None] >= pos[None, :], s, -jnp.inf)
 
 
 def _zero_like(*xs: Array) -> Float[Array, ""]:
@@ -117,22 +127,21 @@ def _forward(q_bthe, k_btke, v_btke, block: int):
         return jnp.einsum("bkgqs,bske->bkgqe", p_bkgqs.astype(v_bske.dtype), v_bske,
                           preferred_element_type=jnp.float32)
 
+    zero, rows = _zero_like(q_bthe, k_btke, v_btke), (b, kv, h // kv, block)  # [b, k, g, q]: per row and head
+    init = (jnp.full(rows, -jnp.inf) + zero, jnp.broadcast_to(zero, rows), jnp.broadcast_to(zero, (*rows, e)))
+
     def query_block(i):
         q_bqkge = q_nbqkge[i]
-        s = _scores(q_bqkge, k_nbske[i], diagonal=True)  # first: every row has a finite maximum
-        m_bkgq = s.max(-1)
-        p = jnp.exp(s - m_bkgq[..., None])
-        carry = (m_bkgq, p.sum(-1), pv(p, v_nbske[i]))
 
-        def key_block(j, carry):  # j < i: no mask
+        def key_block(j, carry):  # j <= i: the tiles above the diagonal are skipped
             m_old, l_old, acc = carry
-            s = _scores(q_bqkge, k_nbske[j], diagonal=False)
-            m_new = jnp.maximum(m_old, s.max(-1))
+            s = _scores(q_bqkge, k_nbske[j], i, j)
+            m_new = jnp.maximum(m_old, s.max(-1))  # finite from j = 0 on: key 0 precedes every query
             alpha = jnp.exp(m_old - m_new)
             p = jnp.exp(s - m_new[..., None])
             return m_new, alpha * l_old + p.sum(-1), alpha[..., None] * acc + pv(p, v_nbske[j])
 
-        m_bkgq, l_bkgq, acc_bkgqe = lax.fori_loop(0, i, key_block, carry)
+        m_bkgq, l_bkgq, acc_bkgqe = lax.fori_loop(0, i + 1, key_block, init)
         o_bqkge = jnp.einsum("bkgqe->bqkge", acc_bkgqe / l_bkgq[..., None]).astype(v_btke.dtype)
         return o_bqkge, m_bkgq + jnp.log(l_bkgq)
 
@@ -169,10 +178,10 @@ def _chunked_bwd(block, res, do_bthe):
     def key_block(dq_nbqkge, j):
         k_bske, v_bske = k_nbske[j], v_nbske[j]
 
-        def tile(i, carry, diagonal):
+        def tile(i, carry):  # i >= j: the tiles above the diagonal are skipped
             dq, dk, dv = carry
             q_bqkge, do_bqkge = q_nbqkge[i], do_nbqkge[i]
-            p = jnp.exp(_scores(q_bqkge, k_bske, diagonal) - lse_nbkgq[i][..., None])
+            p = jnp.exp(_scores(q_bqkge, k_bske, i, j) - lse_nbkgq[i][..., None])
             dv = dv + jnp.einsum("bkgqs,bqkge->bske", p.astype(dt), do_bqkge, preferred_element_type=jnp.float32)
             dp = jnp.einsum("bqkge,bske->bkgqs", do_bqkge, v_bske, preferred_element_type=jnp.float32)
             ds = (p * (dp - d_nbkgq[i][..., None]) * inv_scale).astype(dt)
@@ -181,8 +190,7 @@ def _chunked_bwd(block, res, do_bthe):
             return dq.at[i].add(dq_i), dk, dv
 
         dkv0 = jnp.broadcast_to(zero, k_bske.shape)
-        carry = tile(j, (dq_nbqkge, dkv0, dkv0), diagonal=True)
-        dq, dk, dv = lax.fori_loop(j + 1, n, lambda i, c: tile(i, c, diagonal=False), carry)  # i > j only
+        dq, dk, dv = lax.fori_loop(j, n, tile, (dq_nbqkge, dkv0, dkv0))
         return dq, (dk, dv)
 
     dq_nbqkge, (dk_nbske, dv_nbske) = lax.scan(key_block, jnp.broadcast_to(zero, q_nbqkge.shape), jnp.arange(n))

@@ -61,6 +61,17 @@ def _sigma(kind: str) -> Callable[[Array], Array]:
     return (lambda h: h) if kind == "svd" else jax.nn.silu
 
 
+def grouped_up(hs: Sequence[Float[Array, "b t r"]], b_grk: Float[Array, "g r k"],
+               coll: Collectives) -> tuple[Float[Array, "b t k"], ...]:
+    """`(hs[i] @ b_grk[i] for i)` as one batched GEMM (one `reduce_up` collective for the group).
+
+    The group axis leads (`gbtr,grk->gbtk`): a dot's batch axes must be the major ones, so with the
+    group in the middle (`btgr,grk->btgk`) XLA transposes the latents, the outputs and both of their
+    gradients around every GEMM; leading, the stack and the unstack are contiguous copies."""
+    y_gbtk = coll.reduce_up(jnp.einsum("gbtr,grk->gbtk", jnp.stack(hs, 0), b_grk))
+    return tuple(y_gbtk[i] for i in range(len(hs)))
+
+
 class Attention(nnx.Module):
     """Pre-norm causal self-attention (RoPE, optional grouped-query heads)."""
 
@@ -95,8 +106,7 @@ class Attention(nnx.Module):
                 c = self.cross[...].astype(x_btd.dtype)
                 hk, hv = hk + c[0] * hq, hv + c[1] * hk
             q = coll.reduce_up(hq @ self.b_q[...])
-            kv_btgk = coll.reduce_up(jnp.einsum("btgr,grk->btgk", jnp.stack([hk, hv], 2), self.b_kv[...]))
-            k, v = kv_btgk[:, :, 0], kv_btgk[:, :, 1]
+            k, v = grouped_up((hk, hv), self.b_kv[...], coll)
         else:
             xn_btd = coll.to_column_parallel(ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps))
             q, k, v = (checkpoint_name(xn_btd @ w[...], "qkv") for w in (self.w_q, self.w_k, self.w_v))
@@ -141,8 +151,7 @@ class MLP(nnx.Module):
             hg, hu = sigma(z_btgr[:, :, 0]), sigma(z_btgr[:, :, 1])
             if cfg.kind == "lax":
                 hu = hu + self.cross[...].astype(x_btd.dtype)[0] * hg
-            gu_btgf = coll.reduce_up(jnp.einsum("btgr,grf->btgf", jnp.stack([hg, hu], 2), self.b_gate_up[...]))
-            gate, up = gu_btgf[:, :, 0], gu_btgf[:, :, 1]
+            gate, up = grouped_up((hg, hu), self.b_gate_up[...], coll)
         else:
             xn_btd = coll.to_column_parallel(ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps))
             gate = checkpoint_name(xn_btd @ self.w_gate[...], "gate_up")

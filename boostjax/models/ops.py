@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
@@ -45,11 +46,14 @@ def online_norm_down(
 
 
 def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[Float[Array, "t e"], Float[Array, "t e"]]:
-    """cos/sin tables for rotate-half RoPE (the Hugging Face LLaMA convention), in fp32."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    ang_te = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    ang_te = jnp.concatenate([ang_te, ang_te], axis=-1)
-    return jnp.cos(ang_te), jnp.sin(ang_te)
+    """cos/sin tables for rotate-half RoPE (the Hugging Face LLaMA convention), in fp32.
+
+    Computed on the host (the shapes are static) so they enter the compiled step as constants: traced
+    `cos`/`sin` of an iota get fused into, and recomputed by, every consumer on XLA's CPU backend."""
+    inv_freq = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    ang_te = np.arange(seq, dtype=np.float32)[:, None] * inv_freq[None, :]
+    ang_te = np.concatenate([ang_te, ang_te], axis=-1)
+    return jnp.asarray(np.cos(ang_te)), jnp.asarray(np.sin(ang_te))
 
 
 def apply_rope(x_bthe: Float[Array, "b t h e"], cos_te, sin_te) -> Float[Array, "b t h e"]:

@@ -384,15 +384,18 @@ def check_planned_for(plan: Plan, model: Any, train: Any, path: Any = "the plan"
             raise ConfigError(f"{name}: {path} does not record the model, batch, seq and dtype it was planned for "
                               f"(written by an older boostjax); fix: {redo}")
         return
+    from boostjax.models.attention import memory_kind  # noqa: PLC0415
+
     dtype_bytes = 4 if train.dtype == "float32" else 2
-    want = dict(planned_for(model, train.batch, train.seq, dtype_bytes, train.optimizer == "adam8bit",
-                            "materialized"))
+    attention = memory_kind(model, train.seq, train.dtype)
+    want = dict(planned_for(model, train.batch, train.seq, dtype_bytes, train.optimizer == "adam8bit", attention))
     for key, value in want.items():
         got = rec.get(key)
         if got != value:
             flag = _PLAN_FLAGS.get(key, "--" + key.split(".")[-1].replace("_", "-"))
             if key == "attention":
-                fix = f"boostjax train materialises attention; re-run boostjax plan with --attention {value} --out {path}"
+                fix = (f"this run's attention (--attention {model.attention}, seq {train.seq}, block "
+                       f"{model.attention_block}) is {value}; re-run boostjax plan with --attention {value} --out {path}")
             else:
                 fix = f"re-run boostjax plan with {flag} {value} (and this run's other flags) --out {path}"
             raise ConfigError(f"{name}: {path} was planned for {key}={got!r} but this run has {key}={value!r}; "

@@ -1,4 +1,5 @@
-"""Pipeline parallelism over the mesh axis `stage` (GPipe), composed with `data` and every TP strategy.
+"""Pipeline parallelism over the mesh axis `stage` (GPipe here, 1F1B in `pipeline_1f1b`), composed with
+`data` and every TP strategy.
 
 Layout. The training state keeps the blocks *stacked*: `params["layers"]` is one Block-shaped tree
 whose leaves carry a leading layer axis `[L, ...]`, sharded `P("stage", *tp_spec)` (`stage_specs`), so
@@ -37,14 +38,15 @@ from boostjax.models import ops
 from boostjax.models.llama import LLaMA, Block, resolve_remat
 from boostjax.models.remat import tied_checkpoint
 from boostjax.sharding.collectives import vocab_parallel_cross_entropy
+from boostjax.sharding.pipeline_1f1b import onef1b_loss_fn, ring_slots
 from boostjax.sharding.specs import COLLECTIVES, param_specs
 
 STAGE = "stage"
-SCHEDULE = "gpipe"
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
-    """GPipe's idle fraction per stage: `(P - 1) / (M + P - 1)` (0 without a pipeline)."""
+    """The idle fraction per stage of GPipe and of 1F1B (`pipeline_1f1b`): `(P - 1) / (M + P - 1)`
+    (0 without a pipeline)."""
     return (stages - 1) / (microbatches + stages - 1)
 
 
@@ -59,12 +61,20 @@ def microbatches(t: TrainConfig) -> int:
     return max(m for m in range(1, min(local, 4 * stages) + 1) if local % m == 0)
 
 
+def activation_slots(schedule: str, stages: int, microbatches: int) -> int:
+    """Micro-batches whose stage activations one device keeps for the backward: GPipe's autodiff saves
+    every one of its `M + P - 1` ticks; 1F1B a ring of `2P - 1` (`pipeline_1f1b.ring_slots`)."""
+    return ring_slots(stages) if schedule == "1f1b" else microbatches + stages - 1
+
+
 def pipeline_info(t: TrainConfig) -> dict:
-    """What the train loop logs at start and `StepFns.info` returns: stages, micro-batches, bubble."""
+    """What the train loop logs at start and `StepFns.info` returns: schedule, stages, micro-batches,
+    bubble (the same `(P-1)/(M+P-1)` for both schedules) and the activation slots per device."""
     stages, m = parse_mesh(t.mesh).get("stage", 1), microbatches(t)
-    return {"schedule": SCHEDULE, "stages": stages, "microbatches": m,
+    return {"schedule": t.pipeline_schedule, "stages": stages, "microbatches": m,
             "microbatch_size": t.batch // parse_mesh(t.mesh).get("data", 1) // m,
-            "bubble_fraction": bubble_fraction(stages, m)}
+            "bubble_fraction": bubble_fraction(stages, m),
+            "activation_slots": activation_slots(t.pipeline_schedule, stages, m)}
 
 
 # -- layouts ---------------------------------------------------------------------------------------
@@ -175,8 +185,11 @@ def pipeline_placement(cfg: Config, params_like: Any, mesh: Mesh):
     specs = stage_specs(cfg.train.strategy, stacked_like, mesh.shape["model"])
     p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
     b_shard = NamedSharding(mesh, P("data"))
+    loss_fn = pipeline_loss_fn(cfg, mesh, specs, n_micro)
+    if cfg.train.pipeline_schedule == "1f1b":  # the same loss; its gradient runs the 1F1B schedule
+        loss_fn = onef1b_loss_fn(cfg, mesh, specs, n_micro, forward=loss_fn)
     return Placement(
-        loss_fn=pipeline_loss_fn(cfg, mesh, specs, n_micro),
+        loss_fn=loss_fn,
         put_params=lambda p: jax.device_put(stack_layers(p), p_shard),
         put_batch=lambda b: jax.device_put(b, b_shard),
         mesh=mesh,
