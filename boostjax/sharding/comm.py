@@ -30,8 +30,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from boostjax.config import (ATTENTION, LOW_RANK_KINDS, OPTIMIZERS, PRESETS, REMAT, Config, ConfigError, ModelConfig,
-                             check_batch_seq, mesh_devices, parse_mesh, preset, validate)
+from boostjax.config import (ATTENTION, LOW_RANK_KINDS, OPTIMIZERS, PIPELINE_SCHEDULES, PRESETS, REMAT, Config,
+                             ConfigError, ModelConfig, check_batch_seq, mesh_devices, parse_mesh, preset, validate)
 from boostjax.sharding import hlo, memory
 from boostjax.sharding.memory import GIB
 
@@ -386,6 +386,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer (default: adamw)")
     p.add_argument("--zero", type=int, default=0, help="optimizer-state sharding over data: 0, 1 or 3 (default: 0)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch rows per step (default: 1)")
+    p.add_argument("--pipeline-schedule", default="gpipe", choices=PIPELINE_SCHEDULES,
+                   help="pipeline schedule with stage= in --mesh (default: gpipe)")
     p.add_argument("--microbatches", type=int, default=0,
                    help="pipeline micro-batches per data shard with stage= in --mesh (default: 0 = auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object {strategy: report}")
@@ -485,7 +487,7 @@ def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelCo
 def _train_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The `TrainConfig` fields of `boostjax comm`'s flags beyond batch/seq/strategy/mesh/remat/dtype."""
     return {"optimizer": args.optimizer, "microbatches": args.microbatches, "zero": args.zero,
-            "grad_accum": args.grad_accum}
+            "grad_accum": args.grad_accum, "pipeline_schedule": args.pipeline_schedule}
 
 
 def _cmd_comm(args: argparse.Namespace) -> int:
