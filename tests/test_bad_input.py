@@ -247,7 +247,9 @@ def test_offload_plan_files_that_are_not_plans(capsys, tmp_path, plan_file):
 @pytest.mark.parametrize("flags,field", [
     (["--batch", "0"], "comm.batch"), (["--seq", "0"], "comm.seq"), (["--seq", "99999999"], "comm.seq"),
     (["--mesh", "data=2,data=2"], "comm.mesh"), (["--mesh", "data"], "comm.mesh"), (["--mesh", "data=x"], "comm.mesh"),
-    (["--mesh", "gpu=4"], "comm.mesh"), (["--mesh", ""], "comm.mesh"), (["--mesh", "data=2,stage=2"], "comm.mesh"),
+    (["--mesh", "gpu=4"], "comm.mesh"), (["--mesh", ""], "comm.mesh"), (["--mesh", "data=2,stage=3"], "model.n_layers"),
+    (["--optimizer", "sgd"], "optimizer"), (["--microbatches", "3", "--mesh", "data=1,stage=2,model=2"], "comm.microbatches"),
+    (["--pipeline-schedule", "zb"], "pipeline_schedule"), (["--zero", "2"], "comm.zero"), (["--grad-accum", "0"], "comm.grad_accum"), (["--attention", "flash"], "attention"),
     (["--mesh", "data=1,model=3"], "comm.mesh"), (["--batch", "3", "--mesh", "data=2,model=2"], "comm.batch"),
     (["--preset", "nope"], "preset"), (["--strategy", "zero"], "comm.strategy"),
 ])

@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from boostjax.config import ModelConfig
 from boostjax.models import ops
+from boostjax.models.remat import tied_checkpoint
 from boostjax.sharding.collectives import LOCAL, Collectives, vocab_parallel_cross_entropy
 
 LATENT_NAMES = ("qkv_latent", "o_latent", "gate_up_latent", "down_latent")
@@ -196,9 +197,13 @@ class LLaMA(nnx.Module):
         cos_te, sin_te = ops.rope_tables(tokens_bt.shape[1], cfg.head_dim, cfg.rope_theta)
         x_btd = self.embed_tokens(tokens_bt)
 
-        def run(blk, x, policy):
+        def run(blk, x, policy, tied=False):
             if policy is None:
                 return blk(x, cos_te, sin_te, coll)
+            if tied:  # the recomputation waits for this layer's cotangent (boostjax.models.remat)
+                block_def, state = nnx.split(blk)
+                fn = lambda s, y, c, si: nnx.merge(block_def, s)(y, c, si, coll)  # noqa: E731
+                return tied_checkpoint(fn, policy)(state, x, cos_te, sin_te)
             return nnx.remat(lambda b, y: b(y, cos_te, sin_te, coll), policy=policy)(blk, x)
 
         def segment_fn(inner):
@@ -222,7 +227,7 @@ class LLaMA(nnx.Module):
         else:
             policy = resolve_remat(remat)
             for layer in self.layers:
-                x_btd = run(layer, x_btd, policy)
+                x_btd = run(layer, x_btd, policy, tied=True)
         return self.final_norm(x_btd, coll)
 
     # the pieces around the blocks, shared with the pipelined loss (`boostjax.sharding.pipeline`)

@@ -36,11 +36,25 @@ class Collectives:
         return xs
 
     def reduce_latent(self, z, ss=None, *, name: str):
-        """Sum partial down-projections (and the norm's Σx², in the same collective)."""
+        """Sum partial down-projections and the norm's Σx² (`[..., 1]`, fp32) in one collective.
+
+        fp32 latents: `z` (flattened per token) and `ss` are concatenated into one buffer, summed
+        by one all-reduce and split: one collective on every backend, the same sums. bf16 latents:
+        `psum((z, ss))`, which JAX emits as two all-reduces (one per element type; XLA's CPU backend
+        widens bf16 to f32 and combines them, a GPU backend may keep two): the statistics are not
+        narrowed to bf16 (its 8-bit mantissa would change the norm) and the latents are not widened
+        to f32 (twice the bytes of BTP's dominant collective).
+        """
         if ss is None:
             (z,) = self._psum(self.latent, z)
             return checkpoint_name(z, name)
-        z, ss = self._psum(self.latent, z, ss)
+        if self.latent and self.axis is not None and z.dtype == ss.dtype:
+            lead = z.shape[: ss.ndim - 1]
+            both = jnp.concatenate([z.reshape(*lead, -1), ss], axis=-1)
+            both = jax.lax.psum(both, self.axis)
+            z, ss = both[..., :-1].reshape(z.shape), both[..., -1:]
+        else:
+            z, ss = self._psum(self.latent, z, ss)
         return checkpoint_name(z, name), checkpoint_name(ss, name + "_stats")
 
     def reduce_up(self, y):

@@ -30,15 +30,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from boostjax.config import (LOW_RANK_KINDS, PRESETS, REMAT, Config, ConfigError, ModelConfig,
-                             TrainConfig, check_batch_seq, mesh_devices, parse_mesh, preset, validate)
-from boostjax.sharding import hlo
+from boostjax.config import (ATTENTION, LOW_RANK_KINDS, OPTIMIZERS, PIPELINE_SCHEDULES, PRESETS, REMAT, Config,
+                             ConfigError, ModelConfig, check_batch_seq, mesh_devices, parse_mesh, preset, validate)
+from boostjax.sharding import hlo, memory
+from boostjax.sharding.memory import GIB
 
 STRATEGIES = ("fullrank-tp", "vanilla-tp", "btp")
+MEMORY_KEYS = ("peak_bytes_per_device", "weight_bytes", "optimizer_bytes", "activation_bytes", "batch_bytes",
+               "gradient_bytes_estimate")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2}
 _HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16"}
-GIB = float(2**30)
-_FAST_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,8 @@ class _Compiled:
     fwd_memory: dict[str, int]
     residual_bytes: int | None = None
     step_cost: dict[str, float] | None = None  # `compiled.cost_analysis()` of the step (per device)
-
-
-def _memory(compiled) -> dict[str, int]:
-    ma = compiled.memory_analysis()
-    if ma is None:
-        return {}
-    names = ("temp", "argument", "output", "alias", "generated_code")
-    return {f"{n}_bytes": int(getattr(ma, f"{n}_size_in_bytes", 0) or 0) for n in names}
+    parts: dict[str, int] | None = None  # `memory.memory_parts` of the step: peak and its parts
+    fwd_emitted: int = 0  # all-reduces JAX emits in the forward loss (StableHLO, before XLA combines any)
 
 
 def model_for(model: ModelConfig, strategy: str) -> ModelConfig:
@@ -78,84 +73,61 @@ def _cost(compiled) -> dict[str, float]:
     return {k: float(v) for k, v in (ca or {}).items() if isinstance(v, (int, float))}
 
 
-def _build(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str, dtype: str, *,
-           step: bool, with_residuals: bool, forward: bool = True) -> _Compiled:
-    """Compile (abstractly) the step and forward loss, and/or the residual-returning forward."""
-    import jax  # noqa: PLC0415 (imported late: the CLI sets the simulated device count first)
-    import jax.numpy as jnp  # noqa: PLC0415
-    import optax  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
-    from jax.sharding import NamedSharding  # noqa: PLC0415
-    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+Train = tuple[tuple[str, Any], ...]  # further TrainConfig fields, hashable (the compiles are cached)
 
-    from boostjax.models.llama import LLaMA  # noqa: PLC0415
-    from boostjax.sharding import strategies  # noqa: PLC0415
-    from boostjax.step import make_optimizer, make_train_step  # noqa: PLC0415
+
+def _build(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str, dtype: str, *,
+           step: bool, with_residuals: bool, forward: bool = True, train: Train = ()) -> _Compiled:
+    """Compile (abstractly) the training step exactly as `boostjax train` does
+    (`memory.train_step_compiled`), the forward loss, and/or the residual-returning forward."""
+    import jax  # noqa: PLC0415 (imported late: the CLI sets the simulated device count first)
 
     if not parse_mesh(mesh):
         raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
-    cfg = validate(Config(model, TrainConfig(batch=batch, seq=seq, strategy=strategy, mesh=mesh,
-                                             remat=remat, dtype=dtype)))
-    from boostjax.models.attention import check_backend  # noqa: PLC0415
-
-    check_backend(model, dtype)  # --attention cudnn compiles only for a CUDA GPU
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(model, rngs=nnx.Rngs(0))))
-    params = state.to_pure_dict()
-    plan = strategies.placement(cfg, graphdef, params)
-    if plan.to_state is not None:  # pipeline stages: the layers stacked [L, ...] and sharded over `stage`
-        params = jax.eval_shape(plan.to_state, params)
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    p_shard = jax.tree.map(lambda s: NamedSharding(plan.mesh, s), plan.specs, is_leaf=is_spec)
-    p_sds = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), params, p_shard)
-    tx, lr_fn = make_optimizer(cfg, params)
-    opt_shape = jax.eval_shape(tx.init, p_sds)
-    replicated = NamedSharding(plan.mesh, P())
-    # mu / nu are param-shaped subtrees of the AdamW state: shard them like the params
-    o_shard = optax.tree_map_params(tx, lambda _, sh: sh, opt_shape, p_shard,
-                                    transform_non_params=lambda _: replicated,
-                                    is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    o_sds = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), opt_shape, o_shard)
-    b_sds = {k: jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=NamedSharding(plan.mesh, P("data")))
-             for k in ("inputs", "targets")}
-    # never executed: on CPU skip LLVM's expensive passes (the optimised HLO is unchanged, ~3x faster)
-    opts = _FAST_CPU if jax.default_backend() == "cpu" else None
+    cfg = validate(Config(model, memory.train_config(batch, seq, strategy, mesh, remat, dtype, **dict(train))))
+    abstract = memory.train_step_compiled(cfg)
+    p_sds, b_sds = abstract.params, abstract.batch
+    opts = memory.FAST_CPU if jax.default_backend() == "cpu" else None
     out = _Compiled("", "", {}, {})
     if step:
-        step_fn = make_train_step(plan.loss_fn, tx, lr_fn)
-        step_c = jax.jit(step_fn, donate_argnums=(0, 1)).lower(p_sds, o_sds, b_sds).compile(opts)
-        fwd_c = jax.jit(plan.loss_fn).lower(p_sds, b_sds).compile(opts) if forward else None
-        out = _Compiled(step_c.as_text(), fwd_c.as_text() if fwd_c else "", _memory(step_c),
-                        _memory(fwd_c) if fwd_c else {}, step_cost=_cost(step_c))
+        step_c = abstract.compiled
+        fwd_l = jax.jit(abstract.loss_fn).lower(p_sds, b_sds) if forward else None
+        fwd_c = fwd_l.compile(opts) if fwd_l else None
+        out = _Compiled(step_c.as_text(), fwd_c.as_text() if fwd_c else "", memory.memory_fields(step_c),
+                        memory.memory_fields(fwd_c) if fwd_c else {}, step_cost=_cost(step_c),
+                        parts=memory.memory_parts(abstract),
+                        fwd_emitted=fwd_l.as_text().count('"stablehlo.all_reduce"') if fwd_l else 0)
     if with_residuals:  # what the forward keeps for the backward (the remat policy decides it)
-        res_c = jax.jit(lambda p, b: jax.vjp(plan.loss_fn, p, b)[1]).lower(p_sds, b_sds).compile(opts)
-        out = replace(out, residual_bytes=_memory(res_c).get("output_bytes"))
+        loss_fn = abstract.loss_fn
+        res_c = jax.jit(lambda p, b: jax.vjp(loss_fn, p, b)[1]).lower(p_sds, b_sds).compile(opts)
+        out = replace(out, residual_bytes=memory.memory_fields(res_c).get("output_bytes"))
     return out
 
 
 def _compile(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str, dtype: str,
-             with_residuals: bool = False) -> _Compiled:
+             with_residuals: bool = False, train: Train = ()) -> _Compiled:
     """Compile one training step and the forward loss on abstract, sharded inputs (cached).
 
     With `with_residuals`, also the forward that returns the backward's residuals (`jax.vjp`'s
     saved values): its per-device output bytes measure what the remat policy keeps.
     """
     if with_residuals:
-        return _compile_residuals(model, mesh, batch, seq, strategy, remat, dtype)
-    return _compile_step(model, mesh, batch, seq, strategy, remat, dtype)
+        return _compile_residuals(model, mesh, batch, seq, strategy, remat, dtype, train)
+    return _compile_step(model, mesh, batch, seq, strategy, remat, dtype, train)
 
 
 @functools.lru_cache(maxsize=32)
 def _compile_residuals(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str,
-                       dtype: str) -> _Compiled:
-    base = _compile_step(model, mesh, batch, seq, strategy, remat, dtype)
-    res = _build(model, mesh, batch, seq, strategy, remat, dtype, step=False, with_residuals=True)
+                       dtype: str, train: Train = ()) -> _Compiled:
+    base = _compile_step(model, mesh, batch, seq, strategy, remat, dtype, train)
+    res = _build(model, mesh, batch, seq, strategy, remat, dtype, step=False, with_residuals=True, train=train)
     return replace(base, residual_bytes=res.residual_bytes)
 
 
 @functools.lru_cache(maxsize=32)
 def _compile_step(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str,
-                  dtype: str) -> _Compiled:
-    return _build(model, mesh, batch, seq, strategy, remat, dtype, step=True, with_residuals=False)
+                  dtype: str, train: Train = ()) -> _Compiled:
+    return _build(model, mesh, batch, seq, strategy, remat, dtype, step=True, with_residuals=False, train=train)
 
 
 @functools.lru_cache(maxsize=64)
@@ -289,21 +261,29 @@ def expected_per_layer(model: ModelConfig, strategy: str, tokens: int, dtype: st
 
 
 def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str = "none",
-                dtype: str = "bfloat16", dump_hlo: str | None = None) -> dict[str, Any]:
+                dtype: str = "bfloat16", dump_hlo: str | None = None, **train_fields) -> dict[str, Any]:
     """All-reduce count and bytes of one training step and of the forward, whole model and per layer.
 
     `model` gives the shapes (fullrank-tp compiles it as the dense `llama` kind, vanilla-tp / btp as
-    its low-rank kind). Everything is compiled abstractly (ShapeDtypeStructs with the strategy's
-    shardings; AdamW's mu/nu sharded like the params), so 7B/13B shapes need no memory.
+    its low-rank kind). The step is the one `boostjax train` compiles for this configuration
+    (`memory.train_step_compiled`), compiled abstractly, so 7B/13B shapes need no memory;
+    `train_fields` are further `TrainConfig` fields (`optimizer`, `microbatches`, ...).
 
     Per-layer values (`*_per_layer`) are EXACT differences between two programs that differ only in
     depth: the model compiled with `n_layers=2` minus the model compiled with `n_layers=1` (same
-    mesh, batch, sequence, dtype, remat). Embedding, final gather, LM head, cross-entropy and the
+    mesh, batch, sequence, dtype, remat; with a pipeline of P stages, `2P` minus `P` layers: one
+    layer more on every stage). Embedding, final gather, LM head, cross-entropy and the
     optimizer's non-layer work are identical in both and cancel, leaving one block's collectives
     (and, in the step, its share of the optimizer's global-norm partial sums:
     `allreduce_scalar_bytes_per_layer`). Counts may be affected by XLA combining all-reduces; bytes
-    are not. `*_bytes` use the communicated element type (bf16 even where the CPU backend widens
+    are not; `forward_allreduce_emitted_per_layer` counts the all-reduces JAX emits (StableHLO,
+    before any XLA pass: what a backend that combines nothing runs). `*_bytes` use the communicated element type (bf16 even where the CPU backend widens
     to f32, see `*_bytes_compiled`); single-device groups (a mesh axis of size 1) are not counted.
+
+    Memory (per device, `boostjax.sharding.memory`): `peak_bytes_per_device` = argument + output -
+    alias + temp of the compiled step, and its parts `weight_bytes` (fp32 parameter shards),
+    `optimizer_bytes` (optimizer-state shards), `activation_bytes` (the rest: temporaries, gradients,
+    batch), with `batch_bytes` and `gradient_bytes_estimate`.
 
     Also: `other_collectives` (all-gather, reduce-scatter, ... per kind), `*_by_axis` (bytes per
     mesh axis), `temp_bytes` / `memory` (`compiled.memory_analysis()` of the whole step),
@@ -319,9 +299,12 @@ def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: s
     m = model_for(model, strategy)
     if dump_hlo:
         check_dump_dir(dump_hlo, (strategy,))
-    full = _compile(m, mesh, batch, seq, strategy, remat, dtype, True)
-    two = _compile(replace(m, n_layers=2), mesh, batch, seq, strategy, remat, dtype)
-    one = _compile(replace(m, n_layers=1), mesh, batch, seq, strategy, remat, dtype)
+    train = tuple(sorted(train_fields.items()))
+    sizes = parse_mesh(mesh)
+    unit = sizes.get("stage", 1)  # a pipeline: one layer more on every stage
+    full = _compile(m, mesh, batch, seq, strategy, remat, dtype, True, train)
+    two = _compile(replace(m, n_layers=2 * unit), mesh, batch, seq, strategy, remat, dtype, train=train)
+    one = _compile(replace(m, n_layers=unit), mesh, batch, seq, strategy, remat, dtype, train=train)
     if dump_hlo:
         os.makedirs(dump_hlo, exist_ok=True)
         with open(os.path.join(dump_hlo, f"{strategy}.hlo.txt"), "w") as fh:
@@ -334,9 +317,8 @@ def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: s
     parsed = {t: hlo.parse_module(t) for t in set(texts.values())}
     mods = {k: parsed[t] for k, t in texts.items()}
     cs = {k: hlo.collectives(v) for k, v in mods.items()}
-    sizes = parse_mesh(mesh)
-    names = ("data", "model")
-    shape = (sizes.get("data", 1), sizes.get("model", 1))
+    names = ("data", "stage", "model") if unit > 1 else ("data", "model")
+    shape = tuple(sizes.get(n, 1) for n in names)
     ar = {k: _allreduce_stats(v, shape, names) for k, v in cs.items()}
     tokens = batch // sizes.get("data", 1) * seq  # tokens in one device's all-reduce
     exp = expected_per_layer(m, strategy, tokens, dtype)
@@ -357,6 +339,7 @@ def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: s
         "allreduce_bytes_per_layer": step_layer,
         "allreduce_bytes_compiled_per_layer": lay("step2", "step1", "bytes_compiled"),
         "forward_allreduce_count_per_layer": lay("fwd2", "fwd1", "count"),
+        "forward_allreduce_emitted_per_layer": two.fwd_emitted - one.fwd_emitted,
         "forward_allreduce_bytes_per_layer": fwd_layer,
         "forward_allreduce_bytes_compiled_per_layer": lay("fwd2", "fwd1", "bytes_compiled"),
         "backward_allreduce_bytes_per_layer": step_layer - fwd_layer,
@@ -370,6 +353,8 @@ def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: s
         "other_collectives": _others(cs["step"]),
         "forward_other_collectives": _others(cs["fwd"]),
         "other_collectives_per_layer": _diff_others(_others(cs["step2"]), _others(cs["step1"])),
+        **{k: full.parts[k] for k in MEMORY_KEYS},
+        "train": dict(train_fields),
         "temp_bytes": full.step_memory.get("temp_bytes", 0),
         "forward_temp_bytes": full.fwd_memory.get("temp_bytes", 0),
         "residual_bytes": full.residual_bytes,
@@ -385,7 +370,8 @@ def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: s
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `comm` subcommand to a `boostjax` argparse subparsers object."""
-    p = subparsers.add_parser("comm", help="all-reduce count and bytes per step from compiled HLO, per TP strategy")
+    p = subparsers.add_parser("comm", help="all-reduce count and bytes, and peak memory per device, of the "
+                              "compiled step, per TP strategy")
     p.add_argument("--preset", default="7b", help=f"model shapes: one of {', '.join(PRESETS)} (default: 7b)")
     p.add_argument("--model", default="cola", choices=LOW_RANK_KINDS,
                    help="low-rank kind for vanilla-tp and btp (fullrank-tp uses the dense llama) (default: cola)")
@@ -395,6 +381,15 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="all", choices=(*STRATEGIES, "all"), help="TP strategy (default: all)")
     p.add_argument("--remat", default="none", choices=REMAT, help="rematerialisation policy (default: none)")
     p.add_argument("--dtype", default="bfloat16", choices=tuple(_ITEMSIZE), help="compute dtype (default: bfloat16)")
+    p.add_argument("--attention", default="auto", choices=ATTENTION,
+                   help="attention kernel (default: auto = chunked off a CUDA GPU, no [t, t] buffer)")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer (default: adamw)")
+    p.add_argument("--zero", type=int, default=0, help="optimizer-state sharding over data: 0, 1 or 3 (default: 0)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch rows per step (default: 1)")
+    p.add_argument("--pipeline-schedule", default="gpipe", choices=PIPELINE_SCHEDULES,
+                   help="pipeline schedule with stage= in --mesh (default: gpipe)")
+    p.add_argument("--microbatches", type=int, default=0,
+                   help="pipeline micro-batches per data shard with stage= in --mesh (default: 0 = auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object {strategy: report}")
     p.add_argument("--dump-hlo", default=None, metavar="DIR", help="write DIR/<strategy>.hlo.txt and .fwd.hlo.txt")
     p.set_defaults(func=_cmd_comm)
@@ -404,7 +399,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 def _table(reports: dict[str, dict[str, Any]]) -> str:
     base = reports.get("fullrank-tp")
     head = (f"{'strategy':<12} {'fwd GiB/layer':>13} {'step GiB/layer':>14} {'fwd x full':>10} {'step x full':>11} "
-            f"{'AR/layer fwd':>12} {'AR/layer step':>13} {'step GiB':>9} {'temp GiB':>9} {'K (layer GEMMs)':<24}")
+            f"{'AR/layer fwd':>12} {'AR/layer step':>13} {'step GiB':>9} {'peak GiB':>9} {'weights':>8} "
+            f"{'optim':>8} {'activ':>8} {'K (layer GEMMs)':<24}")
     lines = [head, "-" * len(head)]
     for name, r in reports.items():
         ratio = lambda k: f"{r[k] / base[k]:.3f}" if base and base[k] else "-"  # noqa: E731
@@ -413,10 +409,13 @@ def _table(reports: dict[str, dict[str, Any]]) -> str:
                      f"{r['allreduce_bytes_per_layer'] / GIB:>14.4f} {ratio('forward_allreduce_bytes_per_layer'):>10} "
                      f"{ratio('allreduce_bytes_per_layer'):>11} {r['forward_allreduce_count_per_layer']:>12} "
                      f"{r['allreduce_count_per_layer']:>13} {r['allreduce_bytes'] / GIB:>9.3f} "
-                     f"{r['temp_bytes'] / GIB:>9.3f} {','.join(map(str, ks)):<24}")
+                     f"{r['peak_bytes_per_device'] / GIB:>9.3f} {r['weight_bytes'] / GIB:>8.3f} "
+                     f"{r['optimizer_bytes'] / GIB:>8.3f} {r['activation_bytes'] / GIB:>8.3f} {','.join(map(str, ks)):<24}")
     r0 = next(iter(reports.values()))
     lines.append(f"({r0['dtype']}, mesh {r0['mesh']}, batch {r0['batch']}, seq {r0['seq']}, remat {r0['remat']}; "
-                 "bytes per device, one direction, GiB = 2^30)")
+                 "collective bytes per device, one direction; peak = memory_analysis() argument + output - alias + "
+                 "temp per device = weights + optimizer state + activations (temporaries, gradients, batch); "
+                 "GiB = 2^30)")
     return "\n".join(lines)
 
 
@@ -471,20 +470,24 @@ def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelCo
     if args.batch % sizes.get("data", 1):
         raise ConfigError(f"comm.batch: {args.batch} is not divisible by data={sizes['data']}; "
                           f"fix: pass --batch a multiple of {sizes['data']}")
-    if sizes.get("stage", 1) > 1:
-        raise ConfigError("comm.mesh: comm compiles 1- and 2-layer programs, which do not split into pipeline "
-                          "stages; fix: drop stage= from --mesh (use the data and model axes)")
     base = preset(args.preset, kind=args.model)
-    base = replace(base, max_seq_len=max(base.max_seq_len, args.seq))  # comm has no --max-seq-len
+    base = replace(base, max_seq_len=max(base.max_seq_len, args.seq),  # comm has no --max-seq-len
+                   attention=args.attention)
     for s in names:
         try:
-            validate(Config(model_for(base, s), TrainConfig(batch=args.batch, seq=args.seq, strategy=s,
-                                                            mesh=args.mesh, remat=args.remat, dtype=args.dtype)))
+            validate(Config(model_for(base, s), memory.train_config(args.batch, args.seq, s, args.mesh, args.remat,
+                                                                    args.dtype, **_train_fields(args))))
         except ConfigError as e:
             raise _comm_error(e) from None
     if args.dump_hlo is not None:
         check_dump_dir(args.dump_hlo, names)
     return base, sizes
+
+
+def _train_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The `TrainConfig` fields of `boostjax comm`'s flags beyond batch/seq/strategy/mesh/remat/dtype."""
+    return {"optimizer": args.optimizer, "microbatches": args.microbatches, "zero": args.zero,
+            "grad_accum": args.grad_accum, "pipeline_schedule": args.pipeline_schedule}
 
 
 def _cmd_comm(args: argparse.Namespace) -> int:
@@ -513,8 +516,8 @@ def _cmd_comm(args: argparse.Namespace) -> int:
             what = str(e).split("; fix:")[0]
             raise ConfigError(f"comm.mesh: {what}; fix: pass a --mesh model size that divides the {args.preset} "
                               "preset's shapes, or another --preset") from None
-    reports = {s: comm_report(base, args.mesh, args.batch, args.seq, s, args.remat, args.dtype, args.dump_hlo)
-               for s in names}
+    reports = {s: comm_report(base, args.mesh, args.batch, args.seq, s, args.remat, args.dtype, args.dump_hlo,
+                              **_train_fields(args)) for s in names}
     print(json.dumps(reports, indent=1) if args.json else _table(reports))
     return 0
 

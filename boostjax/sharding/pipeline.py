@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from boostjax.config import Config, ConfigError, TrainConfig, parse_mesh
 from boostjax.models import ops
 from boostjax.models.llama import LLaMA, Block, resolve_remat
+from boostjax.models.remat import tied_checkpoint
 from boostjax.sharding.collectives import vocab_parallel_cross_entropy
 from boostjax.sharding.pipeline_1f1b import onef1b_loss_fn, ring_slots
 from boostjax.sharding.specs import COLLECTIVES, param_specs
@@ -111,6 +112,7 @@ def stage_specs(strategy: str, stacked: Any, tp: int) -> Any:
 # -- the pipelined loss ------------------------------------------------------------------------------
 def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int) -> Callable[[Any, dict], jax.Array]:
     """The mean loss over the global batch, GPipe-scheduled over `stage` inside `shard_map`."""
+    from boostjax.sharding.strategies import loss_mesh  # noqa: PLC0415
     from boostjax.step import cast_params  # noqa: PLC0415
 
     mcfg, stages, tp = cfg.model, mesh.shape[STAGE], mesh.shape["model"]
@@ -129,11 +131,14 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int) -> Calla
         s = jax.lax.axis_index(STAGE)
         cos_te, sin_te = ops.rope_tables(t, mcfg.head_dim, mcfg.rope_theta)
 
-        def block(p, x_btd):
-            return nnx.merge(block_def, p)(x_btd, cos_te, sin_te, coll)
+        def apply(p, x_btd, c_te, s_te):
+            return nnx.merge(block_def, p)(x_btd, c_te, s_te, coll)
 
-        if policy is not None:
-            block = jax.checkpoint(block, policy=policy)
+        if policy is not None:  # recomputed only once the backward reaches the layer
+            apply = tied_checkpoint(apply, policy)
+
+        def block(p, x_btd):
+            return apply(p, x_btd, cos_te, sin_te)
 
         def tick(carry_btd, emb_btd):
             x_btd = jnp.where(s == 0, emb_btd, carry_btd)  # stage 0 reads the next micro-batch
@@ -153,9 +158,10 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int) -> Calla
         targets_n = jax.lax.dynamic_slice_in_dim(targets_bt.reshape(b * t), s * n, n)
         logits_1nv = top.logits(top.final_norm(y_nd[None], coll))
         loss = vocab_parallel_cross_entropy(logits_1nv, targets_n[None], coll)  # mean over the stage's share
-        return jax.lax.pmean(loss, ("data", STAGE))
+        return jax.lax.pmean(loss, tuple(a for a in ("data", STAGE) if a in inner.axis_names))
 
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
+    inner, rows = loss_mesh(mesh)  # without a data axis of size 1 (no all-reduce over one device)
+    sharded = jax.shard_map(local, mesh=inner, in_specs=(specs, rows, rows), out_specs=P())
     return lambda params, batch: sharded(params, batch["inputs"], batch["targets"])
 
 

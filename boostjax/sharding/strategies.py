@@ -82,12 +82,29 @@ def shard_loss_fn(cfg: Config, graphdef, mesh: Mesh, specs: Any) -> Callable[[An
         coll = COLLECTIVES["none"]
         specs = jax.tree.map(lambda _: P(), specs, is_leaf=lambda x: isinstance(x, P))
 
+    inner, rows = loss_mesh(mesh)
+
     def local(params, inputs_bt, targets_bt):
         model = nnx.merge(graphdef, cast_params(params, cfg.train.dtype))
-        return jax.lax.pmean(model.loss(inputs_bt, targets_bt, coll, cfg.train.remat), "data")
+        loss = model.loss(inputs_bt, targets_bt, coll, cfg.train.remat)
+        return jax.lax.pmean(loss, "data") if "data" in inner.axis_names else loss
 
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data"), P("data")), out_specs=P())
+    sharded = jax.shard_map(local, mesh=inner, in_specs=(specs, rows, rows), out_specs=P())
     return lambda params, batch: sharded(params, batch["inputs"], batch["targets"])
+
+
+def loss_mesh(mesh: Mesh) -> tuple[Mesh, P]:
+    """The mesh a loss `shard_map` runs over, and the batch rows' spec inside it.
+
+    A `data` axis of size 1 is dropped (same devices, same order): named in the shard_map, it puts
+    an all-reduce over one device (moving nothing) on the loss and on every parameter's gradient
+    (the transpose of the data-replicated parameters). Without it the batch enters whole (`P()`).
+    """
+    if mesh.shape.get("data", 1) > 1 or len(mesh.axis_names) == 1:
+        return mesh, P("data")
+    keep = [i for i, n in enumerate(mesh.axis_names) if n != "data"]
+    devices = mesh.devices.reshape([mesh.devices.shape[i] for i in keep])
+    return Mesh(devices, tuple(mesh.axis_names[i] for i in keep)), P()
 
 
 def placement(cfg: Config, graphdef, params_like: Any) -> Placement:
