@@ -270,3 +270,19 @@ def test_hlo_gemms():
     assert (bdot.m, bdot.n, bdot.k, bdot.batch) == (8, 8, 16, 2)
     assert conv.k == 3 * 3 * 3 and conv.flops == 2 * (3 * 3 * 8) * 27
     assert hlo.multiset_difference(hlo.gemms(HLO_TEXT), [dot]) == [bdot, conv]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_no_all_reduce_over_one_device_in_a_pipeline(schedule):
+    """A data=1 pipeline mesh: no gradient or activation crosses a collective over a group of one device.
+    GPipe's step holds none at all; 1F1B's keeps one variadic all-reduce of scalars (a reduce_sum the
+    partitioner places outside its shard_map; it had three before the data axis was dropped)."""
+    step = comm._compile(comm.model_for(TINY, "btp"), "data=1,stage=2,model=2", B, S, "btp", "none", "float32",
+                         train=(("pipeline_schedule", schedule),))
+    cs = hlo.collectives(step.step_text)
+    assert any(c.kind == "all-reduce" for c in cs)  # the model-axis latents and gradients are there
+    trivial = [c for c in cs if c.trivial]
+    if schedule == "gpipe":
+        assert trivial == [], [c.name for c in trivial]
+    else:
+        assert len(trivial) <= 1 and all(a.shape == () for c in trivial for a in c.results), trivial

@@ -67,8 +67,11 @@ def onef1b_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int,
                    forward: Callable[[Any, dict], jax.Array]) -> Callable[[Any, dict], jax.Array]:
     """The mean loss over the global batch whose gradient runs the 1F1B schedule (`forward`: the same
     loss without a gradient, GPipe's forward)."""
-    sharded = jax.shard_map(_local_schedule(cfg, mesh, n_micro), mesh=mesh,
-                            in_specs=(specs, P("data"), P("data")), out_specs=(P(), specs))
+    from boostjax.sharding.strategies import loss_mesh  # noqa: PLC0415
+
+    inner, rows = loss_mesh(mesh)  # without a data axis of size 1 (no all-reduce over one device)
+    sharded = jax.shard_map(_local_schedule(cfg, mesh, n_micro, inner.axis_names), mesh=inner,
+                            in_specs=(specs, rows, rows), out_specs=(P(), specs))
 
     @jax.custom_vjp
     def loss_fn(params, batch):
@@ -85,8 +88,13 @@ def onef1b_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int,
     return loss_fn
 
 
-def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int):
-    """The per-device 1F1B program: `(params, inputs_bt, targets_bt) -> (loss, grads)`."""
+def _sum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str, ...]):
+    """The per-device 1F1B program: `(params, inputs_bt, targets_bt) -> (loss, grads)` inside a
+    shard_map over `axis_names` (the mesh's, less a `data` axis of size 1)."""
     from boostjax.step import cast_params  # noqa: PLC0415
 
     mcfg, stages, tp, data = cfg.model, mesh.shape[STAGE], mesh.shape["model"], mesh.shape["data"]
@@ -99,6 +107,7 @@ def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int):
     send_bwd = [(i + 1, i) for i in range(last)]
     scale = 1.0 / (data * stages * n_micro)  # d loss / d (one stage's mean over its token share)
     f32 = jnp.float32
+    dp = ("data",) if "data" in axis_names else ()  # the data-parallel axis, when it has > 1 device
 
     def local(params, inputs_bt, targets_bt):
         master = params
@@ -110,8 +119,8 @@ def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int):
         targets_mn = targets_bt.reshape(n_micro, mb * t)
         cos_te, sin_te = ops.rope_tables(t, mcfg.head_dim, mcfg.rope_theta)
         # local gradients (no per-tick all-reduce): varying over the axes they are summed over at the end
-        top = {k: _vary(v, ("data", STAGE)) for k, v in params.items() if k != "layers"}
-        layers = [jax.tree.map(lambda a, j=j: _vary(a[j], ("data",)), params["layers"]) for j in range(per_stage)]
+        top = {k: _vary(v, (*dp, STAGE)) for k, v in params.items() if k != "layers"}
+        layers = [jax.tree.map(lambda a, j=j: _vary(a[j], dp), params["layers"]) for j in range(per_stage)]
 
         def block(p, x_btd):
             return nnx.merge(block_def, p)(x_btd, cos_te, sin_te, coll)
@@ -187,16 +196,16 @@ def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int):
         ring0 = [zeros(res0[k], (n_ring, *res0[k].shape)) for k in ringed]
         acc0 = {k: zeros(v, dtype=f32) for k, v in top.items()}
         acc0["layers"] = [jax.tree.map(lambda a: zeros(a, dtype=f32), p) for p in layers]
-        carry = (zeros(y0), zeros(y0), ring0, acc0, _vary(jnp.zeros((), f32), ("data", STAGE)))
+        carry = (zeros(y0), zeros(y0), ring0, acc0, _vary(jnp.zeros((), f32), (*dp, STAGE)))
         phases = ((0, last, True, False), (last, n_micro, True, True), (n_micro + last, last, False, True))
         for start, length, fwd, bwd in phases:
             body = lambda c, tt, fwd=fwd, bwd=bwd: tick(c, tt, fwd=fwd, bwd=bwd)  # noqa: E731
             carry, _ = jax.lax.scan(body, carry, start + jnp.arange(length))
         _, _, _, acc, loss_sum = carry
-        grads = {k: jax.lax.psum(v, ("data", STAGE)) for k, v in acc.items() if k != "layers"}
+        grads = {k: jax.lax.psum(v, (*dp, STAGE)) for k, v in acc.items() if k != "layers"}
         stacked = jax.tree.map(lambda *gs: jnp.stack(gs), *acc["layers"])
-        grads["layers"] = jax.lax.psum(stacked, "data")
+        grads["layers"] = _sum(stacked, dp)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
-        return jax.lax.psum(loss_sum, ("data", STAGE)) * scale, grads
+        return jax.lax.psum(loss_sum, (*dp, STAGE)) * scale, grads
 
     return local
