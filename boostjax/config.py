@@ -145,7 +145,7 @@ def _shape(d: int, layers: int, heads: int, d_ff: int, r: int, **kw: Any) -> Mod
     return ModelConfig(d_model=d, n_layers=layers, n_heads=heads, d_ff=d_ff, rank=r, **kw)
 
 
-# DESIGN.md section 1 (r = d/4); vocabulary: the byte-level tokenizer unless overridden.
+# CoLA's LLaMA shapes (r = d/4); vocabulary: the byte-level tokenizer unless overridden.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": _shape(128, 4, 4, 352, 32),
     "60m": _shape(512, 8, 8, 1376, 128),

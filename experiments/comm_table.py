@@ -123,7 +123,7 @@ def markdown(res: dict) -> str:
                          f"{g['flop_weighted_intensity']:.0f} |")
     lines += ["", "## Backward all-reduce volume per layer (elements per token)", "",
               "Step minus forward, per token, in units of d (full-rank, vanilla) or r (BTP); the optimizer's "
-              "global-norm scalars excluded. Megatron's full-rank backward is 2·d; DESIGN.md's targets per "
+              "global-norm scalars excluded. Megatron's full-rank backward is 2·d; the paper's targets per "
               "step are 4·d (full-rank), 2·(5d + 2f) (vanilla) and 2·7r (BTP).", "",
               "| model | strategy | backward elements / token | forward elements / token |", "|---|---|---|---|"]
     item = 2 if s["dtype"] == "bfloat16" else 4

@@ -35,7 +35,7 @@ from boostjax.offload.planner import BASELINES, baseline_plan, solve  # noqa: E4
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 GB = 1e9
-LAZYTRAIN = {  # DESIGN.md section 4 (one H800, 27B, seq 1024, 70 GB cap), measured by the paper
+LAZYTRAIN = {  # LazyTrain's reported setting (one H800, 27B, seq 1024, 70 GB cap), measured by the paper
     "tflops": 219.95, "tokens_per_s": 1361.0, "megatrain_tflops": 176.90, "megatrain_tokens_per_s": 1075.8,
     "no_planner_tflops": 193.17, "peak_gb": 68.84, "speedup_vs_megatrain": 1.24,
     "gpu_checkpoints": 30, "cpu_checkpoints": 21, "nvme_checkpoints": 1, "recomputed_layers": 13,

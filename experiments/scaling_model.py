@@ -64,7 +64,7 @@ from boostjax.sharding import hlo  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 STRATEGIES = ("fullrank-tp", "vanilla-tp", "btp")
 NAMES = {"fullrank-tp": "full-rank", "vanilla-tp": "vanilla TP", "btp": "BTP"}
-BATCH, SEQ, VOCAB = 4, 4096, 32000  # micro-batch and sequence: DESIGN.md (BOOST 7B); LLaMA-2 vocabulary
+BATCH, SEQ, VOCAB = 4, 4096, 32000  # micro-batch and sequence: BOOST's 7B configuration; LLaMA-2 vocabulary
 PAPER = {  # BOOST iteration seconds (full / vanilla / BTP), A100 clusters
     "1b": {"fullrank-tp": 0.85, "vanilla-tp": 0.56, "btp": 0.59},
     "3b": {"fullrank-tp": 1.14, "vanilla-tp": 1.41, "btp": 0.78},

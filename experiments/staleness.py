@@ -1,4 +1,4 @@
-"""Staleness experiment (DESIGN.md section 3): iterations to a target loss versus pipeline depth S.
+"""Staleness experiment: iterations to a target loss versus pipeline depth S.
 
 A small deep dense LLaMA (32 layers, so S can reach 32 stages of one layer each) is trained on the
 default corpus (stdlib sources, byte tokens) with every optimizer at S in {1, 2, 4, 8, 16, 32}, the

@@ -1,7 +1,7 @@
 """Communication accounting from compiled HLO (`boostjax.sharding.hlo`, `boostjax.sharding.comm`).
 
 The per-layer figures of the three TP strategies are checked EXACTLY against the analytic volumes
-of DESIGN.md section 2, on tiny shapes compiled abstractly for simulated CPU devices.
+of BTP's analytic traffic, on tiny shapes compiled abstractly for simulated CPU devices.
 """
 
 from __future__ import annotations

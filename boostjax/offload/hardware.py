@@ -7,7 +7,7 @@ Numbers are per GPU. Sources and assumptions:
   989.4 TFLOPS, H200 SXM 989.4 TFLOPS (same GH100 compute as H100), A100 312 TFLOPS. RTX 3090: the
   GA102 whitepaper lists 71 TFLOPS dense FP16/BF16 with FP32 accumulate (GeForce runs FP32-accumulate
   tensor ops at half rate; 142 TFLOPS is the FP16-accumulate figure), and training accumulates in FP32.
-- Host link: DESIGN.md section 4 takes PCIe Gen5 x16 at about 12 GB/s effective each way for H800/H200
+- Host link: LazyTrain's setting takes PCIe Gen5 x16 at about 12 GB/s effective each way for H800/H200
   (LazyTrain's measured value, far below the 64 GB/s nominal). For the PCIe Gen4 x16 parts (A100,
   RTX 3090) we assume 20 GB/s each way, the usual pinned-memory `cudaMemcpy` measurement on Gen4 x16
   (nominal 32 GB/s; 12-25 GB/s is the range seen in practice).
@@ -55,7 +55,7 @@ class HardwareProfile:
         return replace(self, mfu=mfu)
 
 
-_GEN5_EFFECTIVE = 12e9  # DESIGN.md section 4
+_GEN5_EFFECTIVE = 12e9  # LazyTrain's effective PCIe Gen5 x16 rate
 _GEN4_EFFECTIVE = 20e9  # assumption, see the module docstring
 
 PROFILES: dict[str, HardwareProfile] = {

@@ -1,4 +1,4 @@
-"""Delay baselines and the optimizer factory (DESIGN.md section 3).
+"""Delay baselines and the optimizer factory.
 
 - PipeDream:    AdamW; the staleness comes from the delay emulation (`boostjax.optim.delay`).
 - PipeDream-LR: the update of a stage with delay τ is divided by `max(τ, 1) ^ (1 - min(t / T_c, 1))`,

@@ -1,4 +1,4 @@
-"""One-process emulation of asynchronous pipeline delays with weight stashing (DESIGN.md section 3).
+"""One-process emulation of asynchronous pipeline delays with weight stashing (PipeDream-style).
 
 S stages, contiguous layer groups; stage s (0 = input side) computes its gradient on weights that are
 `τ_s = S - 1 - s` updates old. With weight stashing, forward and backward of one micro-batch use the

@@ -1,4 +1,4 @@
-"""Basis-rotation Adam (DESIGN.md section 3): Adam run in a Kronecker-factored eigenbasis.
+"""Basis-rotation Adam: Adam run in a Kronecker-factored eigenbasis.
 
 Per rotated 2-D leaf `W_mn` with gradient `G_mn`, bases `U_mm` (left) and `V_nn` (right), step t:
 

@@ -243,7 +243,7 @@ def _gemm_summary(fwd_two: hlo.Module, fwd_one: hlo.Module, dtype: str) -> dict[
 
 
 def expected_per_layer(model: ModelConfig, strategy: str, tokens: int, dtype: str) -> dict[str, Any]:
-    """Analytic all-reduce volume of one block (DESIGN.md section 2), for comparison.
+    """Analytic all-reduce volume of one block (from the shapes alone), for comparison.
 
     Forward elements per token: full-rank `2d`; vanilla `he + 2·ke + 2d + 2f` (= `5d + 2f` without
     GQA); BTP `7r` plus two fp32 norm statistics (`Σx²` of each pre-norm, `[b, s, 1]`, riding in the
