@@ -61,6 +61,9 @@ class Corpus:
     train: np.ndarray
     val: np.ndarray
     name: str
+    # start offsets (int64, ascending, first 0) of the documents in each split; None = not known
+    train_docs: np.ndarray | None = None
+    val_docs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for split in ("train", "val"):
