@@ -43,6 +43,8 @@ _HELP = {
     "num_processes": "multi-host: processes in the job (0 = from the environment; 1 = one process)",
     "process_id": "multi-host: this process's index, 0..num_processes-1 (-1 = from the environment)",
     "init_timeout": "multi-host: seconds to wait for every process of the job to join before giving up",
+    "init_from_hf": "start a new run from a Hugging Face LLaMA folder (its shapes; --model svd/cola/lax --rank r "
+                    "factors each projection by truncated SVD; init_report.json holds the errors)",
 }
 
 
@@ -67,7 +69,11 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
 def _config(args: argparse.Namespace) -> Config:
     names = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
     given = {k: v for k, v in vars(args).items() if v is not None}
-    model = preset(args.preset, **{k: v for k, v in given.items() if k in names(ModelConfig)})
+    if given.get("init_from_hf"):  # the shapes are the checkpoint's (boostjax.pretrained)
+        from boostjax.pretrained import config_from_flags  # noqa: PLC0415 (imports no JAX at module level)
+
+        return validate(config_from_flags(given, preset_given=args.preset is not None))
+    model = preset(args.preset or "tiny", **{k: v for k, v in given.items() if k in names(ModelConfig)})
     train = TrainConfig(**{k: v for k, v in given.items() if k in names(TrainConfig)})
     return validate(Config(model, train))
 
@@ -116,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="train a model (resumes if --out holds a run)")
-    p.add_argument("--preset", default="tiny", help=f"model shapes: one of {', '.join(PRESETS)}")
+    p.add_argument("--preset", default=None, help=f"model shapes: one of {', '.join(PRESETS)} (default: tiny)")
     _add_fields(p, ModelConfig, "model (override the preset)")
     _add_fields(p, TrainConfig, "training")
     p.set_defaults(func=_cmd_train)

@@ -119,6 +119,8 @@ class TrainConfig:
     num_processes: int = 0  # processes in the job; 0 = from the environment (1 process if none); 1 = force one
     process_id: int = -1  # this process's index in [0, num_processes); -1 = from the environment
     init_timeout: int = 300  # seconds a multi-host process waits for the whole job to join before it gives up
+    # item 4 (boostjax.pretrained): a Hugging Face LLaMA folder a new run starts from ("" = random init)
+    init_from_hf: str = ""
 
 
 def warmup_steps(t: TrainConfig) -> int:

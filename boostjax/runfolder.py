@@ -30,7 +30,9 @@ from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
 
 CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS = "config.json", "config_history.jsonl", "metrics.jsonl", ".lock", "checkpoints"
 RUN_FILES: frozenset[str] = frozenset({CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS, "checkpoints-aside",
-                                       CONFIG + ".tmp", METRICS + ".tmp"})
+                                       CONFIG + ".tmp", METRICS + ".tmp",
+                                       "init_report.json", "init_report.json.tmp",  # item 4 (boostjax.pretrained)
+                                       "tokenizer.json", "tokenizer.json.tmp"})
 
 # Training fields a resumed run may change (everything else, and every model field but MUTABLE_MODEL, is
 # fixed: the checkpoint's shapes, the data order or the optimizer state's meaning depend on it).

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from boostjax import multihost
+from boostjax import multihost, pretrained
 from boostjax.checkpoint import CheckpointError, Checkpointer, step_dirs
 from boostjax.config import Config, ConfigError, TrainConfig, parse_mesh, validate, warmup_steps
 from boostjax.data import BatchIterator, eval_batches, load_corpus
@@ -171,15 +171,23 @@ def _restore(ckpt: Checkpointer, params, opt_state, data: BatchIterator) -> tupl
     return restored.step, restored.params, restored.opt_state, restored.verified
 
 
-def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> TrainResult:
+def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: Any = None) -> TrainResult:
     """Train (or resume) the run described by `cfg`; returns the metrics and final parameters.
+
+    A new run starts from `cfg.train.init_from_hf` (a Hugging Face LLaMA folder, whose shapes replace
+    the model's) or from `init` (a pure params dict or an `LLaMA` of `cfg.model`; for a low-rank kind
+    also the dense params of the same shapes, factored by SVD): see `boostjax.pretrained`. A resumed
+    run continues from its checkpoint and reads neither.
 
     Raises `TrainingInterrupted` (a KeyboardInterrupt) after SIGINT/SIGTERM once a consistent
     checkpoint is saved, `NonFiniteLoss` when the loss diverges, `ConfigError` / `CheckpointError`
     for what cannot run (before anything is written or compiled where the configuration is at fault).
     """
-    validate(cfg)
+    cfg = validate(pretrained.resolve_config(cfg) if isinstance(cfg, Config) else cfg)
     t = cfg.train
+    if init is not None and t.init_from_hf:
+        raise ConfigError("train.init: both init= params and init_from_hf are given; fix: pass one of them")
+    hf_tokenizer = pretrained.source_tokenizer(cfg)  # the data's tokenizer, if any, must be the checkpoint's
     multihost.setup(t)  # joins a multi-host job before JAX starts (a no-op for one process or if done)
     _check_fits_host(cfg)
     attention.check_backend(cfg.model, t.dtype)  # --attention cudnn needs a CUDA GPU
@@ -194,9 +202,19 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
         if resuming and old is not None:
             _check_layout(folder, old, cfg)
         corpus = load_corpus(t.data, t.data_dtype)
-        fns = build_step_fns(cfg, *abstract_model(cfg))  # checks strategy, mesh and shapes on shapes alone
+        start_from = None
+        if not resuming and (t.init_from_hf or init is not None):  # read (and factored) before any compile
+            start_from = pretrained.initial_params(cfg, init)
+        elif init is not None:
+            _say(f"resuming from the checkpoints in {folder.checkpoints}; the init= params are not used")
+        graphdef, like = abstract_model(cfg)
+        fns = build_step_fns(cfg, graphdef, like)  # checks strategy, mesh and shapes on shapes alone
         _stop_early(stop, folder)
-        graphdef, params = init_model(cfg)
+        if start_from is not None:
+            # a copy: the step donates its params, and `init` arrays are the caller's
+            params = jax.tree.map(lambda p: jax.numpy.array(p, jax.numpy.float32), start_from[0])
+        else:
+            graphdef, params = init_model(cfg)
         multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
         params, opt_state = fns.init(params)
         share, count = fns.batch_share  # the block of each global batch's rows this process loads
@@ -208,9 +226,17 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
                                                   else (0, params, opt_state, True))
             if multihost.is_main_process():
                 folder.write_config(cfg, start, changes)
+                pretrained.copy_tokenizer(hf_tokenizer, folder.path)
+                if start_from is not None:
+                    pretrained.write_report(folder.path, start_from[1])
+            if start_from is not None:
+                _say(pretrained.summary_line(start_from[1]))
             metrics = folder.trim_metrics(start, write=multihost.is_main_process())
-            return _loop(cfg, graphdef, fns, ckpt, folder, stop, data, params, opt_state, start, metrics, corpus,
-                         on_log, unverified=None if verified else start)
+            result = _loop(cfg, graphdef, fns, ckpt, folder, stop, data, params, opt_state, start, metrics, corpus,
+                           on_log, unverified=None if verified else start)
+            if start_from is not None:
+                result.extra["init"] = start_from[1]
+            return result
         finally:
             ckpt.close()
 

@@ -1,0 +1,173 @@
+"""Starting from pretrained weights (`boostjax.pretrained`): the dense import, the SVD factoring of
+each projection for svd/cola/lax, the report, and `train --init-from-hf` on one device and under BTP."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from boostjax import hf, pretrained
+from boostjax.cli import main
+from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
+from boostjax.data import BatchIterator, load_corpus
+from boostjax.models import ops
+from boostjax.models.llama import LLaMA
+from boostjax.sharding.collectives import LOCAL
+from boostjax.step import local_loss_fn
+from boostjax.text import TOKENIZER_FILE, train_tokenizer
+from boostjax.train import abstract_model, train
+
+DENSE = ModelConfig(kind="llama", vocab_size=288, d_model=32, n_layers=2, n_heads=4, d_ff=64, norm_eps=1e-5)
+RUN = ["--batch", "2", "--seq", "16", "--eval-batches", "1", "--no-progress"]
+
+
+def _rel(a, b) -> float:
+    return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(jnp.ravel(b)))
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """(dense params, Hugging Face folder with a tokenizer): random weights, norms away from 1."""
+    rng = np.random.default_rng(0)
+    model = LLaMA(DENSE, rngs=nnx.Rngs(params=1))
+    params = jax.tree.map(lambda p: p + (0.2 * rng.normal(size=p.shape) if p.ndim == 1 else 0),
+                          nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    folder = hf.to_hf((DENSE, params), tmp_path_factory.mktemp("hf") / "model")
+    train_tokenizer(["def f(x):\n    return x + 1\n", "import os\n"] * 8, 288).save(folder)
+    return params, folder
+
+
+def _tokens(seed: int = 0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, DENSE.vocab_size, (2, 16)), jnp.int32)
+
+
+def _logits(cfg: ModelConfig, params):
+    return hf.build_model(cfg, params)(_tokens())
+
+
+def test_online_norm_down_is_norm_then_matmul():
+    rng = np.random.default_rng(1)
+    x, g, a = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((2, 5, 32), (32,), (32, 3, 8)))
+    ours = ops.online_norm_down(x, g, a, LOCAL, d_model=32, eps=1e-5, name="t")
+    ref = jnp.einsum("btd,dgr->btgr", ops.rms_norm(x, g, 1e-5), a, precision="highest")
+    assert _rel(ours, ref) < 1e-6
+
+
+def test_svd_full_rank_reproduces_the_dense_logits(source):
+    params, _ = source
+    svd = replace(DENSE, kind="svd", rank=32)  # = min(in, out) of every projection
+    lr_params, report = pretrained.lowrank_from_dense(svd, params)
+    assert _rel(_logits(svd, lr_params), _logits(DENSE, params)) < 1e-5
+    assert report["max"] < 1e-6 and len(report["matrices"]) == 7 * DENSE.n_layers
+    for k in ("embed", "head", "norm"):  # copied as they are
+        np.testing.assert_array_equal(lr_params[k], params[k])
+
+
+def test_error_falls_as_the_rank_grows(source):
+    params, _ = source
+    ref = _logits(DENSE, params)
+    logit_errs, reports = [], []
+    for r in (4, 8, 16):
+        cfg = replace(DENSE, kind="svd", rank=r)
+        lr_params, report = pretrained.lowrank_from_dense(cfg, params)
+        logit_errs.append(_rel(_logits(cfg, lr_params), ref))
+        reports.append(report)
+        if r == 8:  # the reported error is ||W - A B|| / ||W|| of the stored factors
+            attn = lr_params["layers"][1]["attn"]
+            ab = attn["a_qkv"][:, 1] @ attn["b_kv"][0]
+            direct = _rel(ab, params["layers"][1]["attn"]["w_k"])
+            assert abs(report["matrices"]["layers.1.attn.k"] - direct) < 1e-5
+    assert all(a > b for a, b in zip(logit_errs, logit_errs[1:])), logit_errs
+    for small, big in zip(reports, reports[1:]):
+        assert big["mean"] < small["mean"]
+        assert all(big["matrices"][k] <= small["matrices"][k] + 1e-7 for k in small["matrices"])
+
+
+def test_cola_and_lax_pairs_are_exact_through_silu(source):
+    """silu(z) - silu(-z) = z: cola/lax at rank 2k compute the rank-k SVD model exactly; an odd rank's
+    free column changes nothing; LaX's gates start at zero."""
+    params, _ = source
+    svd = replace(DENSE, kind="svd", rank=4)
+    svd_params, svd_report = pretrained.lowrank_from_dense(svd, params)
+    ref = _logits(svd, svd_params)
+    for kind, r in (("cola", 8), ("lax", 8), ("cola", 9)):
+        cfg = replace(DENSE, kind=kind, rank=r)
+        lr_params, report = pretrained.lowrank_from_dense(cfg, params)
+        assert _rel(_logits(cfg, lr_params), ref) < 1e-5, (kind, r)
+        assert report["kind"] == kind and report["rank"] == r
+        assert report["matrices"] == pytest.approx(svd_report["matrices"], abs=1e-6)
+        if kind == "lax":
+            assert all(float(jnp.abs(lr_params["layers"][i][b]["cross"]).max()) == 0
+                       for i in range(2) for b in ("attn", "mlp"))
+    line = pretrained.summary_line({"source": "x", **report})
+    assert "rank 9" in line and "mean" in line and "down" in line
+
+
+def _batch0(t: TrainConfig):
+    corpus = load_corpus(t.data, t.data_dtype)
+    b = BatchIterator(corpus.train, t.batch, t.seq, t.seed, vocab_size=DENSE.vocab_size).batch_at(0)
+    return {k: jnp.asarray(v) for k, v in b.items()}
+
+
+def test_train_from_hf_dense_then_resume(source, tmp_path, monkeypatch, capsys):
+    params, folder = source
+    run = tmp_path / "run"
+    assert main(["train", "--init-from-hf", str(folder), "--out", str(run), "--steps", "1", *RUN]) == 0
+    assert "initialised llama from" in capsys.readouterr().err
+    cfg = Config.from_dict(json.loads((run / "config.json").read_text()))
+    assert cfg.model == DENSE and cfg.train.init_from_hf == str(folder)  # shapes and kind from the checkpoint
+    assert json.loads((run / pretrained.REPORT_FILE).read_text())["source"] == str(folder.resolve())
+    assert (run / TOKENIZER_FILE).read_bytes() == (folder / TOKENIZER_FILE).read_bytes()
+    batch = _batch0(cfg.train)
+    want = float(hf.build_model(DENSE, params).loss(batch["inputs"], batch["targets"]))
+    got = next(json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+               if "loss" in json.loads(line))
+    assert abs(got - want) / want < 1e-5, (got, want)
+
+    def no_import(*a, **k):
+        raise AssertionError("a resumed run re-imported the checkpoint")
+
+    monkeypatch.setattr(hf, "read_hf", no_import)
+    assert main(["train", "--init-from-hf", str(folder), "--out", str(run), "--steps", "2", *RUN]) == 0
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0] == 1 and steps[-1] == 2
+
+
+def test_python_api_takes_the_checkpoint_shapes(source):
+    """`train(cfg)`: shape fields left at their defaults become the checkpoint's; a set one that
+    disagrees is refused; kind, rank and the attention kernel stay the caller's."""
+    _, folder = source
+    cfg = pretrained.resolve_config(Config(ModelConfig(kind="cola", rank=6, attention="xla"),
+                                           TrainConfig(init_from_hf=str(folder))))
+    assert cfg.model == replace(DENSE, kind="cola", rank=6, attention="xla")
+    with pytest.raises(ConfigError, match=r"^model.d_ff: 96 contradicts the checkpoint .*; fix: drop --d-ff"):
+        pretrained.resolve_config(Config(ModelConfig(d_ff=96), TrainConfig(init_from_hf=str(folder))))
+
+
+def test_btp_from_init_matches_one_device(source, tmp_path):
+    """svd rank 8 on data=1,model=2 (BTP), started with `init=` from the dense params (factored on the
+    way): the first step's loss and gradient norm are the single-device ones of the factored model,
+    and the caller's arrays survive the step's buffer donation."""
+    params, _ = source
+    cfg = Config(replace(DENSE, kind="svd", rank=8),
+                 TrainConfig(strategy="btp", mesh="data=1,model=2", steps=1, batch=2, seq=16, eval_batches=1,
+                             progress=False, out=str(tmp_path / "btp")))
+    res = train(cfg, init=params)
+    report = json.loads((tmp_path / "btp" / pretrained.REPORT_FILE).read_text())
+    assert report["source"] == "python" and report["rank"] == 8 and res.extra["init"]["mean"] == report["mean"]
+    lr_params, _ = pretrained.lowrank_from_dense(cfg.model, params)
+    batch = _batch0(cfg.train)
+    with jax.default_matmul_precision("highest"):
+        loss, grads = jax.value_and_grad(local_loss_fn(cfg, abstract_model(cfg)[0]))(lr_params, batch)
+    m = next(m for m in res.metrics if "loss" in m)
+    assert abs(m["loss"] - float(loss)) / float(loss) < 1e-5
+    assert abs(m["grad_norm"] - float(optax.global_norm(grads))) / m["grad_norm"] < 1e-4
