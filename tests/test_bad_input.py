@@ -444,3 +444,65 @@ def test_hf_unreadable_config(hf_folder, monkeypatch):
     monkeypatch.setattr(pathlib.Path, "read_bytes",
                         _fail_for(hf_folder / hf.CONFIG_NAME, PermissionError(errno.EACCES, "Permission denied")))
     _hf_refused(hf_folder, hf_folder / hf.CONFIG_NAME, "Permission denied")
+
+
+# ------------------------------------------------------------------------------ --init-from-hf (item 4)
+
+INIT = ["train", "--batch", "2", "--seq", "16", "--steps", "1", "--no-progress"]
+INIT_CFG = ModelConfig(kind="llama", vocab_size=256, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+
+
+@pytest.fixture()
+def init_folder(tmp_path):
+    """A complete small Hugging Face folder (numpy weights: nothing is traced)."""
+    from boostjax.config import Config  # noqa: PLC0415
+    from boostjax.train import abstract_model  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(np.float32), abstract_model(Config(INIT_CFG))[1])
+    return hf.to_hf((INIT_CFG, params), tmp_path / "hf")
+
+
+@pytest.mark.parametrize("case,flags,field,needle", [
+    ("missing", [], "train.init_from_hf", "does not exist"),
+    ("file", [], "train.init_from_hf", "is a file"),
+    ("empty", [], "train.init_from_hf", "no config.json"),
+    ("no-weights", [], "train.init_from_hf", "no model.safetensors"),
+    ("damaged", [], "train.init_from_hf", "not a readable safetensors file"),
+    ("ok", ["--d-model", "32"], "model.d_model", "contradicts the checkpoint"),
+    ("ok", ["--preset", "60m"], "train.init_from_hf", "drop --preset"),
+    ("ok", ["--model", "svd", "--rank", "17"], "model.rank", "--rank <= 16"),
+    ("tokenizers", ["--data", "DATA"], "train.init_from_hf", "different tokenizers"),
+])
+def test_init_from_hf_refused(capsys, tmp_path, init_folder, case, flags, field, needle):
+    src = {"missing": tmp_path / "nowhere", "file": init_folder / hf.CONFIG_NAME,
+           "empty": tmp_path / "empty"}.get(case, init_folder)
+    if case == "empty":
+        src.mkdir()
+    if case == "no-weights":
+        (init_folder / hf.WEIGHTS_NAME).unlink()
+    if case == "damaged":
+        w = init_folder / hf.WEIGHTS_NAME
+        w.write_bytes(w.read_bytes()[:100])
+    data = tmp_path / "data"
+    if case == "tokenizers":  # the data's tokenizer is another one than the checkpoint's
+        data.mkdir()
+        (data / "a.txt").write_text("hello\n")
+        (data / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0}}}))
+        (init_folder / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"b": 0}}}))
+    flags = [str(data) if f == "DATA" else f for f in flags]
+    _refused(capsys, [*INIT, "--init-from-hf", src, "--out", tmp_path / "run", *flags], field, needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_init_params_refused(tmp_path, init_folder):
+    """The Python API: `init=` params that fit neither the model nor its dense twin, and two sources."""
+    from boostjax.config import Config, ConfigError, TrainConfig  # noqa: PLC0415
+    from boostjax.train import train  # noqa: PLC0415
+
+    t = TrainConfig(steps=1, batch=2, seq=16, progress=False, out=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^train.init: the params fit neither this svd model"):
+        train(Config(ModelConfig(kind="svd", d_model=32, rank=4), t), init={"embed": np.zeros((256, 16))})
+    with pytest.raises(ConfigError, match=r"^train.init: both"):
+        train(Config(ModelConfig(kind="llama"), TrainConfig(init_from_hf=str(init_folder))), init={})
+    assert not (tmp_path / "run").exists()

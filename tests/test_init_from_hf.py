@@ -10,7 +10,6 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -21,11 +20,11 @@ from boostjax.data import BatchIterator, load_corpus
 from boostjax.models import ops
 from boostjax.models.llama import LLaMA
 from boostjax.sharding.collectives import LOCAL
-from boostjax.step import local_loss_fn
 from boostjax.text import TOKENIZER_FILE, train_tokenizer
-from boostjax.train import abstract_model, train
+from boostjax.train import train
 
 DENSE = ModelConfig(kind="llama", vocab_size=288, d_model=32, n_layers=2, n_heads=4, d_ff=64, norm_eps=1e-5)
+SMALL = replace(DENSE, n_layers=1)
 RUN = ["--batch", "2", "--seq", "16", "--eval-batches", "1", "--no-progress"]
 
 
@@ -33,17 +32,26 @@ def _rel(a, b) -> float:
     return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(jnp.ravel(b)))
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def _dense(cfg: ModelConfig, folder: pathlib.Path):
     """(dense params, Hugging Face folder with a tokenizer): random weights, norms away from 1."""
     rng = np.random.default_rng(0)
-    model = LLaMA(DENSE, rngs=nnx.Rngs(params=1))
-    params = jax.tree.map(lambda p: p + (0.2 * rng.normal(size=p.shape) if p.ndim == 1 else 0),
-                          nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
-    folder = hf.to_hf((DENSE, params), tmp_path_factory.mktemp("hf") / "model")
+    model = LLaMA(cfg, rngs=nnx.Rngs(params=1))
+    params = jax.tree.map(lambda p: jnp.asarray(p + (0.2 * rng.normal(size=p.shape) if p.ndim == 1 else 0),
+                                                jnp.float32), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    folder = hf.to_hf((cfg, params), folder)
     train_tokenizer(["def f(x):\n    return x + 1\n", "import os\n"] * 8, 288).save(folder)
     return params, folder
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return _dense(DENSE, tmp_path_factory.mktemp("hf") / "model")
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """One layer: what the training runs compile is half the program."""
+    return _dense(SMALL, tmp_path_factory.mktemp("hf1") / "model")
 
 
 def _tokens(seed: int = 0):
@@ -118,17 +126,17 @@ def _batch0(t: TrainConfig):
     return {k: jnp.asarray(v) for k, v in b.items()}
 
 
-def test_train_from_hf_dense_then_resume(source, tmp_path, monkeypatch, capsys):
-    params, folder = source
+def test_train_from_hf_dense_then_resume(small, tmp_path, monkeypatch, capsys):
+    params, folder = small
     run = tmp_path / "run"
     assert main(["train", "--init-from-hf", str(folder), "--out", str(run), "--steps", "1", *RUN]) == 0
     assert "initialised llama from" in capsys.readouterr().err
     cfg = Config.from_dict(json.loads((run / "config.json").read_text()))
-    assert cfg.model == DENSE and cfg.train.init_from_hf == str(folder)  # shapes and kind from the checkpoint
+    assert cfg.model == SMALL and cfg.train.init_from_hf == str(folder)  # shapes and kind from the checkpoint
     assert json.loads((run / pretrained.REPORT_FILE).read_text())["source"] == str(folder.resolve())
     assert (run / TOKENIZER_FILE).read_bytes() == (folder / TOKENIZER_FILE).read_bytes()
     batch = _batch0(cfg.train)
-    want = float(hf.build_model(DENSE, params).loss(batch["inputs"], batch["targets"]))
+    want = float(hf.build_model(SMALL, params).loss(batch["inputs"], batch["targets"]))
     got = next(json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
                if "loss" in json.loads(line))
     assert abs(got - want) / want < 1e-5, (got, want)
@@ -153,12 +161,13 @@ def test_python_api_takes_the_checkpoint_shapes(source):
         pretrained.resolve_config(Config(ModelConfig(d_ff=96), TrainConfig(init_from_hf=str(folder))))
 
 
-def test_btp_from_init_matches_one_device(source, tmp_path):
+def test_btp_from_init_matches_one_device(small, tmp_path):
     """svd rank 8 on data=1,model=2 (BTP), started with `init=` from the dense params (factored on the
-    way): the first step's loss and gradient norm are the single-device ones of the factored model,
-    and the caller's arrays survive the step's buffer donation."""
-    params, _ = source
-    cfg = Config(replace(DENSE, kind="svd", rank=8),
+    way): the first step's loss is the single-device loss of the factored model (a misplaced shard
+    changes it; the TP gradients themselves are tests/test_tp.py's), and the caller's arrays survive
+    the step's buffer donation."""
+    params, _ = small
+    cfg = Config(replace(SMALL, kind="svd", rank=8),
                  TrainConfig(strategy="btp", mesh="data=1,model=2", steps=1, batch=2, seq=16, eval_batches=1,
                              progress=False, out=str(tmp_path / "btp")))
     res = train(cfg, init=params)
@@ -166,8 +175,7 @@ def test_btp_from_init_matches_one_device(source, tmp_path):
     assert report["source"] == "python" and report["rank"] == 8 and res.extra["init"]["mean"] == report["mean"]
     lr_params, _ = pretrained.lowrank_from_dense(cfg.model, params)
     batch = _batch0(cfg.train)
-    with jax.default_matmul_precision("highest"):
-        loss, grads = jax.value_and_grad(local_loss_fn(cfg, abstract_model(cfg)[0]))(lr_params, batch)
-    m = next(m for m in res.metrics if "loss" in m)
-    assert abs(m["loss"] - float(loss)) / float(loss) < 1e-5
-    assert abs(m["grad_norm"] - float(optax.global_norm(grads))) / m["grad_norm"] < 1e-4
+    want = float(hf.build_model(cfg.model, lr_params).loss(batch["inputs"], batch["targets"]))
+    got = next(m["loss"] for m in res.metrics if "loss" in m)
+    assert abs(got - want) / want < 1e-5, (got, want)
+    np.testing.assert_array_equal(params["embed"], hf.read_hf(small[1])[1]["embed"])  # not donated
