@@ -28,6 +28,8 @@ _EXPORTS: dict[str, str] = {
     "init_model": "boostjax.train", "load_run": "boostjax.run", "simulate_devices": "boostjax.devices",
     # interop
     "from_hf": "boostjax.hf", "to_hf": "boostjax.hf",
+    # starting from pretrained weights (train --init-from-hf, train(cfg, init=...))
+    "lowrank_from_dense": "boostjax.pretrained",
     # tensor parallelism and its communication, read from compiled HLO
     "comm_report": "boostjax.sharding.comm",
     # pipeline parallelism (mesh axis `stage`)

@@ -331,9 +331,33 @@ def _data_tokenizer(data: str) -> pathlib.Path | None:
     return p if p is not None and p.is_file() else None
 
 
+def data_is_bytes(data: str) -> bool:
+    """Whether `--data` is read as UTF-8 bytes (the built-in corpus, text files, a byte-level
+    tokenised folder); a `.bin` file or a folder with a `tokenizer.json` holds some tokenizer's ids."""
+    p = pathlib.Path(data)
+    if not data:
+        return True
+    if p.is_file():
+        return p.suffix != ".bin"
+    if _data_tokenizer(data) is not None:
+        return False
+    try:
+        meta = json.loads((p / "meta.json").read_text(encoding="utf-8"))
+        return not isinstance(meta, dict) or meta.get("tokenizer") == "byte"
+    except (OSError, ValueError):
+        return True
+
+
+def has_tokenizer(folder: str) -> bool:
+    from boostjax.text import TOKENIZER_FILE  # noqa: PLC0415
+
+    return bool(folder) and (pathlib.Path(folder) / TOKENIZER_FILE).is_file()
+
+
 def source_tokenizer(cfg: Config) -> pathlib.Path | None:
-    """The checkpoint folder's `tokenizer.json` the run folder gets (None: none there); ConfigError
-    when the data folder holds another tokenizer (the ids would mean other text)."""
+    """The checkpoint folder's `tokenizer.json` the run folder gets (None: none there, or the data is
+    byte level and the run's tokenizer is bytes); ConfigError when the data folder holds another
+    tokenizer (the ids would mean other text)."""
     from boostjax.text import TOKENIZER_FILE  # noqa: PLC0415
 
     if not cfg.train.init_from_hf:
@@ -346,6 +370,8 @@ def source_tokenizer(cfg: Config) -> pathlib.Path | None:
         raise _err(f"{src} and the data's {theirs} are different tokenizers (the token ids would mean other "
                    f"text); fix: tokenize the data with the checkpoint's tokenizer (boostjax tokenize "
                    f"--tokenizer {src})")
+    if data_is_bytes(cfg.train.data):
+        return None
     return src
 
 

@@ -189,6 +189,9 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         raise ConfigError("train.init: both init= params and init_from_hf are given; fix: pass one of them")
     hf_tokenizer = pretrained.source_tokenizer(cfg)  # the data's tokenizer, if any, must be the checkpoint's
     multihost.setup(t)  # joins a multi-host job before JAX starts (a no-op for one process or if done)
+    if hf_tokenizer is None and pretrained.has_tokenizer(t.init_from_hf):
+        _say(f"the data is read as bytes, so the run's tokenizer is byte level, not {t.init_from_hf}'s "
+             f"(tokenize the data with it: boostjax tokenize --tokenizer {t.init_from_hf})")
     _check_fits_host(cfg)
     attention.check_backend(cfg.model, t.dtype)  # --attention cudnn needs a CUDA GPU
     folder = RunFolder(t.out)

@@ -128,8 +128,10 @@ def _batch0(t: TrainConfig):
 
 def test_train_from_hf_dense_then_resume(small, tmp_path, monkeypatch, capsys):
     params, folder = small
-    run = tmp_path / "run"
-    assert main(["train", "--init-from-hf", str(folder), "--out", str(run), "--steps", "1", *RUN]) == 0
+    run, data = tmp_path / "run", tmp_path / "ids.bin"  # ids of the checkpoint's tokenizer: it is copied
+    np.random.default_rng(0).integers(0, SMALL.vocab_size, 4096).astype(np.uint16).tofile(data)
+    args = ["--init-from-hf", str(folder), "--out", str(run), "--data", str(data), *RUN]
+    assert main(["train", *args, "--steps", "1"]) == 0
     assert "initialised llama from" in capsys.readouterr().err
     cfg = Config.from_dict(json.loads((run / "config.json").read_text()))
     assert cfg.model == SMALL and cfg.train.init_from_hf == str(folder)  # shapes and kind from the checkpoint
@@ -145,9 +147,22 @@ def test_train_from_hf_dense_then_resume(small, tmp_path, monkeypatch, capsys):
         raise AssertionError("a resumed run re-imported the checkpoint")
 
     monkeypatch.setattr(hf, "read_hf", no_import)
-    assert main(["train", "--init-from-hf", str(folder), "--out", str(run), "--steps", "2", *RUN]) == 0
+    assert main(["train", *args, "--steps", "2"]) == 0
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps[0] == 1 and steps[-1] == 2
+
+
+def test_tokenizer_goes_with_token_ids_only(source, tmp_path):
+    """The checkpoint's tokenizer.json is the run's when the data holds token ids (a .bin file, a
+    tokenised folder with that tokenizer); byte-level data keeps the run byte level."""
+    _, folder = source
+    cfg = lambda data: Config(train=TrainConfig(init_from_hf=str(folder), data=data))  # noqa: E731
+    (tmp_path / "ids.bin").write_bytes(b"\0\0")
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / TOKENIZER_FILE).write_bytes((folder / TOKENIZER_FILE).read_bytes())
+    assert pretrained.source_tokenizer(cfg(str(tmp_path / "ids.bin"))) == folder / TOKENIZER_FILE
+    assert pretrained.source_tokenizer(cfg(str(tmp_path / "tok"))) == folder / TOKENIZER_FILE
+    assert pretrained.source_tokenizer(cfg("")) is None
 
 
 def test_python_api_takes_the_checkpoint_shapes(source):
