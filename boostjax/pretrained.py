@@ -88,6 +88,23 @@ def source_config(path: str) -> ModelConfig:
         raise _err(" ".join(str(e).split())) from None
 
 
+def _source_or_stored(path: str, out: str) -> ModelConfig:
+    """The checkpoint's shapes; when its folder is gone, those of a run in `out` that started from it
+    (a resume needs the shapes, not the weights)."""
+    try:
+        return source_config(path)
+    except ConfigError:
+        from boostjax.runfolder import RunFolder  # noqa: PLC0415
+
+        try:
+            stored = RunFolder(out).stored_config() if isinstance(out, str) and out.strip() else None
+        except (OSError, ValueError):
+            stored = None
+        if stored is None or stored.train.init_from_hf != path or pathlib.Path(path).exists():
+            raise
+        return dataclasses.replace(stored.model, kind="llama")
+
+
 def _check_rank(m: ModelConfig) -> None:
     if not m.low_rank:
         return
@@ -106,7 +123,7 @@ def resolve_config(cfg: Config, explicit: Iterable[str] | None = None) -> Config
     path = cfg.train.init_from_hf
     if not isinstance(path, str) or not path:
         return cfg
-    src = source_config(path)
+    src = _source_or_stored(path, cfg.train.out)
     given = set(explicit) if explicit is not None else None
     default = ModelConfig()
     for f in dataclasses.fields(ModelConfig):
