@@ -18,7 +18,7 @@ from boostjax.config import (PRESETS, Config, ConfigError, ModelConfig, TrainCon
 
 _RENAMED = {"kind": "model"}  # config field -> flag name where they differ
 _HELP = {
-    "kind": "model kind: dense LLaMA or a low-rank variant",
+    "kind": "model kind: dense LLaMA or a low-rank variant (default with --init-from-hf: llama)",
     "n_kv_heads": "key/value heads for grouped-query attention (0 = n_heads)",
     "rank": "rank r of every low-rank projection",
     "attention": "attention kernel: auto (cudnn on a CUDA GPU in bf16, else chunked), xla (materialised scores), "
