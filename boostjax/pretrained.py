@@ -106,7 +106,7 @@ def _source_or_stored(path: str, out: str) -> ModelConfig:
 
 
 def _check_rank(m: ModelConfig) -> None:
-    if not m.low_rank:
+    if not m.low_rank or not isinstance(m.rank, int):  # a rank of the wrong type: validate names it
         return
     name, (i, o) = min(matrix_shapes(m).items(), key=lambda kv: min(kv[1]))
     if m.rank > min(i, o):
@@ -120,6 +120,10 @@ def resolve_config(cfg: Config, explicit: Iterable[str] | None = None) -> Config
     A shape field set to something else than the checkpoint's is refused: with `explicit` (the CLI's
     given flags) a field named there; without it (the Python API) a field that differs from the
     `ModelConfig` default. `kind`, `rank` and the attention kernel are the caller's."""
+    from boostjax.config import TrainConfig  # noqa: PLC0415
+
+    if not (isinstance(cfg.model, ModelConfig) and isinstance(cfg.train, TrainConfig)):
+        return cfg  # validate names what is wrong
     path = cfg.train.init_from_hf
     if not isinstance(path, str) or not path:
         return cfg
