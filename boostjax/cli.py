@@ -25,7 +25,9 @@ _HELP = {
                  "cudnn (cuDNN flash attention), chunked (blockwise, no t x t buffer)",
     "attention_block": "query/key positions per tile of the chunked attention",
     "dtype": "compute dtype (parameters stay fp32)",
-    "data": "corpus: '' = this Python's standard library sources; a .bin token file, a text file or a folder",
+    "data": "corpus: '' = this Python's standard library sources; a folder written by boostjax tokenize (its "
+            "meta.json gives the dtype and, without --vocab-size, the vocabulary), a .bin token file, a text file "
+            "or a folder of text files",
     "strategy": "tensor-parallel strategy",
     "mesh": "device mesh, e.g. data=2,stage=2,model=4 ('' = one device; CPU devices are simulated as needed)",
     "microbatches": "pipeline micro-batches per data shard when the mesh has stage > 1 (0 = auto: the largest "
@@ -67,6 +69,12 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
 def _config(args: argparse.Namespace) -> Config:
     names = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
     given = {k: v for k, v in vars(args).items() if v is not None}
+    if "vocab_size" not in given:  # a tokenised --data folder names its vocabulary (item 1)
+        from boostjax.tokenize import vocab_from_data  # noqa: PLC0415 (numpy only)
+
+        vocab = vocab_from_data(given.get("data"))
+        if vocab is not None:
+            given["vocab_size"] = vocab
     model = preset(args.preset, **{k: v for k, v in given.items() if k in names(ModelConfig)})
     train = TrainConfig(**{k: v for k, v in given.items() if k in names(TrainConfig)})
     return validate(Config(model, train))
@@ -137,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     from boostjax import launch  # noqa: PLC0415 (imports no JAX at module level)
 
     launch.register(sub)
+    from boostjax.evaluate import register as register_eval  # noqa: PLC0415 (imports no JAX at module level)
+    from boostjax.tokenize import register as register_tokenize  # noqa: PLC0415
+
+    register_tokenize(sub)
+    register_eval(sub)
     return parser
 
 

@@ -10,6 +10,9 @@ Corpora are 1-D token arrays (uint8/uint16/uint32, possibly memory-mapped):
 - any other file: plain text, byte-tokenised, split like a ``.bin`` file.
 - a directory: every ``*.txt``/``*.md``/``*.py`` file under it, split by file like the stdlib corpus
   (falls back to the last ``val_fraction`` of tokens when that leaves a split empty, e.g. < 50 files).
+- a tokenised folder written by ``boostjax tokenize`` (``meta.json`` with ``"format": "boostjax-tokens"``):
+  its ``train.bin`` / ``val.bin`` memory-mapped with the dtype its metadata names, and the documents'
+  start offsets (``*.docs.npy``) as ``Corpus.train_docs`` / ``val_docs``.
 
 `BatchIterator` draws batch ``k`` as a pure function of ``(seed, k)``: the global batch's window starts
 come from ``np.random.default_rng([seed, k])`` and each process takes its contiguous block of rows, so
@@ -18,6 +21,7 @@ batches are deterministic, resumable from ``state()`` and independent of the pro
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import stat
@@ -32,6 +36,10 @@ TEXT_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".py")
 VAL_EVERY: int = 50  # file i is a validation file iff i % VAL_EVERY == VAL_EVERY - 1
 FILE_SEP: bytes = b"\n\n"
 MIN_SPLIT_TOKENS: int = 2  # a split must hold at least one (input, target) pair
+META_FILE: str = "meta.json"  # a tokenised data folder (boostjax.tokenize) is marked by this file
+TOKENS_FORMAT: str = "boostjax-tokens"
+TOKENS_VERSION: int = 1
+SPLITS: tuple[str, ...] = ("train", "val")
 
 
 class ByteTokenizer:
@@ -277,6 +285,9 @@ def check_data(path: str, dtype: str, vocab_size: int) -> None:
         return
     st = _stat(path)
     _check_kind(path, st)
+    if stat.S_ISDIR(st.st_mode) and is_token_folder(path):
+        check_token_vocab(path, vocab_size)
+        return
     if stat.S_ISDIR(st.st_mode):
         if vocab_size < ByteTokenizer.vocab_size:
             for f in _walk_files(pathlib.Path(path), TEXT_SUFFIXES, strict=True):
@@ -296,9 +307,127 @@ def check_data(path: str, dtype: str, vocab_size: int) -> None:
             raise _vocab_error(path, top, vocab_size, False)
 
 
+# ----------------------------------------------------------------------------- tokenised folders
+
+
+def is_token_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder written by ``boostjax tokenize`` (its ``meta.json`` says so, or
+    cannot be parsed: a damaged one is reported by `read_token_meta` rather than read as text)."""
+    meta = pathlib.Path(path) / META_FILE
+    if not (os.path.isdir(path) and meta.is_file()):
+        return False
+    try:
+        d = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return True
+    return isinstance(d, dict) and d.get("format") == TOKENS_FORMAT
+
+
+def _meta_error(folder: pathlib.Path, what: str) -> ValueError:
+    return ValueError(f"data: {folder / META_FILE}: {what}; fix: tokenise the text again with "
+                      f"boostjax tokenize --out {folder} (or pass another --data)")
+
+
+def _int_field(d: dict, key: str, folder: pathlib.Path, minimum: int = 0, where: str = "") -> int:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise _meta_error(folder, f"{where}{key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def read_token_meta(folder: str | os.PathLike) -> dict:
+    """The validated ``meta.json`` of a tokenised folder: format and version, dtype, vocabulary,
+    the tokenizer file, and per split its files, whose sizes must match the token counts."""
+    p = pathlib.Path(folder)
+    try:
+        d = json.loads((p / META_FILE).read_text())
+    except OSError as e:
+        raise _unreadable(p / META_FILE, e) from None
+    except ValueError as e:
+        raise _meta_error(p, f"not valid JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(d, dict) or d.get("format") != TOKENS_FORMAT:
+        raise _meta_error(p, f"not a {TOKENS_FORMAT} metadata file")
+    if d.get("version") != TOKENS_VERSION:
+        raise _meta_error(p, f"version {d.get('version')!r}; this boostjax reads version {TOKENS_VERSION}")
+    if d.get("dtype") not in TOKEN_DTYPES:
+        raise _meta_error(p, f"dtype must be one of {', '.join(TOKEN_DTYPES)}, got {d.get('dtype')!r}")
+    vocab = _int_field(d, "vocab_size", p, 1)
+    if vocab > 1 << (8 * np.dtype(d["dtype"]).itemsize):
+        raise _meta_error(p, f"vocab_size {vocab} does not fit in {d['dtype']}")
+    for key in ("eos_id", "bos_id"):
+        v = d.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab):
+            raise _meta_error(p, f"{key} must be null or an id in [0, {vocab}), got {v!r}")
+    tok = d.get("tokenizer")
+    if tok not in ("byte", "tokenizer.json"):
+        raise _meta_error(p, f"tokenizer must be 'byte' or 'tokenizer.json', got {tok!r}")
+    if tok != "byte" and not (p / tok).is_file():
+        raise _meta_error(p, f"names the tokenizer {tok} but {p / tok} is missing")
+    splits = d.get("splits")
+    if not isinstance(splits, dict) or set(splits) != set(SPLITS):
+        raise _meta_error(p, f"splits must name exactly {', '.join(SPLITS)}")
+    itemsize = np.dtype(d["dtype"]).itemsize
+    for name in SPLITS:
+        s = splits[name]
+        if not isinstance(s, dict) or s.get("file") != f"{name}.bin" or s.get("docs_file") != f"{name}.docs.npy":
+            raise _meta_error(p, f"split {name} must name {name}.bin and {name}.docs.npy")
+        tokens = _int_field(s, "tokens", p, MIN_SPLIT_TOKENS, f"splits.{name}.")
+        _int_field(s, "documents", p, 1, f"splits.{name}.")
+        _int_field(s, "bytes", p, 0, f"splits.{name}.")
+        f = p / s["file"]
+        try:
+            size = os.stat(f).st_size
+        except FileNotFoundError:
+            raise _meta_error(p, f"{f} is missing") from None
+        except OSError as e:
+            raise _unreadable(f, e) from None
+        if size != tokens * itemsize:
+            raise _meta_error(p, f"{f} has {size} bytes but the metadata says {tokens} {d['dtype']} tokens "
+                                 f"({tokens * itemsize} bytes)")
+    return d
+
+
+def _token_split(folder: pathlib.Path, meta: dict, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(memory-mapped tokens, document start offsets) of one split of a tokenised folder."""
+    s = meta["splits"][name]
+    try:
+        tokens = np.memmap(folder / s["file"], dtype=np.dtype(meta["dtype"]), mode="r")
+        docs = np.load(folder / s["docs_file"], allow_pickle=False)
+    except OSError as e:
+        raise _unreadable(folder / s["file"], e) from None
+    except ValueError as e:
+        raise _meta_error(folder, f"{s['docs_file']} is not a numpy array file ({e})") from None
+    n = s["documents"]
+    if (docs.dtype != np.int64 or docs.shape != (n,) or docs[0] != 0 or docs[-1] >= len(tokens)
+            or (n > 1 and np.any(np.diff(docs) <= 0))):
+        raise _meta_error(folder, f"{s['docs_file']} must hold {n} ascending int64 start offsets from 0 "
+                                  f"below {len(tokens)}, got {docs.dtype} {docs.shape}")
+    return tokens, docs
+
+
+def token_folder_corpus(folder: str | os.PathLike) -> Corpus:
+    """The train/val streams and document offsets of a folder written by ``boostjax tokenize``."""
+    p = pathlib.Path(folder)
+    meta = read_token_meta(p)
+    train, train_docs = _token_split(p, meta, "train")
+    val, val_docs = _token_split(p, meta, "val")
+    return Corpus(train=train, val=val, name=str(p), train_docs=train_docs, val_docs=val_docs)
+
+
+def check_token_vocab(folder: str | os.PathLike, vocab_size: int) -> dict:
+    """A tokenised folder whose tokenizer has more ids than the model's vocabulary is refused."""
+    meta = read_token_meta(folder)
+    if vocab_size < meta["vocab_size"]:
+        raise ValueError(f"model.vocab_size: {vocab_size} is smaller than the vocabulary of the tokenizer of "
+                         f"{folder} ({meta['vocab_size']} ids); fix: pass --vocab-size {meta['vocab_size']} (boostjax "
+                         f"train takes it from {pathlib.Path(folder) / META_FILE} when --vocab-size is not given)")
+    return meta
+
+
 def load_corpus(path: str = "", dtype: str = "uint16", val_fraction: float = 0.02,
                 vocab_size: int | None = None) -> Corpus:
-    """Load ``""`` (stdlib), a ``.bin`` token file (memmap), a text file or a directory of text files.
+    """Load ``""`` (stdlib), a ``.bin`` token file (memmap), a text file, a directory of text files or a
+    tokenised folder (``boostjax tokenize``; its metadata gives the dtype, ``dtype`` is not used).
 
     With ``vocab_size``, a token id >= ``vocab_size`` anywhere in the data is an error here, at load
     (a ``.bin`` file is scanned once, in chunks), rather than at the step that reads it."""
@@ -314,6 +443,8 @@ def load_corpus(path: str = "", dtype: str = "uint16", val_fraction: float = 0.0
     p = pathlib.Path(path)
     st = _stat(path)
     _check_kind(path, st)
+    if stat.S_ISDIR(st.st_mode) and is_token_folder(p):
+        return token_folder_corpus(p)
     if stat.S_ISDIR(st.st_mode):
         files = _walk_files(p, TEXT_SUFFIXES, strict=True)
         if not files:

@@ -29,8 +29,9 @@ from typing import Any, Iterator
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
 
 CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS = "config.json", "config_history.jsonl", "metrics.jsonl", ".lock", "checkpoints"
+TOKENIZER = "tokenizer.json"  # the run's tokenizer when it is not byte level (boostjax.text)
 RUN_FILES: frozenset[str] = frozenset({CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS, "checkpoints-aside",
-                                       CONFIG + ".tmp", METRICS + ".tmp"})
+                                       CONFIG + ".tmp", METRICS + ".tmp", TOKENIZER, TOKENIZER + ".tmp"})
 
 # Training fields a resumed run may change (everything else, and every model field but MUTABLE_MODEL, is
 # fixed: the checkpoint's shapes, the data order or the optimizer state's meaning depend on it).

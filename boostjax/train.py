@@ -39,6 +39,7 @@ from boostjax.models import attention
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA
 from boostjax.runfolder import RunFolder
+from boostjax.tokenize import check_run_tokenizer, install_run_tokenizer
 from boostjax.step import StepFns, build_step_fns
 
 
@@ -193,6 +194,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
         changes = folder.check_resume(old, cfg, resuming)
         if resuming and old is not None:
             _check_layout(folder, old, cfg)
+        check_run_tokenizer(folder.path, t.data, resuming)  # a resumed run keeps its tokenizer
         corpus = load_corpus(t.data, t.data_dtype)
         fns = build_step_fns(cfg, *abstract_model(cfg))  # checks strategy, mesh and shapes on shapes alone
         _stop_early(stop, folder)
@@ -208,6 +210,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
                                                   else (0, params, opt_state, True))
             if multihost.is_main_process():
                 folder.write_config(cfg, start, changes)
+                install_run_tokenizer(folder.path, t.data)  # load_tokenizer(run folder) gives the run's
             metrics = folder.trim_metrics(start, write=multihost.is_main_process())
             return _loop(cfg, graphdef, fns, ckpt, folder, stop, data, params, opt_state, start, metrics, corpus,
                          on_log, unverified=None if verified else start)
