@@ -347,6 +347,8 @@ def read_token_meta(folder: str | os.PathLike) -> dict:
         raise _meta_error(p, f"not valid JSON ({' '.join(str(e).split())})") from None
     if not isinstance(d, dict) or d.get("format") != TOKENS_FORMAT:
         raise _meta_error(p, f"not a {TOKENS_FORMAT} metadata file")
+    if d.get("incomplete"):
+        raise _meta_error(p, "an interrupted boostjax tokenize left this folder incomplete")
     if d.get("version") != TOKENS_VERSION:
         raise _meta_error(p, f"version {d.get('version')!r}; this boostjax reads version {TOKENS_VERSION}")
     if d.get("dtype") not in TOKEN_DTYPES:

@@ -18,6 +18,7 @@ text's UTF-8 length) are exactly the predicted ones; for byte-level data bits pe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -44,6 +45,24 @@ def _windows(tokens: np.ndarray, seq: int, first: int, rows: int) -> tuple[np.nd
     return x_bs, y_bs, m_bs
 
 
+@functools.cache
+def _nll_sum():
+    """The jitted summed negative log-likelihood of the masked targets of one batch (one compile per
+    model structure and batch shape, shared by every `evaluate` call)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def nll_sum(graphdef, state, x_bs, y_bs, m_bs):
+        logits_bsv = nnx.merge(graphdef, state)(x_bs).astype(jnp.float32)
+        lse_bs = jax.nn.logsumexp(logits_bsv, axis=-1)
+        picked_bs = jnp.take_along_axis(logits_bsv, y_bs[..., None], axis=-1)[..., 0]
+        return jnp.sum((lse_bs - picked_bs) * m_bs)
+
+    return nll_sum
+
+
 def evaluate(model, tokens, *, seq: int, batch: int, n_bytes: int | None = None,
              progress: bool = False) -> dict[str, Any]:
     """Mean loss (nats per predicted token), perplexity and, when ``n_bytes`` (the UTF-8 bytes that
@@ -52,7 +71,6 @@ def evaluate(model, tokens, *, seq: int, batch: int, n_bytes: int | None = None,
     Returns {"loss", "perplexity", "tokens", "windows", "bits_per_byte", "bytes"} (the last two None
     without ``n_bytes``)."""
     import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
     from tqdm.auto import tqdm  # noqa: PLC0415
 
@@ -67,14 +85,7 @@ def evaluate(model, tokens, *, seq: int, batch: int, n_bytes: int | None = None,
         raise ConfigError(f"eval.n_bytes: must be a positive integer or None, got {n_bytes!r}; fix: pass the UTF-8 "
                           "byte count of the predicted text")
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def nll_sum(state, x_bs, y_bs, m_bs):
-        logits_bsv = nnx.merge(graphdef, state)(x_bs).astype(jnp.float32)
-        lse_bs = jax.nn.logsumexp(logits_bsv, axis=-1)
-        picked_bs = jnp.take_along_axis(logits_bsv, y_bs[..., None], axis=-1)[..., 0]
-        return jnp.sum((lse_bs - picked_bs) * m_bs)
-
+    nll_sum = _nll_sum()
     n_windows = -(-(len(tokens) - 1) // seq)
     total = 0.0
     pending = []
@@ -85,7 +96,7 @@ def evaluate(model, tokens, *, seq: int, batch: int, n_bytes: int | None = None,
         if top >= vocab:
             raise ConfigError(f"eval.data: token id {top} is outside the model's vocabulary ({vocab}); fix: evaluate "
                               "data tokenised with the run's tokenizer")
-        pending.append(nll_sum(state, x_bs, y_bs, m_bs))
+        pending.append(nll_sum(graphdef, state, x_bs, y_bs, m_bs))
         if len(pending) >= 8:  # keep a few batches in flight, not the whole stream's results
             total += float(np.sum(np.asarray(jax.device_get(pending), np.float64)))
             pending = []

@@ -318,8 +318,12 @@ def tokenize_corpus(data: str | os.PathLike, out: str | os.PathLike, tokenizer: 
         meta_tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{META_FILE}"
         tmp_files.append(meta_tmp)
         meta_tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        # commit: the old metadata goes first, the new one comes last
-        (folder / META_FILE).unlink(missing_ok=True)
+        # commit: the old metadata is first marked incomplete, the new one comes last
+        if (folder / META_FILE).exists():
+            stub = folder / f"{TMP_PREFIX}{os.getpid()}-stub.json"
+            tmp_files.append(stub)
+            stub.write_text(json.dumps({"format": TOKENS_FORMAT, "version": TOKENS_VERSION, "incomplete": True}))
+            os.replace(stub, folder / META_FILE)
         for w in writers.values():
             os.replace(w.tmp, folder / f"{w.name}.bin")
             os.replace(folder / f"{TMP_PREFIX}{os.getpid()}-{w.name}.docs.npy", folder / f"{w.name}.docs.npy")
