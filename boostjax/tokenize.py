@@ -64,6 +64,9 @@ def input_files(data: str | os.PathLike) -> list[pathlib.Path]:
     path = os.fspath(data)
     if path == "":
         raise _err("data: no input given; fix: pass --data with a text file or a folder of text files")
+    if "\0" not in path and not os.path.lexists(path):
+        raise _err(f"data: no such file or folder: {path!r}; fix: pass --data with a text file or a folder of text "
+                   "files")
     try:
         st = _data._stat(path)  # noqa: SLF001 (the same one-line messages as boostjax train --data)
         _data._check_kind(path, st)  # noqa: SLF001

@@ -444,3 +444,87 @@ def test_hf_unreadable_config(hf_folder, monkeypatch):
     monkeypatch.setattr(pathlib.Path, "read_bytes",
                         _fail_for(hf_folder / hf.CONFIG_NAME, PermissionError(errno.EACCES, "Permission denied")))
     _hf_refused(hf_folder, hf_folder / hf.CONFIG_NAME, "Permission denied")
+
+
+# ------------------------------------------------------------------------------ tokenize and eval (issue 13)
+
+@pytest.fixture()
+def texts(tmp_path):
+    d = tmp_path / "texts"
+    d.mkdir()
+    for i in range(4):
+        (d / f"{i}.txt").write_text(f"document {i} " * 20)
+    return d
+
+
+def _tokenized(texts, out, tokenizer="byte"):
+    from boostjax.tokenize import tokenize_corpus  # noqa: PLC0415
+
+    return tokenize_corpus(texts, out, tokenizer, val_every=2, progress=False)
+
+
+def test_tokenize_bad_input(capsys, tmp_path, texts):
+    out = tmp_path / "tok"
+    tok = ["tokenize", "--out", out]
+    _refused(capsys, [*tok, "--data", tmp_path / "missing"], "tokenize.data:", "no such file")
+    (tmp_path / "empty").mkdir()
+    _refused(capsys, [*tok, "--data", tmp_path / "empty"], "tokenize.data:", "no *.txt")
+    (tmp_path / "empty.txt").write_text("")
+    _refused(capsys, [*tok, "--data", tmp_path / "empty.txt"], "tokenize.data:", "holds no text")
+    (tmp_path / "one.txt").write_text("a single document without blank lines\n")
+    _refused(capsys, [*tok, "--data", tmp_path / "one.txt"], "tokenize.data:", "1 non-empty document", "--doc-sep line")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9\n\nau lait".encode("latin-1"))
+    _refused(capsys, [*tok, "--data", tmp_path / "latin1.txt"], "tokenize.data:", "not UTF-8", "byte 3")
+    for spec in ("train:abc", "train:100", "train:", "train:99999999"):
+        _refused(capsys, [*tok, "--data", texts, "--tokenizer", spec], "tokenize.tokenizer:", "train:4096")
+    _refused(capsys, [*tok, "--data", texts, "--tokenizer", tmp_path / "nope.json"], "tokenize.tokenizer:",
+             "does not exist")
+    (tmp_path / "bad.json").write_text("{not json")
+    _refused(capsys, [*tok, "--data", texts, "--tokenizer", tmp_path / "bad.json"], "tokenize.tokenizer:",
+             "not a Hugging Face tokenizers file")
+    _refused(capsys, [*tok, "--data", texts, "--doc-sep", "page"], "tokenize.doc_sep")
+    _refused(capsys, [*tok, "--data", texts, "--val-every", "1"], "tokenize.val_every")
+    assert not out.exists()
+
+
+def test_tokenize_never_overwrites_a_users_folder(capsys, tmp_path, texts):
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "train.bin").write_bytes(b"precious")  # a name tokenize writes, but not its output
+    _refused(capsys, ["tokenize", "--data", texts, "--out", users], "tokenize.out:", "not an earlier boostjax tokenize")
+    _refused(capsys, ["tokenize", "--data", texts, "--out", texts], "tokenize.out:")
+    assert (users / "train.bin").read_bytes() == b"precious" and sorted(os.listdir(users)) == ["train.bin"]
+    _tokenized(texts, tmp_path / "tok")
+    _refused(capsys, ["tokenize", "--data", tmp_path / "tok", "--out", tmp_path / "again"], "already a tokenised folder")
+    (tmp_path / "tok" / "notes.txt").write_text("mine")  # an earlier output with a user's file in it
+    _refused(capsys, ["tokenize", "--data", texts, "--out", tmp_path / "tok"], "tokenize.out:")
+
+
+def test_train_on_a_tokenised_folder_bad_input(capsys, tmp_path, texts):
+    tok = tmp_path / "tok"
+    meta = _tokenized(texts, tok, "train:300")
+    run = ["--out", tmp_path / "run", "--data", tok]
+    _refused(capsys, [*TRAIN, *run, "--vocab-size", "100"], "model.vocab_size: 100", f"--vocab-size {meta['vocab_size']}")
+    (tok / "val.bin").write_bytes((tok / "val.bin").read_bytes()[:-2])  # cut short
+    _refused(capsys, [*TRAIN, *run], "val.bin", "the metadata says")
+    (tok / "meta.json").write_text(json.dumps({**meta, "version": 7}))
+    _refused(capsys, [*TRAIN, *run], "meta.json", "version 7")
+    (tok / "meta.json").write_text('{"format": "boostjax-tokens", "version": 1, "incomplete": true}')
+    _refused(capsys, [*TRAIN, *run], "interrupted boostjax tokenize", "boostjax tokenize --out")
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_bad_input(capsys, tmp_path, texts):
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = {"model": {"kind": "llama", "vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64},
+           "train": {"seq": 32, "batch": 4}}
+    (run / "config.json").write_text(json.dumps(cfg))  # a byte-level run (no tokenizer.json)
+    _tokenized(texts, tmp_path / "bpe", "train:300")
+    ev = ["eval", "--run", run]
+    _refused(capsys, [*ev, "--data", tmp_path / "bpe"], "eval.data:", "tokenizer.json", "not with the run's tokenizer")
+    _refused(capsys, [*ev, "--data", texts, "--split", "val"], "eval.split:")
+    _refused(capsys, [*ev, "--data", tmp_path / "missing"], "eval.data:", "no such file")
+    _refused(capsys, [*ev, "--data", texts, "--seq", "0"], "eval.seq")
+    _refused(capsys, [*ev, "--data", texts, "--seq", "8192"], "eval.seq", "max_seq_len")
+    _refused(capsys, ["eval", "--run", tmp_path / "norun", "--data", texts], "run:")
