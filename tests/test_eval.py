@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
 
 import numpy as np
 import pytest

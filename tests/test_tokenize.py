@@ -8,7 +8,6 @@ import json
 import pathlib
 import sys
 
-import numpy as np
 import pytest
 
 import boostjax.train  # noqa: F401 (the module, for monkeypatching)
