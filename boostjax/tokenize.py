@@ -37,7 +37,8 @@ import numpy as np
 from boostjax import data as _data
 from boostjax.config import ConfigError
 from boostjax.data import META_FILE, SPLITS, TOKENS_FORMAT, TOKENS_VERSION, ByteTokenizer
-from boostjax.text import MIN_TRAINED_VOCAB, TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer, train_tokenizer
+from boostjax.text import (MIN_TRAINED_VOCAB, TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer, tokenizer_kind,
+                           train_tokenizer)
 
 DOC_SEPS: tuple[str, ...] = ("file", "blank", "line")
 VAL_EVERY: int = _data.VAL_EVERY
@@ -292,9 +293,12 @@ def tokenize_corpus(data: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     folder = pathlib.Path(out)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    writers = {s: _Writer(folder, s, dtype) for s in SPLITS}
-    tmp_files = [w.tmp for w in writers.values()]
+    writers: dict[str, _Writer] = {}
+    tmp_files: list[pathlib.Path] = []
     try:
+        for s in SPLITS:
+            tmp_files.append(folder / f"{TMP_PREFIX}{os.getpid()}-{s}.bin")
+            writers[s] = _Writer(folder, s, dtype)
         i = 0
         with _progress(total_bytes, progress, "tokenizing") as bar:
             for batch in _batches(documents(files, doc_sep)):
@@ -373,8 +377,6 @@ def check_run_tokenizer(run_dir: str | os.PathLike, data: str, resuming: bool) -
         return
     run_tok = load_tokenizer(run_dir)
     if not same_tokenizer(tok, run_tok):
-        from boostjax.text import tokenizer_kind  # noqa: PLC0415
-
         raise ConfigError(f"train.data: {data} was tokenised with {tokenizer_kind(tok)} but the checkpoints in {run_dir} "
                           f"were trained with {tokenizer_kind(run_tok)}; fix: tokenise the text with the run's "
                           f"tokenizer (boostjax tokenize --tokenizer {run_dir} ...), or pass another --out for a new run")
