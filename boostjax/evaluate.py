@@ -67,7 +67,8 @@ def evaluate(model, tokens, *, seq: int, batch: int, n_bytes: int | None = None,
              progress: bool = False) -> dict[str, Any]:
     """Mean loss (nats per predicted token), perplexity and, when ``n_bytes`` (the UTF-8 bytes that
     ``tokens[1:]`` stand for) is given, bits per byte of ``model`` over the 1-D id stream ``tokens``
-    (a numpy array or memmap): every token after the first is predicted once (see the module notes).
+    (a numpy array or memmap): every token after the first is predicted once (see the module notes),
+    in fp32 on the model's device.
     Returns {"loss", "perplexity", "tokens", "windows", "bits_per_byte", "bytes"} (the last two None
     without ``n_bytes``)."""
     import jax  # noqa: PLC0415

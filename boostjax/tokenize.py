@@ -143,10 +143,21 @@ def parse_tokenizer(spec: str | Tokenizer) -> tuple[Tokenizer | None, int]:
             raise _err(f"tokenizer: cannot train a vocabulary of {v!r} tokens; fix: train:VOCAB with VOCAB an integer "
                        f"in [{MIN_TRAINED_VOCAB}, {MAX_TRAINED_VOCAB}], e.g. train:4096")
         return None, int(v)
+    p = pathlib.Path(spec)
+    if spec not in ("", "byte") and p.is_dir() and not (p / TOKENIZER_FILE).exists() and not _byte_level_folder(p):
+        raise _err(f"tokenizer: {p} holds no {TOKENIZER_FILE}; fix: pass a tokenizer.json file or a folder holding one "
+                   "(save a transformers tokenizer with save_pretrained), 'byte', or train:VOCAB")
     try:
         return load_tokenizer(spec), 0
     except ConfigError as e:
         raise ConfigError("tokenize." + str(e)) from None
+
+
+def _byte_level_folder(p: pathlib.Path) -> bool:
+    """A boostjax run folder or tokenised folder without tokenizer.json: byte level by construction."""
+    from boostjax.runfolder import CONFIG, describe_foreign  # noqa: PLC0415
+
+    return _data.is_token_folder(p) or ((p / CONFIG).is_file() and describe_foreign(p) is None)
 
 
 def separator(tok: Tokenizer) -> np.ndarray:

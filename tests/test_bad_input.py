@@ -482,6 +482,9 @@ def test_tokenize_bad_input(capsys, tmp_path, texts):
     (tmp_path / "bad.json").write_text("{not json")
     _refused(capsys, [*tok, "--data", texts, "--tokenizer", tmp_path / "bad.json"], "tokenize.tokenizer:",
              "not a Hugging Face tokenizers file")
+    (tmp_path / "hf_model").mkdir()  # e.g. a checkpoint with only a sentencepiece tokenizer.model
+    _refused(capsys, [*tok, "--data", texts, "--tokenizer", tmp_path / "hf_model"], "tokenize.tokenizer:",
+             "holds no tokenizer.json")
     _refused(capsys, [*tok, "--data", texts, "--doc-sep", "page"], "tokenize.doc_sep")
     _refused(capsys, [*tok, "--data", texts, "--val-every", "1"], "tokenize.val_every")
     assert not out.exists()
