@@ -39,8 +39,8 @@ from boostjax.models import attention
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA
 from boostjax.runfolder import RunFolder
-from boostjax.tokenize import check_run_tokenizer, install_run_tokenizer
 from boostjax.step import StepFns, build_step_fns
+from boostjax.tokenize import check_run_tokenizer, install_run_tokenizer
 
 
 class NonFiniteLoss(RuntimeError):
