@@ -43,6 +43,10 @@ _HELP = {
     "num_processes": "multi-host: processes in the job (0 = from the environment; 1 = one process)",
     "process_id": "multi-host: this process's index, 0..num_processes-1 (-1 = from the environment)",
     "init_timeout": "multi-host: seconds to wait for every process of the job to join before giving up",
+    "tensorboard": "write TensorBoard event files (the metrics.jsonl scalars) into OUT/tensorboard/",
+    "profile": "START:STOP: a jax.profiler trace of steps START..STOP-1 (0-based) into OUT/profile/ ('' = none)",
+    "hardware": "hardware profile for the MFU metric (peak BF16 FLOP/s per device), e.g. H800-80GB, A100-80GB, "
+                "RTX3090-24GB; '' = detect from the device (none on a CPU)",
 }
 
 

@@ -119,6 +119,10 @@ class TrainConfig:
     num_processes: int = 0  # processes in the job; 0 = from the environment (1 process if none); 1 = force one
     process_id: int = -1  # this process's index in [0, num_processes); -1 = from the environment
     init_timeout: int = 300  # seconds a multi-host process waits for the whole job to join before it gives up
+    # observability (issue 13, item 7; boostjax.observe)
+    tensorboard: bool = True  # TensorBoard event files in <out>/tensorboard/ (process 0)
+    profile: str = ""  # "START:STOP": a jax.profiler trace of steps [START, STOP) into <out>/profile/
+    hardware: str = ""  # peak-FLOPs profile for MFU (boostjax.offload.hardware); "" = detect from the device
 
 
 def warmup_steps(t: TrainConfig) -> int:
@@ -293,8 +297,18 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _need(1 <= t.init_timeout <= MAX_INIT_TIMEOUT,
           f"train.init_timeout: {t.init_timeout} s outside [1, {MAX_INIT_TIMEOUT}]; fix: pass e.g. --init-timeout 300")
     _validate_pipeline(t, m)
+    _validate_observe(t)
     if t.offload_plan:
         _validate_offload_plan(t, m)
+
+
+def _validate_observe(t: TrainConfig) -> None:
+    """--profile START:STOP within the run, --hardware a known profile name (`boostjax.observe`)."""
+    from boostjax.observe import hardware_profile, parse_profile  # noqa: PLC0415 (imports this module)
+
+    parse_profile(t.profile, t.steps)
+    if t.hardware:
+        hardware_profile(t.hardware)
 
 
 def _validate_accum_zero(t: TrainConfig) -> None:

@@ -5,6 +5,8 @@
     runs/x/metrics.jsonl        one JSON object per logged step
     runs/x/checkpoints/         Orbax checkpoints with checksums (boostjax.checkpoint)
     runs/x/checkpoints-aside/   damaged or non-finite checkpoints, moved out of the way, never deleted
+    runs/x/tensorboard/         TensorBoard event files of the same scalars (boostjax.observe)
+    runs/x/profile/             jax.profiler traces asked for with --profile START:STOP
     runs/x/.lock                held (fcntl) by the process that trains in the folder
 
 `RunFolder.check_target` refuses, before anything is written, a path that is a file or lies under
@@ -30,7 +32,7 @@ from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
 
 CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS = "config.json", "config_history.jsonl", "metrics.jsonl", ".lock", "checkpoints"
 RUN_FILES: frozenset[str] = frozenset({CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS, "checkpoints-aside",
-                                       CONFIG + ".tmp", METRICS + ".tmp"})
+                                       CONFIG + ".tmp", METRICS + ".tmp", "tensorboard", "profile"})
 
 # Training fields a resumed run may change (everything else, and every model field but MUTABLE_MODEL, is
 # fixed: the checkpoint's shapes, the data order or the optimizer state's meaning depend on it).
@@ -39,6 +41,7 @@ MUTABLE: frozenset[str] = frozenset({
     "ckpt_every", "keep_ckpts", "log_every", "eval_every", "eval_batches", "strategy", "mesh",
     "microbatches", "pipeline_schedule", "zero", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh",
     "delay_lr_tc", "offload_plan", "progress", "coordinator", "num_processes", "process_id", "init_timeout",
+    "tensorboard", "profile", "hardware",  # what a run shows, not what it computes (issue 13, item 7)
 })
 # Model fields a resumed run may change: the attention kernel computes the same function.
 MUTABLE_MODEL: frozenset[str] = frozenset({"attention", "attention_block"})

@@ -87,6 +87,10 @@ def _digest(path: pathlib.Path) -> str:
     (["--grad-accum", "0"], "train.grad_accum"), (["--grad-accum", "-2"], "train.grad_accum"),
     (["--grad-accum", "1048576", "--seq", "4096"], "train.grad_accum"),
     (["--zero", "2"], "train.zero"), (["--zero", "-1"], "train.zero"),
+    (["--profile", "abc"], "train.profile"), (["--profile", "1:1"], "train.profile"),
+    (["--profile", "0:3"], "train.profile"), (["--profile", "-1:2"], "train.profile"),
+    (["--profile", "1:2:3"], "train.profile"), (["--profile", "1.5:2"], "train.profile"),
+    (["--hardware", "tpu9"], "train.hardware"),
 ])
 def test_train_numbers_and_fields(capsys, tmp_path, flags, field):
     _refused(capsys, [*TRAIN, "--out", tmp_path / "run", *flags], field)
