@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from boostjax import multihost
+from boostjax import multihost, relayout
 from boostjax.checkpoint import CheckpointError, Checkpointer, step_dirs
 from boostjax.config import Config, ConfigError, TrainConfig, mesh_devices, parse_mesh, validate, warmup_steps
 from boostjax.data import BatchIterator, eval_batches, load_corpus
@@ -102,13 +102,13 @@ def stacked_layers(t: TrainConfig) -> bool:
     return parse_mesh(t.mesh).get("stage", 1) > 1
 
 
-def _check_layout(folder: RunFolder, old: Config, cfg: Config) -> None:
+def _check_layout(folder: RunFolder, old: Config, cfg: Config) -> bool:
+    """Whether resuming converts the checkpoints' layer layout (stacked under a pipeline, per layer
+    otherwise; `boostjax.relayout`); a conversion the optimizer state cannot take is refused."""
     was, now = stacked_layers(old.train), stacked_layers(cfg.train)
     if was != now:
-        layout = {True: "stacked layers (a stage mesh)", False: "per-layer parameters (no stage axis)"}
-        raise ConfigError(f"train.mesh: {folder.path} holds checkpoints with {layout[was]} but this mesh trains "
-                          f"{layout[now]}; fix: resume {'with' if was else 'without'} stage > 1 in --mesh, "
-                          f"or pass another --out")
+        relayout.check(cfg, abstract_model(cfg)[1], was, str(folder.path))
+    return was != now
 
 
 def _say(msg: str) -> None:
@@ -150,11 +150,15 @@ def _stop_early(stop: StopSignals, folder: RunFolder) -> None:
                                   f"rerun the same command to train", stop.signum, None)
 
 
-def _restore(ckpt: Checkpointer, params, opt_state, data: BatchIterator) -> tuple[int, Any, Any, bool]:
+def _restore(ckpt: Checkpointer, params, opt_state, data: BatchIterator,
+             other_layout: Callable[[], Any] | None = None) -> tuple[int, Any, Any, bool]:
     """Resume from the newest checkpoint that verifies and restores (damaged newer ones are moved to
     `checkpoints-aside/` with one line each): (step, params, opt_state, verified); step 0 when there
-    is none."""
-    restored = ckpt.restore_latest(params, opt_state)  # CheckpointError when none restores
+    is none. The target shardings are those of the live `params` / `opt_state` (this process's mesh,
+    whatever mesh and device count wrote the checkpoint); `other_layout` reads a checkpoint written
+    in the other layer layout instead (`boostjax.relayout`)."""
+    # CheckpointError when none restores
+    restored = other_layout() if other_layout else ckpt.restore_latest(params, opt_state)
     if restored is None:
         return 0, params, opt_state, True
     for step, why in restored.skipped:
@@ -192,8 +196,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
         old = folder.stored_config()
         resuming = bool(step_dirs(folder.checkpoints))
         changes = folder.check_resume(old, cfg, resuming)
-        if resuming and old is not None:
-            _check_layout(folder, old, cfg)
+        convert = resuming and old is not None and _check_layout(folder, old, cfg)
         corpus = load_corpus(t.data, t.data_dtype)
         fns = build_step_fns(cfg, *abstract_model(cfg))  # checks strategy, mesh and shapes on shapes alone
         _stop_early(stop, folder)
@@ -205,7 +208,9 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
                              process_index=share, process_count=count)
         ckpt = Checkpointer(folder.checkpoints, keep=t.keep_ckpts, primary=multihost.is_main_process())
         try:
-            start, params, opt_state, verified = (_restore(ckpt, params, opt_state, data) if resuming
+            other = (lambda: relayout.restore_latest(ckpt, cfg, abstract_model(cfg)[1], stacked_layers(old.train),
+                                                     params, opt_state)) if convert else None
+            start, params, opt_state, verified = (_restore(ckpt, params, opt_state, data, other) if resuming
                                                   else (0, params, opt_state, True))
             if multihost.is_main_process():
                 folder.write_config(cfg, start, changes)

@@ -117,3 +117,16 @@ def test_resume_on_one_device_continues_the_mesh_run(runs):
     assert steps == list(range(1, STEPS + 1))
     assert (out / "resumed" / "checkpoints" / str(STEPS)).is_dir()
     shutil.rmtree(out / "resumed")
+
+
+@pytest.mark.parametrize("optimizer", ["adam8bit", "rotation"])
+def test_layout_change_refused_where_the_optimizer_state_is_not_elementwise(optimizer):
+    """Stacked <-> per-layer conversion is exact for elementwise optimizer state only (boostjax.relayout)."""
+    from boostjax.config import ConfigError
+    from boostjax.relayout import check
+    from boostjax.train import abstract_model
+
+    cfg = Config(MODEL, TrainConfig(optimizer=optimizer))
+    with pytest.raises(ConfigError, match=f"train.mesh: .*stacked layers.*{optimizer}.*fix: resume with stage > 1"):
+        check(cfg, abstract_model(cfg)[1], True, "runs/x")
+    check(Config(MODEL, TrainConfig(optimizer="adamw")), abstract_model(cfg)[1], True, "runs/x")  # converts
