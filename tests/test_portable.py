@@ -5,7 +5,6 @@ bit for bit; the resumed run continues with the checkpoint's optimizer state and
 
 import json
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
