@@ -23,6 +23,7 @@ import fcntl
 import json
 import os
 import pathlib
+import re
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -300,8 +301,10 @@ def check_export_target(path: str | pathlib.Path) -> None:
         raise ConfigError(f"export.out: {p} is a boostjax run folder; fix: export into a new folder, not a run's")
     export_files = {"config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json",
                     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
-    ours = (p / "model.safetensors").is_file() and _is_boostjax_export(p / CONFIG)
-    if not ours or names - export_files:
+    shards = {n for n in names if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n)}
+    weights = (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file()
+    ours = weights and _is_boostjax_export(p / CONFIG)
+    if not ours or names - export_files - shards:
         raise ConfigError(f"export.out: {p} is not empty and is not an earlier boostjax export; fix: pass a new "
                           f"or empty folder to --out (boostjax never overwrites files it did not write)")
 
