@@ -25,7 +25,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from boostjax.config import ModelConfig
+from boostjax.config import ConfigError, ModelConfig
 from boostjax.hf_config import (GENERATION_NAME, TOKENIZER_CONFIG_NAME, check_exportable, config_from_hf,
                                 generation_config, hf_config, tokenizer_config, write_json)
 from boostjax.models.llama import LLaMA
@@ -198,7 +198,7 @@ def parse_size(size: int | str) -> int:
     else:
         n = -1
     if n < 1:
-        raise ValueError(f"export.max_shard_size: cannot read {size!r} as a positive size; "
+        raise ConfigError(f"export.max_shard_size: cannot read {size!r} as a positive size; "
                          "fix: pass e.g. --max-shard-size 5GB (units B, KB, MB, GB, KiB, MiB, GiB) or 0 for one file")
     return n
 

@@ -41,8 +41,9 @@ MUTABLE: frozenset[str] = frozenset({
     "microbatches", "pipeline_schedule", "zero", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh",
     "delay_lr_tc", "offload_plan", "progress", "coordinator", "num_processes", "process_id", "init_timeout",
 })
-# Model fields a resumed run may change: the attention kernel computes the same function.
-MUTABLE_MODEL: frozenset[str] = frozenset({"attention", "attention_block"})
+# Model fields a resumed run may change: the attention kernel computes the same function; token ids are metadata.
+MUTABLE_MODEL: frozenset[str] = frozenset({"attention", "attention_block",
+                                           "bos_token_id", "eos_token_ids", "pad_token_id"})  # item 3: metadata
 EXPORT_MARK = "boostjax_export"  # key of an exported config.json (transformers keeps unknown keys)
 IGNORED: frozenset[str] = frozenset({"out", "progress", "coordinator", "num_processes", "process_id"})
 
