@@ -233,3 +233,22 @@ def test_tied_model_refused_under_tp_and_pipeline():
     for t in (TrainConfig(strategy="fullrank-tp", mesh="model=2"), TrainConfig(mesh="stage=2", batch=4)):
         with pytest.raises(ConfigError, match="model.tie_embeddings:.*fix: pass --strategy none"):
             validate_train(t, cfg)
+
+
+# one case in CI (the cheapest); run by hand, also passing: ("fullrank-tp", "llama", "data=1,model=2", "gpipe"),
+# ("btp", "cola", "data=1,model=2", "gpipe"), ("fullrank-tp", "llama", "data=1,stage=2,model=2", "1f1b")
+@pytest.mark.parametrize("strategy,kind,mesh,schedule", [("none", "llama", "data=1,stage=2,model=1", "gpipe")])
+def test_head_dim_and_rope_scaling_on_tp_and_pipeline(strategy, kind, mesh, schedule):
+    """An explicit head width (8 x 12 != d_model 64) and llama3 RoPE give the single-device loss and
+    gradients under TP and a pipeline (whose stages build their own RoPE tables)."""
+    from test_tp import TINY, _compare, assert_matches  # noqa: PLC0415
+
+    from boostjax.config import Config, validate  # noqa: PLC0415
+
+    model = dataclasses.replace(TINY, kind=kind, n_layers=2, attn_head_dim=12, rope_type="llama3", rope_factor=8.0,
+                                rope_original_max_len=8)
+    assert param_count(model) == sum(p.size for p in jax.tree.leaves(nnx.state(
+        nnx.eval_shape(lambda: LLaMA(model, rngs=nnx.Rngs(0))), nnx.Param)))
+    cfg = validate(Config(model, TrainConfig(strategy=strategy, mesh=mesh, batch=4, seq=16,
+                                             pipeline_schedule=schedule)))
+    assert_matches(*_compare(cfg, seed=17))
