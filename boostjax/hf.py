@@ -26,13 +26,32 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from boostjax.config import ConfigError, ModelConfig
-from boostjax.hf_config import (GENERATION_NAME, TOKENIZER_CONFIG_NAME, check_exportable, config_from_hf,
-                                generation_config, hf_config, tokenizer_config, write_json)
+from boostjax.hf_config import (
+    GENERATION_NAME,
+    TOKENIZER_CONFIG_NAME,
+    check_exportable,
+    config_from_hf,
+    generation_config,
+    hf_config,
+    tokenizer_config,
+    write_json,
+)
 from boostjax.models.llama import LLaMA
 from boostjax.runfolder import check_export_target
 
-__all__ = ["config_from_hf", "hf_config", "read_hf", "from_hf", "to_hf", "build_model", "read_tensors",
-           "params_to_hf", "params_from_hf", "copy_hf_extras", "parse_size"]
+__all__ = [
+    "build_model",
+    "config_from_hf",
+    "copy_hf_extras",
+    "from_hf",
+    "hf_config",
+    "params_from_hf",
+    "params_to_hf",
+    "parse_size",
+    "read_hf",
+    "read_tensors",
+    "to_hf",
+]
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -236,13 +255,13 @@ def _write_weights(out: pathlib.Path, tensors: Mapping[str, np.ndarray], max_sha
 def _side_files(cfg: ModelConfig, out: pathlib.Path, source: pathlib.Path | None) -> ModelConfig:
     """Tokenizer and generation config of `source` (a run folder or a Hugging Face folder) into `out`.
     Returns `cfg` with the eos/bos ids of the tokenizer where `cfg` has none."""
-    import dataclasses  # noqa: PLC0415
+    import dataclasses
 
     tok_file = source / TOKENIZER_NAME if source is not None else None
     if tok_file is not None and tok_file.is_file():
-        from tokenizers import Tokenizer  # noqa: PLC0415
+        from tokenizers import Tokenizer
 
-        from boostjax.text import load_tokenizer  # noqa: PLC0415
+        from boostjax.text import load_tokenizer
 
         tok = load_tokenizer(tok_file)
         if not cfg.eos_ids and tok.eos_id is not None and tok.eos_id < cfg.vocab_size:
