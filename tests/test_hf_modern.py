@@ -19,13 +19,7 @@ from safetensors.numpy import load_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from boostjax import hf
-from boostjax.config import (
-    ConfigError,
-    ModelConfig,
-    TrainConfig,
-    validate_model,
-    validate_train,
-)
+from boostjax.config import ConfigError, ModelConfig, TrainConfig, validate_model, validate_train
 from boostjax.models import ops
 from boostjax.models.flops import param_count
 from boostjax.models.llama import LLaMA
@@ -35,8 +29,9 @@ torch.set_num_threads(1)
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, initializer_range=0.1,
             rope_theta=10000.0)
+# head_dim 16, theta 1e4: wavelength 6.3 < 32/4 kept, 14.9 smoothed, 35 .. 2650 > 32/1 divided by the factor
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}  # head_dim 16: wavelengths 6.3 (smoothed), 20.. (scaled), ...
+          "original_max_position_embeddings": 32}
 SHAPES = {
     "llama3": dict(rope_scaling=LLAMA3),
     "linear": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
@@ -94,7 +89,7 @@ def test_import_export_matches_transformers(shape, tmp_path):
     ref = _ref(**SHAPES[shape])
     ref.save_pretrained(tmp_path / "src")
     model = hf.from_hf(tmp_path / "src")
-    tokens = _tokens(48)  # past original_max_position_embeddings=16 and every llama3 band
+    tokens = _tokens(48)  # past original_max_position_embeddings=32
     theirs = _theirs(ref, tokens)
     _close(_ours(model, tokens), theirs)
     if shape == "llama3":  # the scaling matters: plain RoPE (rope_scaling null) is far off
@@ -123,7 +118,7 @@ def test_llama3_old_rope_scaling_and_new_rope_parameters(tmp_path):
     d.update(rope_scaling=dict(LLAMA3), rope_theta=50000.0)
     (tmp_path / hf.CONFIG_NAME).write_text(json.dumps(d))
     old = hf.from_hf(tmp_path)
-    assert old.cfg == new.cfg and new.cfg.rope_type == "llama3" and new.cfg.rope_original_max_len == 16
+    assert old.cfg == new.cfg and new.cfg.rope_type == "llama3" and new.cfg.rope_original_max_len == 32
     assert new.cfg.rope_theta == 50000.0 and new.cfg.rope_factor == 8.0
     assert np.allclose(ops.rope_inv_freq(new.cfg, 48), ref.model.rotary_emb.inv_freq.numpy(), rtol=1e-6, atol=0)
 
