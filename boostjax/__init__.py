@@ -29,7 +29,7 @@ _EXPORTS: dict[str, str] = {
     "train": "boostjax.train", "TrainResult": "boostjax.train", "NonFiniteLoss": "boostjax.train",
     "init_model": "boostjax.train", "load_run": "boostjax.run", "simulate_devices": "boostjax.devices",
     # interop
-    "from_hf": "boostjax.hf", "to_hf": "boostjax.hf",
+    "from_hf": "boostjax.hf", "to_hf": "boostjax.hf", "read_hf": "boostjax.hf",  # item 3: read_hf
     # tensor parallelism and its communication, read from compiled HLO
     "comm_report": "boostjax.sharding.comm",
     # pipeline parallelism (mesh axis `stage`)

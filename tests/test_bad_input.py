@@ -87,6 +87,10 @@ def _digest(path: pathlib.Path) -> str:
     (["--grad-accum", "0"], "train.grad_accum"), (["--grad-accum", "-2"], "train.grad_accum"),
     (["--grad-accum", "1048576", "--seq", "4096"], "train.grad_accum"),
     (["--zero", "2"], "train.zero"), (["--zero", "-1"], "train.zero"),
+    (["--profile", "abc"], "train.profile"), (["--profile", "1:1"], "train.profile"),
+    (["--profile", "0:3"], "train.profile"), (["--profile", "-1:2"], "train.profile"),
+    (["--profile", "1:2:3"], "train.profile"), (["--profile", "1.5:2"], "train.profile"),
+    (["--hardware", "tpu9"], "train.hardware"),
 ])
 def test_train_numbers_and_fields(capsys, tmp_path, flags, field):
     _refused(capsys, [*TRAIN, "--out", tmp_path / "run", *flags], field)
@@ -444,6 +448,43 @@ def test_hf_unreadable_config(hf_folder, monkeypatch):
     monkeypatch.setattr(pathlib.Path, "read_bytes",
                         _fail_for(hf_folder / hf.CONFIG_NAME, PermissionError(errno.EACCES, "Permission denied")))
     _hf_refused(hf_folder, hf_folder / hf.CONFIG_NAME, "Permission denied")
+
+
+# ------------------------------------------------------------------------------ item 3: Hugging Face interop
+
+@pytest.mark.parametrize("flags,field", [
+    (["--rope-type", "yarn"], "model.rope_type"), (["--rope-factor", "0.5", "--rope-type", "linear"], "model.rope_factor"),
+    (["--rope-factor", "8"], "model.rope_factor"), (["--rope-factor", "nan", "--rope-type", "linear"], "model.rope_factor"),
+    (["--rope-type", "llama3", "--rope-factor", "8", "--rope-low-freq-factor", "4", "--rope-high-freq-factor", "1"],
+     "model.rope_high_freq_factor"),
+    (["--rope-type", "llama3", "--rope-original-max-len", "-1"], "model.rope_original_max_len"),
+    (["--attn-head-dim", "-2"], "model.attn_head_dim"), (["--attn-head-dim", "7"], "model.attn_head_dim"),
+    (["--d-model", "30", "--n-heads", "4"], "model.d_model"),
+    (["--bos-token-id", "256"], "model.bos_token_id"), (["--pad-token-id", "-2"], "model.pad_token_id"),
+    (["--eos-token-ids", "1,x"], "model.eos_token_ids"), (["--eos-token-ids", "300"], "model.eos_token_ids"),
+    (["--model", "llama", "--tie-embeddings", "--strategy", "fullrank-tp", "--mesh", "model=2"], "model.tie_embeddings"),
+    (["--model", "llama", "--tie-embeddings", "--mesh", "stage=2"], "model.tie_embeddings"),
+])
+def test_hf_interop_fields(capsys, tmp_path, flags, field):
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", *flags], field)
+    assert not (tmp_path / "run").exists()
+
+
+def test_export_bad_shard_size(capsys, tmp_path):
+    _refused(capsys, ["export-hf", "--run", tmp_path / "missing", "--out", tmp_path / "hf", "--max-shard-size", "5XB"],
+             "export.max_shard_size")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}, "rope_type='yarn'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16"), ({"head_dim": 9}, "head_dim=9"),
+])
+def test_hf_unsupported_shapes(hf_folder, change, needle):
+    d = json.loads((hf_folder / hf.CONFIG_NAME).read_text())
+    (hf_folder / hf.CONFIG_NAME).write_text(json.dumps({**d, **change}))
+    _hf_refused(hf_folder, hf_folder / hf.CONFIG_NAME, needle)
 
 
 # ------------------------------------------------------------------------------ tokenize and eval (issue 13)

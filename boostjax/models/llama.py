@@ -177,14 +177,16 @@ class Block(nnx.Module):
 
 
 class LLaMA(nnx.Module):
-    """Decoder-only LLaMA. `model(tokens)` gives logits; `model.loss(tokens, targets)` the mean CE."""
+    """Decoder-only LLaMA. `model(tokens)` gives logits; `model.loss(tokens, targets)` the mean CE.
+    With `cfg.tie_embeddings` there is no `head` parameter: the logits use the embedding transposed."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
         self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.norm = nnx.Param(jnp.ones((cfg.d_model,), jnp.float32))
-        self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
+        if not cfg.tie_embeddings:  # tied: the head is `embed` transposed (`logits`)
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
 
     def features(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
                  remat: str | Callable | None | RematSchedule = "none") -> Float[Array, "b t d"]:
@@ -194,7 +196,7 @@ class LLaMA(nnx.Module):
         (a list or tuple): each entry is a policy or None (no remat) for one layer, or a
         `RematSegment` covering `len(inner)` consecutive layers; entries cover all layers in order."""
         cfg = self.cfg
-        cos_te, sin_te = ops.rope_tables(tokens_bt.shape[1], cfg.head_dim, cfg.rope_theta)
+        cos_te, sin_te = ops.model_rope_tables(cfg, tokens_bt.shape[1])
         x_btd = self.embed_tokens(tokens_bt)
 
         def run(blk, x, policy, tied=False):
@@ -239,6 +241,8 @@ class LLaMA(nnx.Module):
         return ops.rms_norm(coll.gather_features(x_btd), self.norm[...], self.cfg.norm_eps)
 
     def logits(self, xn_btd: Float[Array, "b t d"]) -> Float[Array, "b t v"]:
+        if self.cfg.tie_embeddings:
+            return jnp.einsum("btd,vd->btv", xn_btd, self.embed[...], preferred_element_type=jnp.float32)
         return jnp.einsum("btd,dv->btv", xn_btd, self.head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,

@@ -6,12 +6,15 @@ heads, k kv heads, e head dim, g group (grouped projections), v vocabulary.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
+from boostjax.config import ModelConfig
 from boostjax.models import attention
 from boostjax.sharding.collectives import Collectives
 
@@ -45,15 +48,65 @@ def online_norm_down(
     return (z_btgr.astype(jnp.float32) * inv_bt11).astype(x_btd.dtype)
 
 
-def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[Float[Array, "t e"], Float[Array, "t e"]]:
+def rope_inv_freq(cfg: ModelConfig, seq: int) -> np.ndarray:
+    """The `head_dim / 2` RoPE inverse frequencies of `cfg` (fp32, on the host) for a sequence of `seq`
+    positions, scaled as `cfg.rope_type` says, in the order of operations of Hugging Face's
+    `modeling_rope_utils`:
+
+    - default: `theta^(-2i/e)`;
+    - linear: divided by `rope_factor` (positions interpolated);
+    - dynamic (NTK): the base becomes `theta · (factor·n/max_seq_len - (factor-1))^(e/(e-2))` with
+      `n = max(seq, max_seq_len)`: plain RoPE up to `max_seq_len`, a larger base beyond. The base is a
+      function of this call's length, so every position of a sequence longer than `max_seq_len` uses it
+      (transformers does the same in one forward, but keeps the longest length seen for later, shorter
+      calls that still exceed `max_position_embeddings`);
+    - llama3 (https://arxiv.org/abs/2407.21783): wavelengths above `original/low_freq_factor` divided by
+      the factor, below `original/high_freq_factor` kept, in between smoothly interpolated.
+    """
+    e, theta, factor = cfg.head_dim, np.float32(cfg.rope_theta), np.float32(cfg.rope_factor)
+    if cfg.rope_type == "dynamic":
+        n, m = np.float32(max(seq, cfg.max_seq_len)), np.float32(cfg.max_seq_len)
+        theta = theta * (factor * n / m - (factor - np.float32(1))) ** np.float32(e / (e - 2))
+    inv = (np.float32(1) / theta ** (np.arange(0, e, 2, dtype=np.float32) / np.float32(e))).astype(np.float32)
+    if cfg.rope_type == "linear":
+        inv = inv / factor
+    elif cfg.rope_type == "llama3":
+        old = np.float32(cfg.rope_original_max_len or cfg.max_seq_len)
+        low, high = np.float32(cfg.rope_low_freq_factor), np.float32(cfg.rope_high_freq_factor)
+        wavelen = np.float32(2 * math.pi) / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rope_tables(seq: int, head_dim: int, theta: float,
+                inv_freq: np.ndarray | None = None) -> tuple[Float[Array, "t e"], Float[Array, "t e"]]:
     """cos/sin tables for rotate-half RoPE (the Hugging Face LLaMA convention), in fp32.
 
+    `inv_freq`: the `head_dim / 2` frequencies (`rope_inv_freq`; default: plain RoPE of `theta`).
     Computed on the host (the shapes are static) so they enter the compiled step as constants: traced
     `cos`/`sin` of an iota get fused into, and recomputed by, every consumer on XLA's CPU backend."""
-    inv_freq = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
-    ang_te = np.arange(seq, dtype=np.float32)[:, None] * inv_freq[None, :]
+    if inv_freq is None:
+        inv_freq = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    ang_te = np.arange(seq, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
     ang_te = np.concatenate([ang_te, ang_te], axis=-1)
     return jnp.asarray(np.cos(ang_te)), jnp.asarray(np.sin(ang_te))
+
+
+def model_rope_tables(cfg: ModelConfig, seq: int) -> tuple[Float[Array, "t e"], Float[Array, "t e"]]:
+    """`rope_tables` of positions `0..seq-1` with `cfg`'s head width, base and scaling (host constants)."""
+    return rope_tables(seq, cfg.head_dim, cfg.rope_theta, rope_inv_freq(cfg, seq))
+
+
+def rope_tables_at(positions: Int[Array, "..."], inv_freq: np.ndarray) -> tuple[Float[Array, "... e"], Float[Array, "... e"]]:
+    """cos/sin of given (traced) positions, e.g. one decoding step: `inv_freq` from `rope_inv_freq`
+    (for dynamic scaling, of the total length the positions belong to)."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
 
 
 def apply_rope(x_bthe: Float[Array, "b t h e"], cos_te, sin_te) -> Float[Array, "b t h e"]:
