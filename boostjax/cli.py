@@ -43,6 +43,9 @@ _HELP = {
     "num_processes": "multi-host: processes in the job (0 = from the environment; 1 = one process)",
     "process_id": "multi-host: this process's index, 0..num_processes-1 (-1 = from the environment)",
     "init_timeout": "multi-host: seconds to wait for every process of the job to join before giving up",
+    "doc_mask": "mask attention at document boundaries: batches of packed documents carry a document id per "
+                "token, and a token attends only to its own document (needs data with documents: the "
+                "built-in corpus, a folder or a tokenised folder)",
 }
 
 

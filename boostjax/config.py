@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -119,6 +120,8 @@ class TrainConfig:
     num_processes: int = 0  # processes in the job; 0 = from the environment (1 process if none); 1 = force one
     process_id: int = -1  # this process's index in [0, num_processes); -1 = from the environment
     init_timeout: int = 300  # seconds a multi-host process waits for the whole job to join before it gives up
+    # item 2 (documents): batches carry segment ids and attention never crosses a document boundary
+    doc_mask: bool = False
 
 
 def warmup_steps(t: TrainConfig) -> int:
@@ -293,6 +296,7 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _need(1 <= t.init_timeout <= MAX_INIT_TIMEOUT,
           f"train.init_timeout: {t.init_timeout} s outside [1, {MAX_INIT_TIMEOUT}]; fix: pass e.g. --init-timeout 300")
     _validate_pipeline(t, m)
+    _validate_doc_mask(t, m)
     if t.offload_plan:
         _validate_offload_plan(t, m)
 
@@ -311,6 +315,16 @@ def _validate_accum_zero(t: TrainConfig) -> None:
                                  "accumulator; fix: drop --grad-accum or --offload-plan")
         _need(t.zero == 0, "train.zero: an offload plan runs on one device with nothing to shard over data; "
                            "fix: drop --zero or --offload-plan")
+
+
+def _validate_doc_mask(t: TrainConfig, m: ModelConfig) -> None:
+    """`doc_mask`: segment ids reach the chunked/xla attention of a one-stage step (not cuDNN, not a pipeline)."""
+    if not t.doc_mask:
+        return
+    _need(m.attention != "cudnn", "train.doc_mask: cuDNN attention takes no segment ids; "
+                                  "fix: pass --attention chunked (or auto) or drop --doc-mask")
+    _need(parse_mesh(t.mesh).get("stage", 1) == 1, "train.doc_mask: pipeline stages do not carry segment ids; "
+                                                   "fix: drop stage= from --mesh or drop --doc-mask")
 
 
 def _validate_pipeline(t: TrainConfig, m: ModelConfig) -> None:
@@ -438,6 +452,9 @@ def _validate_data(t: TrainConfig, m: ModelConfig) -> None:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if t.doc_mask and os.path.isfile(t.data):  # a file is one stream: its document boundaries are unknown
+        raise ConfigError(f"train.doc_mask: {t.data} is one file with no document boundaries; fix: pass --data with "
+                          "a folder of text files (one document each) or a tokenised folder, or drop --doc-mask")
 
 
 def field_names(cls: type) -> list[str]:
