@@ -87,9 +87,21 @@ def _digest(path: pathlib.Path) -> str:
     (["--grad-accum", "0"], "train.grad_accum"), (["--grad-accum", "-2"], "train.grad_accum"),
     (["--grad-accum", "1048576", "--seq", "4096"], "train.grad_accum"),
     (["--zero", "2"], "train.zero"), (["--zero", "-1"], "train.zero"),
+    (["--doc-mask", "--attention", "cudnn", "--dtype", "bfloat16"], "train.doc_mask"),
+    (["--doc-mask", "--mesh", "stage=2"], "train.doc_mask"),
 ])
 def test_train_numbers_and_fields(capsys, tmp_path, flags, field):
     _refused(capsys, [*TRAIN, "--out", tmp_path / "run", *flags], field)
+
+
+def test_doc_mask_needs_documents(capsys, tmp_path):
+    """A single file (a .bin token stream or a text file) has no document boundaries to mask at."""
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
+    (tmp_path / "notes.txt").write_text("some text " * 20)
+    for name in ("tokens.bin", "notes.txt"):
+        _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--doc-mask", "--data", tmp_path / name],
+                 "train.doc_mask", name)
+        assert not (tmp_path / "run").exists()
     assert not (tmp_path / "run").exists()
 
 
