@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "flops_per_token": "boostjax.models.flops",
     # data
     "ByteTokenizer": "boostjax.data", "load_corpus": "boostjax.data", "BatchIterator": "boostjax.data",
+    "DocumentIterator": "boostjax.data", "batch_iterator": "boostjax.data",  # item 2: packed documents
     # training
     "train": "boostjax.train", "TrainResult": "boostjax.train", "NonFiniteLoss": "boostjax.train",
     "init_model": "boostjax.train", "load_run": "boostjax.run", "simulate_devices": "boostjax.devices",
