@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "ByteTokenizer": "boostjax.data", "load_corpus": "boostjax.data", "BatchIterator": "boostjax.data",
     # tokenised data folders and held-out evaluation (issue 13, items 1 and 5)
     "tokenize_corpus": "boostjax.tokenize", "evaluate": "boostjax.evaluate",
+    "DocumentIterator": "boostjax.data", "batch_iterator": "boostjax.data",  # item 2: packed documents
     # training
     "train": "boostjax.train", "TrainResult": "boostjax.train", "NonFiniteLoss": "boostjax.train",
     "init_model": "boostjax.train", "load_run": "boostjax.run", "simulate_devices": "boostjax.devices",

@@ -61,6 +61,9 @@ _HELP = {
     "profile": "START:STOP: a jax.profiler trace of steps START..STOP-1 (0-based) into OUT/profile/ ('' = none)",
     "hardware": "hardware profile for the MFU metric (peak BF16 FLOP/s per device), e.g. H800-80GB, A100-80GB, "
                 "RTX3090-24GB; '' = detect from the device (none on a CPU)",
+    "doc_mask": "mask attention at document boundaries: batches of packed documents carry a document id per "
+                "token, and a token attends only to its own document (needs data with documents: the "
+                "built-in corpus, a folder or a tokenised folder)",
 }
 
 

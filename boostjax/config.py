@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -142,6 +143,8 @@ class TrainConfig:
     tensorboard: bool = True  # TensorBoard event files in <out>/tensorboard/ (process 0)
     profile: str = ""  # "START:STOP": a jax.profiler trace of steps [START, STOP) into <out>/profile/
     hardware: str = ""  # peak-FLOPs profile for MFU (boostjax.offload.hardware); "" = detect from the device
+    # item 2 (documents): batches carry segment ids and attention never crosses a document boundary
+    doc_mask: bool = False
 
 
 def warmup_steps(t: TrainConfig) -> int:
@@ -355,6 +358,7 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _validate_pipeline(t, m)
     _validate_tied(t, m)
     _validate_observe(t)
+    _validate_doc_mask(t, m)
     if t.offload_plan:
         _validate_offload_plan(t, m)
 
@@ -392,6 +396,16 @@ def _validate_accum_zero(t: TrainConfig) -> None:
                                  "accumulator; fix: drop --grad-accum or --offload-plan")
         _need(t.zero == 0, "train.zero: an offload plan runs on one device with nothing to shard over data; "
                            "fix: drop --zero or --offload-plan")
+
+
+def _validate_doc_mask(t: TrainConfig, m: ModelConfig) -> None:
+    """`doc_mask`: segment ids reach the chunked/xla attention of a one-stage step (not cuDNN, not a pipeline)."""
+    if not t.doc_mask:
+        return
+    _need(m.attention != "cudnn", "train.doc_mask: cuDNN attention takes no segment ids; "
+                                  "fix: pass --attention chunked (or auto) or drop --doc-mask")
+    _need(parse_mesh(t.mesh).get("stage", 1) == 1, "train.doc_mask: pipeline stages do not carry segment ids; "
+                                                   "fix: drop stage= from --mesh or drop --doc-mask")
 
 
 def _validate_pipeline(t: TrainConfig, m: ModelConfig) -> None:
@@ -519,6 +533,9 @@ def _validate_data(t: TrainConfig, m: ModelConfig) -> None:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if t.doc_mask and os.path.isfile(t.data):  # a file is one stream: its document boundaries are unknown
+        raise ConfigError(f"train.doc_mask: {t.data} is one file with no document boundaries; fix: pass --data with "
+                          "a folder of text files (one document each) or a tokenised folder, or drop --doc-mask")
 
 
 def field_names(cls: type) -> list[str]:

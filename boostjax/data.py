@@ -14,9 +14,16 @@ Corpora are 1-D token arrays (uint8/uint16/uint32, possibly memory-mapped):
   its ``train.bin`` / ``val.bin`` memory-mapped with the dtype its metadata names, and the documents'
   start offsets (``*.docs.npy``) as ``Corpus.train_docs`` / ``val_docs``.
 
-`BatchIterator` draws batch ``k`` as a pure function of ``(seed, k)``: the global batch's window starts
-come from ``np.random.default_rng([seed, k])`` and each process takes its contiguous block of rows, so
-batches are deterministic, resumable from ``state()`` and independent of the process count.
+Where the document boundaries are known (``Corpus.train_docs``/``val_docs``: the files of the stdlib
+corpus and of a folder, the documents of a tokenised folder), `DocumentIterator` packs documents: epoch
+``e`` concatenates every document (each ends with its separator: EOS, or ``b"\\n\\n"`` at byte level)
+in the order of a permutation seeded by ``(seed, e)`` and cuts that stream into rows of ``seq + 1``
+tokens (stride ``seq``, so every next-token pair is trained once per epoch), visited in a second
+permutation; ``segments`` gives each position its document's number in the row. Otherwise
+`BatchIterator` draws random windows: global batch ``k``'s starts come from
+``np.random.default_rng([seed, k])``. Either way batch ``k`` is a pure function of ``(seed, k)`` and each
+process reads only its contiguous block of rows, so batches are deterministic, resumable from
+``state()`` and independent of the process count.
 """
 
 from __future__ import annotations
@@ -159,8 +166,19 @@ def _files_corpus(files: list[pathlib.Path], name: str, val_fraction: float) -> 
     val = np.frombuffer(b"".join(c for c, v in zip(chunks, is_val) if v), dtype=np.uint8)
     if len(train) < MIN_SPLIT_TOKENS or len(val) < MIN_SPLIT_TOKENS:
         # Too few files for a per-file split (e.g. < 50): fall back to the tail of the stream.
-        return _tail_split(np.frombuffer(b"".join(chunks), dtype=np.uint8), val_fraction, name)
-    return Corpus(train=train, val=val, name=name)
+        tail = _tail_split(np.frombuffer(b"".join(chunks), dtype=np.uint8), val_fraction, name)
+        starts = _starts([len(c) for c in chunks])
+        n_train = len(tail.train)  # the validation stream may begin inside a file: that piece is a document
+        val_docs = np.unique(np.append(starts[starts >= n_train] - n_train, 0))
+        return Corpus(tail.train, tail.val, name, starts[starts < n_train], val_docs)
+    return Corpus(train=train, val=val, name=name,
+                  train_docs=_starts([len(c) for c, v in zip(chunks, is_val) if not v]),
+                  val_docs=_starts([len(c) for c, v in zip(chunks, is_val) if v]))
+
+
+def _starts(lengths: Sequence[int]) -> np.ndarray:
+    """Start offsets (int64) of consecutive documents of these lengths."""
+    return np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]).astype(np.int64)
 
 
 _STDLIB_CACHE: dict[str, Corpus] = {}
@@ -485,6 +503,8 @@ class BatchIterator:
     ``targets[:, t] == inputs[:, t + 1]`` along the window.
     """
 
+    sampler = "windows"
+
     def __init__(
         self,
         tokens: np.ndarray,
@@ -572,16 +592,119 @@ class BatchIterator:
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
 
-    def state(self) -> dict[str, int]:
-        """JSON-serialisable position: ``{"step": int, "seed": int}``."""
-        return {"step": self._step, "seed": self._seed}
+    def state(self) -> dict[str, Any]:
+        """JSON-serialisable position: ``{"step": int, "seed": int, "sampler": "windows"|"documents"}``."""
+        return {"step": self._step, "seed": self._seed, "sampler": self.sampler}
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue from a saved ``state()`` (adopts its step and seed)."""
+        """Continue from a saved ``state()`` (adopts its step and seed). A state without "sampler"
+        (written before documents were packed) is accepted by either sampler."""
         if not isinstance(state, dict) or "step" not in state or "seed" not in state:
             raise ValueError(f"BatchIterator.restore: need a dict with 'step' and 'seed', got {state!r}")
+        if state.get("sampler", self.sampler) != self.sampler:
+            raise ValueError(
+                f"BatchIterator.restore: the checkpoint's batches came from the {state['sampler']} sampler but this "
+                f"data gives {self.sampler} (document boundaries are {'known' if self.sampler == 'documents' else 'unknown'}"
+                f" now); fix: resume with the --data the run was trained on"
+            )
         self._step = _check_int("step", state["step"], 0)
         self._seed = _check_int("seed", state["seed"], 0)
+
+
+DOC_STREAM: int = 0x646F6373  # "docs": keeps the document sampler's random streams apart from the windows'
+
+
+def check_docs(docs: Any, n_tokens: int, where: str = "DocumentIterator") -> np.ndarray:
+    """``docs`` as int64 document start offsets: 1-D, first 0, strictly ascending, last < ``n_tokens``."""
+    d = np.asarray(docs)
+    if d.ndim != 1 or d.size == 0 or not np.issubdtype(d.dtype, np.integer):
+        raise ValueError(f"{where}: document starts must be a non-empty 1-D integer array, got shape {d.shape} "
+                         f"dtype {d.dtype}; fix: pass the start offset of every document (first 0)")
+    d = d.astype(np.int64)
+    if d[0] != 0 or (d.size > 1 and not bool(np.all(d[1:] > d[:-1]))) or d[-1] >= n_tokens:
+        raise ValueError(f"{where}: document starts must begin at 0, ascend strictly and stay below the "
+                         f"{n_tokens} tokens, got {d[:4].tolist()}{'...' if d.size > 4 else ''} (last {int(d[-1])}); "
+                         f"fix: rebuild the data folder (boostjax tokenize)")
+    return d
+
+
+class DocumentIterator(BatchIterator):
+    """Documents packed into rows of ``seq + 1`` tokens; batch ``k`` depends only on ``(seed, k)``.
+
+    Global row ``g = k * batch + i`` is row ``g % R`` of epoch ``g // R`` (``R = (len - 1) // seq`` rows
+    per epoch). Epoch ``e`` draws, from ``np.random.default_rng([seed, DOC_STREAM, e])``, an order of
+    the documents (concatenated, each with its separator) and an order of the ``R`` rows; row ``j``
+    covers stream positions ``[j * seq, j * seq + seq]``. Only the rows' tokens are read (a memmap
+    stays on disk); the per-epoch state is two permutations and a cumulative sum (O(documents + R)).
+    With ``segments``, ``next()`` also returns ``segments: int32[b, seq]``, the document number of each
+    input position counted from 0 in its row (positions attend only within their document under
+    ``--doc-mask``).
+    """
+
+    sampler = "documents"
+
+    def __init__(self, tokens: np.ndarray, docs: np.ndarray, batch: int, seq: int, seed: int, *,
+                 segments: bool = False, **kwargs: Any) -> None:
+        super().__init__(tokens, batch, seq, seed, **kwargs)
+        self.docs = check_docs(docs, len(self.tokens))
+        self.lens = np.diff(np.append(self.docs, len(self.tokens)))
+        self.rows_per_epoch = (len(self.tokens) - 1) // self.seq
+        self.segments = bool(segments)
+        self._epochs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(document order, cumulative lengths in that order [n + 1], row order) of epoch ``e``."""
+        key = (self._seed, e)
+        if key not in self._epochs:
+            rng = np.random.default_rng([self._seed, DOC_STREAM, e])
+            order = rng.permutation(len(self.docs))
+            cum = np.zeros(len(order) + 1, np.int64)
+            np.cumsum(self.lens[order], out=cum[1:])
+            rows = rng.permutation(self.rows_per_epoch)
+            while len(self._epochs) >= 2:  # a batch spans at most two epochs unless it is larger than one
+                self._epochs.pop(next(iter(self._epochs)))
+            self._epochs[key] = (order, cum, rows)
+        return self._epochs[key]
+
+    def positions(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token index into ``tokens``, document index) of this process's rows of batch ``step``:
+        int64[b, seq + 1] each."""
+        lo = self.process_index * self.local_batch
+        g_b = step * self.batch + lo + np.arange(self.local_batch, dtype=np.int64)
+        src_bs = np.empty((self.local_batch, self.seq + 1), np.int64)
+        doc_bs = np.empty_like(src_bs)
+        for e in np.unique(g_b // self.rows_per_epoch):
+            sel = g_b // self.rows_per_epoch == e
+            order, cum, rows = self._epoch(int(e))
+            pos = rows[g_b[sel] % self.rows_per_epoch][:, None] * self.seq + self._offsets[None, :]
+            idx = np.searchsorted(cum, pos, side="right") - 1  # position -> place in this epoch's order
+            src_bs[sel] = self.docs[order[idx]] + (pos - cum[idx])
+            doc_bs[sel] = idx
+        return src_bs, doc_bs
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        """This process's share of global batch ``step`` (does not move the iterator)."""
+        src_bs, doc_bs = self.positions(step)
+        windows_bs = np.asarray(self.tokens[src_bs])
+        if self._lazy_vocab_check:
+            self._check_vocab(windows_bs)
+        windows_bs = windows_bs.astype(np.int32)
+        out = {"inputs": windows_bs[:, :-1], "targets": windows_bs[:, 1:]}
+        if self.segments:
+            out["segments"] = (doc_bs[:, :-1] - doc_bs[:, :1]).astype(np.int32)
+        return out
+
+
+def batch_iterator(tokens: np.ndarray, docs: np.ndarray | None, batch: int, seq: int, seed: int, *,
+                   segments: bool = False, **kwargs: Any) -> BatchIterator:
+    """`DocumentIterator` when the document starts ``docs`` are known, else `BatchIterator` (random
+    windows; ``segments`` then needs documents: ValueError)."""
+    if docs is not None:
+        return DocumentIterator(tokens, docs, batch, seq, seed, segments=segments, **kwargs)
+    if segments:
+        raise ValueError("batch_iterator: segments need document boundaries, and this data has none; "
+                         "fix: pass the documents' start offsets (a data folder or a tokenised folder)")
+    return BatchIterator(tokens, batch, seq, seed, **kwargs)
 
 
 def eval_batches(
@@ -594,11 +717,14 @@ def eval_batches(
     process_index: int = 0,
     process_count: int = 1,
     vocab_size: int | None = None,
+    docs: np.ndarray | None = None,
+    segments: bool = False,
 ) -> list[dict[str, np.ndarray]]:
-    """A fixed list of ``n`` validation batches (same format as `BatchIterator.next`)."""
+    """A fixed list of ``n`` validation batches (same format as `BatchIterator.next`; packed documents
+    when their starts ``docs`` are known, see `batch_iterator`)."""
     n = _check_int("n", n, 0, where="eval_batches")
-    it = BatchIterator(
-        tokens, batch, seq, seed,
+    it = batch_iterator(
+        tokens, docs, batch, seq, seed, segments=segments,
         process_index=process_index, process_count=process_count, vocab_size=vocab_size,
     )
     return [it.next() for _ in range(n)]

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from boostjax import multihost, relayout
 from boostjax.checkpoint import CheckpointError, Checkpointer, step_dirs
 from boostjax.config import Config, ConfigError, TrainConfig, mesh_devices, parse_mesh, validate, warmup_steps
-from boostjax.data import BatchIterator, eval_batches, load_corpus
+from boostjax.data import BatchIterator, batch_iterator, eval_batches, load_corpus
 from boostjax.interrupt import StopSignals, TrainingInterrupted
 from boostjax.models import attention
 from boostjax.models.flops import flops_per_token, param_count
@@ -200,14 +200,19 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None) -> Train
         convert = resuming and old is not None and _check_layout(folder, old, cfg)
         check_run_tokenizer(folder.path, t.data, resuming)  # a resumed run keeps its tokenizer
         corpus = load_corpus(t.data, t.data_dtype)
+        if t.doc_mask and (corpus.train_docs is None or corpus.val_docs is None):
+            raise ConfigError(f"train.doc_mask: the data {corpus.name} has no document boundaries; fix: pass --data "
+                              "with a folder of text files or a tokenised folder, or drop --doc-mask")
         fns = build_step_fns(cfg, *abstract_model(cfg))  # checks strategy, mesh and shapes on shapes alone
         _stop_early(stop, folder)
         graphdef, params = init_model(cfg)
         multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
         params, opt_state = fns.init(params)
         share, count = fns.batch_share  # the block of each global batch's rows this process loads
-        data = BatchIterator(corpus.train, t.batch * t.grad_accum, t.seq, t.seed, vocab_size=cfg.model.vocab_size,
-                             process_index=share, process_count=count)
+        # packed documents where their boundaries are known (segment ids with --doc-mask), else random windows
+        data = batch_iterator(corpus.train, corpus.train_docs, t.batch * t.grad_accum, t.seq, t.seed,
+                              segments=t.doc_mask, vocab_size=cfg.model.vocab_size,
+                              process_index=share, process_count=count)
         ckpt = Checkpointer(folder.checkpoints, keep=t.keep_ckpts, primary=multihost.is_main_process())
         try:
             other = (lambda: relayout.restore_latest(ckpt, cfg, abstract_model(cfg)[1], stacked_layers(old.train),
@@ -230,7 +235,8 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
     t = cfg.train
     share, count = fns.batch_share
     val_batches = eval_batches(corpus.val, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
-                               process_index=share, process_count=count)
+                               process_index=share, process_count=count, docs=corpus.val_docs,
+                               segments=t.doc_mask)
     t0 = time.perf_counter()
     step_fn = fns.compile(params, opt_state, data.batch_at(start))
     compile_s = time.perf_counter() - t0

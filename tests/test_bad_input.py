@@ -91,9 +91,21 @@ def _digest(path: pathlib.Path) -> str:
     (["--profile", "0:3"], "train.profile"), (["--profile", "-1:2"], "train.profile"),
     (["--profile", "1:2:3"], "train.profile"), (["--profile", "1.5:2"], "train.profile"),
     (["--hardware", "tpu9"], "train.hardware"),
+    (["--doc-mask", "--attention", "cudnn", "--dtype", "bfloat16"], "train.doc_mask"),
+    (["--doc-mask", "--mesh", "stage=2"], "train.doc_mask"),
 ])
 def test_train_numbers_and_fields(capsys, tmp_path, flags, field):
     _refused(capsys, [*TRAIN, "--out", tmp_path / "run", *flags], field)
+
+
+def test_doc_mask_needs_documents(capsys, tmp_path):
+    """A single file (a .bin token stream or a text file) has no document boundaries to mask at."""
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
+    (tmp_path / "notes.txt").write_text("some text " * 20)
+    for name in ("tokens.bin", "notes.txt"):
+        _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--doc-mask", "--data", tmp_path / name],
+                 "train.doc_mask", name)
+        assert not (tmp_path / "run").exists()
     assert not (tmp_path / "run").exists()
 
 

@@ -94,7 +94,7 @@ class Attention(nnx.Module):
             self.w_v = _param(rngs, (d, ke), std)
             self.w_o = _param(rngs, (he, d), std)
 
-    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives) -> Float[Array, "b t d"]:
+    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives, segments_bt=None) -> Float[Array, "b t d"]:
         cfg, e = self.cfg, self.cfg.head_dim
         b, t, _ = x_btd.shape
         if cfg.low_rank:
@@ -113,7 +113,7 @@ class Attention(nnx.Module):
         q_bthe = ops.apply_rope(q.reshape(b, t, -1, e), cos_te, sin_te)
         k_btke = ops.apply_rope(k.reshape(b, t, -1, e), cos_te, sin_te)
         o_btx = ops.causal_attention(q_bthe, k_btke, v.reshape(b, t, -1, e), impl=cfg.attention,
-                                     block=cfg.attention_block).reshape(b, t, -1)
+                                     block=cfg.attention_block, segments_bt=segments_bt).reshape(b, t, -1)
         if cfg.low_rank:
             h_btr = coll.reduce_latent(o_btx @ self.a_o[...], name="o_latent")
             h_btr = _sigma(cfg.kind)(h_btr)
@@ -170,15 +170,18 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives = LOCAL):
+    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives = LOCAL, segments_bt=None):
         x_btd = checkpoint_name(x_btd, "boundary")
-        h_btd = checkpoint_name(x_btd + self.attn(x_btd, cos_te, sin_te, coll), "mid")
+        h_btd = checkpoint_name(x_btd + self.attn(x_btd, cos_te, sin_te, coll, segments_bt), "mid")
         return h_btd + self.mlp(h_btd, coll)
 
 
 class LLaMA(nnx.Module):
     """Decoder-only LLaMA. `model(tokens)` gives logits; `model.loss(tokens, targets)` the mean CE.
-    With `cfg.tie_embeddings` there is no `head` parameter: the logits use the embedding transposed."""
+    With `cfg.tie_embeddings` there is no `head` parameter: the logits use the embedding transposed.
+
+    `segments` (int32 [b, t], optional, keyword): a document id per position; a token attends only to
+    earlier tokens of its own document (packed documents, `--doc-mask`). Positions stay absolute."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -189,7 +192,8 @@ class LLaMA(nnx.Module):
             self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
 
     def features(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
-                 remat: str | Callable | None | RematSchedule = "none") -> Float[Array, "b t d"]:
+                 remat: str | Callable | None | RematSchedule = "none", *,
+                 segments: Int[Array, "b t"] | None = None) -> Float[Array, "b t d"]:
         """Final-normed hidden states (full width, after the one BTP gather).
 
         `remat`: a name from `REMAT_POLICIES` or one policy for every block, or a per-layer schedule
@@ -199,20 +203,20 @@ class LLaMA(nnx.Module):
         cos_te, sin_te = ops.model_rope_tables(cfg, tokens_bt.shape[1])
         x_btd = self.embed_tokens(tokens_bt)
 
-        def run(blk, x, policy, tied=False):
+        def run(blk, x, policy, tied=False, seg=segments):
             if policy is None:
-                return blk(x, cos_te, sin_te, coll)
+                return blk(x, cos_te, sin_te, coll, seg)
             if tied:  # the recomputation waits for this layer's cotangent (boostjax.models.remat)
                 block_def, state = nnx.split(blk)
-                fn = lambda s, y, c, si: nnx.merge(block_def, s)(y, c, si, coll)  # noqa: E731
-                return tied_checkpoint(fn, policy)(state, x, cos_te, sin_te)
-            return nnx.remat(lambda b, y: b(y, cos_te, sin_te, coll), policy=policy)(blk, x)
+                fn = lambda s, y, c, si, sg: nnx.merge(block_def, s)(y, c, si, coll, sg)  # noqa: E731
+                return tied_checkpoint(fn, policy)(state, x, cos_te, sin_te, seg)
+            return nnx.remat(lambda b, y, sg: b(y, cos_te, sin_te, coll, sg), policy=policy)(blk, x, seg)
 
         def segment_fn(inner):
-            def segment(blks, x):
+            def segment(blks, x, seg):
                 x = checkpoint_name(x, "segment_boundary")
                 for blk, pol in zip(blks, inner):
-                    x = run(blk, x, pol)
+                    x = run(blk, x, pol, seg=seg)
                 return x
             return segment
 
@@ -221,7 +225,7 @@ class LLaMA(nnx.Module):
             for entry in _check_schedule(remat, len(self.layers)):
                 if isinstance(entry, RematSegment):
                     blks = nnx.List([self.layers[j] for j in range(k, k + len(entry.inner))])
-                    x_btd = nnx.remat(segment_fn(entry.inner), policy=entry.policy)(blks, x_btd)
+                    x_btd = nnx.remat(segment_fn(entry.inner), policy=entry.policy)(blks, x_btd, segments)
                     k += len(entry.inner)
                 else:
                     x_btd = run(self.layers[k], x_btd, entry)
@@ -246,12 +250,14 @@ class LLaMA(nnx.Module):
         return jnp.einsum("btd,dv->btv", xn_btd, self.head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
-                 remat: str | Callable | None | RematSchedule = "none") -> Float[Array, "b t v"]:
-        return self.logits(self.features(tokens_bt, coll, remat))
+                 remat: str | Callable | None | RematSchedule = "none", *,
+                 segments: Int[Array, "b t"] | None = None) -> Float[Array, "b t v"]:
+        return self.logits(self.features(tokens_bt, coll, remat, segments=segments))
 
     def loss(self, tokens_bt: Int[Array, "b t"], targets_bt: Int[Array, "b t"],
-             coll: Collectives = LOCAL, remat: str | Callable | None | RematSchedule = "none") -> Float[Array, ""]:
-        return vocab_parallel_cross_entropy(self(tokens_bt, coll, remat), targets_bt, coll)
+             coll: Collectives = LOCAL, remat: str | Callable | None | RematSchedule = "none", *,
+             segments: Int[Array, "b t"] | None = None) -> Float[Array, ""]:
+        return vocab_parallel_cross_entropy(self(tokens_bt, coll, remat, segments=segments), targets_bt, coll)
 
 
 def resolve_remat(remat: Any) -> Callable | None:

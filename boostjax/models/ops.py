@@ -118,7 +118,7 @@ def apply_rope(x_bthe: Float[Array, "b t h e"], cos_te, sin_te) -> Float[Array, 
 
 def causal_attention(
     q_bthe: Float[Array, "b t h e"], k_btke: Float[Array, "b t k e"], v_btke: Float[Array, "b t k e"],
-    *, impl: str = "xla", block: int = 512,
+    *, impl: str = "xla", block: int = 512, segments_bt: Int[Array, "b t"] | None = None,
 ) -> Float[Array, "b t h e"]:
     """Causal softmax attention with grouped-query heads (h a multiple of k); softmax in fp32.
 
@@ -126,11 +126,13 @@ def causal_attention(
     scores `[b, k, g, t, t]` (the reference the others are tested against); `cudnn` is cuDNN's flash
     attention; `chunked` is blockwise attention with `block`-position tiles (`attention.chunked_attention`),
     which for `t <= block` is one tile, the whole `t x t` anyway, and runs the reference instead.
-    The output is tagged `attn_out` for remat and offload policies."""
-    impl = attention.resolve(impl, q_bthe.dtype)
+    The output is tagged `attn_out` for remat and offload policies.
+    `segments_bt` (packed documents, `--doc-mask`): a query attends only to keys with its segment id;
+    `auto` then runs `chunked` (cuDNN's kernel takes no segment ids), and `cudnn` is refused."""
+    impl = attention.resolve(impl, q_bthe.dtype) if segments_bt is None else attention.resolve_segments(impl)
     b, t, h, e = q_bthe.shape
     if impl == "chunked" and t > block:
-        return attention.chunked_attention(q_bthe, k_btke, v_btke, block)  # tags attn_out itself
+        return attention.chunked_attention(q_bthe, k_btke, v_btke, block, segments_bt)  # tags attn_out itself
     if impl == "cudnn":
         return checkpoint_name(attention.cudnn_attention(q_bthe, k_btke, v_btke), "attn_out")
     kv = k_btke.shape[2]
@@ -138,6 +140,8 @@ def causal_attention(
     s_bkgts = jnp.einsum("btkge,bske->bkgts", q_btkge, k_btke, preferred_element_type=jnp.float32)
     s_bkgts = s_bkgts / jnp.sqrt(jnp.float32(e))
     mask_ts = jnp.tril(jnp.ones((t, t), dtype=bool))
+    if segments_bt is not None:  # [b, 1, 1, t, s]: same document and causal
+        mask_ts = mask_ts & (segments_bt[:, None, None, :, None] == segments_bt[:, None, None, None, :])
     s_bkgts = jnp.where(mask_ts, s_bkgts, jnp.finfo(jnp.float32).min)
     p_bkgts = jax.nn.softmax(s_bkgts, axis=-1).astype(v_btke.dtype)
     o_btkge = jnp.einsum("bkgts,bske->btkge", p_bkgts, v_btke)
