@@ -30,11 +30,14 @@ import numpy as np
 from boostjax.config import ConfigError, check_batch_seq
 
 
-def _windows(tokens: np.ndarray, seq: int, first: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Inputs, targets and mask (int32/int32/float32 [rows, seq]) of windows first..first+rows-1."""
+def _windows(tokens: np.ndarray, seq: int, first: int, rows: int,
+             doc_starts: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """Inputs, targets and mask (int32/int32/float32 [rows, seq]) of windows first..first+rows-1, and
+    with `doc_starts` the segment ids (int32 [rows, seq]: documents started at or before each input)."""
     x_bs = np.zeros((rows, seq), np.int32)
     y_bs = np.zeros((rows, seq), np.int32)
     m_bs = np.zeros((rows, seq), np.float32)
+    s_bs = np.zeros((rows, seq), np.int32)
     for r in range(rows):
         lo = (first + r) * seq
         chunk = np.asarray(tokens[lo:lo + seq + 1], dtype=np.int64)
@@ -42,7 +45,9 @@ def _windows(tokens: np.ndarray, seq: int, first: int, rows: int) -> tuple[np.nd
         if n <= 0:
             continue
         x_bs[r, :n], y_bs[r, :n], m_bs[r, :n] = chunk[:-1], chunk[1:], 1.0
-    return x_bs, y_bs, m_bs
+        if doc_starts is not None:
+            s_bs[r] = np.searchsorted(doc_starts, lo + np.arange(seq), side="right")
+    return (x_bs, y_bs, m_bs) if doc_starts is None else (x_bs, y_bs, m_bs, s_bs)
 
 
 @functools.cache
@@ -54,8 +59,8 @@ def _nll_sum():
     from flax import nnx  # noqa: PLC0415
 
     @functools.partial(jax.jit, static_argnums=0)
-    def nll_sum(graphdef, state, x_bs, y_bs, m_bs):
-        logits_bsv = nnx.merge(graphdef, state)(x_bs).astype(jnp.float32)
+    def nll_sum(graphdef, state, x_bs, y_bs, m_bs, s_bs=None):
+        logits_bsv = nnx.merge(graphdef, state)(x_bs, segments=s_bs).astype(jnp.float32)
         lse_bs = jax.nn.logsumexp(logits_bsv, axis=-1)
         picked_bs = jnp.take_along_axis(logits_bsv, y_bs[..., None], axis=-1)[..., 0]
         return jnp.sum((lse_bs - picked_bs) * m_bs)
@@ -64,11 +69,12 @@ def _nll_sum():
 
 
 def evaluate(model, tokens, *, seq: int, batch: int, n_bytes: int | None = None,
-             progress: bool = False) -> dict[str, Any]:
+             doc_starts: np.ndarray | None = None, progress: bool = False) -> dict[str, Any]:
     """Mean loss (nats per predicted token), perplexity and, when ``n_bytes`` (the UTF-8 bytes that
     ``tokens[1:]`` stand for) is given, bits per byte of ``model`` over the 1-D id stream ``tokens``
     (a numpy array or memmap): every token after the first is predicted once (see the module notes),
-    in fp32 on the model's device.
+    in fp32 on the model's device. ``doc_starts`` (ascending stream offsets of the documents): attention
+    is masked at document boundaries, as in a run trained with ``--doc-mask``.
     Returns {"loss", "perplexity", "tokens", "windows", "bits_per_byte", "bytes"} (the last two None
     without ``n_bytes``)."""
     import jax  # noqa: PLC0415
@@ -92,12 +98,12 @@ def evaluate(model, tokens, *, seq: int, batch: int, n_bytes: int | None = None,
     pending = []
     for first in tqdm(range(0, n_windows, batch), disable=not progress, desc="eval", unit="batch",
                       dynamic_ncols=True):
-        x_bs, y_bs, m_bs = _windows(tokens, seq, first, batch)
+        x_bs, y_bs, m_bs, *s_bs = _windows(tokens, seq, first, batch, doc_starts)
         top = int(max(x_bs.max(), y_bs.max()))
         if top >= vocab:
             raise ConfigError(f"eval.data: token id {top} is outside the model's vocabulary ({vocab}); fix: evaluate "
                               "data tokenised with the run's tokenizer")
-        pending.append(nll_sum(graphdef, state, x_bs, y_bs, m_bs))
+        pending.append(nll_sum(graphdef, state, x_bs, y_bs, m_bs, *s_bs))
         if len(pending) >= 8:  # keep a few batches in flight, not the whole stream's results
             total += float(np.sum(np.asarray(jax.device_get(pending), np.float64)))
             pending = []
@@ -112,9 +118,10 @@ def evaluate(model, tokens, *, seq: int, batch: int, n_bytes: int | None = None,
 # ----------------------------------------------------------------------------- eval command
 
 
-def eval_stream(tok, data: str, split: str | None, doc_sep: str | None) -> tuple[np.ndarray, int, str]:
-    """(ids with the document separator in front, UTF-8 bytes of the predicted ids, what was read) of
-    ``--data``: a tokenised folder's split (its tokenizer must be ``tok``) or text encoded with ``tok``."""
+def eval_stream(tok, data: str, split: str | None, doc_sep: str | None) -> tuple[np.ndarray, int, str, np.ndarray]:
+    """(ids with the document separator in front, UTF-8 bytes of the predicted ids, what was read, the
+    documents' start offsets in those ids) of ``--data``: a tokenised folder's split (its tokenizer must
+    be ``tok``) or text encoded with ``tok``."""
     from boostjax import data as _data  # noqa: PLC0415
     from boostjax import tokenize as tz  # noqa: PLC0415
     from boostjax.text import tokenizer_kind  # noqa: PLC0415
@@ -133,21 +140,24 @@ def eval_stream(tok, data: str, split: str | None, doc_sep: str | None) -> tuple
         split = split or "val"
         ids = np.memmap(pathlib.Path(data) / meta["splits"][split]["file"], dtype=meta["dtype"], mode="r")
         stream = np.concatenate([sep[-1:].astype(ids.dtype), ids])
-        return stream, meta["splits"][split]["bytes"], f"{data} ({split} split)"
+        starts = np.load(pathlib.Path(data) / meta["splits"][split]["docs_file"]) + 1
+        return stream, meta["splits"][split]["bytes"], f"{data} ({split} split)", starts
     if split is not None:
         raise ConfigError(f"eval.split: {data} is text, which is evaluated whole; fix: drop --split, or tokenise it "
                           "with boostjax tokenize and pass that folder")
     files = tz.input_files(data)
     doc_sep = doc_sep or ("file" if os.path.isdir(data) else "blank")
     parts = [sep[-1:]]
-    n_bytes = 0
+    n_bytes, starts, at = 0, [], 1
     for batch in tz._batches(tz.documents(files, doc_sep)):  # noqa: SLF001
         for d, ids in zip(batch, tz.encode_documents(tok, batch)):
             parts += [ids.astype(np.uint32), sep]
+            starts.append(at)
+            at += len(ids) + len(sep)
             n_bytes += len(d.encode("utf-8")) + tz.separator_bytes(tok)
     if len(parts) == 1:
         raise ConfigError(f"eval.data: {data} holds no non-empty document; fix: pass text to evaluate")
-    return np.concatenate(parts), n_bytes, str(data)
+    return np.concatenate(parts), n_bytes, str(data), np.asarray(starts, np.int64)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -172,14 +182,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"eval.run: the tokenizer in {args.run} has {tok.vocab_size} ids but the model "
                           f"{cfg.model.vocab_size}; fix: restore the run's tokenizer.json")
     try:
-        stream, n_bytes, what = eval_stream(tok, args.data, args.split, args.doc_sep)
+        stream, n_bytes, what, starts = eval_stream(tok, args.data, args.split, args.doc_sep)
     except ConfigError as e:
         msg = str(e)
         raise ConfigError(msg.replace("tokenize.", "eval.", 1) if msg.startswith("tokenize.") else msg) from None
     from boostjax.run import load_run  # noqa: PLC0415 (starts JAX)
 
     cfg, model, step = load_run(args.run, args.step)
-    res = evaluate(model, stream, seq=seq, batch=batch, n_bytes=n_bytes, progress=args.progress)
+    res = evaluate(model, stream, seq=seq, batch=batch, n_bytes=n_bytes, progress=args.progress,
+                   doc_starts=starts if cfg.train.doc_mask else None)  # as the run was trained
     res = {"run": str(args.run), "step": step, "data": what, "seq": seq, **res}
     if args.json:
         print(json.dumps(res))

@@ -46,15 +46,32 @@ def test_evaluate_equals_model_loss_on_the_same_windows(model):
     assert evaluate(model, tokens, seq=seq, batch=batch)["bits_per_byte"] is None
 
 
+def test_evaluate_with_documents_masks_attention_like_training(model):
+    """With `doc_starts` (a --doc-mask run), each window's attention stops at document boundaries: the
+    same as `model.loss(..., segments=)` with segment ids counted from the stream's document starts."""
+    seq = 16
+    tokens = np.random.default_rng(1).integers(0, 64, size=3 * seq + 1, dtype=np.int64).astype(np.uint16)
+    starts = np.array([0, 5, 21, 22, 40])
+    res = evaluate(model, tokens, seq=seq, batch=2, doc_starts=starts)
+    full = tokens.astype(np.int32)
+    x_ws = np.stack([full[k * seq:(k + 1) * seq] for k in range(3)])
+    y_ws = np.stack([full[k * seq + 1:(k + 1) * seq + 1] for k in range(3)])
+    seg_ws = np.searchsorted(starts, np.arange(3 * seq).reshape(3, seq), side="right").astype(np.int32)
+    want = float(nnx.jit(lambda m, x, y, s: m.loss(x, y, segments=s))(model, x_ws, y_ws, seg_ws))
+    assert abs(res["loss"] - want) <= 1e-6 * want
+    assert abs(evaluate(model, tokens, seq=seq, batch=2)["loss"] - want) > 1e-4 * want  # the mask matters
+
+
 def test_bits_per_byte_of_byte_level_data_is_loss_over_ln2(tmp_path, model):
     d = tmp_path / "texts"
     d.mkdir()
     for i in range(4):
         (d / f"{i}.txt").write_text(f"text number {i}, été. " * (3 + i))
     tokenize_corpus(d, tmp_path / "tok", "byte", val_every=2, progress=False)
-    stream, n_bytes, _ = eval_stream(ByteTokenizer(), str(tmp_path / "tok"), None, None)
+    stream, n_bytes, _, starts = eval_stream(ByteTokenizer(), str(tmp_path / "tok"), None, None)
     val = np.fromfile(tmp_path / "tok" / "val.bin", dtype=np.uint8)
     assert stream[0] == ord("\n") and (stream[1:] == val).all() and n_bytes == len(val)
+    assert (starts == np.load(tmp_path / "tok" / "val.docs.npy") + 1).all()
     res = evaluate(model, stream, seq=32, batch=4, n_bytes=n_bytes)
     assert res["tokens"] == n_bytes
     assert res["bits_per_byte"] == pytest.approx(res["loss"] / math.log(2), rel=1e-12)
