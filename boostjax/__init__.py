@@ -23,11 +23,14 @@ _EXPORTS: dict[str, str] = {
     "flops_per_token": "boostjax.models.flops",
     # data
     "ByteTokenizer": "boostjax.data", "load_corpus": "boostjax.data", "BatchIterator": "boostjax.data",
+    # tokenised data folders and held-out evaluation (issue 13, items 1 and 5)
+    "tokenize_corpus": "boostjax.tokenize", "evaluate": "boostjax.evaluate",
+    "DocumentIterator": "boostjax.data", "batch_iterator": "boostjax.data",  # item 2: packed documents
     # training
     "train": "boostjax.train", "TrainResult": "boostjax.train", "NonFiniteLoss": "boostjax.train",
     "init_model": "boostjax.train", "load_run": "boostjax.run", "simulate_devices": "boostjax.devices",
     # interop
-    "from_hf": "boostjax.hf", "to_hf": "boostjax.hf",
+    "from_hf": "boostjax.hf", "to_hf": "boostjax.hf", "read_hf": "boostjax.hf",  # item 3: read_hf
     # starting from pretrained weights (train --init-from-hf, train(cfg, init=...))
     "lowrank_from_dense": "boostjax.pretrained",
     # tensor parallelism and its communication, read from compiled HLO

@@ -25,7 +25,9 @@ _HELP = {
                  "cudnn (cuDNN flash attention), chunked (blockwise, no t x t buffer)",
     "attention_block": "query/key positions per tile of the chunked attention",
     "dtype": "compute dtype (parameters stay fp32)",
-    "data": "corpus: '' = this Python's standard library sources; a .bin token file, a text file or a folder",
+    "data": "corpus: '' = this Python's standard library sources; a folder written by boostjax tokenize (its "
+            "meta.json gives the dtype and, without --vocab-size, the vocabulary), a .bin token file, a text file "
+            "or a folder of text files",
     "strategy": "tensor-parallel strategy",
     "mesh": "device mesh, e.g. data=2,stage=2,model=4 ('' = one device; CPU devices are simulated as needed)",
     "microbatches": "pipeline micro-batches per data shard when the mesh has stage > 1 (0 = auto: the largest "
@@ -43,6 +45,25 @@ _HELP = {
     "num_processes": "multi-host: processes in the job (0 = from the environment; 1 = one process)",
     "process_id": "multi-host: this process's index, 0..num_processes-1 (-1 = from the environment)",
     "init_timeout": "multi-host: seconds to wait for every process of the job to join before giving up",
+    # item 3 (Hugging Face interop)
+    "rope_type": "RoPE scaling: default (none), linear (positions / factor), dynamic (NTK: larger base beyond "
+                 "max_seq_len), llama3 (Llama 3.1 frequency bands)",
+    "rope_factor": "RoPE scaling factor of linear / dynamic / llama3 (1 = none)",
+    "rope_low_freq_factor": "llama3 RoPE: wavelengths above original_max_len / this are divided by the factor",
+    "rope_high_freq_factor": "llama3 RoPE: wavelengths below original_max_len / this are kept",
+    "rope_original_max_len": "llama3 RoPE: the pretraining context (original_max_position_embeddings; 0 = max_seq_len)",
+    "attn_head_dim": "width of one attention head (0 = d_model / n_heads)",
+    "tie_embeddings": "the LM head is the embedding transposed (no separate head parameter; no TP or pipeline)",
+    "bos_token_id": "beginning-of-sequence token id written to exports (-1 = none)",
+    "eos_token_ids": "end-of-sequence token id(s), comma-separated, written to exports and used by generation",
+    "pad_token_id": "padding token id written to exports (-1 = none)",
+    "tensorboard": "write TensorBoard event files (the metrics.jsonl scalars) into OUT/tensorboard/",
+    "profile": "START:STOP: a jax.profiler trace of steps START..STOP-1 (0-based) into OUT/profile/ ('' = none)",
+    "hardware": "hardware profile for the MFU metric (peak BF16 FLOP/s per device), e.g. H800-80GB, A100-80GB, "
+                "RTX3090-24GB; '' = detect from the device (none on a CPU)",
+    "doc_mask": "mask attention at document boundaries: batches of packed documents carry a document id per "
+                "token, and a token attends only to its own document (needs data with documents: the "
+                "built-in corpus, a folder or a tokenised folder)",
     "init_from_hf": "start a new run from a Hugging Face LLaMA folder (its shapes; --model svd/cola/lax --rank r "
                     "factors each projection by truncated SVD; init_report.json holds the errors)",
 }
@@ -73,6 +94,12 @@ def _config(args: argparse.Namespace) -> Config:
         from boostjax.pretrained import config_from_flags  # noqa: PLC0415 (imports no JAX at module level)
 
         return validate(config_from_flags(given, preset_given=args.preset is not None))
+    if "vocab_size" not in given:  # a tokenised --data folder names its vocabulary (item 1)
+        from boostjax.tokenize import vocab_from_data  # noqa: PLC0415 (numpy only)
+
+        vocab = vocab_from_data(given.get("data"))
+        if vocab is not None:
+            given["vocab_size"] = vocab
     model = preset(args.preset or "tiny", **{k: v for k, v in given.items() if k in names(ModelConfig)})
     train = TrainConfig(**{k: v for k, v in given.items() if k in names(TrainConfig)})
     return validate(Config(model, train))
@@ -103,14 +130,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
-    from boostjax.hf import hf_config, to_hf  # noqa: PLC0415
+    from boostjax.hf import hf_config, parse_size, to_hf  # noqa: PLC0415
     from boostjax.run import load_run, read_config  # noqa: PLC0415
     from boostjax.runfolder import check_export_target  # noqa: PLC0415
 
     check_export_target(args.out)
+    shard = args.max_shard_size.strip()
+    if shard not in ("", "0"):
+        parse_size(shard)
     hf_config(read_config(args.run).model)  # a low-rank run is refused before its checkpoints are read
     cfg, model, step = load_run(args.run, args.step)
-    path = to_hf(model, args.out, dtype=args.dtype)
+    # the run folder's tokenizer.json / generation_config.json (if any) go along
+    path = to_hf(model, args.out, dtype=args.dtype, max_shard_size=0 if shard in ("", "0") else shard,
+                 source=args.run)
     print(f"exported step {step} of {args.run} ({cfg.model.kind}) to {path} in Hugging Face LLaMA layout")
     return 0
 
@@ -131,7 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="run folder written by boostjax train (--out)")
     p.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="weight dtype of the export (bfloat16 halves the files; boostjax reads either)")
+    p.add_argument("--max-shard-size", default="0",
+                   help="split the weights into shards of at most this size, e.g. 5GB or 500MB, listed by "
+                        "model.safetensors.index.json (0 = one model.safetensors)")
     p.set_defaults(func=_cmd_export_hf)
 
     from boostjax.sharding import comm  # noqa: PLC0415 (imports no JAX at module level)
@@ -143,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     from boostjax import launch  # noqa: PLC0415 (imports no JAX at module level)
 
     launch.register(sub)
+    from boostjax.evaluate import register as register_eval  # noqa: PLC0415 (imports no JAX at module level)
+    from boostjax.tokenize import register as register_tokenize  # noqa: PLC0415
+
+    register_tokenize(sub)
+    register_eval(sub)
     return parser
 
 

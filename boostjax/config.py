@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -16,6 +17,8 @@ from typing import Any, Literal
 
 ModelKind = Literal["llama", "cola", "svd", "lax"]
 Attention = Literal["auto", "xla", "cudnn", "chunked"]
+RopeType = Literal["default", "linear", "dynamic", "llama3"]
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3")
 ATTENTION: tuple[str, ...] = ("auto", "xla", "cudnn", "chunked")
 MODEL_KINDS: tuple[str, ...] = ("llama", "cola", "svd", "lax")
 LOW_RANK_KINDS: tuple[str, ...] = ("cola", "svd", "lax")
@@ -58,6 +61,18 @@ class ModelConfig:
     # auto: cuDNN flash attention on a CUDA GPU in bf16/fp16, else chunked; xla: the materialised reference
     attention: Attention = "auto"
     attention_block: int = 512  # query/key positions per tile of the chunked path
+    # item 3 (Hugging Face interop). RoPE scaling (`boostjax.models.ops.rope_inv_freq`): default (plain),
+    # linear (positions / factor), dynamic (NTK base from the sequence length), llama3 (Llama 3.1 bands)
+    rope_type: RopeType = "default"
+    rope_factor: float = 1.0  # linear / dynamic / llama3 scaling factor (1 = none)
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths beyond original_max / low are divided by factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max / high are kept
+    rope_original_max_len: int = 0  # llama3: pretraining context (original_max_position_embeddings); 0 = max_seq_len
+    attn_head_dim: int = 0  # width of one attention head; 0 = d_model // n_heads
+    tie_embeddings: bool = False  # the LM head is the embedding transposed (no `head` parameter)
+    bos_token_id: int = -1  # special token ids carried to exports and generation; -1 = none
+    eos_token_ids: str = ""  # comma-separated end-of-sequence ids (Llama 3 has several); "" = none
+    pad_token_id: int = -1
 
     @property
     def kv_heads(self) -> int:
@@ -65,7 +80,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attn_head_dim or self.d_model // self.n_heads
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """`eos_token_ids` as integers (empty when none)."""
+        return tuple(int(x) for x in self.eos_token_ids.split(",") if x.strip())
 
     @property
     def low_rank(self) -> bool:
@@ -119,6 +139,12 @@ class TrainConfig:
     num_processes: int = 0  # processes in the job; 0 = from the environment (1 process if none); 1 = force one
     process_id: int = -1  # this process's index in [0, num_processes); -1 = from the environment
     init_timeout: int = 300  # seconds a multi-host process waits for the whole job to join before it gives up
+    # observability (issue 13, item 7; boostjax.observe)
+    tensorboard: bool = True  # TensorBoard event files in <out>/tensorboard/ (process 0)
+    profile: str = ""  # "START:STOP": a jax.profiler trace of steps [START, STOP) into <out>/profile/
+    hardware: str = ""  # peak-FLOPs profile for MFU (boostjax.offload.hardware); "" = detect from the device
+    # item 2 (documents): batches carry segment ids and attention never crosses a document boundary
+    doc_mask: bool = False
     # item 4 (boostjax.pretrained): a Hugging Face LLaMA folder a new run starts from ("" = random init)
     init_from_hf: str = ""
 
@@ -230,9 +256,13 @@ def validate_model(m: ModelConfig) -> None:
     _need(m.max_seq_len <= MAX_SEQ_LEN, f"model.max_seq_len: {m.max_seq_len} exceeds {MAX_SEQ_LEN}; "
                                         f"fix: pass --max-seq-len <= {MAX_SEQ_LEN}")
     _need(m.n_kv_heads >= 0, f"model.n_kv_heads: must be >= 0, got {m.n_kv_heads}; fix: pass 0 (= n_heads) or a divisor of n_heads")
-    _need(m.d_model % m.n_heads == 0,
-          f"model.d_model: {m.d_model} is not divisible by n_heads={m.n_heads}; fix: choose d_model a multiple of n_heads")
-    _need(m.head_dim % 2 == 0, f"model.d_model: head_dim={m.head_dim} must be even for RoPE; fix: make d_model/n_heads even")
+    _need(m.attn_head_dim >= 0, f"model.attn_head_dim: must be >= 0 (0 = d_model / n_heads), got {m.attn_head_dim}; "
+                                "fix: pass --attn-head-dim 0 or an even width")
+    _need(m.attn_head_dim > 0 or m.d_model % m.n_heads == 0,
+          f"model.d_model: {m.d_model} is not divisible by n_heads={m.n_heads}; fix: choose d_model a multiple of "
+          "n_heads, or pass --attn-head-dim")
+    _need(m.head_dim % 2 == 0, f"model.{'attn_head_dim' if m.attn_head_dim else 'd_model'}: head_dim={m.head_dim} "
+                               "must be even for RoPE; fix: make the head width (--attn-head-dim, or d_model/n_heads) even")
     _need(m.n_heads % m.kv_heads == 0,
           f"model.n_kv_heads: n_heads={m.n_heads} is not divisible by n_kv_heads={m.kv_heads}; fix: choose a divisor of n_heads")
     if m.low_rank:
@@ -248,6 +278,39 @@ def validate_model(m: ModelConfig) -> None:
                                     f"fix: use one of {', '.join(ATTENTION)}")
     _need(1 <= m.attention_block <= MAX_SEQ_LEN, f"model.attention_block: must lie in [1, {MAX_SEQ_LEN}], got "
                                                  f"{m.attention_block}; fix: pass e.g. --attention-block 512")
+    _validate_rope_scaling(m)
+    _validate_token_ids(m)
+
+
+def _validate_rope_scaling(m: ModelConfig) -> None:
+    """RoPE scaling fields (item 3): a known type, and factors that type reads."""
+    _need(m.rope_type in ROPE_TYPES, f"model.rope_type: unknown RoPE type {m.rope_type!r}; "
+                                     f"fix: use one of {', '.join(ROPE_TYPES)}")
+    _need(m.rope_factor >= 1, f"model.rope_factor: must be >= 1 (it stretches the context), got {m.rope_factor}; "
+                              "fix: pass e.g. --rope-factor 8 (1 = no scaling)")
+    _need(m.rope_type != "default" or m.rope_factor == 1,
+          f"model.rope_factor: {m.rope_factor} has no effect with rope_type default; "
+          "fix: pass --rope-type linear, dynamic or llama3, or drop --rope-factor")
+    _need(m.rope_type != "dynamic" or m.head_dim > 2, f"model.rope_type: dynamic NTK scaling needs head_dim > 2, got "
+                                                      f"{m.head_dim}; fix: pass --rope-type linear or a wider head")
+    _need(m.rope_original_max_len >= 0, f"model.rope_original_max_len: must be >= 0 (0 = max_seq_len), got "
+                                        f"{m.rope_original_max_len}; fix: pass e.g. --rope-original-max-len 8192")
+    if m.rope_type == "llama3":
+        lo, hi = m.rope_low_freq_factor, m.rope_high_freq_factor
+        _need(0 < lo < hi, f"model.rope_high_freq_factor: llama3 needs 0 < low_freq_factor < high_freq_factor, got "
+                           f"{lo} and {hi}; fix: pass e.g. --rope-low-freq-factor 1 --rope-high-freq-factor 4")
+
+
+def _validate_token_ids(m: ModelConfig) -> None:
+    """Special token ids: -1 (none) or an id of the vocabulary."""
+    for name in ("bos_token_id", "pad_token_id"):
+        v = getattr(m, name)
+        _need(-1 <= v < m.vocab_size, f"model.{name}: {v} is not a token id of the {m.vocab_size}-token vocabulary "
+                                      f"(-1 = none); fix: pass --{name.replace('_', '-')} in [0, {m.vocab_size}) or -1")
+    parts = [x.strip() for x in m.eos_token_ids.split(",")] if m.eos_token_ids.strip() else []
+    ok = all(x.isascii() and x.isdigit() and int(x) < m.vocab_size for x in parts)
+    _need(ok, f"model.eos_token_ids: {m.eos_token_ids!r} is not a comma-separated list of token ids below "
+              f"vocab_size={m.vocab_size}; fix: pass e.g. --eos-token-ids 2 or --eos-token-ids 128001,128009 ('' = none)")
 
 
 def validate_train(t: TrainConfig, m: ModelConfig) -> None:
@@ -295,8 +358,30 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _need(1 <= t.init_timeout <= MAX_INIT_TIMEOUT,
           f"train.init_timeout: {t.init_timeout} s outside [1, {MAX_INIT_TIMEOUT}]; fix: pass e.g. --init-timeout 300")
     _validate_pipeline(t, m)
+    _validate_tied(t, m)
+    _validate_observe(t)
+    _validate_doc_mask(t, m)
     if t.offload_plan:
         _validate_offload_plan(t, m)
+
+
+def _validate_tied(t: TrainConfig, m: ModelConfig) -> None:
+    """A tied head is the embedding: TP strategies shard the head by vocabulary and the embedding
+    otherwise, and pipeline stages keep them on different devices, so tied models train without either."""
+    sizes = parse_mesh(t.mesh)
+    _need(not m.tie_embeddings or (t.strategy == "none" and sizes.get("model", 1) == 1 and sizes.get("stage", 1) == 1),
+          f"model.tie_embeddings: a tied LM head (the embedding) is not implemented under tensor parallelism or "
+          f"pipeline stages (strategy={t.strategy}, mesh={t.mesh!r}); fix: pass --strategy none and a data-only "
+          "--mesh (e.g. data=8), or --no-tie-embeddings")
+
+
+def _validate_observe(t: TrainConfig) -> None:
+    """--profile START:STOP within the run, --hardware a known profile name (`boostjax.observe`)."""
+    from boostjax.observe import hardware_profile, parse_profile  # noqa: PLC0415 (imports this module)
+
+    parse_profile(t.profile, t.steps)
+    if t.hardware:
+        hardware_profile(t.hardware)
 
 
 def _validate_accum_zero(t: TrainConfig) -> None:
@@ -313,6 +398,16 @@ def _validate_accum_zero(t: TrainConfig) -> None:
                                  "accumulator; fix: drop --grad-accum or --offload-plan")
         _need(t.zero == 0, "train.zero: an offload plan runs on one device with nothing to shard over data; "
                            "fix: drop --zero or --offload-plan")
+
+
+def _validate_doc_mask(t: TrainConfig, m: ModelConfig) -> None:
+    """`doc_mask`: segment ids reach the chunked/xla attention of a one-stage step (not cuDNN, not a pipeline)."""
+    if not t.doc_mask:
+        return
+    _need(m.attention != "cudnn", "train.doc_mask: cuDNN attention takes no segment ids; "
+                                  "fix: pass --attention chunked (or auto) or drop --doc-mask")
+    _need(parse_mesh(t.mesh).get("stage", 1) == 1, "train.doc_mask: pipeline stages do not carry segment ids; "
+                                                   "fix: drop stage= from --mesh or drop --doc-mask")
 
 
 def _validate_pipeline(t: TrainConfig, m: ModelConfig) -> None:
@@ -440,6 +535,9 @@ def _validate_data(t: TrainConfig, m: ModelConfig) -> None:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if t.doc_mask and os.path.isfile(t.data):  # a file is one stream: its document boundaries are unknown
+        raise ConfigError(f"train.doc_mask: {t.data} is one file with no document boundaries; fix: pass --data with "
+                          "a folder of text files (one document each) or a tokenised folder, or drop --doc-mask")
 
 
 def field_names(cls: type) -> list[str]:

@@ -10,14 +10,25 @@ Corpora are 1-D token arrays (uint8/uint16/uint32, possibly memory-mapped):
 - any other file: plain text, byte-tokenised, split like a ``.bin`` file.
 - a directory: every ``*.txt``/``*.md``/``*.py`` file under it, split by file like the stdlib corpus
   (falls back to the last ``val_fraction`` of tokens when that leaves a split empty, e.g. < 50 files).
+- a tokenised folder written by ``boostjax tokenize`` (``meta.json`` with ``"format": "boostjax-tokens"``):
+  its ``train.bin`` / ``val.bin`` memory-mapped with the dtype its metadata names, and the documents'
+  start offsets (``*.docs.npy``) as ``Corpus.train_docs`` / ``val_docs``.
 
-`BatchIterator` draws batch ``k`` as a pure function of ``(seed, k)``: the global batch's window starts
-come from ``np.random.default_rng([seed, k])`` and each process takes its contiguous block of rows, so
-batches are deterministic, resumable from ``state()`` and independent of the process count.
+Where the document boundaries are known (``Corpus.train_docs``/``val_docs``: the files of the stdlib
+corpus and of a folder, the documents of a tokenised folder), `DocumentIterator` packs documents: epoch
+``e`` concatenates every document (each ends with its separator: EOS, or ``b"\\n\\n"`` at byte level)
+in the order of a permutation seeded by ``(seed, e)`` and cuts that stream into rows of ``seq + 1``
+tokens (stride ``seq``, so every next-token pair is trained once per epoch), visited in a second
+permutation; ``segments`` gives each position its document's number in the row. Otherwise
+`BatchIterator` draws random windows: global batch ``k``'s starts come from
+``np.random.default_rng([seed, k])``. Either way batch ``k`` is a pure function of ``(seed, k)`` and each
+process reads only its contiguous block of rows, so batches are deterministic, resumable from
+``state()`` and independent of the process count.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import stat
@@ -32,6 +43,10 @@ TEXT_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".py")
 VAL_EVERY: int = 50  # file i is a validation file iff i % VAL_EVERY == VAL_EVERY - 1
 FILE_SEP: bytes = b"\n\n"
 MIN_SPLIT_TOKENS: int = 2  # a split must hold at least one (input, target) pair
+META_FILE: str = "meta.json"  # a tokenised data folder (boostjax.tokenize) is marked by this file
+TOKENS_FORMAT: str = "boostjax-tokens"
+TOKENS_VERSION: int = 1
+SPLITS: tuple[str, ...] = ("train", "val")
 
 
 class ByteTokenizer:
@@ -151,8 +166,19 @@ def _files_corpus(files: list[pathlib.Path], name: str, val_fraction: float) -> 
     val = np.frombuffer(b"".join(c for c, v in zip(chunks, is_val) if v), dtype=np.uint8)
     if len(train) < MIN_SPLIT_TOKENS or len(val) < MIN_SPLIT_TOKENS:
         # Too few files for a per-file split (e.g. < 50): fall back to the tail of the stream.
-        return _tail_split(np.frombuffer(b"".join(chunks), dtype=np.uint8), val_fraction, name)
-    return Corpus(train=train, val=val, name=name)
+        tail = _tail_split(np.frombuffer(b"".join(chunks), dtype=np.uint8), val_fraction, name)
+        starts = _starts([len(c) for c in chunks])
+        n_train = len(tail.train)  # the validation stream may begin inside a file: that piece is a document
+        val_docs = np.unique(np.append(starts[starts >= n_train] - n_train, 0))
+        return Corpus(tail.train, tail.val, name, starts[starts < n_train], val_docs)
+    return Corpus(train=train, val=val, name=name,
+                  train_docs=_starts([len(c) for c, v in zip(chunks, is_val) if not v]),
+                  val_docs=_starts([len(c) for c, v in zip(chunks, is_val) if v]))
+
+
+def _starts(lengths: Sequence[int]) -> np.ndarray:
+    """Start offsets (int64) of consecutive documents of these lengths."""
+    return np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]).astype(np.int64)
 
 
 _STDLIB_CACHE: dict[str, Corpus] = {}
@@ -277,6 +303,9 @@ def check_data(path: str, dtype: str, vocab_size: int) -> None:
         return
     st = _stat(path)
     _check_kind(path, st)
+    if stat.S_ISDIR(st.st_mode) and is_token_folder(path):
+        check_token_vocab(path, vocab_size)
+        return
     if stat.S_ISDIR(st.st_mode):
         if vocab_size < ByteTokenizer.vocab_size:
             for f in _walk_files(pathlib.Path(path), TEXT_SUFFIXES, strict=True):
@@ -296,9 +325,129 @@ def check_data(path: str, dtype: str, vocab_size: int) -> None:
             raise _vocab_error(path, top, vocab_size, False)
 
 
+# ----------------------------------------------------------------------------- tokenised folders
+
+
+def is_token_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder written by ``boostjax tokenize`` (its ``meta.json`` says so, or
+    cannot be parsed: a damaged one is reported by `read_token_meta` rather than read as text)."""
+    meta = pathlib.Path(path) / META_FILE
+    if not (os.path.isdir(path) and meta.is_file()):
+        return False
+    try:
+        d = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return True
+    return isinstance(d, dict) and d.get("format") == TOKENS_FORMAT
+
+
+def _meta_error(folder: pathlib.Path, what: str) -> ValueError:
+    return ValueError(f"data: {folder / META_FILE}: {what}; fix: tokenise the text again with "
+                      f"boostjax tokenize --out {folder} (or pass another --data)")
+
+
+def _int_field(d: dict, key: str, folder: pathlib.Path, minimum: int = 0, where: str = "") -> int:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise _meta_error(folder, f"{where}{key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def read_token_meta(folder: str | os.PathLike) -> dict:
+    """The validated ``meta.json`` of a tokenised folder: format and version, dtype, vocabulary,
+    the tokenizer file, and per split its files, whose sizes must match the token counts."""
+    p = pathlib.Path(folder)
+    try:
+        d = json.loads((p / META_FILE).read_text())
+    except OSError as e:
+        raise _unreadable(p / META_FILE, e) from None
+    except ValueError as e:
+        raise _meta_error(p, f"not valid JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(d, dict) or d.get("format") != TOKENS_FORMAT:
+        raise _meta_error(p, f"not a {TOKENS_FORMAT} metadata file")
+    if d.get("incomplete"):
+        raise _meta_error(p, "an interrupted boostjax tokenize left this folder incomplete")
+    if d.get("version") != TOKENS_VERSION:
+        raise _meta_error(p, f"version {d.get('version')!r}; this boostjax reads version {TOKENS_VERSION}")
+    if d.get("dtype") not in TOKEN_DTYPES:
+        raise _meta_error(p, f"dtype must be one of {', '.join(TOKEN_DTYPES)}, got {d.get('dtype')!r}")
+    vocab = _int_field(d, "vocab_size", p, 1)
+    if vocab > 1 << (8 * np.dtype(d["dtype"]).itemsize):
+        raise _meta_error(p, f"vocab_size {vocab} does not fit in {d['dtype']}")
+    for key in ("eos_id", "bos_id"):
+        v = d.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab):
+            raise _meta_error(p, f"{key} must be null or an id in [0, {vocab}), got {v!r}")
+    tok = d.get("tokenizer")
+    if tok not in ("byte", "tokenizer.json"):
+        raise _meta_error(p, f"tokenizer must be 'byte' or 'tokenizer.json', got {tok!r}")
+    if tok != "byte" and not (p / tok).is_file():
+        raise _meta_error(p, f"names the tokenizer {tok} but {p / tok} is missing")
+    splits = d.get("splits")
+    if not isinstance(splits, dict) or set(splits) != set(SPLITS):
+        raise _meta_error(p, f"splits must name exactly {', '.join(SPLITS)}")
+    itemsize = np.dtype(d["dtype"]).itemsize
+    for name in SPLITS:
+        s = splits[name]
+        if not isinstance(s, dict) or s.get("file") != f"{name}.bin" or s.get("docs_file") != f"{name}.docs.npy":
+            raise _meta_error(p, f"split {name} must name {name}.bin and {name}.docs.npy")
+        tokens = _int_field(s, "tokens", p, MIN_SPLIT_TOKENS, f"splits.{name}.")
+        _int_field(s, "documents", p, 1, f"splits.{name}.")
+        _int_field(s, "bytes", p, 0, f"splits.{name}.")
+        f = p / s["file"]
+        try:
+            size = os.stat(f).st_size
+        except FileNotFoundError:
+            raise _meta_error(p, f"{f} is missing") from None
+        except OSError as e:
+            raise _unreadable(f, e) from None
+        if size != tokens * itemsize:
+            raise _meta_error(p, f"{f} has {size} bytes but the metadata says {tokens} {d['dtype']} tokens "
+                                 f"({tokens * itemsize} bytes)")
+    return d
+
+
+def _token_split(folder: pathlib.Path, meta: dict, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(memory-mapped tokens, document start offsets) of one split of a tokenised folder."""
+    s = meta["splits"][name]
+    try:
+        tokens = np.memmap(folder / s["file"], dtype=np.dtype(meta["dtype"]), mode="r")
+        docs = np.load(folder / s["docs_file"], allow_pickle=False)
+    except OSError as e:
+        raise _unreadable(folder / s["file"], e) from None
+    except ValueError as e:
+        raise _meta_error(folder, f"{s['docs_file']} is not a numpy array file ({e})") from None
+    n = s["documents"]
+    if (docs.dtype != np.int64 or docs.shape != (n,) or docs[0] != 0 or docs[-1] >= len(tokens)
+            or (n > 1 and np.any(np.diff(docs) <= 0))):
+        raise _meta_error(folder, f"{s['docs_file']} must hold {n} ascending int64 start offsets from 0 "
+                                  f"below {len(tokens)}, got {docs.dtype} {docs.shape}")
+    return tokens, docs
+
+
+def token_folder_corpus(folder: str | os.PathLike) -> Corpus:
+    """The train/val streams and document offsets of a folder written by ``boostjax tokenize``."""
+    p = pathlib.Path(folder)
+    meta = read_token_meta(p)
+    train, train_docs = _token_split(p, meta, "train")
+    val, val_docs = _token_split(p, meta, "val")
+    return Corpus(train=train, val=val, name=str(p), train_docs=train_docs, val_docs=val_docs)
+
+
+def check_token_vocab(folder: str | os.PathLike, vocab_size: int) -> dict:
+    """A tokenised folder whose tokenizer has more ids than the model's vocabulary is refused."""
+    meta = read_token_meta(folder)
+    if vocab_size < meta["vocab_size"]:
+        raise ValueError(f"model.vocab_size: {vocab_size} is smaller than the vocabulary of the tokenizer of "
+                         f"{folder} ({meta['vocab_size']} ids); fix: pass --vocab-size {meta['vocab_size']} (boostjax "
+                         f"train takes it from {pathlib.Path(folder) / META_FILE} when --vocab-size is not given)")
+    return meta
+
+
 def load_corpus(path: str = "", dtype: str = "uint16", val_fraction: float = 0.02,
                 vocab_size: int | None = None) -> Corpus:
-    """Load ``""`` (stdlib), a ``.bin`` token file (memmap), a text file or a directory of text files.
+    """Load ``""`` (stdlib), a ``.bin`` token file (memmap), a text file, a directory of text files or a
+    tokenised folder (``boostjax tokenize``; its metadata gives the dtype, ``dtype`` is not used).
 
     With ``vocab_size``, a token id >= ``vocab_size`` anywhere in the data is an error here, at load
     (a ``.bin`` file is scanned once, in chunks), rather than at the step that reads it."""
@@ -314,6 +463,8 @@ def load_corpus(path: str = "", dtype: str = "uint16", val_fraction: float = 0.0
     p = pathlib.Path(path)
     st = _stat(path)
     _check_kind(path, st)
+    if stat.S_ISDIR(st.st_mode) and is_token_folder(p):
+        return token_folder_corpus(p)
     if stat.S_ISDIR(st.st_mode):
         files = _walk_files(p, TEXT_SUFFIXES, strict=True)
         if not files:
@@ -351,6 +502,8 @@ class BatchIterator:
     ``b = batch // process_count`` (this process's rows of the global batch) and
     ``targets[:, t] == inputs[:, t + 1]`` along the window.
     """
+
+    sampler = "windows"
 
     def __init__(
         self,
@@ -439,16 +592,119 @@ class BatchIterator:
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
 
-    def state(self) -> dict[str, int]:
-        """JSON-serialisable position: ``{"step": int, "seed": int}``."""
-        return {"step": self._step, "seed": self._seed}
+    def state(self) -> dict[str, Any]:
+        """JSON-serialisable position: ``{"step": int, "seed": int, "sampler": "windows"|"documents"}``."""
+        return {"step": self._step, "seed": self._seed, "sampler": self.sampler}
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue from a saved ``state()`` (adopts its step and seed)."""
+        """Continue from a saved ``state()`` (adopts its step and seed). A state without "sampler"
+        (written before documents were packed) is accepted by either sampler."""
         if not isinstance(state, dict) or "step" not in state or "seed" not in state:
             raise ValueError(f"BatchIterator.restore: need a dict with 'step' and 'seed', got {state!r}")
+        if state.get("sampler", self.sampler) != self.sampler:
+            raise ValueError(
+                f"BatchIterator.restore: the checkpoint's batches came from the {state['sampler']} sampler but this "
+                f"data gives {self.sampler} (document boundaries are {'known' if self.sampler == 'documents' else 'unknown'}"
+                f" now); fix: resume with the --data the run was trained on"
+            )
         self._step = _check_int("step", state["step"], 0)
         self._seed = _check_int("seed", state["seed"], 0)
+
+
+DOC_STREAM: int = 0x646F6373  # "docs": keeps the document sampler's random streams apart from the windows'
+
+
+def check_docs(docs: Any, n_tokens: int, where: str = "DocumentIterator") -> np.ndarray:
+    """``docs`` as int64 document start offsets: 1-D, first 0, strictly ascending, last < ``n_tokens``."""
+    d = np.asarray(docs)
+    if d.ndim != 1 or d.size == 0 or not np.issubdtype(d.dtype, np.integer):
+        raise ValueError(f"{where}: document starts must be a non-empty 1-D integer array, got shape {d.shape} "
+                         f"dtype {d.dtype}; fix: pass the start offset of every document (first 0)")
+    d = d.astype(np.int64)
+    if d[0] != 0 or (d.size > 1 and not bool(np.all(d[1:] > d[:-1]))) or d[-1] >= n_tokens:
+        raise ValueError(f"{where}: document starts must begin at 0, ascend strictly and stay below the "
+                         f"{n_tokens} tokens, got {d[:4].tolist()}{'...' if d.size > 4 else ''} (last {int(d[-1])}); "
+                         f"fix: rebuild the data folder (boostjax tokenize)")
+    return d
+
+
+class DocumentIterator(BatchIterator):
+    """Documents packed into rows of ``seq + 1`` tokens; batch ``k`` depends only on ``(seed, k)``.
+
+    Global row ``g = k * batch + i`` is row ``g % R`` of epoch ``g // R`` (``R = (len - 1) // seq`` rows
+    per epoch). Epoch ``e`` draws, from ``np.random.default_rng([seed, DOC_STREAM, e])``, an order of
+    the documents (concatenated, each with its separator) and an order of the ``R`` rows; row ``j``
+    covers stream positions ``[j * seq, j * seq + seq]``. Only the rows' tokens are read (a memmap
+    stays on disk); the per-epoch state is two permutations and a cumulative sum (O(documents + R)).
+    With ``segments``, ``next()`` also returns ``segments: int32[b, seq]``, the document number of each
+    input position counted from 0 in its row (positions attend only within their document under
+    ``--doc-mask``).
+    """
+
+    sampler = "documents"
+
+    def __init__(self, tokens: np.ndarray, docs: np.ndarray, batch: int, seq: int, seed: int, *,
+                 segments: bool = False, **kwargs: Any) -> None:
+        super().__init__(tokens, batch, seq, seed, **kwargs)
+        self.docs = check_docs(docs, len(self.tokens))
+        self.lens = np.diff(np.append(self.docs, len(self.tokens)))
+        self.rows_per_epoch = (len(self.tokens) - 1) // self.seq
+        self.segments = bool(segments)
+        self._epochs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(document order, cumulative lengths in that order [n + 1], row order) of epoch ``e``."""
+        key = (self._seed, e)
+        if key not in self._epochs:
+            rng = np.random.default_rng([self._seed, DOC_STREAM, e])
+            order = rng.permutation(len(self.docs))
+            cum = np.zeros(len(order) + 1, np.int64)
+            np.cumsum(self.lens[order], out=cum[1:])
+            rows = rng.permutation(self.rows_per_epoch)
+            while len(self._epochs) >= 2:  # a batch spans at most two epochs unless it is larger than one
+                self._epochs.pop(next(iter(self._epochs)))
+            self._epochs[key] = (order, cum, rows)
+        return self._epochs[key]
+
+    def positions(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token index into ``tokens``, document index) of this process's rows of batch ``step``:
+        int64[b, seq + 1] each."""
+        lo = self.process_index * self.local_batch
+        g_b = step * self.batch + lo + np.arange(self.local_batch, dtype=np.int64)
+        src_bs = np.empty((self.local_batch, self.seq + 1), np.int64)
+        doc_bs = np.empty_like(src_bs)
+        for e in np.unique(g_b // self.rows_per_epoch):
+            sel = g_b // self.rows_per_epoch == e
+            order, cum, rows = self._epoch(int(e))
+            pos = rows[g_b[sel] % self.rows_per_epoch][:, None] * self.seq + self._offsets[None, :]
+            idx = np.searchsorted(cum, pos, side="right") - 1  # position -> place in this epoch's order
+            src_bs[sel] = self.docs[order[idx]] + (pos - cum[idx])
+            doc_bs[sel] = idx
+        return src_bs, doc_bs
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        """This process's share of global batch ``step`` (does not move the iterator)."""
+        src_bs, doc_bs = self.positions(step)
+        windows_bs = np.asarray(self.tokens[src_bs])
+        if self._lazy_vocab_check:
+            self._check_vocab(windows_bs)
+        windows_bs = windows_bs.astype(np.int32)
+        out = {"inputs": windows_bs[:, :-1], "targets": windows_bs[:, 1:]}
+        if self.segments:
+            out["segments"] = (doc_bs[:, :-1] - doc_bs[:, :1]).astype(np.int32)
+        return out
+
+
+def batch_iterator(tokens: np.ndarray, docs: np.ndarray | None, batch: int, seq: int, seed: int, *,
+                   segments: bool = False, **kwargs: Any) -> BatchIterator:
+    """`DocumentIterator` when the document starts ``docs`` are known, else `BatchIterator` (random
+    windows; ``segments`` then needs documents: ValueError)."""
+    if docs is not None:
+        return DocumentIterator(tokens, docs, batch, seq, seed, segments=segments, **kwargs)
+    if segments:
+        raise ValueError("batch_iterator: segments need document boundaries, and this data has none; "
+                         "fix: pass the documents' start offsets (a data folder or a tokenised folder)")
+    return BatchIterator(tokens, batch, seq, seed, **kwargs)
 
 
 def eval_batches(
@@ -461,11 +717,14 @@ def eval_batches(
     process_index: int = 0,
     process_count: int = 1,
     vocab_size: int | None = None,
+    docs: np.ndarray | None = None,
+    segments: bool = False,
 ) -> list[dict[str, np.ndarray]]:
-    """A fixed list of ``n`` validation batches (same format as `BatchIterator.next`)."""
+    """A fixed list of ``n`` validation batches (same format as `BatchIterator.next`; packed documents
+    when their starts ``docs`` are known, see `batch_iterator`)."""
     n = _check_int("n", n, 0, where="eval_batches")
-    it = BatchIterator(
-        tokens, batch, seq, seed,
+    it = batch_iterator(
+        tokens, docs, batch, seq, seed, segments=segments,
         process_index=process_index, process_count=process_count, vocab_size=vocab_size,
     )
     return [it.next() for _ in range(n)]

@@ -1,9 +1,11 @@
 """Hugging Face interop: dense boostjax LLaMA <-> `LlamaForCausalLM` checkpoint folders.
 
 A folder holds `config.json` and `model.safetensors` (or shards `model-0000i-of-0000n.safetensors`
-listed by `model.safetensors.index.json`). Hugging Face stores linear weights `[out, in]`; boostjax
+listed by `model.safetensors.index.json`), fp32 or bf16, and optionally `generation_config.json`,
+`tokenizer.json` and `tokenizer_config.json`. Hugging Face stores linear weights `[out, in]`; boostjax
 stores them `[in, out]`, so every projection and the head are transposed on the way. Both sides use
-rotate-half RoPE and fp32 RMSNorm statistics, so logits agree to fp32 rounding.
+rotate-half RoPE and fp32 RMSNorm statistics, so logits agree to fp32 rounding. The config side
+(RoPE scaling, head width, tied embeddings, token ids) is `boostjax.hf_config`.
 
 Low-rank kinds (cola, svd, lax) have no Hugging Face LLaMA layout and are refused by `to_hf`.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 from typing import Any, Mapping
 
 import jax
@@ -22,15 +25,43 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from boostjax import __version__
-from boostjax.config import ModelConfig, validate_model
-from boostjax.runfolder import EXPORT_MARK, check_export_target
+from boostjax.config import ConfigError, ModelConfig
+from boostjax.hf_config import (
+    GENERATION_NAME,
+    TOKENIZER_CONFIG_NAME,
+    check_exportable,
+    config_from_hf,
+    generation_config,
+    hf_config,
+    tokenizer_config,
+    write_json,
+)
 from boostjax.models.llama import LLaMA
+from boostjax.runfolder import check_export_target
+
+__all__ = [
+    "build_model",
+    "config_from_hf",
+    "copy_hf_extras",
+    "from_hf",
+    "hf_config",
+    "params_from_hf",
+    "params_to_hf",
+    "parse_size",
+    "read_hf",
+    "read_tensors",
+    "to_hf",
+]
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 EXPORT_DTYPES: dict[str, Any] = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+TOKENIZER_NAME = "tokenizer.json"
+# files a Hugging Face folder may carry besides config and weights, copied by `copy_hf_extras`
+EXTRA_FILES: tuple[str, ...] = (GENERATION_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME, "special_tokens_map.json")
+SIZE_UNITS: dict[str, int] = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 # (our path inside one layer, Hugging Face name inside `model.layers.{i}.`, stored transposed)
 LAYER_KEYS: tuple[tuple[tuple[str, str], str, bool], ...] = (
@@ -53,138 +84,6 @@ TOP_KEYS: tuple[tuple[str, str, bool], ...] = (
 IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
 
-# ----------------------------------------------------------------------------------------- config
-
-
-def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-    """The `config.json` of a dense `cfg` as a Hugging Face `LlamaConfig` dict (transformers 4 and 5)."""
-    _check_exportable(cfg)
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "num_hidden_layers": cfg.n_layers,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,  # transformers 4 reads this ...
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # ... and 5 this
-        "hidden_act": "silu",
-        "initializer_range": cfg.init_std,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
-        "use_cache": True,
-        "torch_dtype": dtype,
-        "dtype": dtype,
-        "bos_token_id": None,  # boostjax's byte-level tokenizer has no special tokens
-        "eos_token_id": None,
-        "pad_token_id": None,
-        EXPORT_MARK: {"version": __version__},  # lets a later export replace this folder, and nothing else
-    }
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
-    """A dense `ModelConfig` from a Hugging Face LLaMA `config.json` dict; ValueError if unsupported."""
-
-    def bad(field: str, got: Any, fix: str) -> ValueError:
-        return ValueError(f"config_from_hf: {field}={got!r} is not supported; fix: {fix}")
-
-    def kind(field: str, want: str) -> ValueError:
-        return ValueError(f"config_from_hf: {field} must be {want}, got {d.get(field)!r}; "
-                          f"fix: write a complete LlamaConfig config.json")
-
-    if not isinstance(d, Mapping):
-        raise ValueError(f"config_from_hf: need a config object (dict), got a {type(d).__name__}; "
-                         f"fix: pass the parsed config.json of a LlamaForCausalLM")
-    if d.get("model_type", "llama") != "llama":
-        raise bad("model_type", d.get("model_type"), "export a LLaMA-architecture model (model_type 'llama')")
-    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
-        if not _is_int(d.get(name)):
-            raise ValueError(f"config_from_hf: {name} is missing or not an int (got {d.get(name)!r}); "
-                             f"fix: write a complete LlamaConfig config.json")
-    for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
-        if d.get(name) is not None and not _is_num(d[name]):
-            raise kind(name, "a number")
-    for name in ("max_position_embeddings", "head_dim", "num_key_value_heads"):
-        if d.get(name) is not None and not _is_int(d[name]):
-            raise kind(name, "an integer")
-    for name in ("rope_parameters", "rope_scaling"):
-        if d.get(name) is not None and not isinstance(d[name], Mapping):
-            raise kind(name, "an object or null")
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise bad("hidden_act", act, "boostjax LLaMA uses SwiGLU; only hidden_act 'silu' maps onto it")
-    for flag in ("attention_bias", "mlp_bias"):
-        if d.get(flag, False):
-            raise bad(flag, d[flag], "boostjax LLaMA has no biases; use a checkpoint trained without them")
-    theta = d.get("rope_theta") if d.get("rope_theta") is not None else 10000.0
-    rope_params = d.get("rope_parameters")
-    if rope_params:
-        if rope_params.get("rope_type", "default") != "default":
-            raise bad("rope_parameters.rope_type", rope_params.get("rope_type"),
-                      "boostjax implements plain RoPE only; use a checkpoint without RoPE scaling")
-        if rope_params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise bad("rope_parameters.partial_rotary_factor", rope_params["partial_rotary_factor"],
-                      "boostjax rotates the whole head; use partial_rotary_factor 1.0")
-        theta = rope_params.get("rope_theta", theta)
-        if not _is_num(theta):
-            raise bad("rope_parameters.rope_theta", theta, "write rope_theta as a number, e.g. 10000.0")
-    scaling = d.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise bad("rope_scaling", scaling,
-                  "boostjax implements plain RoPE only; use a checkpoint with rope_scaling null")
-    hidden, heads = d["hidden_size"], d["num_attention_heads"]
-    if hidden < 1 or heads < 1:
-        raise bad("hidden_size/num_attention_heads", (hidden, heads), "write positive sizes")
-    if hidden % heads:
-        raise bad("hidden_size", hidden, f"hidden_size must be a multiple of num_attention_heads={heads}")
-    head_dim = d.get("head_dim") or hidden // heads
-    if head_dim != hidden // heads:
-        raise bad("head_dim", head_dim,
-                  f"boostjax needs head_dim == hidden_size / num_attention_heads = {hidden // heads}")
-    kv = d.get("num_key_value_heads") or heads
-    cfg = ModelConfig(
-        kind="llama",
-        vocab_size=d["vocab_size"],
-        d_model=hidden,
-        n_layers=d["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=0 if kv == heads else kv,
-        d_ff=d["intermediate_size"],
-        rope_theta=float(theta),
-        norm_eps=float(d.get("rms_norm_eps") if d.get("rms_norm_eps") is not None else 1e-6),
-        max_seq_len=int(d.get("max_position_embeddings") or 2048),
-        init_std=float(d.get("initializer_range") if d.get("initializer_range") is not None else 0.02),
-    )
-    validate_model(cfg)
-    return cfg
-
-
-def _check_exportable(cfg: ModelConfig) -> None:
-    if cfg.low_rank:
-        raise ValueError(
-            f"to_hf: model kind {cfg.kind!r} is low-rank; Hugging Face LLaMA layout holds full-rank models "
-            f"only; fix: train/export a kind='llama' model, or materialise the dense weights into one first")
-    if cfg.kind != "llama":
-        raise ValueError(f"to_hf: unknown model kind {cfg.kind!r}; fix: export a kind='llama' model")
-
-
 # ----------------------------------------------------------------------------------------- params
 
 
@@ -198,7 +97,9 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.v_proj.weight": (ke, d), "self_attn.o_proj.weight": (d, he),
         "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
     }
-    out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
+    out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_embeddings:  # a tied model's head is the embedding: no lm_head.weight in or out
+        out["lm_head.weight"] = (v, d)
     for i in range(cfg.n_layers):
         out.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
     return out
@@ -216,7 +117,7 @@ def _layer(layers: Any, i: int) -> Mapping[str, Any]:
 
 def params_to_hf(cfg: ModelConfig, params: Mapping[str, Any], dtype: str = "float32") -> dict[str, np.ndarray]:
     """Pure boostjax params -> {Hugging Face name: contiguous numpy array in `dtype`}."""
-    _check_exportable(cfg)
+    check_exportable(cfg)
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"to_hf: dtype={dtype!r} is not supported; fix: use one of {', '.join(EXPORT_DTYPES)}")
     shapes, np_dtype = _expected_shapes(cfg), EXPORT_DTYPES[dtype]
@@ -233,7 +134,8 @@ def params_to_hf(cfg: ModelConfig, params: Mapping[str, Any], dtype: str = "floa
 
     out: dict[str, np.ndarray] = {}
     for ours, hf, tr in TOP_KEYS:
-        put(ours, hf, tr, params.get(ours))
+        if hf in shapes:
+            put(ours, hf, tr, params.get(ours))
     for i in range(cfg.n_layers):
         layer = _layer(params.get("layers", {}), i)
         for (block, name), hf, tr in LAYER_KEYS:
@@ -244,11 +146,15 @@ def params_to_hf(cfg: ModelConfig, params: Mapping[str, Any], dtype: str = "floa
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], tied: bool = False) -> dict[str, Any]:
     """{Hugging Face name: array} -> the pure fp32 params dict of a dense boostjax LLaMA.
 
-    `tied`: the head is the embedding (`tie_word_embeddings`); `lm_head.weight` is then not needed.
+    A tied `cfg` (`tie_embeddings`) gets no `head`; an `lm_head.weight` in `tensors` is ignored, as
+    transformers ignores it for a tied model. `tied` (untied `cfg` only): the head is a copy of the
+    embedding (`lm_head.weight` is then not needed).
     """
     shapes = _expected_shapes(cfg)
     tensors = dict(tensors)
-    if tied:
+    if cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    elif tied:
         tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
     known = set(shapes)
     extra = sorted(k for k in tensors if k not in known and not k.endswith(IGNORED_SUFFIXES))
@@ -267,7 +173,7 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], tied: bo
         a = a.astype(np.float32)
         return jnp.asarray(a.T if transpose else a)
 
-    params: dict[str, Any] = {ours: get(hf, tr) for ours, hf, tr in TOP_KEYS}
+    params: dict[str, Any] = {ours: get(hf, tr) for ours, hf, tr in TOP_KEYS if hf in shapes}
     params["layers"] = {}
     for i in range(cfg.n_layers):
         layer: dict[str, dict[str, jax.Array]] = {"attn": {}, "mlp": {}}
@@ -296,21 +202,123 @@ def _resolve(model_or_params: Any, cfg: ModelConfig | None) -> tuple[ModelConfig
     return cfg, params
 
 
+def parse_size(size: int | str) -> int:
+    """Bytes of a shard size: an int, or a string like "5GB", "500MB", "2GiB" (Hugging Face's units)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    elif isinstance(size, str):
+        text = size.strip().upper().replace(" ", "")
+        unit = next((u for u in sorted(SIZE_UNITS, key=len, reverse=True) if text.endswith(u)), "")
+        num = text[: len(text) - len(unit)] if unit else text
+        try:
+            n = int(float(num) * SIZE_UNITS[unit or "B"])
+        except ValueError:
+            n = -1
+    else:
+        n = -1
+    if n < 1:
+        raise ConfigError(f"export.max_shard_size: cannot read {size!r} as a positive size; "
+                         "fix: pass e.g. --max-shard-size 5GB (units B, KB, MB, GB, KiB, MiB, GiB) or 0 for one file")
+    return n
+
+
+def _shard_groups(tensors: Mapping[str, np.ndarray], limit: int) -> list[list[str]]:
+    """Tensor names in order, cut into consecutive groups of at most `limit` bytes (a larger tensor
+    gets a shard of its own), as `save_pretrained(max_shard_size=...)` does."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, a in tensors.items():
+        if groups[-1] and size + a.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += a.nbytes
+    return groups
+
+
+def _write_weights(out: pathlib.Path, tensors: Mapping[str, np.ndarray], max_shard_size: int | str) -> None:
+    for old in [*out.glob("model-*-of-*.safetensors"), out / WEIGHTS_NAME, out / INDEX_NAME]:
+        old.unlink(missing_ok=True)  # an earlier export's (check_export_target allowed replacing it)
+    groups = _shard_groups(tensors, parse_size(max_shard_size)) if max_shard_size else [list(tensors)]
+    if len(groups) == 1:
+        save_file(dict(tensors), str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+        return
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: tensors[k] for k in names}, str(out / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in names})
+    total = int(sum(a.nbytes for a in tensors.values()))
+    write_json(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _side_files(cfg: ModelConfig, out: pathlib.Path, source: pathlib.Path | None) -> ModelConfig:
+    """Tokenizer and generation config of `source` (a run folder or a Hugging Face folder) into `out`.
+    Returns `cfg` with the eos/bos ids of the tokenizer where `cfg` has none."""
+    import dataclasses
+
+    tok_file = source / TOKENIZER_NAME if source is not None else None
+    if tok_file is not None and tok_file.is_file():
+        from tokenizers import Tokenizer
+
+        from boostjax.text import load_tokenizer
+
+        tok = load_tokenizer(tok_file)
+        if not cfg.eos_ids and tok.eos_id is not None and tok.eos_id < cfg.vocab_size:
+            cfg = dataclasses.replace(cfg, eos_token_ids=str(tok.eos_id))
+        if cfg.bos_token_id < 0 and tok.bos_id is not None and tok.bos_id < cfg.vocab_size:
+            cfg = dataclasses.replace(cfg, bos_token_id=tok.bos_id)
+        shutil.copyfile(tok_file, out / TOKENIZER_NAME)
+        for name in (TOKENIZER_CONFIG_NAME, "special_tokens_map.json"):
+            if (source / name).is_file():
+                shutil.copyfile(source / name, out / name)
+        if not (source / TOKENIZER_CONFIG_NAME).is_file():
+            write_json(out / TOKENIZER_CONFIG_NAME, tokenizer_config(cfg, Tokenizer.from_file(str(tok_file))))
+    gen_src = source / GENERATION_NAME if source is not None else None
+    gen = generation_config(cfg, _read_json(gen_src) if gen_src is not None and gen_src.is_file() else None)
+    if gen is not None:
+        write_json(out / GENERATION_NAME, gen)
+    return cfg
+
+
 def to_hf(model_or_params: Any, path: str | pathlib.Path, cfg: ModelConfig | None = None,
-          dtype: str = "float32") -> pathlib.Path:
-    """Write a Hugging Face LLaMA folder (`config.json`, `model.safetensors`) and return its path.
+          dtype: str = "float32", *, max_shard_size: int | str = 0,
+          source: str | pathlib.Path | None = None) -> pathlib.Path:
+    """Write a Hugging Face LLaMA folder (`config.json`, weights, side files) and return its path.
 
     `model_or_params`: an `LLaMA` module, a `(ModelConfig, pure params dict)` pair, or a pure params
-    dict together with `cfg`. `dtype`: "float32" (default) or "bfloat16".
+    dict together with `cfg`. `dtype`: "float32" (default) or "bfloat16". `max_shard_size` (bytes, or
+    "5GB"-style; 0 = one file): split the weights into `model-0000i-of-0000n.safetensors` listed by
+    `model.safetensors.index.json`. `source`: a run folder or Hugging Face folder whose `tokenizer.json`
+    (with `tokenizer_config.json`, written when absent) and `generation_config.json` go along; the
+    bos/eos/pad ids of the model config are written to config.json and generation_config.json.
     """
     cfg, params = _resolve(model_or_params, cfg)
     tensors = params_to_hf(cfg, params, dtype)
+    if max_shard_size:
+        parse_size(max_shard_size)
+    src = pathlib.Path(source) if source is not None else None
+    if src is not None and not src.is_dir():
+        raise ValueError(f"to_hf: source {src} is not a folder; fix: pass the run folder or Hugging Face folder "
+                         "holding tokenizer.json, or no source")
     out = pathlib.Path(path)
     check_export_target(out)  # never into a run folder or a folder of files boostjax did not write
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    (out / CONFIG_NAME).write_text(json.dumps(hf_config(cfg, dtype), indent=2, sort_keys=True) + "\n")
+    _write_weights(out, tensors, max_shard_size)
+    cfg = _side_files(cfg, out, src)
+    write_json(out / CONFIG_NAME, hf_config(cfg, dtype))
     return out
+
+
+def copy_hf_extras(src: str | pathlib.Path, dst: str | pathlib.Path) -> list[str]:
+    """Copy a Hugging Face folder's tokenizer and generation files (`EXTRA_FILES`) that exist into
+    `dst` (e.g. a run folder started from it, so that a later export carries them); their names."""
+    copied = []
+    for name in EXTRA_FILES:
+        if (pathlib.Path(src) / name).is_file():
+            shutil.copyfile(pathlib.Path(src) / name, pathlib.Path(dst) / name)
+            copied.append(name)
+    return copied
 
 
 def _read_json(file: pathlib.Path) -> Any:
@@ -375,7 +383,9 @@ def read_tensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def read_hf(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, Any]]:
-    """`(ModelConfig, pure fp32 params dict)` of a Hugging Face LLaMA folder."""
+    """`(ModelConfig, pure fp32 params dict)` of a Hugging Face LLaMA / Mistral folder (fp32 or bf16 weights).
+
+    bos/eos/pad ids come from config.json, or `generation_config.json` where config.json has none."""
     folder = pathlib.Path(path)
     if not (folder / CONFIG_NAME).is_file():
         raise ValueError(f"from_hf: no {CONFIG_NAME} in {folder}; fix: pass a Hugging Face model folder")
@@ -384,17 +394,17 @@ def read_hf(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, Any]]:
     if not isinstance(d, dict):
         raise ValueError(f"from_hf: {file} holds a JSON {type(d).__name__}, not a config object; "
                          "fix: restore it from the model's save_pretrained output")
+    gen = _read_json(folder / GENERATION_NAME) if (folder / GENERATION_NAME).is_file() else None
     try:
-        cfg = config_from_hf(d)
+        cfg = config_from_hf(d, gen if isinstance(gen, dict) else None)
     except ValueError as e:  # ConfigError included: name the file
         raise ValueError(f"from_hf: {file}: {str(e).removeprefix('config_from_hf: ')}") from None
     tensors = read_tensors(folder)
-    tied = bool(d.get("tie_word_embeddings", False))
-    if "lm_head.weight" not in tensors and not tied:
+    if "lm_head.weight" not in tensors and not cfg.tie_embeddings:
         raise ValueError("from_hf: missing tensor 'lm_head.weight' and tie_word_embeddings is false; fix: use a "
                          "complete LlamaForCausalLM checkpoint, or set tie_word_embeddings true if the head "
                          "is the embedding")
-    return cfg, params_from_hf(cfg, tensors, tied=tied)
+    return cfg, params_from_hf(cfg, tensors)
 
 
 def from_hf(path: str | pathlib.Path) -> LLaMA:

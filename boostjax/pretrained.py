@@ -78,7 +78,9 @@ def source_config(path: str) -> ModelConfig:
         d = json.loads((folder / hf.CONFIG_NAME).read_text(encoding="utf-8"))
         if not isinstance(d, dict):
             raise ValueError(f"{folder / hf.CONFIG_NAME} is not a JSON object; fix: restore it from save_pretrained")
-        return hf.config_from_hf(d)
+        gen_file = folder / hf.GENERATION_NAME  # token ids where config.json has none, as read_hf reads them
+        gen = json.loads(gen_file.read_text(encoding="utf-8")) if gen_file.is_file() else None
+        return hf.config_from_hf(d, gen if isinstance(gen, dict) else None)
     except OSError as e:
         raise _err(f"cannot read {folder / hf.CONFIG_NAME} ({e.strerror or type(e).__name__}); "
                    "fix: check its permissions") from None
@@ -345,30 +347,6 @@ def write_report(folder: pathlib.Path, report: Mapping[str, Any]) -> pathlib.Pat
 # ------------------------------------------------------------------------------------ tokenizer
 
 
-def _data_tokenizer(data: str) -> pathlib.Path | None:
-    from boostjax.text import TOKENIZER_FILE  # noqa: PLC0415
-
-    p = pathlib.Path(data) / TOKENIZER_FILE if data else None
-    return p if p is not None and p.is_file() else None
-
-
-def data_is_bytes(data: str) -> bool:
-    """Whether `--data` is read as UTF-8 bytes (the built-in corpus, text files, a byte-level
-    tokenised folder); a `.bin` file or a folder with a `tokenizer.json` holds some tokenizer's ids."""
-    p = pathlib.Path(data)
-    if not data:
-        return True
-    if p.is_file():
-        return p.suffix != ".bin"
-    if _data_tokenizer(data) is not None:
-        return False
-    try:
-        meta = json.loads((p / "meta.json").read_text(encoding="utf-8"))
-        return not isinstance(meta, dict) or meta.get("tokenizer") == "byte"
-    except (OSError, ValueError):
-        return True
-
-
 def has_tokenizer(folder: str) -> bool:
     from boostjax.text import TOKENIZER_FILE  # noqa: PLC0415
 
@@ -376,42 +354,38 @@ def has_tokenizer(folder: str) -> bool:
 
 
 def source_tokenizer(cfg: Config) -> pathlib.Path | None:
-    """The checkpoint folder's `tokenizer.json` the run folder gets (None: none there, or the data is
-    byte level and the run's tokenizer is bytes); ConfigError when the data folder holds another
-    tokenizer (the ids would mean other text)."""
-    from boostjax.text import TOKENIZER_FILE  # noqa: PLC0415
+    """The checkpoint folder's `tokenizer.json` that the run folder gets: when the data holds token
+    ids (a `.bin` file, or a tokenised folder, whose tokenizer must then be the same: ConfigError
+    otherwise, the ids would mean other text). None when the checkpoint has none or the data is read
+    as bytes (the built-in corpus, text files): the run is then byte level."""
+    from boostjax.text import TOKENIZER_FILE, load_tokenizer, tokenizer_kind  # noqa: PLC0415
+    from boostjax.tokenize import data_tokenizer, same_tokenizer  # noqa: PLC0415
 
-    if not cfg.train.init_from_hf:
+    t = cfg.train
+    if not has_tokenizer(t.init_from_hf):
         return None
-    src = pathlib.Path(cfg.train.init_from_hf) / TOKENIZER_FILE
-    if not src.is_file():
-        return None
-    theirs = _data_tokenizer(cfg.train.data)
-    if theirs is not None and _tokenizer_json(theirs) != _tokenizer_json(src):
-        raise _err(f"{src} and the data's {theirs} are different tokenizers (the token ids would mean other "
-                   f"text); fix: tokenize the data with the checkpoint's tokenizer (boostjax tokenize "
-                   f"--tokenizer {src})")
-    if data_is_bytes(cfg.train.data):
-        return None
+    src = pathlib.Path(t.init_from_hf) / TOKENIZER_FILE
+    theirs = data_tokenizer(t.data)  # None unless a tokenised folder
+    if theirs is None:
+        return src if t.data.endswith(".bin") and pathlib.Path(t.data).is_file() else None
+    try:
+        mine = load_tokenizer(src)
+    except (OSError, ValueError) as e:
+        raise _err(f"cannot load {src} ({' '.join(str(e).split())[:200]}); fix: restore the checkpoint's "
+                   "tokenizer.json") from None
+    if not same_tokenizer(theirs, mine):
+        raise _err(f"{t.data} was tokenised with {tokenizer_kind(theirs)}, not the checkpoint's {src} (the token "
+                   f"ids would mean other text); fix: tokenise the text with it (boostjax tokenize --tokenizer "
+                   f"{t.init_from_hf} ...)")
     return src
 
 
-def _tokenizer_json(path: pathlib.Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise _err(f"cannot read the tokenizer {path} ({type(e).__name__}); fix: restore the file") from None
-
-
 def copy_tokenizer(src: pathlib.Path | None, run_dir: pathlib.Path) -> None:
-    """Copy the checkpoint's tokenizer into the run folder (an identical copy already there is kept)."""
+    """Copy the checkpoint's tokenizer into the run folder (atomically)."""
     from boostjax.text import TOKENIZER_FILE  # noqa: PLC0415
 
     if src is None:
         return
-    dst = run_dir / TOKENIZER_FILE
-    if dst.is_file() and _tokenizer_json(dst) == _tokenizer_json(src):
-        return
     tmp = run_dir / (TOKENIZER_FILE + ".tmp")
     tmp.write_bytes(src.read_bytes())
-    tmp.replace(dst)
+    tmp.replace(run_dir / TOKENIZER_FILE)

@@ -5,6 +5,8 @@
     runs/x/metrics.jsonl        one JSON object per logged step
     runs/x/checkpoints/         Orbax checkpoints with checksums (boostjax.checkpoint)
     runs/x/checkpoints-aside/   damaged or non-finite checkpoints, moved out of the way, never deleted
+    runs/x/tensorboard/         TensorBoard event files of the same scalars (boostjax.observe)
+    runs/x/profile/             jax.profiler traces asked for with --profile START:STOP
     runs/x/.lock                held (fcntl) by the process that trains in the folder
 
 `RunFolder.check_target` refuses, before anything is written, a path that is a file or lies under
@@ -23,16 +25,18 @@ import fcntl
 import json
 import os
 import pathlib
+import re
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
 
 CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS = "config.json", "config_history.jsonl", "metrics.jsonl", ".lock", "checkpoints"
+TOKENIZER = "tokenizer.json"  # the run's tokenizer when it is not byte level (boostjax.text)
 RUN_FILES: frozenset[str] = frozenset({CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS, "checkpoints-aside",
-                                       CONFIG + ".tmp", METRICS + ".tmp",
-                                       "init_report.json", "init_report.json.tmp",  # item 4 (boostjax.pretrained)
-                                       "tokenizer.json", "tokenizer.json.tmp"})
+                                       CONFIG + ".tmp", METRICS + ".tmp", "tensorboard", "profile", TOKENIZER,
+                                       TOKENIZER + ".tmp",
+                                       "init_report.json", "init_report.json.tmp"})  # item 4 (boostjax.pretrained)
 
 # Training fields a resumed run may change (everything else, and every model field but MUTABLE_MODEL, is
 # fixed: the checkpoint's shapes, the data order or the optimizer state's meaning depend on it).
@@ -41,9 +45,11 @@ MUTABLE: frozenset[str] = frozenset({
     "ckpt_every", "keep_ckpts", "log_every", "eval_every", "eval_batches", "strategy", "mesh",
     "microbatches", "pipeline_schedule", "zero", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh",
     "delay_lr_tc", "offload_plan", "progress", "coordinator", "num_processes", "process_id", "init_timeout",
+    "tensorboard", "profile", "hardware",  # what a run shows, not what it computes (issue 13, item 7)
 })
-# Model fields a resumed run may change: the attention kernel computes the same function.
-MUTABLE_MODEL: frozenset[str] = frozenset({"attention", "attention_block"})
+# Model fields a resumed run may change: the attention kernel computes the same function; token ids are metadata.
+MUTABLE_MODEL: frozenset[str] = frozenset({"attention", "attention_block",
+                                           "bos_token_id", "eos_token_ids", "pad_token_id"})  # item 3: metadata
 EXPORT_MARK = "boostjax_export"  # key of an exported config.json (transformers keeps unknown keys)
 IGNORED: frozenset[str] = frozenset({"out", "progress", "coordinator", "num_processes", "process_id"})
 
@@ -302,8 +308,10 @@ def check_export_target(path: str | pathlib.Path) -> None:
         raise ConfigError(f"export.out: {p} is a boostjax run folder; fix: export into a new folder, not a run's")
     export_files = {"config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json",
                     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
-    ours = (p / "model.safetensors").is_file() and _is_boostjax_export(p / CONFIG)
-    if not ours or names - export_files:
+    shards = {n for n in names if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n)}
+    weights = (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file()
+    ours = weights and _is_boostjax_export(p / CONFIG)
+    if not ours or names - export_files - shards:
         raise ConfigError(f"export.out: {p} is not empty and is not an earlier boostjax export; fix: pass a new "
                           f"or empty folder to --out (boostjax never overwrites files it did not write)")
 

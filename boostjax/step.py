@@ -47,7 +47,7 @@ def local_loss_fn(cfg: Config, graphdef) -> Callable[[Any, dict], jax.Array]:
 
     def loss_fn(params, batch):
         model = nnx.merge(graphdef, cast_params(params, cfg.train.dtype))
-        return model.loss(batch["inputs"], batch["targets"], remat=cfg.train.remat)
+        return model.loss(batch["inputs"], batch["targets"], remat=cfg.train.remat, segments=batch.get("segments"))
 
     return loss_fn
 
@@ -270,11 +270,12 @@ def train_state_shapes(cfg: Config, graphdef, params_like: Any) -> tuple[Any, An
     """(params, optimizer state, batch) as `jax.ShapeDtypeStruct`s carrying the shardings that
     `StepFns.init` and `StepFns.put_batch` give them (nothing is allocated): parameters in the
     training layout (a pipeline's stacked layers), the batch as the step receives it
-    (`batch x grad_accum` rows of `seq` tokens)."""
+    (`batch x grad_accum` rows of `seq` tokens, with `segments` under `doc_mask`)."""
     lay = step_layout(cfg, graphdef, params_like)
     t = cfg.train
     rows = jax.ShapeDtypeStruct((t.batch * t.grad_accum, t.seq), jnp.int32, sharding=lay.batch)
-    return _shapes(lay.state_like, lay.params), _shapes(lay.opt_like, lay.opt_state), {"inputs": rows, "targets": rows}
+    batch = {"inputs": rows, "targets": rows} | ({"segments": rows} if t.doc_mask else {})
+    return _shapes(lay.state_like, lay.params), _shapes(lay.opt_like, lay.opt_state), batch
 
 
 def layout_step(cfg: Config, lay: Layout) -> Callable:

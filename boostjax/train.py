@@ -30,16 +30,18 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from boostjax import multihost, pretrained
+from boostjax import multihost, pretrained, relayout
 from boostjax.checkpoint import CheckpointError, Checkpointer, step_dirs
-from boostjax.config import Config, ConfigError, TrainConfig, parse_mesh, validate, warmup_steps
-from boostjax.data import BatchIterator, eval_batches, load_corpus
+from boostjax.config import Config, ConfigError, TrainConfig, mesh_devices, parse_mesh, validate, warmup_steps
+from boostjax.data import BatchIterator, batch_iterator, eval_batches, is_token_folder, load_corpus
 from boostjax.interrupt import StopSignals, TrainingInterrupted
 from boostjax.models import attention
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA
+from boostjax.observe import PROFILE, StepProfiler, TensorBoard, hardware_profile, mfu, parse_profile
 from boostjax.runfolder import RunFolder
 from boostjax.step import StepFns, build_step_fns
+from boostjax.tokenize import check_run_tokenizer, install_run_tokenizer
 
 
 class NonFiniteLoss(RuntimeError):
@@ -101,13 +103,13 @@ def stacked_layers(t: TrainConfig) -> bool:
     return parse_mesh(t.mesh).get("stage", 1) > 1
 
 
-def _check_layout(folder: RunFolder, old: Config, cfg: Config) -> None:
+def _check_layout(folder: RunFolder, old: Config, cfg: Config) -> bool:
+    """Whether resuming converts the checkpoints' layer layout (stacked under a pipeline, per layer
+    otherwise; `boostjax.relayout`); a conversion the optimizer state cannot take is refused."""
     was, now = stacked_layers(old.train), stacked_layers(cfg.train)
     if was != now:
-        layout = {True: "stacked layers (a stage mesh)", False: "per-layer parameters (no stage axis)"}
-        raise ConfigError(f"train.mesh: {folder.path} holds checkpoints with {layout[was]} but this mesh trains "
-                          f"{layout[now]}; fix: resume {'with' if was else 'without'} stage > 1 in --mesh, "
-                          f"or pass another --out")
+        relayout.check(cfg, abstract_model(cfg)[1], was, str(folder.path))
+    return was != now
 
 
 def _say(msg: str) -> None:
@@ -149,11 +151,15 @@ def _stop_early(stop: StopSignals, folder: RunFolder) -> None:
                                   f"rerun the same command to train", stop.signum, None)
 
 
-def _restore(ckpt: Checkpointer, params, opt_state, data: BatchIterator) -> tuple[int, Any, Any, bool]:
+def _restore(ckpt: Checkpointer, params, opt_state, data: BatchIterator,
+             other_layout: Callable[[], Any] | None = None) -> tuple[int, Any, Any, bool]:
     """Resume from the newest checkpoint that verifies and restores (damaged newer ones are moved to
     `checkpoints-aside/` with one line each): (step, params, opt_state, verified); step 0 when there
-    is none."""
-    restored = ckpt.restore_latest(params, opt_state)  # CheckpointError when none restores
+    is none. The target shardings are those of the live `params` / `opt_state` (this process's mesh,
+    whatever mesh and device count wrote the checkpoint); `other_layout` reads a checkpoint written
+    in the other layer layout instead (`boostjax.relayout`)."""
+    # CheckpointError when none restores
+    restored = other_layout() if other_layout else ckpt.restore_latest(params, opt_state)
     if restored is None:
         return 0, params, opt_state, True
     for step, why in restored.skipped:
@@ -189,7 +195,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         raise ConfigError("train.init: both init= params and init_from_hf are given; fix: pass one of them")
     hf_tokenizer = pretrained.source_tokenizer(cfg)  # the data's tokenizer, if any, must be the checkpoint's
     multihost.setup(t)  # joins a multi-host job before JAX starts (a no-op for one process or if done)
-    if hf_tokenizer is None and pretrained.has_tokenizer(t.init_from_hf):
+    if hf_tokenizer is None and pretrained.has_tokenizer(t.init_from_hf) and not (t.data and is_token_folder(t.data)):
         _say(f"the data is read as bytes, so the run's tokenizer is byte level, not {t.init_from_hf}'s "
              f"(tokenize the data with it: boostjax tokenize --tokenizer {t.init_from_hf})")
     _check_fits_host(cfg)
@@ -202,9 +208,12 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         old = folder.stored_config()
         resuming = bool(step_dirs(folder.checkpoints))
         changes = folder.check_resume(old, cfg, resuming)
-        if resuming and old is not None:
-            _check_layout(folder, old, cfg)
+        convert = resuming and old is not None and _check_layout(folder, old, cfg)
+        check_run_tokenizer(folder.path, t.data, resuming)  # a resumed run keeps its tokenizer
         corpus = load_corpus(t.data, t.data_dtype)
+        if t.doc_mask and (corpus.train_docs is None or corpus.val_docs is None):
+            raise ConfigError(f"train.doc_mask: the data {corpus.name} has no document boundaries; fix: pass --data "
+                              "with a folder of text files or a tokenised folder, or drop --doc-mask")
         start_from = None
         if not resuming and (t.init_from_hf or init is not None):  # read (and factored) before any compile
             start_from = pretrained.initial_params(cfg, init)
@@ -221,14 +230,19 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
         params, opt_state = fns.init(params)
         share, count = fns.batch_share  # the block of each global batch's rows this process loads
-        data = BatchIterator(corpus.train, t.batch * t.grad_accum, t.seq, t.seed, vocab_size=cfg.model.vocab_size,
-                             process_index=share, process_count=count)
+        # packed documents where their boundaries are known (segment ids with --doc-mask), else random windows
+        data = batch_iterator(corpus.train, corpus.train_docs, t.batch * t.grad_accum, t.seq, t.seed,
+                              segments=t.doc_mask, vocab_size=cfg.model.vocab_size,
+                              process_index=share, process_count=count)
         ckpt = Checkpointer(folder.checkpoints, keep=t.keep_ckpts, primary=multihost.is_main_process())
         try:
-            start, params, opt_state, verified = (_restore(ckpt, params, opt_state, data) if resuming
+            other = (lambda: relayout.restore_latest(ckpt, cfg, abstract_model(cfg)[1], stacked_layers(old.train),
+                                                     params, opt_state)) if convert else None
+            start, params, opt_state, verified = (_restore(ckpt, params, opt_state, data, other) if resuming
                                                   else (0, params, opt_state, True))
             if multihost.is_main_process():
                 folder.write_config(cfg, start, changes)
+                install_run_tokenizer(folder.path, t.data)  # load_tokenizer(run folder) gives the run's
                 pretrained.copy_tokenizer(hf_tokenizer, folder.path)
                 if start_from is not None:
                     pretrained.write_report(folder.path, start_from[1])
@@ -250,19 +264,28 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
     t = cfg.train
     share, count = fns.batch_share
     val_batches = eval_batches(corpus.val, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
-                               process_index=share, process_count=count)
+                               process_index=share, process_count=count, docs=corpus.val_docs,
+                               segments=t.doc_mask)
     t0 = time.perf_counter()
     step_fn = fns.compile(params, opt_state, data.batch_at(start))
     compile_s = time.perf_counter() - t0
     tokens_per_step = t.batch * t.grad_accum * t.seq  # all micro-batches of one optimizer step
     fpt = flops_per_token(cfg.model, t.seq)
-    writer = open(folder.metrics_path, "a") if multihost.is_main_process() else None
+    hw, devices = hardware_profile(t.hardware), mesh_devices(t.mesh)  # hw None: no MFU (a CPU, an unknown GPU)
+    main = multihost.is_main_process()
+    writer = open(folder.metrics_path, "a") if main else None
+    board = TensorBoard(folder.path, start) if main and t.tensorboard else None
+    profiler = StepProfiler(folder.path / PROFILE if jax.process_count() == 1
+                            else folder.path / PROFILE / f"process-{jax.process_index()}",
+                            parse_profile(t.profile, t.steps), start)
 
     def log(record: dict) -> None:
         metrics.append(record)
         if writer:
             writer.write(json.dumps(record) + "\n")
             writer.flush()
+        if board:
+            board.log(record)
         if on_log:
             on_log(record)
 
@@ -291,16 +314,21 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
             rec = {"step": s, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                    "lr": float(m["lr"]), "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
                    "tflops_per_s": fpt * tokens_per_step / step_s / 1e12}
+            if hw is not None:
+                rec["mfu"] = mfu(fpt, rec["tokens_per_s"], hw, devices)
             first_loss = first_loss if first_loss is not None else float(fetched[0]["loss"])
             log(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                            **({"mfu": f"{100 * rec['mfu']:.3g}%"} if "mfu" in rec else {}))
         pending = []
         interval_t0, interval_steps = time.perf_counter(), 0
 
     try:
         while step < t.steps and not (stop.requested and not stop.multi_process):
             batch = fns.put_batch(data.next())
-            params, opt_state, m = step_fn(params, opt_state, batch)
+            with profiler.before(step):
+                params, opt_state, m = step_fn(params, opt_state, batch)
+            profiler.after(step, (params, opt_state, m))
             step += 1
             interval_steps += 1
             pending.append((step, m))
@@ -326,18 +354,23 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
             raise TrainingInterrupted(f"stopped by {name} after step {step}; {where}; resume with the same "
                                       f"command (--out {folder.path})", stop.signum, saved or None)
     finally:
+        profiler.stop()
         bar.close()
         if writer:
             writer.close()
+        if board:
+            board.close()
 
     final = next(m for m in reversed(metrics) if "loss" in m) if metrics else {}
     val = next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), float("nan"))
     speed = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m and m["step"] > start]
+    mfus = [m["mfu"] for m in metrics if "mfu" in m and m["step"] > start]
+    mfu_note = f" (MFU {100 * np.median(mfus):.3g}% of {devices} x {hw.name})" if mfus else ""
     summary = (
         f"done: {cfg.model.kind} ({param_count(cfg.model) / 1e6:.2f}M params) {t.strategy}, "
         f"steps {start}->{step}, loss {first_loss if first_loss is not None else float('nan'):.3f} -> "
         f"{final.get('loss', float('nan')):.3f} (val {val:.3f}), "
-        f"{np.median(speed) if speed else float('nan'):.0f} tok/s, compile {compile_s:.1f}s, "
+        f"{np.median(speed) if speed else float('nan'):.0f} tok/s{mfu_note}, compile {compile_s:.1f}s, "
         f"checkpoints in {ckpt.directory}"
     )
     if "bubble_fraction" in fns.info:

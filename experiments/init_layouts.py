@@ -28,7 +28,7 @@ from flax import nnx  # noqa: E402
 
 from boostjax import hf, pretrained  # noqa: E402
 from boostjax.config import Config, ModelConfig, TrainConfig  # noqa: E402
-from boostjax.data import BatchIterator, load_corpus  # noqa: E402
+from boostjax.data import batch_iterator, load_corpus  # noqa: E402
 from boostjax.models.llama import LLaMA  # noqa: E402
 from boostjax.train import train  # noqa: E402
 
@@ -61,7 +61,8 @@ def main() -> None:
                         seq=16, eval_batches=1, progress=False, out=str(tmp / f"run{len(rows)}"))
         res = train(Config(model, t))
         start = params if kind == "llama" else pretrained.lowrank_from_dense(res.config.model, params)[0]
-        b = BatchIterator(load_corpus().train, t.batch, t.seq, t.seed, vocab_size=256).batch_at(0)
+        corpus = load_corpus()  # the rows train's first step reads
+        b = batch_iterator(corpus.train, corpus.train_docs, t.batch, t.seq, t.seed, vocab_size=256).batch_at(0)
         with jax.default_matmul_precision("highest"):
             want = float(hf.build_model(res.config.model, start).loss(jnp.asarray(b["inputs"]),
                                                                       jnp.asarray(b["targets"])))

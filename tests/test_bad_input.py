@@ -87,9 +87,25 @@ def _digest(path: pathlib.Path) -> str:
     (["--grad-accum", "0"], "train.grad_accum"), (["--grad-accum", "-2"], "train.grad_accum"),
     (["--grad-accum", "1048576", "--seq", "4096"], "train.grad_accum"),
     (["--zero", "2"], "train.zero"), (["--zero", "-1"], "train.zero"),
+    (["--profile", "abc"], "train.profile"), (["--profile", "1:1"], "train.profile"),
+    (["--profile", "0:3"], "train.profile"), (["--profile", "-1:2"], "train.profile"),
+    (["--profile", "1:2:3"], "train.profile"), (["--profile", "1.5:2"], "train.profile"),
+    (["--hardware", "tpu9"], "train.hardware"),
+    (["--doc-mask", "--attention", "cudnn", "--dtype", "bfloat16"], "train.doc_mask"),
+    (["--doc-mask", "--mesh", "stage=2"], "train.doc_mask"),
 ])
 def test_train_numbers_and_fields(capsys, tmp_path, flags, field):
     _refused(capsys, [*TRAIN, "--out", tmp_path / "run", *flags], field)
+
+
+def test_doc_mask_needs_documents(capsys, tmp_path):
+    """A single file (a .bin token stream or a text file) has no document boundaries to mask at."""
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
+    (tmp_path / "notes.txt").write_text("some text " * 20)
+    for name in ("tokens.bin", "notes.txt"):
+        _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--doc-mask", "--data", tmp_path / name],
+                 "train.doc_mask", name)
+        assert not (tmp_path / "run").exists()
     assert not (tmp_path / "run").exists()
 
 
@@ -446,6 +462,130 @@ def test_hf_unreadable_config(hf_folder, monkeypatch):
     _hf_refused(hf_folder, hf_folder / hf.CONFIG_NAME, "Permission denied")
 
 
+# ------------------------------------------------------------------------------ item 3: Hugging Face interop
+
+@pytest.mark.parametrize("flags,field", [
+    (["--rope-type", "yarn"], "model.rope_type"), (["--rope-factor", "0.5", "--rope-type", "linear"], "model.rope_factor"),
+    (["--rope-factor", "8"], "model.rope_factor"), (["--rope-factor", "nan", "--rope-type", "linear"], "model.rope_factor"),
+    (["--rope-type", "llama3", "--rope-factor", "8", "--rope-low-freq-factor", "4", "--rope-high-freq-factor", "1"],
+     "model.rope_high_freq_factor"),
+    (["--rope-type", "llama3", "--rope-original-max-len", "-1"], "model.rope_original_max_len"),
+    (["--attn-head-dim", "-2"], "model.attn_head_dim"), (["--attn-head-dim", "7"], "model.attn_head_dim"),
+    (["--d-model", "30", "--n-heads", "4"], "model.d_model"),
+    (["--bos-token-id", "256"], "model.bos_token_id"), (["--pad-token-id", "-2"], "model.pad_token_id"),
+    (["--eos-token-ids", "1,x"], "model.eos_token_ids"), (["--eos-token-ids", "300"], "model.eos_token_ids"),
+    (["--model", "llama", "--tie-embeddings", "--strategy", "fullrank-tp", "--mesh", "model=2"], "model.tie_embeddings"),
+    (["--model", "llama", "--tie-embeddings", "--mesh", "stage=2"], "model.tie_embeddings"),
+])
+def test_hf_interop_fields(capsys, tmp_path, flags, field):
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", *flags], field)
+    assert not (tmp_path / "run").exists()
+
+
+def test_export_bad_shard_size(capsys, tmp_path):
+    _refused(capsys, ["export-hf", "--run", tmp_path / "missing", "--out", tmp_path / "hf", "--max-shard-size", "5XB"],
+             "export.max_shard_size")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}, "rope_type='yarn'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16"), ({"head_dim": 9}, "head_dim=9"),
+])
+def test_hf_unsupported_shapes(hf_folder, change, needle):
+    d = json.loads((hf_folder / hf.CONFIG_NAME).read_text())
+    (hf_folder / hf.CONFIG_NAME).write_text(json.dumps({**d, **change}))
+    _hf_refused(hf_folder, hf_folder / hf.CONFIG_NAME, needle)
+
+
+# ------------------------------------------------------------------------------ tokenize and eval (issue 13)
+
+@pytest.fixture()
+def texts(tmp_path):
+    d = tmp_path / "texts"
+    d.mkdir()
+    for i in range(4):
+        (d / f"{i}.txt").write_text(f"document {i} " * 20)
+    return d
+
+
+def _tokenized(texts, out, tokenizer="byte"):
+    from boostjax.tokenize import tokenize_corpus  # noqa: PLC0415
+
+    return tokenize_corpus(texts, out, tokenizer, val_every=2, progress=False)
+
+
+def test_tokenize_bad_input(capsys, tmp_path, texts):
+    out = tmp_path / "tok"
+    tok = ["tokenize", "--out", out]
+    _refused(capsys, [*tok, "--data", tmp_path / "missing"], "tokenize.data:", "no such file")
+    (tmp_path / "empty").mkdir()
+    _refused(capsys, [*tok, "--data", tmp_path / "empty"], "tokenize.data:", "no *.txt")
+    (tmp_path / "empty.txt").write_text("")
+    _refused(capsys, [*tok, "--data", tmp_path / "empty.txt"], "tokenize.data:", "holds no text")
+    (tmp_path / "one.txt").write_text("a single document without blank lines\n")
+    _refused(capsys, [*tok, "--data", tmp_path / "one.txt"], "tokenize.data:", "1 non-empty document", "--doc-sep line")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9\n\nau lait".encode("latin-1"))
+    _refused(capsys, [*tok, "--data", tmp_path / "latin1.txt"], "tokenize.data:", "not UTF-8", "byte 3")
+    for spec in ("train:abc", "train:100", "train:", "train:99999999"):
+        _refused(capsys, [*tok, "--data", texts, "--tokenizer", spec], "tokenize.tokenizer:", "train:4096")
+    _refused(capsys, [*tok, "--data", texts, "--tokenizer", tmp_path / "nope.json"], "tokenize.tokenizer:",
+             "does not exist")
+    (tmp_path / "bad.json").write_text("{not json")
+    _refused(capsys, [*tok, "--data", texts, "--tokenizer", tmp_path / "bad.json"], "tokenize.tokenizer:",
+             "not a Hugging Face tokenizers file")
+    (tmp_path / "hf_model").mkdir()  # e.g. a checkpoint with only a sentencepiece tokenizer.model
+    _refused(capsys, [*tok, "--data", texts, "--tokenizer", tmp_path / "hf_model"], "tokenize.tokenizer:",
+             "holds no tokenizer.json")
+    _refused(capsys, [*tok, "--data", texts, "--doc-sep", "page"], "tokenize.doc_sep")
+    _refused(capsys, [*tok, "--data", texts, "--val-every", "1"], "tokenize.val_every")
+    assert not out.exists()
+
+
+def test_tokenize_never_overwrites_a_users_folder(capsys, tmp_path, texts):
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "train.bin").write_bytes(b"precious")  # a name tokenize writes, but not its output
+    _refused(capsys, ["tokenize", "--data", texts, "--out", users], "tokenize.out:", "not an earlier boostjax tokenize")
+    _refused(capsys, ["tokenize", "--data", texts, "--out", texts], "tokenize.out:")
+    assert (users / "train.bin").read_bytes() == b"precious" and sorted(os.listdir(users)) == ["train.bin"]
+    _tokenized(texts, tmp_path / "tok")
+    _refused(capsys, ["tokenize", "--data", tmp_path / "tok", "--out", tmp_path / "again"], "already a tokenised folder")
+    (tmp_path / "tok" / "notes.txt").write_text("mine")  # an earlier output with a user's file in it
+    _refused(capsys, ["tokenize", "--data", texts, "--out", tmp_path / "tok"], "tokenize.out:")
+
+
+def test_train_on_a_tokenised_folder_bad_input(capsys, tmp_path, texts):
+    tok = tmp_path / "tok"
+    meta = _tokenized(texts, tok, "train:300")
+    run = ["--out", tmp_path / "run", "--data", tok]
+    _refused(capsys, [*TRAIN, *run, "--vocab-size", "100"], "model.vocab_size: 100", f"--vocab-size {meta['vocab_size']}")
+    (tok / "val.bin").write_bytes((tok / "val.bin").read_bytes()[:-2])  # cut short
+    _refused(capsys, [*TRAIN, *run], "val.bin", "the metadata says")
+    (tok / "meta.json").write_text(json.dumps({**meta, "version": 7}))
+    _refused(capsys, [*TRAIN, *run], "meta.json", "version 7")
+    (tok / "meta.json").write_text('{"format": "boostjax-tokens", "version": 1, "incomplete": true}')
+    _refused(capsys, [*TRAIN, *run], "interrupted boostjax tokenize", "boostjax tokenize --out")
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_bad_input(capsys, tmp_path, texts):
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = {"model": {"kind": "llama", "vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64},
+           "train": {"seq": 32, "batch": 4}}
+    (run / "config.json").write_text(json.dumps(cfg))  # a byte-level run (no tokenizer.json)
+    _tokenized(texts, tmp_path / "bpe", "train:300")
+    ev = ["eval", "--run", run]
+    _refused(capsys, [*ev, "--data", tmp_path / "bpe"], "eval.data:", "tokenizer.json", "not with the run's tokenizer")
+    _refused(capsys, [*ev, "--data", texts, "--split", "val"], "eval.split:")
+    _refused(capsys, [*ev, "--data", tmp_path / "missing"], "eval.data:", "no such file")
+    _refused(capsys, [*ev, "--data", texts, "--seq", "0"], "eval.seq")
+    _refused(capsys, [*ev, "--data", texts, "--seq", "8192"], "eval.seq", "max_seq_len")
+    _refused(capsys, ["eval", "--run", tmp_path / "norun", "--data", texts], "run:")
+
+
 # ------------------------------------------------------------------------------ --init-from-hf (item 4)
 
 INIT = ["train", "--batch", "2", "--seq", "16", "--steps", "1", "--no-progress"]
@@ -472,7 +612,7 @@ def init_folder(tmp_path):
     ("ok", ["--d-model", "32"], "model.d_model", "contradicts the checkpoint"),
     ("ok", ["--preset", "60m"], "train.init_from_hf", "drop --preset"),
     ("ok", ["--model", "svd", "--rank", "17"], "model.rank", "--rank <= 16"),
-    ("tokenizers", ["--data", "DATA"], "train.init_from_hf", "different tokenizers"),
+    ("tokenizers", ["--data", "DATA"], "train.init_from_hf", "was tokenised with"),
 ])
 def test_init_from_hf_refused(capsys, tmp_path, init_folder, case, flags, field, needle):
     src = {"missing": tmp_path / "nowhere", "file": init_folder / hf.CONFIG_NAME,
@@ -485,11 +625,15 @@ def test_init_from_hf_refused(capsys, tmp_path, init_folder, case, flags, field,
         w = init_folder / hf.WEIGHTS_NAME
         w.write_bytes(w.read_bytes()[:100])
     data = tmp_path / "data"
-    if case == "tokenizers":  # the data's tokenizer is another one than the checkpoint's
-        data.mkdir()
-        (data / "a.txt").write_text("hello\n")
-        (data / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0}}}))
-        (init_folder / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"b": 0}}}))
+    if case == "tokenizers":  # the data was tokenised byte level, the checkpoint has a BPE tokenizer
+        from boostjax.text import train_tokenizer  # noqa: PLC0415
+        from boostjax.tokenize import tokenize_corpus  # noqa: PLC0415
+
+        (tmp_path / "text").mkdir()
+        for i in range(4):
+            (tmp_path / "text" / f"{i}.txt").write_text(f"hello {i}\n" * 20)
+        tokenize_corpus(tmp_path / "text", data, "byte", progress=False)
+        train_tokenizer(["hello world"] * 4, 258).save(init_folder)
     flags = [str(data) if f == "DATA" else f for f in flags]
     _refused(capsys, [*INIT, "--init-from-hf", src, "--out", tmp_path / "run", *flags], field, needle)
     assert not (tmp_path / "run").exists()

@@ -129,7 +129,7 @@ def test_resume_from_state(tokens):
     for _ in range(5):
         next(first)
     state = json.loads(json.dumps(first.state()))  # survives a JSON round trip (checkpoint metadata)
-    assert state == {"step": 5, "seed": 5}
+    assert state == {"step": 5, "seed": 5, "sampler": "windows"}
 
     resumed = BatchIterator(tokens, 4, 16, seed=999)
     resumed.restore(state)

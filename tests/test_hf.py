@@ -181,18 +181,25 @@ def test_load_errors(tmp_path):
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling.rope_type='yarn'.*cannot be imported"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_parameters.rope_type='longrope'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "low_freq_factor"),
+    ({"rope_scaling": {"type": "linear"}}, "rope_scaling.factor=None"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
-    ({"head_dim": 32}, "head_dim=32"),
+    ({"head_dim": 15}, "head_dim=15 must be even"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"model_type": "mistral"}, "model_type='mistral'"),
+    ({"model_type": "qwen2"}, "model_type='qwen2'"),
+    ({"model_type": "mistral", "sliding_window": 32}, "sliding_window=32.*set max_position_embeddings to 32"),
     ({"num_key_value_heads": 3}, "n_kv_heads"),
+    ({"eos_token_id": [1, 999]}, "eos_token_ids"),
+    ({"bos_token_id": "<s>"}, "bos_token_id must be an integer"),
 ])
 def test_unsupported_config(change, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as e:
         hf.config_from_hf({**hf.hf_config(MHA), **change})
+    assert "\n" not in str(e.value) and "fix:" in str(e.value) and "rope_scaling to null" not in str(e.value)
 
 
 def test_export_shape_mismatch(tmp_path):

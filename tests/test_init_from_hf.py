@@ -15,10 +15,11 @@ import pytest
 from boostjax import hf, pretrained
 from boostjax.cli import main
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
-from boostjax.data import BatchIterator, load_corpus
+from boostjax.data import batch_iterator, load_corpus
 from boostjax.models import ops
 from boostjax.sharding.collectives import LOCAL
 from boostjax.text import TOKENIZER_FILE, train_tokenizer
+from boostjax.tokenize import tokenize_corpus
 from boostjax.train import abstract_model, train
 
 DENSE = ModelConfig(kind="llama", vocab_size=288, d_model=32, n_layers=2, n_heads=4, d_ff=64, norm_eps=1e-5)
@@ -121,8 +122,8 @@ def test_cola_and_lax_pairs_are_exact_through_silu(source):
 
 
 def _batch0(t: TrainConfig):
-    corpus = load_corpus(t.data, t.data_dtype)
-    b = BatchIterator(corpus.train, t.batch, t.seq, t.seed, vocab_size=DENSE.vocab_size).batch_at(0)
+    corpus = load_corpus(t.data, t.data_dtype)  # the rows train's first step reads (packed documents here)
+    b = batch_iterator(corpus.train, corpus.train_docs, t.batch, t.seq, t.seed, vocab_size=DENSE.vocab_size).batch_at(0)
     return {k: jnp.asarray(v) for k, v in b.items()}
 
 
@@ -157,16 +158,22 @@ def test_train_from_hf_dense_then_resume(small, tmp_path, monkeypatch, capsys):
 
 
 def test_tokenizer_goes_with_token_ids_only(source, tmp_path):
-    """The checkpoint's tokenizer.json is the run's when the data holds token ids (a .bin file, a
-    tokenised folder with that tokenizer); byte-level data keeps the run byte level."""
+    """The checkpoint's tokenizer.json is the run's when the data holds token ids (a .bin file, a folder
+    tokenised with it); a folder tokenised with another one is refused; text keeps the run byte level."""
     _, folder = source
     cfg = lambda data: Config(train=TrainConfig(init_from_hf=str(folder), data=data))  # noqa: E731
     (tmp_path / "ids.bin").write_bytes(b"\0\0")
-    (tmp_path / "tok").mkdir()
-    (tmp_path / "tok" / TOKENIZER_FILE).write_bytes((folder / TOKENIZER_FILE).read_bytes())
+    (tmp_path / "text").mkdir()
+    for i in range(4):
+        (tmp_path / "text" / f"{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20)
+    tokenize_corpus(tmp_path / "text", tmp_path / "same", str(folder), progress=False)
+    tokenize_corpus(tmp_path / "text", tmp_path / "bytes", "byte", progress=False)
     assert pretrained.source_tokenizer(cfg(str(tmp_path / "ids.bin"))) == folder / TOKENIZER_FILE
-    assert pretrained.source_tokenizer(cfg(str(tmp_path / "tok"))) == folder / TOKENIZER_FILE
+    assert pretrained.source_tokenizer(cfg(str(tmp_path / "same"))) == folder / TOKENIZER_FILE
     assert pretrained.source_tokenizer(cfg("")) is None
+    assert pretrained.source_tokenizer(cfg(str(tmp_path / "text"))) is None
+    with pytest.raises(ConfigError, match=r"^train.init_from_hf: .* was tokenised with .*; fix: tokenise"):
+        pretrained.source_tokenizer(cfg(str(tmp_path / "bytes")))
 
 
 def test_python_api_takes_the_checkpoint_shapes(source):

@@ -7,7 +7,8 @@ q, k, v, the output and the per-row log-sum-exp. The backward (`jax.custom_vjp`)
 blocks and, for each, the query blocks at or after it, recomputing each tile's probabilities from
 the saved log-sum-exp: `dS = P ⊙ (dP − D)` with `D = rowsum(dO ⊙ O)`. Every intermediate is a
 `block x block` tile or has the size of an input (blocked copies, fp32 accumulators, row statistics);
-the HLO does not grow with `t`.
+the HLO does not grow with `t`. With segment ids (packed documents) each tile is also masked to
+query/key pairs of the same segment, and a row whose keys so far are all masked contributes nothing.
 
 `resolve` turns a `ModelConfig.attention` choice into the path that runs (at trace time, from the
 backend and the compute dtype); `check_backend` refuses, before anything compiles, a choice the
@@ -21,9 +22,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from boostjax.config import ATTENTION, ConfigError, ModelConfig
 
@@ -55,6 +57,14 @@ def resolve(impl: str, dtype) -> str:
     elif impl not in ("xla", "chunked"):
         raise ConfigError(f"model.attention: unknown attention {impl!r}; fix: use one of {', '.join(ATTENTION)}")
     return impl
+
+
+def resolve_segments(impl: str) -> str:
+    """The path that runs with segment ids (packed documents): `auto` -> `chunked`; `cudnn` refused."""
+    if impl == "cudnn":
+        raise ConfigError("model.attention: cudnn takes no segment ids, so it cannot mask documents (--doc-mask); "
+                          "fix: pass --attention chunked (or auto)")
+    return "chunked" if impl == "auto" else resolve(impl, jnp.float32)
 
 
 def memory_kind(model: ModelConfig, seq: int, dtype: str) -> str:
@@ -95,14 +105,28 @@ def _unblock(x_nbq__: Array, t: int) -> Array:
     return jnp.moveaxis(x_nbq__, 0, 1).reshape(b, n * blk, *x_nbq__.shape[3:])[:, :t]
 
 
-def _scores(q_bqkge, k_bske, i, j) -> Float[Array, "b k g q s"]:
+def _scores(q_bqkge, k_bske, i, j, seg=None) -> Float[Array, "b k g q s"]:
     """fp32 scores of tile (query block i, key block j) in the reference's order (dot, then / sqrt(e)),
-    keys after the query masked (only the diagonal tile i == j has any)."""
+    keys after the query masked (only the diagonal tile i == j has any), and with `seg` = (query
+    segments [b, q], key segments [b, s]) keys of another segment."""
     s = jnp.einsum("bqkge,bske->bkgqs", q_bqkge, k_bske, preferred_element_type=jnp.float32)
     s = s / jnp.sqrt(jnp.float32(q_bqkge.shape[-1]))
     blk = s.shape[-1]
     pos = jnp.arange(blk)
-    return jnp.where((i - j) * blk + pos[:, None] >= pos[None, :], s, -jnp.inf)
+    keep = (i - j) * blk + pos[:, None] >= pos[None, :]
+    if seg is not None:
+        keep = keep & (seg[0][:, None, None, :, None] == seg[1][:, None, None, None, :])
+    return jnp.where(keep, s, -jnp.inf)
+
+
+def _seg_blocks(segments_bt, block: int):
+    """Segment ids as [n, b, block] (padding gets -1: padded queries see only padded keys), or None."""
+    if segments_bt is None:
+        return None
+    b, t = segments_bt.shape
+    n = -(-t // block)
+    x = jnp.pad(segments_bt, [(0, 0), (0, n * block - t)], constant_values=-1)
+    return jnp.moveaxis(x.reshape(b, n, block), 1, 0)
 
 
 def _zero_like(*xs: Array) -> Float[Array, ""]:
@@ -116,12 +140,13 @@ def _grouped(q_bthe: Array, kv: int) -> Array:
     return q_bthe.reshape(b, t, kv, h // kv, e)
 
 
-def _forward(q_bthe, k_btke, v_btke, block: int):
+def _forward(q_bthe, k_btke, v_btke, block: int, segments_bt=None):
     """Output [b, t, h, e] and log-sum-exp [n, b, k, g, block] (fp32)."""
     b, t, h, e = q_bthe.shape
     kv = k_btke.shape[2]
     q_nbqkge = _blocks(_grouped(q_bthe, kv), block)
     k_nbske, v_nbske = _blocks(k_btke, block), _blocks(v_btke, block)
+    seg_nbq = _seg_blocks(segments_bt, block)
 
     def pv(p_bkgqs, v_bske):
         return jnp.einsum("bkgqs,bske->bkgqe", p_bkgqs.astype(v_bske.dtype), v_bske,
@@ -135,8 +160,10 @@ def _forward(q_bthe, k_btke, v_btke, block: int):
 
         def key_block(j, carry):  # j <= i: the tiles above the diagonal are skipped
             m_old, l_old, acc = carry
-            s = _scores(q_bqkge, k_nbske[j], i, j)
+            s = _scores(q_bqkge, k_nbske[j], i, j, None if seg_nbq is None else (seg_nbq[i], seg_nbq[j]))
             m_new = jnp.maximum(m_old, s.max(-1))  # finite from j = 0 on: key 0 precedes every query
+            if seg_nbq is not None:  # ... unless segments mask every key so far: then p = alpha = 0
+                m_new = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
             alpha = jnp.exp(m_old - m_new)
             p = jnp.exp(s - m_new[..., None])
             return m_new, alpha * l_old + p.sum(-1), alpha[..., None] * acc + pv(p, v_nbske[j])
@@ -151,20 +178,23 @@ def _forward(q_bthe, k_btke, v_btke, block: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def chunked_attention(q_bthe: Float[Array, "b t h e"], k_btke: Float[Array, "b t k e"],
-                      v_btke: Float[Array, "b t k e"], block: int) -> Float[Array, "b t h e"]:
-    """Blockwise causal attention (FlashAttention-2), `block` query/key positions per tile."""
-    return checkpoint_name(_forward(q_bthe, k_btke, v_btke, block)[0], "attn_out")
+                      v_btke: Float[Array, "b t k e"], block: int,
+                      segments_bt: Int[Array, "b t"] | None = None) -> Float[Array, "b t h e"]:
+    """Blockwise causal attention (FlashAttention-2), `block` query/key positions per tile; with
+    `segments_bt` a query attends only to keys of its segment."""
+    return checkpoint_name(_forward(q_bthe, k_btke, v_btke, block, segments_bt)[0], "attn_out")
 
 
-def _chunked_fwd(q_bthe, k_btke, v_btke, block):
-    o_bthe, lse_nbkgq = _forward(q_bthe, k_btke, v_btke, block)
+def _chunked_fwd(q_bthe, k_btke, v_btke, block, segments_bt=None):
+    o_bthe, lse_nbkgq = _forward(q_bthe, k_btke, v_btke, block, segments_bt)
     # the residuals a remat/offload policy can keep by name: the output and its fp32 row statistics
     o_bthe, lse_nbkgq = checkpoint_name(o_bthe, "attn_out"), checkpoint_name(lse_nbkgq, "attn_out_stats")
-    return o_bthe, (q_bthe, k_btke, v_btke, o_bthe, lse_nbkgq)
+    return o_bthe, (q_bthe, k_btke, v_btke, o_bthe, lse_nbkgq, segments_bt)
 
 
 def _chunked_bwd(block, res, do_bthe):
-    q_bthe, k_btke, v_btke, o_bthe, lse_nbkgq = res
+    q_bthe, k_btke, v_btke, o_bthe, lse_nbkgq, segments_bt = res
+    seg_nbq = _seg_blocks(segments_bt, block)
     t, kv, e = q_bthe.shape[1], k_btke.shape[2], q_bthe.shape[3]
     dt = q_bthe.dtype
     inv_scale = 1.0 / jnp.sqrt(jnp.float32(e))
@@ -173,7 +203,7 @@ def _chunked_bwd(block, res, do_bthe):
     # D = rowsum(dO ⊙ O) = Σ_s P dP: the softmax's correction term, one number per query row and head
     d_nbkgq = jnp.einsum("nbqkge->nbkgq", (do_nbqkge.astype(jnp.float32) *
                                            _blocks(_grouped(o_bthe, kv), block).astype(jnp.float32)))
-    n, zero = q_nbqkge.shape[0], _zero_like(*res, do_bthe)
+    n, zero = q_nbqkge.shape[0], _zero_like(*res[:5], do_bthe)
 
     def key_block(dq_nbqkge, j):
         k_bske, v_bske = k_nbske[j], v_nbske[j]
@@ -181,7 +211,8 @@ def _chunked_bwd(block, res, do_bthe):
         def tile(i, carry):  # i >= j: the tiles above the diagonal are skipped
             dq, dk, dv = carry
             q_bqkge, do_bqkge = q_nbqkge[i], do_nbqkge[i]
-            p = jnp.exp(_scores(q_bqkge, k_bske, i, j) - lse_nbkgq[i][..., None])
+            seg = None if seg_nbq is None else (seg_nbq[i], seg_nbq[j])
+            p = jnp.exp(_scores(q_bqkge, k_bske, i, j, seg) - lse_nbkgq[i][..., None])
             dv = dv + jnp.einsum("bkgqs,bqkge->bske", p.astype(dt), do_bqkge, preferred_element_type=jnp.float32)
             dp = jnp.einsum("bqkge,bske->bkgqs", do_bqkge, v_bske, preferred_element_type=jnp.float32)
             ds = (p * (dp - d_nbkgq[i][..., None]) * inv_scale).astype(dt)
@@ -195,7 +226,9 @@ def _chunked_bwd(block, res, do_bthe):
 
     dq_nbqkge, (dk_nbske, dv_nbske) = lax.scan(key_block, jnp.broadcast_to(zero, q_nbqkge.shape), jnp.arange(n))
     dq_bthe = _unblock(dq_nbqkge, t).reshape(q_bthe.shape).astype(dt)
-    return dq_bthe, _unblock(dk_nbske, t).astype(k_btke.dtype), _unblock(dv_nbske, t).astype(v_btke.dtype)
+    dseg = None if segments_bt is None else np.zeros(segments_bt.shape, jax.dtypes.float0)  # integer input
+    return (dq_bthe, _unblock(dk_nbske, t).astype(k_btke.dtype), _unblock(dv_nbske, t).astype(v_btke.dtype),
+            dseg)
 
 
 chunked_attention.defvjp(_chunked_fwd, _chunked_bwd)

@@ -20,7 +20,8 @@ def param_count(cfg: ModelConfig) -> int:
     """Every trainable parameter, as `LLaMA(cfg)` allocates them."""
     lax_gates = 5 if cfg.kind == "lax" else 0
     per_layer = layer_matmul_params(cfg) + 2 * cfg.d_model + lax_gates
-    return cfg.n_layers * per_layer + 2 * cfg.vocab_size * cfg.d_model + cfg.d_model
+    tables = (1 if cfg.tie_embeddings else 2) * cfg.vocab_size * cfg.d_model  # embedding (+ head unless tied)
+    return cfg.n_layers * per_layer + tables + cfg.d_model
 
 
 def flops_per_token(cfg: ModelConfig, seq: int) -> float:

@@ -94,7 +94,7 @@ class Attention(nnx.Module):
             self.w_v = _param(rngs, (d, ke), std)
             self.w_o = _param(rngs, (he, d), std)
 
-    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives) -> Float[Array, "b t d"]:
+    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives, segments_bt=None) -> Float[Array, "b t d"]:
         cfg, e = self.cfg, self.cfg.head_dim
         b, t, _ = x_btd.shape
         if cfg.low_rank:
@@ -113,7 +113,7 @@ class Attention(nnx.Module):
         q_bthe = ops.apply_rope(q.reshape(b, t, -1, e), cos_te, sin_te)
         k_btke = ops.apply_rope(k.reshape(b, t, -1, e), cos_te, sin_te)
         o_btx = ops.causal_attention(q_bthe, k_btke, v.reshape(b, t, -1, e), impl=cfg.attention,
-                                     block=cfg.attention_block).reshape(b, t, -1)
+                                     block=cfg.attention_block, segments_bt=segments_bt).reshape(b, t, -1)
         if cfg.low_rank:
             h_btr = coll.reduce_latent(o_btx @ self.a_o[...], name="o_latent")
             h_btr = _sigma(cfg.kind)(h_btr)
@@ -170,47 +170,53 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives = LOCAL):
+    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives = LOCAL, segments_bt=None):
         x_btd = checkpoint_name(x_btd, "boundary")
-        h_btd = checkpoint_name(x_btd + self.attn(x_btd, cos_te, sin_te, coll), "mid")
+        h_btd = checkpoint_name(x_btd + self.attn(x_btd, cos_te, sin_te, coll, segments_bt), "mid")
         return h_btd + self.mlp(h_btd, coll)
 
 
 class LLaMA(nnx.Module):
-    """Decoder-only LLaMA. `model(tokens)` gives logits; `model.loss(tokens, targets)` the mean CE."""
+    """Decoder-only LLaMA. `model(tokens)` gives logits; `model.loss(tokens, targets)` the mean CE.
+    With `cfg.tie_embeddings` there is no `head` parameter: the logits use the embedding transposed.
+
+    `segments` (int32 [b, t], optional, keyword): a document id per position; a token attends only to
+    earlier tokens of its own document (packed documents, `--doc-mask`). Positions stay absolute."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
         self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.norm = nnx.Param(jnp.ones((cfg.d_model,), jnp.float32))
-        self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
+        if not cfg.tie_embeddings:  # tied: the head is `embed` transposed (`logits`)
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
 
     def features(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
-                 remat: str | Callable | None | RematSchedule = "none") -> Float[Array, "b t d"]:
+                 remat: str | Callable | None | RematSchedule = "none", *,
+                 segments: Int[Array, "b t"] | None = None) -> Float[Array, "b t d"]:
         """Final-normed hidden states (full width, after the one BTP gather).
 
         `remat`: a name from `REMAT_POLICIES` or one policy for every block, or a per-layer schedule
         (a list or tuple): each entry is a policy or None (no remat) for one layer, or a
         `RematSegment` covering `len(inner)` consecutive layers; entries cover all layers in order."""
         cfg = self.cfg
-        cos_te, sin_te = ops.rope_tables(tokens_bt.shape[1], cfg.head_dim, cfg.rope_theta)
+        cos_te, sin_te = ops.model_rope_tables(cfg, tokens_bt.shape[1])
         x_btd = self.embed_tokens(tokens_bt)
 
-        def run(blk, x, policy, tied=False):
+        def run(blk, x, policy, tied=False, seg=segments):
             if policy is None:
-                return blk(x, cos_te, sin_te, coll)
+                return blk(x, cos_te, sin_te, coll, seg)
             if tied:  # the recomputation waits for this layer's cotangent (boostjax.models.remat)
                 block_def, state = nnx.split(blk)
-                fn = lambda s, y, c, si: nnx.merge(block_def, s)(y, c, si, coll)  # noqa: E731
-                return tied_checkpoint(fn, policy)(state, x, cos_te, sin_te)
-            return nnx.remat(lambda b, y: b(y, cos_te, sin_te, coll), policy=policy)(blk, x)
+                fn = lambda s, y, c, si, sg: nnx.merge(block_def, s)(y, c, si, coll, sg)  # noqa: E731
+                return tied_checkpoint(fn, policy)(state, x, cos_te, sin_te, seg)
+            return nnx.remat(lambda b, y, sg: b(y, cos_te, sin_te, coll, sg), policy=policy)(blk, x, seg)
 
         def segment_fn(inner):
-            def segment(blks, x):
+            def segment(blks, x, seg):
                 x = checkpoint_name(x, "segment_boundary")
                 for blk, pol in zip(blks, inner):
-                    x = run(blk, x, pol)
+                    x = run(blk, x, pol, seg=seg)
                 return x
             return segment
 
@@ -219,7 +225,7 @@ class LLaMA(nnx.Module):
             for entry in _check_schedule(remat, len(self.layers)):
                 if isinstance(entry, RematSegment):
                     blks = nnx.List([self.layers[j] for j in range(k, k + len(entry.inner))])
-                    x_btd = nnx.remat(segment_fn(entry.inner), policy=entry.policy)(blks, x_btd)
+                    x_btd = nnx.remat(segment_fn(entry.inner), policy=entry.policy)(blks, x_btd, segments)
                     k += len(entry.inner)
                 else:
                     x_btd = run(self.layers[k], x_btd, entry)
@@ -239,15 +245,19 @@ class LLaMA(nnx.Module):
         return ops.rms_norm(coll.gather_features(x_btd), self.norm[...], self.cfg.norm_eps)
 
     def logits(self, xn_btd: Float[Array, "b t d"]) -> Float[Array, "b t v"]:
+        if self.cfg.tie_embeddings:
+            return jnp.einsum("btd,vd->btv", xn_btd, self.embed[...], preferred_element_type=jnp.float32)
         return jnp.einsum("btd,dv->btv", xn_btd, self.head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
-                 remat: str | Callable | None | RematSchedule = "none") -> Float[Array, "b t v"]:
-        return self.logits(self.features(tokens_bt, coll, remat))
+                 remat: str | Callable | None | RematSchedule = "none", *,
+                 segments: Int[Array, "b t"] | None = None) -> Float[Array, "b t v"]:
+        return self.logits(self.features(tokens_bt, coll, remat, segments=segments))
 
     def loss(self, tokens_bt: Int[Array, "b t"], targets_bt: Int[Array, "b t"],
-             coll: Collectives = LOCAL, remat: str | Callable | None | RematSchedule = "none") -> Float[Array, ""]:
-        return vocab_parallel_cross_entropy(self(tokens_bt, coll, remat), targets_bt, coll)
+             coll: Collectives = LOCAL, remat: str | Callable | None | RematSchedule = "none", *,
+             segments: Int[Array, "b t"] | None = None) -> Float[Array, ""]:
+        return vocab_parallel_cross_entropy(self(tokens_bt, coll, remat, segments=segments), targets_bt, coll)
 
 
 def resolve_remat(remat: Any) -> Callable | None:

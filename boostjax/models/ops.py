@@ -6,12 +6,15 @@ heads, k kv heads, e head dim, g group (grouped projections), v vocabulary.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
+from boostjax.config import ModelConfig
 from boostjax.models import attention
 from boostjax.sharding.collectives import Collectives
 
@@ -45,15 +48,65 @@ def online_norm_down(
     return (z_btgr.astype(jnp.float32) * inv_bt11).astype(x_btd.dtype)
 
 
-def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[Float[Array, "t e"], Float[Array, "t e"]]:
+def rope_inv_freq(cfg: ModelConfig, seq: int) -> np.ndarray:
+    """The `head_dim / 2` RoPE inverse frequencies of `cfg` (fp32, on the host) for a sequence of `seq`
+    positions, scaled as `cfg.rope_type` says, in the order of operations of Hugging Face's
+    `modeling_rope_utils`:
+
+    - default: `theta^(-2i/e)`;
+    - linear: divided by `rope_factor` (positions interpolated);
+    - dynamic (NTK): the base becomes `theta · (factor·n/max_seq_len - (factor-1))^(e/(e-2))` with
+      `n = max(seq, max_seq_len)`: plain RoPE up to `max_seq_len`, a larger base beyond. The base is a
+      function of this call's length, so every position of a sequence longer than `max_seq_len` uses it
+      (transformers does the same in one forward, but keeps the longest length seen for later, shorter
+      calls that still exceed `max_position_embeddings`);
+    - llama3 (https://arxiv.org/abs/2407.21783): wavelengths above `original/low_freq_factor` divided by
+      the factor, below `original/high_freq_factor` kept, in between smoothly interpolated.
+    """
+    e, theta, factor = cfg.head_dim, np.float32(cfg.rope_theta), np.float32(cfg.rope_factor)
+    if cfg.rope_type == "dynamic":
+        n, m = np.float32(max(seq, cfg.max_seq_len)), np.float32(cfg.max_seq_len)
+        theta = theta * (factor * n / m - (factor - np.float32(1))) ** np.float32(e / (e - 2))
+    inv = (np.float32(1) / theta ** (np.arange(0, e, 2, dtype=np.float32) / np.float32(e))).astype(np.float32)
+    if cfg.rope_type == "linear":
+        inv = inv / factor
+    elif cfg.rope_type == "llama3":
+        old = np.float32(cfg.rope_original_max_len or cfg.max_seq_len)
+        low, high = np.float32(cfg.rope_low_freq_factor), np.float32(cfg.rope_high_freq_factor)
+        wavelen = np.float32(2 * math.pi) / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rope_tables(seq: int, head_dim: int, theta: float,
+                inv_freq: np.ndarray | None = None) -> tuple[Float[Array, "t e"], Float[Array, "t e"]]:
     """cos/sin tables for rotate-half RoPE (the Hugging Face LLaMA convention), in fp32.
 
+    `inv_freq`: the `head_dim / 2` frequencies (`rope_inv_freq`; default: plain RoPE of `theta`).
     Computed on the host (the shapes are static) so they enter the compiled step as constants: traced
     `cos`/`sin` of an iota get fused into, and recomputed by, every consumer on XLA's CPU backend."""
-    inv_freq = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
-    ang_te = np.arange(seq, dtype=np.float32)[:, None] * inv_freq[None, :]
+    if inv_freq is None:
+        inv_freq = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    ang_te = np.arange(seq, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
     ang_te = np.concatenate([ang_te, ang_te], axis=-1)
     return jnp.asarray(np.cos(ang_te)), jnp.asarray(np.sin(ang_te))
+
+
+def model_rope_tables(cfg: ModelConfig, seq: int) -> tuple[Float[Array, "t e"], Float[Array, "t e"]]:
+    """`rope_tables` of positions `0..seq-1` with `cfg`'s head width, base and scaling (host constants)."""
+    return rope_tables(seq, cfg.head_dim, cfg.rope_theta, rope_inv_freq(cfg, seq))
+
+
+def rope_tables_at(positions: Int[Array, "..."], inv_freq: np.ndarray) -> tuple[Float[Array, "... e"], Float[Array, "... e"]]:
+    """cos/sin of given (traced) positions, e.g. one decoding step: `inv_freq` from `rope_inv_freq`
+    (for dynamic scaling, of the total length the positions belong to)."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
 
 
 def apply_rope(x_bthe: Float[Array, "b t h e"], cos_te, sin_te) -> Float[Array, "b t h e"]:
@@ -65,7 +118,7 @@ def apply_rope(x_bthe: Float[Array, "b t h e"], cos_te, sin_te) -> Float[Array, 
 
 def causal_attention(
     q_bthe: Float[Array, "b t h e"], k_btke: Float[Array, "b t k e"], v_btke: Float[Array, "b t k e"],
-    *, impl: str = "xla", block: int = 512,
+    *, impl: str = "xla", block: int = 512, segments_bt: Int[Array, "b t"] | None = None,
 ) -> Float[Array, "b t h e"]:
     """Causal softmax attention with grouped-query heads (h a multiple of k); softmax in fp32.
 
@@ -73,11 +126,13 @@ def causal_attention(
     scores `[b, k, g, t, t]` (the reference the others are tested against); `cudnn` is cuDNN's flash
     attention; `chunked` is blockwise attention with `block`-position tiles (`attention.chunked_attention`),
     which for `t <= block` is one tile, the whole `t x t` anyway, and runs the reference instead.
-    The output is tagged `attn_out` for remat and offload policies."""
-    impl = attention.resolve(impl, q_bthe.dtype)
+    The output is tagged `attn_out` for remat and offload policies.
+    `segments_bt` (packed documents, `--doc-mask`): a query attends only to keys with its segment id;
+    `auto` then runs `chunked` (cuDNN's kernel takes no segment ids), and `cudnn` is refused."""
+    impl = attention.resolve(impl, q_bthe.dtype) if segments_bt is None else attention.resolve_segments(impl)
     b, t, h, e = q_bthe.shape
     if impl == "chunked" and t > block:
-        return attention.chunked_attention(q_bthe, k_btke, v_btke, block)  # tags attn_out itself
+        return attention.chunked_attention(q_bthe, k_btke, v_btke, block, segments_bt)  # tags attn_out itself
     if impl == "cudnn":
         return checkpoint_name(attention.cudnn_attention(q_bthe, k_btke, v_btke), "attn_out")
     kv = k_btke.shape[2]
@@ -85,6 +140,8 @@ def causal_attention(
     s_bkgts = jnp.einsum("btkge,bske->bkgts", q_btkge, k_btke, preferred_element_type=jnp.float32)
     s_bkgts = s_bkgts / jnp.sqrt(jnp.float32(e))
     mask_ts = jnp.tril(jnp.ones((t, t), dtype=bool))
+    if segments_bt is not None:  # [b, 1, 1, t, s]: same document and causal
+        mask_ts = mask_ts & (segments_bt[:, None, None, :, None] == segments_bt[:, None, None, None, :])
     s_bkgts = jnp.where(mask_ts, s_bkgts, jnp.finfo(jnp.float32).min)
     p_bkgts = jax.nn.softmax(s_bkgts, axis=-1).astype(v_btke.dtype)
     o_btkge = jnp.einsum("bkgts,bske->btkge", p_bkgts, v_btke)

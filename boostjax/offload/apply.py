@@ -243,7 +243,7 @@ def offload_placement(cfg: Config, graphdef, plan: Plan | None = None) -> Offloa
 
     def loss_fn(params, batch):
         model = nnx.merge(graphdef, cast_params(params, cfg.train.dtype))
-        return model.loss(batch["inputs"], batch["targets"], remat=sched)
+        return model.loss(batch["inputs"], batch["targets"], remat=sched, segments=batch.get("segments"))
 
     dev = jax.devices()[0]
     return OffloadPlacement(plan, sched, loss_fn, dev, Mesh(np.asarray([dev]), ("data",)))

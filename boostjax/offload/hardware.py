@@ -87,6 +87,19 @@ def get_profile(name: str) -> HardwareProfile:
                      f"(aliases: {', '.join(sorted(_ALIASES))}) or measure()")
 
 
+# `jax.Device.device_kind` substrings (lower case) -> profile; checked in order (the 40GB A100 before the A100)
+_DEVICE_KINDS = (("h200", "H200-141GB"), ("h100", "H800-80GB"), ("h800", "H800-80GB"),
+                 ("a100-sxm4-40gb", "A100-40GB"), ("a100-pcie-40gb", "A100-40GB"), ("a100", "A100-80GB"),
+                 ("rtx 3090", "RTX3090-24GB"))
+
+
+def profile_for_device(device_kind: str) -> HardwareProfile | None:
+    """The profile of a JAX device kind (`'NVIDIA H100 80GB HBM3'`, `'NVIDIA A100-SXM4-40GB'`, ...);
+    None for a device without one (a CPU, a GPU or TPU not listed in `PROFILES`)."""
+    kind = device_kind.lower()
+    return next((PROFILES[name] for key, name in _DEVICE_KINDS if key in kind), None)
+
+
 def _best_time(fn, repeats: int) -> float:
     fn()  # warm-up (compilation, first-touch allocation)
     best = float("inf")

@@ -129,7 +129,7 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int) -> Calla
         layers = params["layers"]  # leaves [L/P, ...]: this stage's blocks
         b, t = inputs_bt.shape
         s = jax.lax.axis_index(STAGE)
-        cos_te, sin_te = ops.rope_tables(t, mcfg.head_dim, mcfg.rope_theta)
+        cos_te, sin_te = ops.model_rope_tables(mcfg, t)
 
         def apply(p, x_btd, c_te, s_te):
             return nnx.merge(block_def, p)(x_btd, c_te, s_te, coll)

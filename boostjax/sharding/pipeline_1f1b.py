@@ -117,7 +117,7 @@ def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str
         mb, n = b // n_micro, b // n_micro * t // stages  # micro-batch rows; head tokens per stage
         tokens_mbt = inputs_bt.reshape(n_micro, mb, t)
         targets_mn = targets_bt.reshape(n_micro, mb * t)
-        cos_te, sin_te = ops.rope_tables(t, mcfg.head_dim, mcfg.rope_theta)
+        cos_te, sin_te = ops.model_rope_tables(mcfg, t)
         # local gradients (no per-tick all-reduce): varying over the axes they are summed over at the end
         top = {k: _vary(v, (*dp, STAGE)) for k, v in params.items() if k != "layers"}
         layers = [jax.tree.map(lambda a, j=j: _vary(a[j], dp), params["layers"]) for j in range(per_stage)]

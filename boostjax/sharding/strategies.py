@@ -84,13 +84,20 @@ def shard_loss_fn(cfg: Config, graphdef, mesh: Mesh, specs: Any) -> Callable[[An
 
     inner, rows = loss_mesh(mesh)
 
-    def local(params, inputs_bt, targets_bt):
+    def local(params, inputs_bt, targets_bt, segments_bt=None):
         model = nnx.merge(graphdef, cast_params(params, cfg.train.dtype))
-        loss = model.loss(inputs_bt, targets_bt, coll, cfg.train.remat)
+        loss = model.loss(inputs_bt, targets_bt, coll, cfg.train.remat, segments=segments_bt)
         return jax.lax.pmean(loss, "data") if "data" in inner.axis_names else loss
 
     sharded = jax.shard_map(local, mesh=inner, in_specs=(specs, rows, rows), out_specs=P())
-    return lambda params, batch: sharded(params, batch["inputs"], batch["targets"])
+    with_segments = jax.shard_map(local, mesh=inner, in_specs=(specs, rows, rows, rows), out_specs=P())
+
+    def loss_fn(params, batch):  # packed documents (`doc_mask`) bring their segment ids, laid out as the rows
+        if "segments" in batch:
+            return with_segments(params, batch["inputs"], batch["targets"], batch["segments"])
+        return sharded(params, batch["inputs"], batch["targets"])
+
+    return loss_fn
 
 
 def loss_mesh(mesh: Mesh) -> tuple[Mesh, P]:
