@@ -81,6 +81,20 @@ def test_svd_full_rank_reproduces_the_dense_logits(source):
         np.testing.assert_array_equal(lr_params[k], params[k])
 
 
+def test_svd_full_rank_tied_gqa_head_dim():
+    """Today's checkpoint shapes: tied embeddings (no head), grouped-query heads, head_dim != d/heads
+    (q and o are [32, 64] / [64, 32]), llama3 RoPE; full rank = min(in, out) = 32 everywhere."""
+    cfg = replace(DENSE, n_kv_heads=2, attn_head_dim=16, tie_embeddings=True, rope_type="llama3", rope_factor=8.0,
+                  rope_original_max_len=8)
+    rng = np.random.default_rng(2)
+    dense = jax.tree.map(lambda a: jnp.asarray((1 if a.ndim == 1 else 0) + 0.1 * rng.normal(size=a.shape), jnp.float32),
+                         abstract_model(Config(cfg))[1])
+    assert "head" not in dense
+    svd = replace(cfg, kind="svd", rank=32)
+    lr_params, report = pretrained.lowrank_from_dense(svd, dense)
+    assert _rel(_logits(svd, lr_params), _logits(cfg, dense)) < 1e-5 and report["max"] < 1e-6
+
+
 def test_error_falls_as_the_rank_grows(source):
     params, _ = source
     ref = _logits(DENSE, params)
