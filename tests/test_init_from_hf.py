@@ -27,7 +27,7 @@ DENSE = ModelConfig(kind="llama", vocab_size=288, d_model=32, n_layers=2, n_head
 # misplaced shard changes the loss visibly (with std 0.2 the model is chaotic enough that its logits
 # error at low rank is not monotone in r: the factoring tests use DENSE's std 0.02)
 SMALL = replace(DENSE, n_layers=1, init_std=0.2)
-RUN = ["--batch", "2", "--seq", "16", "--eval-batches", "1", "--no-progress"]
+RUN = ["--batch", "2", "--seq", "16", "--eval-batches", "1", "--no-progress", "--no-tensorboard"]
 
 
 def _rel(a, b) -> float:
@@ -209,7 +209,7 @@ def test_btp_from_init_matches_one_device(small, tmp_path):
     params, _ = small
     cfg = Config(replace(SMALL, kind="svd", rank=8),
                  TrainConfig(strategy="btp", mesh="data=1,model=2", steps=1, batch=2, seq=16, eval_batches=1,
-                             progress=False, out=str(tmp_path / "btp")))
+                             progress=False, tensorboard=False, out=str(tmp_path / "btp")))
     res = train(cfg, init=params)
     report = json.loads((tmp_path / "btp" / pretrained.REPORT_FILE).read_text())
     assert report["source"] == "python" and report["rank"] == 8 and res.extra["init"]["mean"] == report["mean"]
