@@ -2,9 +2,10 @@
 
 The run's tokenizer (its `tokenizer.json`, byte level without one) encodes the prompt, `boostjax.generate`
 decodes with a KV cache (greedy by default; `--temperature`, `--top-k`, `--top-p`, `--seed` sample), and
-the prompt plus the continuation are printed (`--json`: one JSON object). Generation stops at the
-tokenizer's end-of-document token when it has one. Every argument is checked before the checkpoint is
-read or anything compiles.
+the prompt plus the continuation are printed (`--json`: one JSON object: `run`, `step`, `kind`, `prompt`,
+`completion`, `prompt_ids`, `new_ids` (up to the eos), `stopped_at_eos`, `generate_seconds` (the compile
+included) and `settings`). Generation stops at the tokenizer's end-of-document token when it has one.
+Every argument is checked before the checkpoint is read or anything compiles.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"run": str(args.run), "step": step, "kind": cfg.model.kind, "prompt": args.prompt,
                           "completion": completion, "prompt_ids": ids.tolist(), "new_ids": new.tolist(),
-                          "stopped_at_eos": stopped, "seconds": round(seconds, 3),
+                          "stopped_at_eos": stopped, "generate_seconds": round(seconds, 3),  # compile included
                           "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                                        "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}}))
     else:
