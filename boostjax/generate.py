@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -106,19 +106,24 @@ def _choose(logits_bv, key, temperature, top_k, top_p, greedy: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "greedy"))
-def _generate(graphdef, state, prompt_bp, key, temperature, top_k, top_p, eos_id, *, max_new: int, greedy: bool):
+def _generate(graphdef, state, prompt_bp, key, temperature, top_k, top_p, eos_n, *, max_new: int, greedy: bool):
     """Prefill the prompt, then decode `max_new - 1` more tokens in a while loop (stops early when every
-    row has produced `eos_id`; -1 = no eos). Returns `[b, p + max_new]` ids (eos after a row's eos)."""
+    row has produced one of the ids `eos_n`; `[-1]` = no eos). Returns `[b, p + max_new]` ids, a row
+    padded with `eos_n[0]` after its eos."""
     model = nnx.merge(graphdef, state)
     b, p = prompt_bp.shape
     cache = kvcache.init_cache(model.cfg, b, p + max_new, model.embed[...].dtype)
     xn_btd, cache = model.features_cached(prompt_bp, cache)
     logits_bv = model.logits(xn_btd[:, -1:])[:, 0]
     tok_b = _choose(logits_bv, jax.random.fold_in(key, 0), temperature, top_k, top_p, greedy)
-    pad = jnp.maximum(eos_id, 0).astype(jnp.int32)
+    pad = jnp.maximum(eos_n[0], 0).astype(jnp.int32)
+
+    def is_eos(tok_b):
+        return jnp.any(tok_b[:, None] == eos_n[None, :], axis=-1)
+
     out_bs = jnp.concatenate([prompt_bp, jnp.full((b, max_new), pad, jnp.int32)], axis=1)
     out_bs = out_bs.at[:, p].set(tok_b)
-    done_b = tok_b == eos_id
+    done_b = is_eos(tok_b)
 
     def cond(carry):
         i, _, done_b, _, _ = carry
@@ -130,32 +135,34 @@ def _generate(graphdef, state, prompt_bp, key, temperature, top_k, top_p, eos_id
         new_b = _choose(model.logits(xn_btd)[:, 0], jax.random.fold_in(key, i), temperature, top_k, top_p, greedy)
         new_b = jnp.where(done_b, pad, new_b)
         out_bs = lax.dynamic_update_slice(out_bs, new_b[:, None], (0, p + i))
-        return i + 1, new_b, done_b | (new_b == eos_id), cache, out_bs
+        return i + 1, new_b, done_b | is_eos(new_b), cache, out_bs
 
     carry = (jnp.ones((), jnp.int32), tok_b, done_b, cache, out_bs)
     return lax.while_loop(cond, body, carry)[-1]
 
 
 def generate(model, prompt_tokens, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> np.ndarray:
+             top_p: float = 1.0, seed: int = 0, eos_id: int | Sequence[int] | None = None) -> np.ndarray:
     """The prompt followed by `max_new_tokens` generated ids (numpy int32, `[t + n]` for a 1-D prompt,
     `[b, t + n]` for a batch of equal-length prompts).
 
     `temperature=0` is greedy (argmax); otherwise tokens are sampled from softmax(logits / temperature)
     restricted to the `top_k` most likely (0 = all) and to the nucleus of mass `top_p` (1 = all), with
-    `jax.random.key(seed)`. With `eos_id`, a row stops at its first eos and is padded with eos after it.
+    `jax.random.key(seed)`. With `eos_id` (an id, or several: Llama 3 ends on any of its eos ids), a row
+    stops at its first eos and is padded after it with the (first) eos id.
     Runs on the model's parameters as they are (fp32 unless cast); one compile per shape."""
     cfg = model.cfg
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
-    if eos_id is not None and not (isinstance(eos_id, (int, np.integer)) and 0 <= eos_id < cfg.vocab_size):
-        raise ConfigError(f"generate: eos_id must be None or an id in [0, {cfg.vocab_size}), got {eos_id!r}; "
-                          "fix: pass the tokenizer's eos_id or None")
+    eos = [] if eos_id is None else [eos_id] if np.ndim(eos_id) == 0 else list(eos_id)
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= i < cfg.vocab_size for i in eos):
+        raise ConfigError(f"generate: eos_id must be None, an id or a list of ids in [0, {cfg.vocab_size}), got "
+                          f"{eos_id!r}; fix: pass the tokenizer's eos_id or None")
     one_d = np.ndim(prompt_tokens) == 1
     prompt_bp = check_prompt(prompt_tokens, max_new_tokens, cfg.vocab_size, cfg.max_seq_len)
     graphdef, state = nnx.split(model)
     out = _generate(graphdef, state, jnp.asarray(prompt_bp), jax.random.key(seed),
                     jnp.float32(max(temperature, 1e-30)), jnp.int32(min(top_k, cfg.vocab_size)), jnp.float32(top_p),
-                    jnp.int32(-1 if eos_id is None else eos_id), max_new=int(max_new_tokens),
+                    jnp.asarray(eos or [-1], jnp.int32), max_new=int(max_new_tokens),
                     greedy=temperature == 0)
     out = np.asarray(out)
     return out[0] if one_d else out

@@ -4,8 +4,9 @@ The run's tokenizer (its `tokenizer.json`, byte level without one) encodes the p
 decodes with a KV cache (greedy by default; `--temperature`, `--top-k`, `--top-p`, `--seed` sample), and
 the prompt plus the continuation are printed (`--json`: one JSON object: `run`, `step`, `kind`, `prompt`,
 `completion`, `prompt_ids`, `new_ids` (up to the eos), `stopped_at_eos`, `generate_seconds` (the compile
-included) and `settings`). Generation stops at the tokenizer's end-of-document token when it has one.
-Every argument is checked before the checkpoint is read or anything compiles.
+included) and `settings`). Generation stops at the tokenizer's end-of-document token and at the run's
+`eos_token_ids` (an imported checkpoint's). Every argument is checked before the checkpoint is read or
+anything compiles.
 """
 
 from __future__ import annotations
@@ -48,19 +49,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     model_cfg = read_config(args.run).model
     tok = load_tokenizer(args.run)
     ids = check_prompt(tok.encode(args.prompt), args.max_new_tokens, model_cfg.vocab_size, model_cfg.max_seq_len)[0]
-    eos_id = getattr(tok, "eos_id", None)
-    if eos_id is not None and eos_id >= model_cfg.vocab_size:
-        eos_id = None  # the model cannot produce it
+    # the end-of-sequence ids: the run's (from an imported checkpoint) and its tokenizer's, those the model can produce
+    eos = sorted({*model_cfg.eos_ids, *([tok.eos_id] if getattr(tok, "eos_id", None) is not None else [])})
+    eos = [i for i in eos if i < model_cfg.vocab_size]
 
     cfg, model, step = load_run(args.run, args.step)
     t0 = time.perf_counter()
     out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, eos_id=eos_id)
+                   top_p=args.top_p, seed=args.seed, eos_id=eos or None)
     seconds = time.perf_counter() - t0
     new = out[len(ids):]
-    stopped = eos_id is not None and bool(np.any(new == eos_id))
+    hit = np.isin(new, eos)
+    stopped = bool(hit.any())
     if stopped:
-        new = new[: int(np.argmax(new == eos_id))]
+        new = new[: int(np.argmax(hit))]
     unknown = new >= tok.vocab_size  # a model whose vocabulary is larger than its tokenizer's
     if unknown.any():
         print(f"boostjax: generate: dropped {int(unknown.sum())} ids >= the tokenizer's vocabulary "

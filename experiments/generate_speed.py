@@ -66,7 +66,7 @@ def measure(preset: str, kind: str, prompt_len: int, new: int, full_steps: int, 
 
     # cached: the package's own program, compiled ahead of time
     args = (graphdef, state, prompt, jax.random.key(0), jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0),
-            jnp.int32(-1))
+            jnp.asarray([-1], jnp.int32))
     t0 = time.perf_counter()
     compiled = _generate.lower(*args, max_new=new, greedy=True).compile()
     cached_compile = time.perf_counter() - t0

@@ -52,11 +52,15 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
-@pytest.mark.parametrize("kind", ["llama", "cola", "svd", "lax"])
-def test_cached_logits_equal_full_forward(kind):
+@pytest.mark.parametrize("kind,extra", [
+    ("llama", dict(rope_type="llama3", rope_factor=8.0, rope_original_max_len=16, attn_head_dim=16,
+                   tie_embeddings=True)),
+    ("cola", {}), ("svd", {}), ("lax", {})])
+def test_cached_logits_equal_full_forward(kind, extra):
     """Prefill 5 tokens, then a 2-token chunk, then one token per step (a scan, as in decoding): the
     logits at every position equal the full causal forward's (grouped-query heads: 4 query, 2 kv;
-    one layer here to keep the compile short; the generation tests below decode two layers)."""
+    one layer here to keep the compile short; the generation tests below decode two layers). The dense
+    case also has Llama-3 RoPE scaling, tied embeddings and a head width other than d_model / heads."""
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, SHAPE["vocab_size"])
 
     def run(model, tokens):
@@ -74,7 +78,7 @@ def test_cached_logits_equal_full_forward(kind):
         cached = jnp.concatenate([xn0, xn1, xn_tbd.transpose(1, 0, 2)], axis=1)
         return model(tokens), model.logits(cached), model.logits(alone), cache.pos
 
-    graphdef, state = nnx.split(_model(kind, n_layers=1))
+    graphdef, state = nnx.split(_model(kind, n_layers=1, **extra))
     fn = jax.jit(lambda state, tokens: run(nnx.merge(graphdef, state), tokens))
     full, cached, alone, pos = fn.lower(state, tokens).compile(FAST_COMPILE)(state, tokens)
     assert int(pos) == 12
@@ -144,15 +148,17 @@ def test_top_k_and_top_p_restrict_the_support():
 def test_eos_stops_a_row_and_pads_after_it():
     model, prompt = _dense(), DENSE_PROMPT
     free = boostjax.generate(model, prompt, 20)
-    eos = int(free[0, 10])  # row 0 emits it as its 4th new token
-    got = boostjax.generate(model, prompt, 20, eos_id=eos)
-    for row in range(2):
-        new = free[row, 7:]
-        hit = np.flatnonzero(new == eos)
-        stop = hit[0] + 1 if hit.size else len(new)
-        assert np.array_equal(got[row, 7:7 + stop], new[:stop])
-        assert np.all(got[row, 7 + stop:] == eos)
-    assert not np.array_equal(got[0], free[0])  # it really stopped
+    # row 0 emits the first as its 4th new token; the second (several ids: Llama 3) is row 1's 3rd
+    for eos in ([int(free[0, 10])], [int(free[0, 10]), int(free[1, 9])]):
+        got = boostjax.generate(model, prompt, 20, eos_id=eos if len(eos) > 1 else eos[0])
+        for row in range(2):
+            new = free[row, 7:]
+            hit = np.flatnonzero(np.isin(new, eos))
+            stop = hit[0] + 1 if hit.size else len(new)
+            assert np.array_equal(got[row, 7:7 + stop], new[:stop])
+            assert np.all(got[row, 7 + stop:] == eos[0])
+            assert stop <= (4 if row == 0 else 3 if len(eos) > 1 else 20)
+        assert not np.array_equal(got[0], free[0])  # it really stopped
 
 
 def test_cli_generates_from_a_trained_run(tmp_path, capsys):
@@ -165,9 +171,9 @@ def test_cli_generates_from_a_trained_run(tmp_path, capsys):
             "--top-k", "40", "--top-p", "0.95", "--seed", "3", "--json"]  # the shapes of the sampling test
     assert main(argv) == 0
     rec = json.loads(capsys.readouterr().out)
-    assert boostjax.load_run(run)[1].cfg == _model("lax", vocab_size=256, n_layers=1).cfg  # shares the sampling test's compile
-    assert rec["step"] == 2 and rec["kind"] == "lax" and rec["prompt_ids"] == list(b"def f(x):")
     model = boostjax.load_run(run)[1]
+    assert model.cfg == _model("lax", vocab_size=256, n_layers=1).cfg  # shares the sampling test's compile
+    assert rec["step"] == 2 and rec["kind"] == "lax" and rec["prompt_ids"] == list(b"def f(x):")
     want = boostjax.generate(model, LAX_PROMPT, 12, temperature=0.9, top_k=40, top_p=0.95, seed=3)
     assert rec["new_ids"] == want[9:].tolist() and len(rec["new_ids"]) == 12
     assert rec["completion"] == bytes(want[9:].astype(np.uint8)).decode("utf-8", errors="replace")

@@ -257,7 +257,7 @@ class LLaMA(nnx.Module):
         """`features` of `t` tokens at positions `cache.pos..cache.pos+t-1` that attend to the cached
         positions before them (decoding; one device, no remat); returns the advanced cache."""
         cfg, t = self.cfg, tokens_bt.shape[1]
-        cos_se, sin_se = ops.rope_tables(cache.length, cfg.head_dim, cfg.rope_theta)
+        cos_se, sin_se = ops.model_rope_tables(cfg, cache.length)  # the full forward's tables (length <= max_seq_len)
         cos_te, sin_te = kvcache.positions(cos_se, cache.pos, t), kvcache.positions(sin_se, cache.pos, t)
         x_btd, layers = self.embed_tokens(tokens_bt), []
         for layer, (k_bske, v_bske) in zip(self.layers, cache.layers):
