@@ -58,7 +58,11 @@ def check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any
 def check_prompt(prompt_tokens: Any, max_new_tokens: int, vocab_size: int, max_seq_len: int) -> np.ndarray:
     """The prompt as an int32 `[b, p]` array, or ConfigError: empty, not integers, ids outside the
     vocabulary, or longer than `max_seq_len` once the new tokens are added."""
-    p = np.asarray(prompt_tokens)
+    try:
+        p = np.asarray(prompt_tokens)
+    except ValueError:  # a ragged batch
+        raise ConfigError("generate: the prompts of a batch must have equal lengths; fix: generate each prompt "
+                          "on its own, or pass a [b, t] array") from None
     if p.ndim == 1:
         p = p[None]
     if p.ndim != 2 or p.shape[0] < 1:
@@ -157,8 +161,8 @@ def generate(model, prompt_tokens, max_new_tokens: int, *, temperature: float = 
     if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= i < cfg.vocab_size for i in eos):
         raise ConfigError(f"generate: eos_id must be None, an id or a list of ids in [0, {cfg.vocab_size}), got "
                           f"{eos_id!r}; fix: pass the tokenizer's eos_id or None")
-    one_d = np.ndim(prompt_tokens) == 1
     prompt_bp = check_prompt(prompt_tokens, max_new_tokens, cfg.vocab_size, cfg.max_seq_len)
+    one_d = np.ndim(prompt_tokens) == 1  # (a ragged batch was refused above)
     graphdef, state = nnx.split(model)
     out = _generate(graphdef, state, jnp.asarray(prompt_bp), jax.random.key(seed),
                     jnp.float32(max(temperature, 1e-30)), jnp.int32(min(top_k, cfg.vocab_size)), jnp.float32(top_p),

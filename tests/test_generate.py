@@ -5,6 +5,7 @@ continues a prompt with a trained run."""
 from __future__ import annotations
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -179,3 +180,18 @@ def test_cli_generates_from_a_trained_run(tmp_path, capsys):
     assert rec["completion"] == bytes(want[9:].astype(np.uint8)).decode("utf-8", errors="replace")
     assert main(argv[:-1]) == 0  # plain text: the prompt and its continuation
     assert capsys.readouterr().out == "def f(x):" + rec["completion"] + "\n"
+
+
+@pytest.mark.parametrize("prompt,kw,needle", [
+    ([], {}, "empty"), ([[1, 2], [3]], {}, "equal lengths"), ([1.5], {}, "integer ids"), ([96], {}, "[0, 96)"),
+    ([1], dict(max_new_tokens=64), "max_seq_len=64"), ([1], dict(max_new_tokens=0), "max_new_tokens"),
+    ([1], dict(temperature=-1.0), "temperature"), ([1], dict(top_k=-1), "top_k"), ([1], dict(top_p=0.0), "top_p"),
+    ([1], dict(top_p=float("nan")), "top_p"), ([1], dict(seed=-1), "seed"), ([1], dict(eos_id=96), "eos_id"),
+    ([1], dict(eos_id=[3, True]), "eos_id"),
+])
+def test_python_api_refuses_bad_arguments_before_compiling(prompt, kw, needle, monkeypatch):
+    monkeypatch.setattr(sys.modules["boostjax.generate"], "_generate", lambda *a, **k: pytest.fail("compiled"))
+    kw = {"max_new_tokens": 4, **kw}
+    with pytest.raises(boostjax.ConfigError, match="^generate: .*; fix: ") as e:
+        boostjax.generate(_dense(), prompt, kw.pop("max_new_tokens"), **kw)
+    assert needle in str(e.value)
