@@ -29,6 +29,8 @@ _EXPORTS: dict[str, str] = {
     # training
     "train": "boostjax.train", "TrainResult": "boostjax.train", "NonFiniteLoss": "boostjax.train",
     "init_model": "boostjax.train", "load_run": "boostjax.run", "simulate_devices": "boostjax.devices",
+    # generation (KV cache; greedy, top-k, top-p)
+    "generate": "boostjax.generate",
     # interop
     "from_hf": "boostjax.hf", "to_hf": "boostjax.hf", "read_hf": "boostjax.hf",  # item 3: read_hf
     # starting from pretrained weights (train --init-from-hf, train(cfg, init=...))

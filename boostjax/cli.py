@@ -180,10 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch.register(sub)
     from boostjax.evaluate import register as register_eval  # noqa: PLC0415 (imports no JAX at module level)
+    from boostjax.generate_cli import register as register_generate  # noqa: PLC0415
     from boostjax.tokenize import register as register_tokenize  # noqa: PLC0415
 
     register_tokenize(sub)
     register_eval(sub)
+    register_generate(sub)
     return parser
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import boostjax.data
+import boostjax.generate  # noqa: F401 (its jitted function is made at import, before jax.jit is disabled)
 import boostjax.launch
 import boostjax.offload.apply  # noqa: F401 (imported before jax.jit is disabled)
 import boostjax.sharding.strategies  # noqa: F401
@@ -316,6 +317,40 @@ def test_launch_port_in_use(capsys, monkeypatch):
         s.listen()
         port = s.getsockname()[1]
         _refused(capsys, ["launch", "--port", port, "--", "train", "--mesh", "data=2"], "launch.port", "in use")
+
+
+# ------------------------------------------------------------------------------ generate
+
+@pytest.fixture
+def config_only_run(tmp_path):
+    """A run folder with a config.json (max_seq_len 128) and no checkpoint: every check below comes first."""
+    from boostjax.config import Config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = Config(model=ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=8, max_seq_len=128))
+    (run / "config.json").write_text(cfg.to_json())
+    return run
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--prompt", ""], ["generate", "prompt is empty"]),
+    (["--max-new-tokens", "126"], ["generate", "max_seq_len=128", "--max-new-tokens <= 125"]),
+    (["--max-new-tokens", "0"], ["generate", "max_new_tokens"]),
+    (["--temperature", "-0.5"], ["generate", "temperature"]), (["--temperature", "nan"], ["generate", "temperature"]),
+    (["--top-p", "0"], ["generate", "top_p"]), (["--top-p", "1.5"], ["generate", "top_p"]),
+    (["--top-k", "-1"], ["generate", "top_k"]), (["--seed", "-1"], ["generate", "seed"]),
+    (["--step", "-2"], ["generate", "--step"]), (["--top-k", "x"], ["generate.top_k", "invalid int"]),
+    ([], ["no checkpoint"]),  # the arguments are fine: the (empty) checkpoints folder is what is refused
+])
+def test_generate_flags(capsys, config_only_run, flags, needles):
+    _refused(capsys, ["generate", "--run", config_only_run, "--prompt", "abc", *flags], *needles)
+
+
+def test_generate_without_a_run(capsys, tmp_path):
+    _refused(capsys, ["generate", "--run", tmp_path / "missing", "--prompt", "abc"], "run:", "is not a folder")
+    (tmp_path / "empty").mkdir()
+    _refused(capsys, ["generate", "--run", tmp_path / "empty", "--prompt", "abc"], "run:", "no config.json")
 
 
 def test_multihost_peer_that_never_starts(tmp_path):

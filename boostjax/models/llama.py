@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from boostjax.config import ModelConfig
-from boostjax.models import ops
+from boostjax.models import kvcache, ops
 from boostjax.models.remat import tied_checkpoint
 from boostjax.sharding.collectives import LOCAL, Collectives, vocab_parallel_cross_entropy
 
@@ -94,7 +94,11 @@ class Attention(nnx.Module):
             self.w_v = _param(rngs, (d, ke), std)
             self.w_o = _param(rngs, (he, d), std)
 
-    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives, segments_bt=None) -> Float[Array, "b t d"]:
+    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives, segments_bt=None, *,
+                 cache=None) -> Float[Array, "b t d"]:
+        """`cache=(k_bske, v_bske, pos)` when decoding (`boostjax.models.kvcache`): `x` holds positions
+        `pos..pos+t-1` and `cos`/`sin` are theirs; returns `(y, (k_bske, v_bske))`, the buffers with this
+        step's keys and values written in (one sequence per row: `segments_bt` must be None)."""
         cfg, e = self.cfg, self.cfg.head_dim
         b, t, _ = x_btd.shape
         if cfg.low_rank:
@@ -112,15 +116,22 @@ class Attention(nnx.Module):
             q, k, v = (checkpoint_name(xn_btd @ w[...], "qkv") for w in (self.w_q, self.w_k, self.w_v))
         q_bthe = ops.apply_rope(q.reshape(b, t, -1, e), cos_te, sin_te)
         k_btke = ops.apply_rope(k.reshape(b, t, -1, e), cos_te, sin_te)
-        o_btx = ops.causal_attention(q_bthe, k_btke, v.reshape(b, t, -1, e), impl=cfg.attention,
-                                     block=cfg.attention_block, segments_bt=segments_bt).reshape(b, t, -1)
+        if cache is not None:
+            k_bske, v_bske, pos = cache
+            cache = kvcache.write(k_bske, k_btke, pos), kvcache.write(v_bske, v.reshape(b, t, -1, e), pos)
+            o_btx = kvcache.cached_attention(q_bthe, *cache, pos).reshape(b, t, -1)
+        else:
+            o_btx = ops.causal_attention(q_bthe, k_btke, v.reshape(b, t, -1, e), impl=cfg.attention,
+                                         block=cfg.attention_block, segments_bt=segments_bt).reshape(b, t, -1)
         if cfg.low_rank:
             h_btr = coll.reduce_latent(o_btx @ self.a_o[...], name="o_latent")
             h_btr = _sigma(cfg.kind)(h_btr)
             if cfg.kind == "lax":
                 h_btr = h_btr + self.cross[...].astype(x_btd.dtype)[2] * hv
-            return coll.reduce_up(h_btr @ self.b_o[...])
-        return coll.reduce_row(o_btx @ self.w_o[...])
+            y_btd = coll.reduce_up(h_btr @ self.b_o[...])
+        else:
+            y_btd = coll.reduce_row(o_btx @ self.w_o[...])
+        return y_btd if cache is None else (y_btd, cache)
 
 
 class MLP(nnx.Module):
@@ -170,7 +181,12 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives = LOCAL, segments_bt=None):
+    def __call__(self, x_btd, cos_te, sin_te, coll: Collectives = LOCAL, segments_bt=None, *, cache=None):
+        """`cache=(k_bske, v_bske, pos)`: decoding; returns `(y, (k_bske, v_bske))` (see `Attention`)."""
+        if cache is not None:
+            a_btd, cache = self.attn(x_btd, cos_te, sin_te, coll, cache=cache)
+            h_btd = x_btd + a_btd
+            return h_btd + self.mlp(h_btd, coll), cache
         x_btd = checkpoint_name(x_btd, "boundary")
         h_btd = checkpoint_name(x_btd + self.attn(x_btd, cos_te, sin_te, coll, segments_bt), "mid")
         return h_btd + self.mlp(h_btd, coll)
@@ -235,6 +251,19 @@ class LLaMA(nnx.Module):
             for layer in self.layers:
                 x_btd = run(layer, x_btd, policy, tied=True)
         return self.final_norm(x_btd, coll)
+
+    def features_cached(self, tokens_bt: Int[Array, "b t"], cache: kvcache.KVCache
+                        ) -> tuple[Float[Array, "b t d"], kvcache.KVCache]:
+        """`features` of `t` tokens at positions `cache.pos..cache.pos+t-1` that attend to the cached
+        positions before them (decoding; one device, no remat); returns the advanced cache."""
+        cfg, t = self.cfg, tokens_bt.shape[1]
+        cos_se, sin_se = ops.model_rope_tables(cfg, cache.length)  # the full forward's tables (length <= max_seq_len)
+        cos_te, sin_te = kvcache.positions(cos_se, cache.pos, t), kvcache.positions(sin_se, cache.pos, t)
+        x_btd, layers = self.embed_tokens(tokens_bt), []
+        for layer, (k_bske, v_bske) in zip(self.layers, cache.layers):
+            x_btd, kv = layer(x_btd, cos_te, sin_te, cache=(k_bske, v_bske, cache.pos))
+            layers.append(kv)
+        return self.final_norm(x_btd), kvcache.KVCache(tuple(layers), cache.pos + t)
 
     # the pieces around the blocks, shared with the pipelined loss (`boostjax.sharding.pipeline`)
     def embed_tokens(self, tokens: Int[Array, "..."]) -> Float[Array, "... d"]:
