@@ -243,3 +243,13 @@ def test_install_cell_says_when_pip_failed_or_a_restart_is_needed(tmp_path, monk
     assert calls == [f'install -q "{tmp_path / WHEEL}" ']
     assert "pip changed: jax 0.6.2 -> 0.10.2, jaxlib 0.6.2 -> 0.10.2" in capsys.readouterr().out
     assert isinstance(err, RuntimeError) and "jax" in str(err) and "fix: restart the runtime" in str(err)
+
+
+def test_install_cell_keeps_jax_from_the_version_the_wheel_requires():
+    import tomllib  # noqa: PLC0415
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    jax_min = next(d.removeprefix("jax>=") for d in deps if d.startswith("jax>="))
+    cell = ast.parse(_python(_install_cell()))
+    const = next(n.value for n in cell.body if isinstance(n, ast.Assign) and n.targets[0].id == "JAX_MIN")
+    assert ast.literal_eval(const) == tuple(int(x) for x in jax_min.split("."))
