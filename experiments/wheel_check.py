@@ -238,7 +238,7 @@ def render(r: dict[str, Any]) -> str:
         if s["train_rc"] != 0:
             lines += ["", "```", *s["train_tail"], "```"]
     lines += ["", "Not covered here: Python 3.12 (only 3.11 is on this machine), a real Colab runtime (its CUDA jax "
-              "build; here the preinstalled jax is the CPU build from PyPI at the oldest allowed version)."]
+              "build and its other preinstalled packages; here a preinstalled jax is the CPU build from PyPI)."]
     return "\n".join(lines) + "\n"
 
 
