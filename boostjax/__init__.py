@@ -45,6 +45,8 @@ _EXPORTS: dict[str, str] = {
     # offload planning
     "solve_plan": "boostjax.offload.planner", "build_instance": "boostjax.offload.costmodel",
     "get_profile": "boostjax.offload.hardware",
+    # the tokenizer of a run, tokenised data folder or Hugging Face folder (byte level when it has none)
+    "load_tokenizer": "boostjax.text",
 }
 
 __all__ = sorted(_EXPORTS)

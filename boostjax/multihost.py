@@ -60,7 +60,8 @@ def _cluster_group(mesh: str) -> ProcessGroup | None:
     except ImportError:  # pragma: no cover - private module moved
         return None
     for env in clusters.ClusterEnv._cluster_types:  # noqa: SLF001
-        if env.name in AUTO_CLUSTERS and env.is_env_present():
+        # getattr: jax 0.7's K8sCluster has no `name` (nor a default on the base class)
+        if getattr(env, "name", "") in AUTO_CLUSTERS and env.is_env_present():
             n, i = env.get_process_count(), env.get_process_id()
             if n > 1:
                 validate_process_mesh(n, mesh)

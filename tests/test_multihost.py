@@ -113,6 +113,19 @@ def test_process_group_sources(monkeypatch):
         resolve(_cfg(mesh="data=3").train, {})
 
 
+def test_cluster_detection_skips_cluster_types_without_a_name(monkeypatch):
+    """jax 0.7's K8sCluster has no `name` attribute; detection must pass over it, not raise."""
+    from jax._src import clusters  # noqa: PLC0415
+
+    class Nameless:  # is_env_present would raise if it were asked: it must not be
+        @classmethod
+        def is_env_present(cls):
+            raise AssertionError("asked a cluster type boostjax does not auto-detect")
+
+    monkeypatch.setattr(clusters.ClusterEnv, "_cluster_types", [Nameless, *clusters.ClusterEnv._cluster_types])
+    assert resolve(_cfg().train, {}) is None
+
+
 def test_a_signal_to_one_process_stops_the_whole_job_at_one_step(tmp_path):
     """SIGTERM reaches one process of a job: JAX's preemption service tells the other, both stop after
     the same step, the checkpoint of that step is saved by both, and both exit 143."""

@@ -4,6 +4,7 @@ bottom in a fresh kernel (this interpreter) with every figure cell drawing an im
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import pathlib
 import sys
@@ -93,8 +94,9 @@ def test_notebook_uses_only_the_public_api():
     for i, src in enumerate(_code(nb)):
         assert violations(src) == [], f"code cell {i}: {violations(src)}"
     used = " ".join(_code(nb))
-    for name in ("simulate_devices", "train", "comm_report", "solve_plan", "build_instance", "get_profile"):
-        assert name in used  # the four parts of the tour are still there
+    for name in ("simulate_devices", "train", "comm_report", "solve_plan", "build_instance", "get_profile",
+                 "tokenize_corpus", "init_from_hf", "generate", "load_tokenizer"):
+        assert name in used  # the five parts of the tour are still there
 
 
 def test_notebook_is_committed_without_outputs():
@@ -147,3 +149,108 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
         assert any("text/markdown" in o.get("data", {}) for o in c.outputs), f"no table from:\n{c.source[:200]}"
     last = "".join(o.get("text", "") for o in nb.cells[-1].outputs).split()
     assert last == [sys.executable, "4"]
+
+
+# --- the install cell (section 0): its logic, with IPython's `%pip` magic replaced by a recorder ---------------------
+
+WHEEL = "boostjax-0.1.0-py3-none-any.whl"
+_FIND_SPEC = importlib.util.find_spec
+
+
+def _install_cell() -> str:
+    cells = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells
+             if c.cell_type == "code" and "%pip install" in c.source]
+    assert len(cells) == 1, "one install cell"
+    return cells[0]
+
+
+class _Dist:
+    def __init__(self, name: str, version: str):
+        self.metadata, self.version = {"Name": name}, version
+
+
+def _run_install_cell(monkeypatch, *, importable: bool, pip_installs: bool = True, versions=None):
+    """Runs the install cell in a real IPython shell; returns (pip command lines, the cell's exception).
+    `importable`: boostjax already on the path; `versions`: fake (before, after) installed distributions."""
+    import importlib.metadata  # noqa: PLC0415
+
+    from IPython.core.interactiveshell import InteractiveShell  # noqa: PLC0415
+    from traitlets.config import Config as _TConfig  # noqa: PLC0415
+
+    calls: list[str] = []
+
+    def find_spec(name, *a, **k):
+        if name == "boostjax" and not importable and not (pip_installs and calls):
+            return None
+        return _FIND_SPEC(name, *a, **k)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    if versions is not None:
+        owners = importlib.metadata.packages_distributions()  # the real module -> distribution map
+        monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: owners)
+        seen = iter([versions[0]] + [versions[1]] * 10)
+        monkeypatch.setattr(importlib.metadata, "distributions",
+                            lambda: [_Dist(n, v) for n, v in next(seen).items()])
+    cfg = _TConfig()
+    cfg.HistoryManager.hist_file = ":memory:"
+    shell = InteractiveShell(config=cfg)
+    shell.register_magic_function(calls.append, "line", "pip")
+    result = shell.run_cell(_install_cell())
+    return calls, result.error_in_exec
+
+
+def test_install_cell_installs_the_one_wheel_beside_the_notebook_and_keeps_jax(tmp_path, monkeypatch, capsys):
+    import importlib.metadata  # noqa: PLC0415
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / WHEEL).write_bytes(b"")
+    (tmp_path / "other.whl").write_bytes(b"")
+    calls, err = _run_install_cell(monkeypatch, importable=False)
+    assert err is None, err
+    jax_v, jaxlib_v = importlib.metadata.version("jax"), importlib.metadata.version("jaxlib")
+    assert calls == [f'install -q "{tmp_path / WHEEL}" "jax=={jax_v}" "jaxlib=={jaxlib_v}"']
+    assert f"installed {WHEEL}" in capsys.readouterr().out
+
+    calls, err = _run_install_cell(monkeypatch, importable=True)  # a clone with `pip install -e .`: a no-op
+    assert err is None and calls == []
+    assert "already importable: nothing to install" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wheels, said", [([], "no boostjax-*-py3-none-any.whl in"),
+                                           ([WHEEL, "boostjax-0.2.0-py3-none-any.whl"], "2 boostjax-*")])
+def test_install_cell_refuses_without_exactly_one_wheel(tmp_path, monkeypatch, wheels, said):
+    monkeypatch.chdir(tmp_path)
+    for w in wheels:
+        (tmp_path / w).write_bytes(b"")
+    calls, err = _run_install_cell(monkeypatch, importable=False)
+    assert calls == [] and isinstance(err, FileNotFoundError)
+    msg = str(err)
+    assert said in msg and str(tmp_path) in msg and "fix: upload exactly one boostjax wheel" in msg
+    assert "\n" not in msg
+
+
+def test_install_cell_says_when_pip_failed_or_a_restart_is_needed(tmp_path, monkeypatch, capsys):
+    import jax  # noqa: F401, PLC0415 (imported in this process: a changed jax needs a restart)
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / WHEEL).write_bytes(b"")
+    calls, err = _run_install_cell(monkeypatch, importable=False, pip_installs=False)
+    assert isinstance(err, RuntimeError) and "pip did not install" in str(err)
+    capsys.readouterr()
+
+    old = {"jax": "0.6.2", "jaxlib": "0.6.2", "numpy": "2.0.0"}  # older than jax>=0.7: not pinned, pip upgrades it
+    new = {"jax": "0.10.2", "jaxlib": "0.10.2", "numpy": "2.0.0", "boostjax": "0.1.0"}
+    calls, err = _run_install_cell(monkeypatch, importable=False, versions=(old, new))
+    assert calls == [f'install -q "{tmp_path / WHEEL}" ']
+    assert "pip changed: jax 0.6.2 -> 0.10.2, jaxlib 0.6.2 -> 0.10.2" in capsys.readouterr().out
+    assert isinstance(err, RuntimeError) and "jax" in str(err) and "fix: restart the runtime" in str(err)
+
+
+def test_install_cell_keeps_jax_from_the_version_the_wheel_requires():
+    import tomllib  # noqa: PLC0415
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    jax_min = next(d.removeprefix("jax>=") for d in deps if d.startswith("jax>="))
+    cell = ast.parse(_python(_install_cell()))
+    const = next(n.value for n in cell.body if isinstance(n, ast.Assign) and n.targets[0].id == "JAX_MIN")
+    assert ast.literal_eval(const) == tuple(int(x) for x in jax_min.split("."))
