@@ -64,7 +64,6 @@ def _per_device(tree) -> int:
     ("data=2,model=2", "btp", "rotation", 3),
     ("data=2,model=2", "btp", "adam8bit", 3),
     ("data=4", "none", "adamw", 3),
-    ("data=4", "none", "rotation", 1),
     ("data=4", "none", "adam8bit", 1),
 ])
 def test_sharded_state_steps_equal_the_replicated_steps(mesh, strategy, optimizer, zero):
