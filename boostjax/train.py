@@ -40,7 +40,7 @@ from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA
 from boostjax.observe import PROFILE, StepProfiler, TensorBoard, hardware_profile, mfu, parse_profile
 from boostjax.runfolder import RunFolder
-from boostjax.step import StepFns, build_step_fns
+from boostjax.step import StepFns, build_step_fns, checkpoint_parts, from_checkpoint
 from boostjax.tokenize import check_run_tokenizer, install_run_tokenizer
 
 
@@ -228,7 +228,8 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         else:
             graphdef, params = init_model(cfg)
         multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
-        params, opt_state = fns.init(params)
+        state = fns.init(params)
+        params, opt_state = checkpoint_parts(state)
         share, count = fns.batch_share  # the block of each global batch's rows this process loads
         # packed documents where their boundaries are known (segment ids with --doc-mask), else random windows
         data = batch_iterator(corpus.train, corpus.train_docs, t.batch * t.grad_accum, t.seq, t.seed,
@@ -240,6 +241,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
                                                      params, opt_state)) if convert else None
             start, params, opt_state, verified = (_restore(ckpt, params, opt_state, data, other) if resuming
                                                   else (0, params, opt_state, True))
+            state = from_checkpoint(start, params, opt_state, state)
             if multihost.is_main_process():
                 folder.write_config(cfg, start, changes)
                 install_run_tokenizer(folder.path, t.data)  # load_tokenizer(run folder) gives the run's
@@ -249,7 +251,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
             if start_from is not None:
                 _say(pretrained.summary_line(start_from[1]))
             metrics = folder.trim_metrics(start, write=multihost.is_main_process())
-            result = _loop(cfg, graphdef, fns, ckpt, folder, stop, data, params, opt_state, start, metrics, corpus,
+            result = _loop(cfg, graphdef, fns, ckpt, folder, stop, data, state, start, metrics, corpus,
                            on_log, unverified=None if verified else start)
             if start_from is not None:
                 result.extra["init"] = start_from[1]
@@ -259,7 +261,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
 
 
 def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFolder, stop: StopSignals,
-          data: BatchIterator, params, opt_state, start: int, metrics: list[dict], corpus,
+          data: BatchIterator, state, start: int, metrics: list[dict], corpus,
           on_log: Callable[[dict], None] | None, unverified: int | None = None) -> TrainResult:
     t = cfg.train
     share, count = fns.batch_share
@@ -267,7 +269,7 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
                                process_index=share, process_count=count, docs=corpus.val_docs,
                                segments=t.doc_mask)
     t0 = time.perf_counter()
-    step_fn = fns.compile(params, opt_state, data.batch_at(start))
+    step_fn = fns.compile(state, data.batch_at(start))
     compile_s = time.perf_counter() - t0
     tokens_per_step = t.batch * t.grad_accum * t.seq  # all micro-batches of one optimizer step
     fpt = flops_per_token(cfg.model, t.seq)
@@ -327,8 +329,8 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
         while step < t.steps and not (stop.requested and not stop.multi_process):
             batch = fns.put_batch(data.next())
             with profiler.before(step):
-                params, opt_state, m = step_fn(params, opt_state, batch)
-            profiler.after(step, (params, opt_state, m))
+                state, m = step_fn(state, batch)
+            profiler.after(step, (state, m))
             step += 1
             interval_steps += 1
             pending.append((step, m))
@@ -336,9 +338,9 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
             if step % t.log_every == 0 or step % t.ckpt_every == 0 or step == t.steps:
                 flush_pending()
             if step % t.eval_every == 0 or step == t.steps:
-                log({"step": step, "val_loss": _evaluate(fns, params, val_batches)})
+                log({"step": step, "val_loss": _evaluate(fns, state.params, val_batches)})
             if step % t.ckpt_every == 0 or step == t.steps:
-                ckpt.save(step, params, opt_state, data.state())
+                ckpt.save(step, *checkpoint_parts(state), data.state())
                 saved = step
             if stop.should_stop(step):
                 break
@@ -346,7 +348,7 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
             stop.saving = f"saving the checkpoint of step {step}"
             flush_pending(record=False)  # a diverged step is never saved
             if step > saved:
-                ckpt.save(step, params, opt_state, data.state())
+                ckpt.save(step, *checkpoint_parts(state), data.state())
                 saved = step
             ckpt.wait()
             name = signal.Signals(stop.signum).name
@@ -376,7 +378,7 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
     if "bubble_fraction" in fns.info:
         summary += (f"; pipeline {fns.info['schedule']} P={fns.info['stages']} M={fns.info['microbatches']}, "
                     f"bubble {fns.info['bubble_fraction']:.1%}")
-    return TrainResult(cfg, metrics, fns.to_canonical(params), graphdef, folder.path,
+    return TrainResult(cfg, metrics, fns.to_canonical(state.params), graphdef, folder.path,
                        resumed_from=start or None, summary=summary, extra={"compile_s": compile_s, **fns.info})
 
 

@@ -52,6 +52,33 @@ class RematSegment(NamedTuple):
 RematSchedule = Sequence["Callable | None | RematSegment"]
 
 
+def run_schedule(apply: Callable[[Any, Array], Array], params: Sequence[Any], x: Array,
+                 schedule: RematSchedule) -> Array:
+    """`x` through the layers `apply(params[k], x)` in order under a per-layer remat schedule (entries
+    as in `LLaMA.features`): what a pipeline stage runs on its own layers under an offload plan."""
+    def one(p, y, policy):
+        return apply(p, y) if policy is None else jax.checkpoint(apply, policy=policy)(p, y)
+
+    def segment(inner):
+        def run(ps, y):
+            y = checkpoint_name(y, "segment_boundary")
+            for p, pol in zip(ps, inner):
+                y = one(p, y, pol)
+            return y
+        return run
+
+    k = 0
+    for entry in _check_schedule(schedule, len(params)):
+        if isinstance(entry, RematSegment):
+            n = len(entry.inner)
+            x = jax.checkpoint(segment(entry.inner), policy=entry.policy)(list(params[k:k + n]), x)
+            k += n
+        else:
+            x = one(params[k], x, entry)
+            k += 1
+    return x
+
+
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
 

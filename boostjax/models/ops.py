@@ -150,3 +150,11 @@ def causal_attention(
 
 def embed_lookup(table_vd: Float[Array, "v d"], tokens_bt: Int[Array, "b t"]) -> Float[Array, "b t d"]:
     return jnp.take(table_vd, tokens_bt, axis=0)
+
+
+def cast_params(params, dtype: str):
+    """Floating parameters in the compute dtype (fp32 master copies stay untouched)."""
+    if dtype == "float32":
+        return params
+    dt = jnp.dtype(dtype)
+    return jax.tree.map(lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)

@@ -40,27 +40,23 @@ tensor stays in device memory. `lower_for_gpu` cross-lowers a step for CUDA (no 
 check which tensors the plan moves (`annotated_placements`). On CPU the step is compiled with XLA's
 memory-optimised scheduler (`compiler_options`): the default CPU scheduler optimises concurrency and
 keeps recomputed activations alive, so remat saved nothing.
-Only a single device (strategy "none", no mesh) is supported.
+The placement layer applies all of this on any layout (`boostjax.placement.offload.Offloaded`).
 """
 
 from __future__ import annotations
 
 import pathlib
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import jax
-import numpy as np
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from boostjax.config import Config, ConfigError
 from boostjax.models.llama import RematSegment
 from boostjax.offload.costmodel import PlanInstance, activation_names, build_instance
 from boostjax.offload.hardware import HardwareProfile
-from boostjax.offload.planner import Plan, simulate
+from boostjax.offload.plans import Plan, simulate
 from boostjax.offload.plans import check_planned_for, read_plan
 
 HOST, DEVICE = "pinned_host", "device"
@@ -80,18 +76,16 @@ def load_plan(path: str | pathlib.Path) -> Plan:
 
 def check_plan(plan: Plan, cfg: Config) -> None:
     """Raise `ConfigError` when the plan cannot drive this configuration's step."""
-    n = len(plan.decisions.boundary)
-    if n != cfg.model.n_layers:
-        raise ConfigError(f"train.offload_plan: the plan has {n} layers but the model has {cfg.model.n_layers}; "
-                          "fix: plan for the same model (boostjax plan with the same shape flags)")
+    n, stages = len(plan.decisions.boundary), cfg.train.sizes.stage
+    if n != cfg.model.n_layers // stages:
+        per = f"a stage holds {cfg.model.n_layers // stages} of the model's layers" if stages > 1 else \
+            f"the model has {cfg.model.n_layers}"
+        raise ConfigError(f"train.offload_plan: the plan has {n} layers but {per}; "
+                          "fix: plan for the same model and mesh (boostjax plan with the same shape and --mesh flags)")
     names = activation_names(cfg.model)
     if tuple(plan.activation_names) != names:
         raise ConfigError(f"train.offload_plan: the plan tags {list(plan.activation_names)} but a {cfg.model.kind} block "
                           f"has {list(names)}; fix: plan for the same model kind (boostjax plan --model {cfg.model.kind})")
-    if cfg.train.strategy != "none" or cfg.train.mesh:
-        raise ConfigError("train.offload_plan: an offload plan runs on one device; fix: drop --strategy/--mesh")
-    if cfg.train.remat != "none":
-        raise ConfigError("train.offload_plan: the plan decides the remat policy; fix: drop --remat (or pass none)")
     # a plan object built in Python may lack the record; a plan file without one is refused by `validate`
     check_planned_for(plan, cfg.model, cfg.train, cfg.train.offload_plan or "the plan", require=False)
 
@@ -158,95 +152,6 @@ def describe(plan: Plan) -> list[str]:
         lines.append(f"layers {s}-{e - 1}: {kind}, input boundary {b}, inner {inner}, "
                      f"params {plan.param_place[s]}, optimizer {plan.opt_place[s]}")
     return lines
-
-
-# ----------------------------------------------------------------------------- placement
-
-
-def _layer_of(path) -> int | None:
-    """The layer index of a pytree path through `layers/<k>/...` (parameters or optimizer states)."""
-    keys = [getattr(p, "key", getattr(p, "idx", getattr(p, "name", None))) for p in path]
-    for a, b in zip(keys, keys[1:]):
-        if a == "layers" and isinstance(b, (int, np.integer)):
-            return int(b)
-        if a == "layers" and isinstance(b, str) and b.isdigit():
-            return int(b)
-    return None
-
-
-def host_mask(tree: Any, places: tuple[str, ...]) -> Any:
-    """Per leaf: True when it belongs to a layer whose place is `host`."""
-    def on_host(path, _):
-        k = _layer_of(path)
-        return k is not None and places[k] == "host"
-
-    return jax.tree_util.tree_map_with_path(on_host, tree)
-
-
-@dataclass(frozen=True)
-class OffloadPlacement:
-    """How the plan lays a single-device step out; `fetch`/`store` run inside the jitted step."""
-
-    plan: Plan
-    schedule: list
-    loss_fn: Callable[[Any, dict], jax.Array]  # params already in device memory
-    device: Any
-    mesh: Mesh
-
-    @property
-    def compiler_options(self) -> dict[str, Any] | None:
-        """XLA options for the step: on CPU the memory-optimised scheduler (the default CPU
-        scheduler optimises for concurrency and keeps recomputed activations alive, undoing remat)."""
-        if self.device.platform == "cpu":
-            return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-        return None
-
-    def sharding(self, kind: str) -> NamedSharding:
-        return NamedSharding(self.mesh, P(), memory_kind=kind)
-
-    def _move(self, tree: Any, places: tuple[str, ...], kind: str) -> Any:
-        target = self.sharding(kind)
-        return jax.tree.map(lambda x, h: jax.device_put(x, target) if h else x, tree, host_mask(tree, places))
-
-    def put_params(self, params: Any) -> Any:
-        """Place parameters: streamed layers in pinned host memory, the rest on device."""
-        mask = host_mask(params, self.plan.param_place)
-        return jax.tree.map(lambda x, h: jax.device_put(x, self.sharding(HOST if h else DEVICE)), params, mask)
-
-    def put_opt_state(self, opt_state: Any) -> Any:
-        mask = host_mask(opt_state, self.plan.opt_place)
-        return jax.tree.map(lambda x, h: jax.device_put(x, self.sharding(HOST if h else DEVICE)), opt_state, mask)
-
-    def put_batch(self, batch: dict) -> dict:
-        return jax.device_put(batch, self.sharding(DEVICE))
-
-    def fetch(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
-        """Inside jit: host-resident parameters and optimizer states to device memory."""
-        return (self._move(params, self.plan.param_place, DEVICE),
-                self._move(opt_state, self.plan.opt_place, DEVICE))
-
-    def store(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
-        """Inside jit: the updated parameters and optimizer states back to their home memory."""
-        return self._move(params, self.plan.param_place, HOST), self._move(opt_state, self.plan.opt_place, HOST)
-
-    def eval_loss_fn(self, params: Any, batch: dict) -> jax.Array:
-        return self.loss_fn(self._move(params, self.plan.param_place, DEVICE), batch)
-
-
-def offload_placement(cfg: Config, graphdef, plan: Plan | None = None) -> OffloadPlacement:
-    """The placement of `cfg.train.offload_plan` (or `plan`) for the single-device step."""
-    from boostjax.step import cast_params  # noqa: PLC0415 (step imports this module lazily)
-
-    plan = load_plan(cfg.train.offload_plan) if plan is None else plan
-    check_plan(plan, cfg)
-    sched = schedule(plan)
-
-    def loss_fn(params, batch):
-        model = nnx.merge(graphdef, cast_params(params, cfg.train.dtype))
-        return model.loss(batch["inputs"], batch["targets"], remat=sched, segments=batch.get("segments"))
-
-    dev = jax.devices()[0]
-    return OffloadPlacement(plan, sched, loss_fn, dev, Mesh(np.asarray([dev]), ("data",)))
 
 
 # ----------------------------------------------------------------------------- checks
@@ -320,6 +225,5 @@ def lower_for_gpu(fn: Callable, *args: Any) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-__all__ = ["DEVICE", "HOST", "OffloadPlacement", "annotated_placements", "check_plan", "compiled_memory",
-           "cpu_equivalent", "describe", "host_mask", "host_memory_report", "instance_for", "layer_checkpoint",
-           "load_plan", "lower_for_gpu", "offload_placement", "schedule"]
+__all__ = ["DEVICE", "HOST", "annotated_placements", "check_plan", "compiled_memory", "cpu_equivalent", "describe",
+           "host_memory_report", "instance_for", "layer_checkpoint", "load_plan", "lower_for_gpu", "schedule"]

@@ -30,15 +30,17 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import Config, ConfigError, TrainConfig, parse_mesh
+from boostjax.config import Config, TrainConfig, parse_mesh
 from boostjax.models import ops
-from boostjax.models.llama import LLaMA, Block, resolve_remat
+from boostjax.models.llama import LLaMA, Block, resolve_remat, run_schedule
+from boostjax.models.ops import cast_params
 from boostjax.models.remat import tied_checkpoint
 from boostjax.sharding.collectives import vocab_parallel_cross_entropy
-from boostjax.sharding.pipeline_1f1b import onef1b_loss_fn, ring_slots
+from boostjax.sharding.mesh import loss_mesh
+from boostjax.sharding.pipeline_1f1b import ring_slots
 from boostjax.sharding.specs import COLLECTIVES, param_specs
 
 STAGE = "stage"
@@ -110,17 +112,19 @@ def stage_specs(strategy: str, stacked: Any, tp: int) -> Any:
 
 
 # -- the pipelined loss ------------------------------------------------------------------------------
-def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int) -> Callable[[Any, dict], jax.Array]:
-    """The mean loss over the global batch, GPipe-scheduled over `stage` inside `shard_map`."""
-    from boostjax.sharding.strategies import loss_mesh  # noqa: PLC0415
-    from boostjax.step import cast_params  # noqa: PLC0415
-
+def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int, remat: Any = None
+                     ) -> Callable[[Any, dict], jax.Array]:
+    """The mean loss over the global batch, GPipe-scheduled over `stage` inside `shard_map`.
+    `remat`: a policy name (default `cfg.train.remat`), or a per-layer schedule of one stage's
+    layers (an offload plan's: every stage applies it to its own layers)."""
     mcfg, stages, tp = cfg.model, mesh.shape[STAGE], mesh.shape["model"]
     coll = COLLECTIVES[cfg.train.strategy] if tp > 1 else COLLECTIVES["none"]
     top_def, _ = nnx.split(nnx.eval_shape(lambda: LLaMA(replace(mcfg, n_layers=0), rngs=nnx.Rngs(0))))
     block_def, _ = nnx.split(nnx.eval_shape(lambda: Block(mcfg, rngs=nnx.Rngs(0))))
     per_stage = mcfg.n_layers // stages
-    policy = resolve_remat(cfg.train.remat)
+    remat = cfg.train.remat if remat is None else remat
+    schedule = remat if isinstance(remat, (list, tuple)) else None
+    policy = None if schedule is not None else resolve_remat(remat)
     forward = [(i, i + 1) for i in range(stages - 1)]
 
     def local(params, inputs_bt, targets_bt):
@@ -142,8 +146,11 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int) -> Calla
 
         def tick(carry_btd, emb_btd):
             x_btd = jnp.where(s == 0, emb_btd, carry_btd)  # stage 0 reads the next micro-batch
-            for j in range(per_stage):
-                x_btd = block(jax.tree.map(lambda a, j=j: a[j], layers), x_btd)
+            mine = [jax.tree.map(lambda a, j=j: a[j], layers) for j in range(per_stage)]
+            if schedule is not None:
+                x_btd = run_schedule(block, mine, x_btd, schedule)
+            for p in (mine if schedule is None else ()):
+                x_btd = block(p, x_btd)
             return jax.lax.ppermute(x_btd, STAGE, forward), x_btd
 
         emb_mbtd = top.embed_tokens(inputs_bt.reshape(n_micro, b // n_micro, t))
@@ -163,39 +170,3 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int) -> Calla
     inner, rows = loss_mesh(mesh)  # without a data axis of size 1 (no all-reduce over one device)
     sharded = jax.shard_map(local, mesh=inner, in_specs=(specs, rows, rows), out_specs=P())
     return lambda params, batch: sharded(params, batch["inputs"], batch["targets"])
-
-
-def pipeline_placement(cfg: Config, params_like: Any, mesh: Mesh):
-    """A `Placement` for a `data x stage x model` mesh: stacked, stage-sharded parameters."""
-    from boostjax.sharding.strategies import Placement  # noqa: PLC0415
-
-    stages = mesh.shape[STAGE]
-    if cfg.model.n_layers % stages:  # also checked by config.validate; placement may be called directly
-        raise ConfigError(f"model.n_layers: {cfg.model.n_layers} layers do not split into stage={stages} "
-                          f"equal contiguous stages; fix: pass --n-layers a multiple of {stages}")
-    n_micro = microbatches(cfg.train)
-    local = cfg.train.batch // mesh.shape["data"]
-    if local % n_micro:
-        raise ConfigError(f"train.microbatches: the batch per data shard ({local}) is not divisible by "
-                          f"{n_micro} micro-batches; fix: pass --microbatches a divisor of {local} or 0 (auto)")
-    if local * cfg.train.seq % stages:
-        raise ConfigError(f"train.seq: the {local}x{cfg.train.seq} tokens per data shard do not split into "
-                          f"stage={stages} equal parts for the head; fix: pass --seq a multiple of {stages}")
-    stacked_like = jax.eval_shape(stack_layers, params_like)
-    specs = stage_specs(cfg.train.strategy, stacked_like, mesh.shape["model"])
-    p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-    b_shard = NamedSharding(mesh, P("data"))
-    loss_fn = pipeline_loss_fn(cfg, mesh, specs, n_micro)
-    if cfg.train.pipeline_schedule == "1f1b":  # the same loss; its gradient runs the 1F1B schedule
-        loss_fn = onef1b_loss_fn(cfg, mesh, specs, n_micro, forward=loss_fn)
-    return Placement(
-        loss_fn=loss_fn,
-        put_params=lambda p: jax.device_put(stack_layers(p), p_shard),
-        put_batch=lambda b: jax.device_put(b, b_shard),
-        mesh=mesh,
-        specs=specs,
-        batch_sharding=b_shard,
-        to_state=stack_layers,
-        to_canonical=unstack_layers,
-        info=pipeline_info(cfg.train),
-    )

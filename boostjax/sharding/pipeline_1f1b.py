@@ -40,8 +40,10 @@ from jax.sharding import PartitionSpec as P
 
 from boostjax.config import Config
 from boostjax.models import ops
-from boostjax.models.llama import LLaMA, Block, resolve_remat
+from boostjax.models.llama import LLaMA, Block, resolve_remat, run_schedule
+from boostjax.models.ops import cast_params
 from boostjax.sharding.collectives import vocab_parallel_cross_entropy
+from boostjax.sharding.mesh import loss_mesh
 from boostjax.sharding.specs import COLLECTIVES
 
 STAGE = "stage"
@@ -64,13 +66,11 @@ def _like(x: jax.Array, ref: jax.Array) -> jax.Array:
 
 
 def onef1b_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int,
-                   forward: Callable[[Any, dict], jax.Array]) -> Callable[[Any, dict], jax.Array]:
+                   forward: Callable[[Any, dict], jax.Array], remat: Any = None) -> Callable[[Any, dict], jax.Array]:
     """The mean loss over the global batch whose gradient runs the 1F1B schedule (`forward`: the same
-    loss without a gradient, GPipe's forward)."""
-    from boostjax.sharding.strategies import loss_mesh  # noqa: PLC0415
-
+    loss without a gradient, GPipe's forward; `remat` as in `pipeline.pipeline_loss_fn`)."""
     inner, rows = loss_mesh(mesh)  # without a data axis of size 1 (no all-reduce over one device)
-    sharded = jax.shard_map(_local_schedule(cfg, mesh, n_micro, inner.axis_names), mesh=inner,
+    sharded = jax.shard_map(_local_schedule(cfg, mesh, n_micro, inner.axis_names, remat), mesh=inner,
                             in_specs=(specs, rows, rows), out_specs=(P(), specs))
 
     @jax.custom_vjp
@@ -92,17 +92,17 @@ def _sum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.psum(x, axes) if axes else x
 
 
-def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str, ...]):
+def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str, ...], remat: Any = None):
     """The per-device 1F1B program: `(params, inputs_bt, targets_bt) -> (loss, grads)` inside a
     shard_map over `axis_names` (the mesh's, less a `data` axis of size 1)."""
-    from boostjax.step import cast_params  # noqa: PLC0415
-
     mcfg, stages, tp, data = cfg.model, mesh.shape[STAGE], mesh.shape["model"], mesh.shape["data"]
     coll = COLLECTIVES[cfg.train.strategy] if tp > 1 else COLLECTIVES["none"]
     top_def, _ = nnx.split(nnx.eval_shape(lambda: LLaMA(replace(mcfg, n_layers=0), rngs=nnx.Rngs(0))))
     block_def, _ = nnx.split(nnx.eval_shape(lambda: Block(mcfg, rngs=nnx.Rngs(0))))
     per_stage, n_ring, last = mcfg.n_layers // stages, ring_slots(stages), stages - 1
-    policy = resolve_remat(cfg.train.remat)
+    remat = cfg.train.remat if remat is None else remat
+    schedule = remat if isinstance(remat, (list, tuple)) else None
+    policy = None if schedule is not None else resolve_remat(remat)
     send_fwd = [(i, i + 1) for i in range(last)]
     send_bwd = [(i + 1, i) for i in range(last)]
     scale = 1.0 / (data * stages * n_micro)  # d loss / d (one stage's mean over its token share)
@@ -129,6 +129,8 @@ def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str
             block = jax.checkpoint(block, policy=policy)
 
         def stage_fn(ps, x_btd):
+            if schedule is not None:  # an offload plan's per-layer schedule of this stage's layers
+                return run_schedule(block, ps, x_btd, schedule)
             for p in ps:
                 x_btd = block(p, x_btd)
             return x_btd

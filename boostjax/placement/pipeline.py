@@ -1,0 +1,76 @@
+"""Pipeline stages on a `data x stage x model` mesh: layers stacked `[L, ...]` and split over
+`stage`, the GPipe or 1F1B schedule (`boostjax.sharding.pipeline`, `pipeline_1f1b`), and the
+tensor-parallel strategy inside each stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+
+from boostjax.config import Config, ConfigError
+from boostjax.placement.tensor import TensorParallel
+from boostjax.sharding.mesh import DATA, MODEL, STAGE
+from boostjax.sharding.pipeline import (microbatches, pipeline_info, pipeline_loss_fn, stack_layers, stage_specs,
+                                        unstack_layers)
+from boostjax.sharding.pipeline_1f1b import onef1b_loss_fn
+
+
+def check_pipeline(cfg: Config, stages: int, data: int) -> None:
+    """Raise `ConfigError` when `stage` pipeline stages cannot run this configuration."""
+    m, t = cfg.model, cfg.train
+    if m.n_layers % stages:
+        raise ConfigError(f"model.n_layers: {m.n_layers} layers do not split into stage={stages} equal contiguous "
+                          f"stages; fix: pass --n-layers a multiple of {stages} or a stage count that divides "
+                          f"{m.n_layers}")
+    if t.batch % data:
+        raise ConfigError(f"train.batch: {t.batch} is not divisible by data={data}; fix: pass --batch a multiple of {data}")
+    local = t.batch // data
+    if t.microbatches and local % t.microbatches:
+        raise ConfigError(f"train.microbatches: the batch per data shard ({t.batch}/data={data} = {local}) is not "
+                          f"divisible by {t.microbatches} micro-batches; fix: pass --microbatches a divisor of "
+                          f"{local} or 0 (auto)")
+    if local * t.seq % stages:
+        raise ConfigError(f"train.seq: the head and loss are split over the stages by tokens, and the {local}x{t.seq} "
+                          f"tokens per data shard do not split into stage={stages} equal parts; fix: pass --seq a "
+                          f"multiple of {stages}")
+    if t.doc_mask:
+        raise ConfigError("train.doc_mask: pipeline stages do not carry segment ids; "
+                          "fix: drop stage= from --mesh or drop --doc-mask")
+    if m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings: a tied LM head (the embedding) is not implemented across pipeline "
+                          "stages; fix: drop stage= from --mesh or pass --no-tie-embeddings")
+
+
+@dataclass(frozen=True)
+class Pipeline(TensorParallel):
+    """Stacked, stage-sharded layers; embedding, final norm and head replicated over `stage`."""
+
+    def __post_init__(self) -> None:
+        check_pipeline(self.cfg, self.mesh.shape[STAGE], self.mesh.shape[DATA])
+
+    def to_state(self, params: Any) -> Any:
+        return stack_layers(params)
+
+    def to_canonical(self, params: Any) -> Any:
+        return unstack_layers(params)
+
+    def param_specs(self, state_like: Any) -> Any:
+        return stage_specs(self.cfg.train.strategy, state_like, self.mesh.shape[MODEL])
+
+    @property
+    def info(self) -> dict:
+        return pipeline_info(self.cfg.train)
+
+    @cached_property
+    def loss_fn(self):
+        remat = self.cfg.train.remat if self.remat is None else self.remat
+        specs, n_micro = self.param_specs(self.to_state_like), microbatches(self.cfg.train)
+        loss_fn = pipeline_loss_fn(self.cfg, self.mesh, specs, n_micro, remat)
+        if self.cfg.train.pipeline_schedule == "1f1b":  # the same loss; its gradient runs the 1F1B schedule
+            loss_fn = onef1b_loss_fn(self.cfg, self.mesh, specs, n_micro, forward=loss_fn, remat=remat)
+        return loss_fn
+
+
+__all__ = ["Pipeline", "check_pipeline"]

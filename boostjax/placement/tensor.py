@@ -1,0 +1,121 @@
+"""Tensor parallelism on a `data x model` mesh: the loss under `shard_map` with the strategy's
+collectives, parameters laid out by the strategy's specs, batch rows split over `data`, and ZeRO's
+split of optimizer state (stage 1) and parameters (stage 3) over `data`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from boostjax.config import Config, ConfigError, ModelConfig
+from boostjax.models.ops import cast_params
+from boostjax.placement.base import Role, is_spec
+from boostjax.sharding.mesh import DATA, MODEL, loss_mesh
+from boostjax.sharding.specs import COLLECTIVES, KINDS, data_sharded, param_specs
+
+
+def check_strategy(model: ModelConfig, strategy: str, tp: int) -> None:
+    """Raise `ConfigError` (one line: field and fix) when a strategy cannot shard this model."""
+    if model.kind not in KINDS[strategy]:
+        want = " or ".join(KINDS[strategy])
+        raise ConfigError(f"train.strategy: {strategy} does not serve model kind {model.kind!r}; fix: use --model {want}"
+                          f" or another --strategy")
+    if strategy == "none" and tp > 1:
+        raise ConfigError("train.mesh: a model axis > 1 needs a TP strategy; fix: pass --strategy btp, vanilla-tp or fullrank-tp")
+    if tp == 1:
+        return
+    needs = {"d_model": model.d_model} if strategy == "btp" else {}
+    if strategy in ("fullrank-tp", "btp"):
+        needs |= {"n_heads": model.n_heads, "n_kv_heads": model.kv_heads, "d_ff": model.d_ff}
+    if strategy == "vanilla-tp":
+        needs |= {"rank": model.rank}
+    needs["vocab_size"] = model.vocab_size
+    for name, value in needs.items():
+        if value % tp:
+            raise ConfigError(f"model.{name}: {value} is not divisible by the TP size {tp} ({strategy}); "
+                              f"fix: choose --{name.replace('_', '-')} a multiple of {tp} or a smaller model axis")
+
+
+def shard_loss_fn(cfg: Config, graphdef, mesh: Mesh, specs: Any, remat: Any) -> Callable[[Any, dict], jax.Array]:
+    """The mean loss over the global batch, computed by `shard_map` with the strategy's collectives."""
+    coll = COLLECTIVES[cfg.train.strategy]
+    if mesh.shape[MODEL] == 1:
+        coll = COLLECTIVES["none"]
+        specs = jax.tree.map(lambda _: P(), specs, is_leaf=is_spec)
+    inner, rows = loss_mesh(mesh)
+
+    def local(params, inputs_bt, targets_bt, segments_bt=None):
+        model = nnx.merge(graphdef, cast_params(params, cfg.train.dtype))
+        loss = model.loss(inputs_bt, targets_bt, coll, remat, segments=segments_bt)
+        return jax.lax.pmean(loss, DATA) if DATA in inner.axis_names else loss
+
+    sharded = jax.shard_map(local, mesh=inner, in_specs=(specs, rows, rows), out_specs=P())
+    with_segments = jax.shard_map(local, mesh=inner, in_specs=(specs, rows, rows, rows), out_specs=P())
+
+    def loss_fn(params, batch):  # packed documents (`doc_mask`) bring their segment ids, laid out as the rows
+        if "segments" in batch:
+            return with_segments(params, batch["inputs"], batch["targets"], batch["segments"])
+        return sharded(params, batch["inputs"], batch["targets"])
+
+    return loss_fn
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A `data x model` mesh (`model` may be 1: pure data parallelism)."""
+
+    cfg: Config
+    graphdef: Any
+    mesh: Mesh
+    params_like: Any  # canonical parameter shapes
+    remat: Any = None  # None: `cfg.train.remat`
+
+    @property
+    def info(self) -> dict:
+        return {}
+
+    @property
+    def compiler_options(self) -> dict | None:
+        return None
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(DATA))
+
+    @property
+    def micro_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(None, DATA))
+
+    def to_state(self, params: Any) -> Any:
+        return params
+
+    def to_canonical(self, params: Any) -> Any:
+        return params
+
+    def param_specs(self, state_like: Any) -> Any:
+        return param_specs(self.cfg.train.strategy, state_like)
+
+    def place(self, role: Role, specs: Any, like: Any) -> Any:
+        """NamedShardings of `specs`; ZeRO adds `data` to optimizer state and gradients (stage >= 1)
+        and parameters (stage 3): `specs.data_sharded`."""
+        zero = self.cfg.train.zero
+        split = zero >= 3 if role == "params" else zero >= 1
+        data = self.mesh.shape[DATA] if split else 1
+        return jax.tree.map(lambda s, a: NamedSharding(self.mesh, data_sharded(s, a.shape, data)),
+                            specs, like, is_leaf=is_spec)
+
+    @cached_property
+    def loss_fn(self):
+        remat = self.cfg.train.remat if self.remat is None else self.remat
+        specs = self.param_specs(self.to_state_like)
+        return shard_loss_fn(self.cfg, self.graphdef, self.mesh, specs, remat)
+
+    @cached_property
+    def to_state_like(self) -> Any:
+        return jax.eval_shape(self.to_state, self.params_like)

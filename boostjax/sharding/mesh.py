@@ -1,0 +1,44 @@
+"""Device meshes: `data x model`, or `data x stage x model` with pipeline stages (model innermost,
+so a TP group sits on neighbouring devices), and the mesh a loss `shard_map` runs over."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from boostjax.config import ConfigError, parse_mesh
+
+DATA, STAGE, MODEL = "data", "stage", "model"
+
+
+def make_mesh(spec) -> Mesh | None:
+    """The mesh of a `--mesh` value over the first devices (no mesh -> None: one device)."""
+    sizes = parse_mesh(spec) if isinstance(spec, str) else ({} if spec is None else
+                                                            {"data": spec.data, "stage": spec.stage, "model": spec.model})
+    if not sizes:
+        return None
+    d, p, t = sizes.get(DATA, 1), sizes.get(STAGE, 1), sizes.get(MODEL, 1)
+    n = jax.device_count()
+    if d * p * t > n or (jax.process_count() > 1 and d * p * t != n):
+        shown = f"data={d} x stage={p} x model={t}" if p > 1 else f"data={d} x model={t}"
+        raise ConfigError(f"train.mesh: {shown} = {d * p * t} devices but {n} are visible; "
+                          f"fix: pick sizes whose product is {n}")
+    if p > 1:
+        return Mesh(np.asarray(jax.devices()[: d * p * t]).reshape(d, p, t), (DATA, STAGE, MODEL))
+    return Mesh(np.asarray(jax.devices()[: d * t]).reshape(d, t), (DATA, MODEL))
+
+
+def loss_mesh(mesh: Mesh) -> tuple[Mesh, P]:
+    """The mesh a loss `shard_map` runs over, and the batch rows' spec inside it.
+
+    A `data` axis of size 1 is dropped (same devices, same order): named in the shard_map, it puts
+    an all-reduce over one device (moving nothing) on the loss and on every parameter's gradient
+    (the transpose of the data-replicated parameters). Without it the batch enters whole (`P()`).
+    """
+    if mesh.shape.get(DATA, 1) > 1 or len(mesh.axis_names) == 1:
+        return mesh, P(DATA)
+    keep = [i for i, n in enumerate(mesh.axis_names) if n != DATA]
+    devices = mesh.devices.reshape([mesh.devices.shape[i] for i in keep])
+    return Mesh(devices, tuple(mesh.axis_names[i] for i in keep)), P()
