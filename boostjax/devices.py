@@ -61,7 +61,7 @@ def simulate_devices(n: int, name: str = "simulate_devices") -> int:
     error if it is running with too few, since the count can no longer change in this process.
     More than `simulated_device_cap()` devices are refused (`ConfigError` naming `name`) before JAX
     is touched, unless an accelerator backend is installed: then nothing is simulated and the mesh
-    is checked against the devices JAX finds (`boostjax.sharding.strategies.make_mesh`).
+    is checked against the devices JAX finds (`boostjax.sharding.mesh.make_mesh`).
     """
     from boostjax.config import ConfigError  # noqa: PLC0415
 

@@ -19,6 +19,7 @@ import numpy as np
 from boostjax.checkpoint import Checkpointer, Restored
 from boostjax.config import Config, ConfigError
 from boostjax.sharding.pipeline import stack_layers, unstack_layers
+from boostjax.step import make_optimizer
 
 ELEMENTWISE = ("adamw", "nesterov", "pipedream-lr")  # optimizer state: one value per parameter element
 
@@ -35,8 +36,6 @@ def convert(tree: Any, to_stacked: bool) -> Any:
 
 def layout_shapes(cfg: Config, params_like: Any, stacked: bool) -> tuple[Any, Any]:
     """(parameters, optimizer state) as `ShapeDtypeStruct`s in one layout (no mesh, nothing allocated)."""
-    from boostjax.step import make_optimizer  # noqa: PLC0415 (step imports the sharding package)
-
     state_like = jax.eval_shape(stack_layers if stacked else unstack_layers, params_like)
     tx, _ = make_optimizer(cfg, state_like)
     return state_like, jax.eval_shape(tx.init, state_like)

@@ -56,14 +56,14 @@ def run(model: ModelConfig, t: TrainConfig, steps: int = 3):
     cfg = Config(model, t)
     graphdef, params = init_model(cfg)
     fns = build_step_fns(cfg, graphdef, params)
-    params, opt_state = fns.init(params)
+    state = fns.init(params)
     data = BatchIterator(TOKENS, t.batch * t.grad_accum, t.seq, 0, vocab_size=model.vocab_size)
-    step = fns.compile(params, opt_state, data.batch_at(0))
+    step = fns.compile(state, data.batch_at(0))
     losses = []
     for _ in range(steps):
-        params, opt_state, m = step(params, opt_state, fns.put_batch(data.next()))
+        state, m = step(state, fns.put_batch(data.next()))
         losses.append(float(m["loss"]))
-    flat = np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(fns.to_canonical(params)))])
+    flat = np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(fns.to_canonical(state.params)))])
     return np.asarray(losses), flat
 
 

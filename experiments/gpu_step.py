@@ -90,21 +90,21 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
                                              steps=args.warmup + args.steps + 1, warmup=0, out="unused")))
     graphdef, params = init_model(cfg)
     fns = build_step_fns(cfg, graphdef, params)
-    params, opt_state = fns.init(params)
+    state = fns.init(params)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model.vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
     batch = fns.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
     t0 = time.perf_counter()
-    step = fns.compile(params, opt_state, batch)
+    step = fns.compile(state, batch)
     compile_s = time.perf_counter() - t0
     for _ in range(args.warmup):
-        params, opt_state, m = step(params, opt_state, batch)
-    jax.block_until_ready((params, opt_state, m) if args.warmup else params)
+        state, m = step(state, batch)
+    jax.block_until_ready((state, m) if args.warmup else state)
     times, losses = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        params, opt_state, m = step(params, opt_state, batch)
-        jax.block_until_ready((params, opt_state, m))
+        state, m = step(state, batch)
+        jax.block_until_ready((state, m))
         times.append(time.perf_counter() - t0)
         losses.append(float(m["loss"]))
     step_s = statistics.median(times)

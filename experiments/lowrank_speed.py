@@ -111,7 +111,7 @@ def machine_facts() -> dict:
 
 
 def build(kind: str, shape: str, args: argparse.Namespace):
-    """(compiled step, params, opt_state, batch, model config) for one model kind."""
+    """(compiled step, training state, batch, model config, compile seconds) for one model kind."""
     import numpy as np  # noqa: PLC0415
 
     from boostjax.config import Config, TrainConfig, preset, validate  # noqa: PLC0415
@@ -134,12 +134,12 @@ def build(kind: str, shape: str, args: argparse.Namespace):
                                              warmup=0, out="unused")))
     graphdef, params = init_model(cfg)
     fns = build_step_fns(cfg, graphdef, params)
-    params, opt_state = fns.init(params)
+    train_state = fns.init(params)
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
     batch = fns.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
     t0 = time.perf_counter()
-    step = fns.compile(params, opt_state, batch)
-    return step, params, opt_state, batch, model, time.perf_counter() - t0
+    step = fns.compile(train_state, batch)
+    return step, train_state, batch, model, time.perf_counter() - t0
 
 
 def run_shape(shape: str, kinds: list[str], args: argparse.Namespace) -> dict:
@@ -150,11 +150,11 @@ def run_shape(shape: str, kinds: list[str], args: argparse.Namespace) -> dict:
 
     state, info = {}, {}
     for kind in kinds:
-        step, params, opt_state, batch, model, compile_s = build(kind, shape, args)
+        step, ts, batch, model, compile_s = build(kind, shape, args)
         for _ in range(args.warmup):
-            params, opt_state, m = step(params, opt_state, batch)
-        jax.block_until_ready(params)
-        state[kind] = [step, params, opt_state, batch]
+            ts, m = step(ts, batch)
+        jax.block_until_ready(ts)
+        state[kind] = [step, ts, batch]
         info[kind] = {"params": param_count(model), "flops_per_token": flops_per_token(model, args.seq),
                       "compile_s": compile_s, "model": {k: getattr(model, k) for k in (
                           "d_model", "n_layers", "n_heads", "d_ff", "rank", "vocab_size")}}
@@ -164,13 +164,13 @@ def run_shape(shape: str, kinds: list[str], args: argparse.Namespace) -> dict:
     for _ in range(args.rounds):
         others.append(_procs_running() - 1)
         for kind in kinds:
-            step, params, opt_state, batch = state[kind]
+            step, ts, batch = state[kind]
             t0, c0 = time.perf_counter(), time.process_time()
-            params, opt_state, m = step(params, opt_state, batch)
-            jax.block_until_ready((params, opt_state, m))
+            ts, m = step(ts, batch)
+            jax.block_until_ready((ts, m))
             wall[kind].append(time.perf_counter() - t0)
             cpu[kind].append(time.process_time() - c0)
-            state[kind][1:3] = [params, opt_state]
+            state[kind][1] = ts
     tokens = args.batch * args.seq
     runs = {}
     for kind in kinds:
@@ -287,7 +287,7 @@ def _kind_of(op: str, called: str | None, comps: dict) -> str:
     return "elementwise/other"
 
 
-def op_breakdown(step, params, opt_state, batch, n_steps: int) -> dict:
+def op_breakdown(step, ts, batch, n_steps: int) -> dict:
     """Per model part and op kind: ms of op time per step (summed over the executor's threads)."""
     import jax  # noqa: PLC0415
     from jax.profiler import ProfileData  # noqa: PLC0415
@@ -296,8 +296,8 @@ def op_breakdown(step, params, opt_state, batch, n_steps: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(n_steps):
-                params, opt_state, m = step(params, opt_state, batch)
-                jax.block_until_ready((params, opt_state, m))
+                ts, m = step(ts, batch)
+                jax.block_until_ready((ts, m))
         pd = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
         events = [(ev.name, ev.duration_ns) for plane in pd.planes for line in plane.lines
                   for ev in line.events if ev.name in insts]

@@ -82,14 +82,26 @@ def cpu_memory_check() -> list[dict]:
     with the planner. clip=0 except the last setup: with global-norm clipping XLA's CPU scheduler
     defers every weight gradient until the norm is known, keeping recomputed activations alive."""
     import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
     from boostjax.config import Config, TrainConfig, preset  # noqa: PLC0415
     from boostjax.offload import apply  # noqa: PLC0415
     from boostjax.offload.hardware import HardwareProfile  # noqa: PLC0415
     from boostjax.offload.planner import make_plan  # noqa: PLC0415
-    from boostjax.step import make_optimizer, make_train_step  # noqa: PLC0415
+    from boostjax.placement import Offloaded, SingleDevice  # noqa: PLC0415
+    from boostjax.step import TrainState, make_optimizer, train_step  # noqa: PLC0415
     from boostjax.train import init_model  # noqa: PLC0415
+
+    def placed_state(pl, tx, params):
+        """(training state, its shardings) on the offload placement `pl`, as `step.step_layout` places them."""
+        like = jax.eval_shape(pl.to_state, params)
+        init = lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p))  # noqa: E731
+        rest = (lambda s: (s.step, s.opt_state))(jax.eval_shape(init, like))
+        step_home, opt_homes = pl.place("opt_state", jax.tree.map(lambda _: P(), rest), rest)
+        homes = TrainState(step_home, pl.place("params", pl.param_specs(like), like), opt_homes)
+        return jax.device_put(init(pl.to_state(params)), homes), homes
 
     # a slow device so that recompute and transfers cost whole microseconds for these tiny shapes
     hw = HardwareProfile("cpu-scale", 64 << 30, 2e11, 2e10, 2e10, 256 << 30)
@@ -107,10 +119,11 @@ def cpu_memory_check() -> list[dict]:
                 inst.with_budget((nob.predicted_peak_bytes + fr.predicted_peak_bytes) / 2), time_limit_s=10)
             plans["mixed (manual)"] = make_plan(inst, _mixed(inst), "manual")
         for pname, plan in plans.items():
-            pl = apply.offload_placement(cfg, graphdef, plan)
-            p, o = pl.put_params(params), pl.put_opt_state(tx.init(params))
-            step = make_train_step(pl.loss_fn, tx, lr, fetch=pl.fetch, store=pl.store)
-            compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, o, toks).compile(
+            apply.check_plan(plan, cfg)
+            pl = Offloaded(SingleDevice(cfg, graphdef, remat=apply.schedule(plan)), plan)
+            state, homes = placed_state(pl, tx, params)
+            step = train_step(pl.loss_fn, tx, lr, homes=homes)
+            compiled = jax.jit(step, donate_argnums=(0,)).lower(state, toks).compile(
                 compiler_options=pl.compiler_options)
             mem = apply.compiled_memory(compiled)
             pred_cpu, _ = apply.cpu_equivalent(inst, plan)

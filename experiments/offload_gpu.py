@@ -113,19 +113,19 @@ def worker(args: argparse.Namespace) -> dict:
             graphdef, params = init_model(cfg)
         try:
             fns = build_step_fns(cfg, graphdef, params)
-            params, opt_state = fns.init(params)
+            state = fns.init(params)
             rng = np.random.default_rng(0)
             batch = lambda: fns.put_batch({k: rng.integers(0, model.vocab_size, (args.batch, args.seq),  # noqa: E731
                                                            dtype=np.int32) for k in ("inputs", "targets")})
             t0 = time.perf_counter()
-            step = fns.compile(params, opt_state, batch())
+            step = fns.compile(state, batch())
             rec["compile_s"] = time.perf_counter() - t0
             for _ in range(args.warmup):
-                params, opt_state, m = step(params, opt_state, batch())
+                state, m = step(state, batch())
             jax.block_until_ready(m)
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                params, opt_state, m = step(params, opt_state, batch())
+                state, m = step(state, batch())
             jax.block_until_ready(m)
             dt = (time.perf_counter() - t0) / args.steps
         except Exception as e:  # noqa: BLE001 (an allocator failure is a result: the policy does not fit)

@@ -37,8 +37,8 @@ from flax import nnx  # noqa: E402
 
 from boostjax.config import Config, ModelConfig, TrainConfig, validate  # noqa: E402
 from boostjax.models.llama import LLaMA  # noqa: E402
+from boostjax.placement import choose  # noqa: E402
 from boostjax.sharding.pipeline import pipeline_info  # noqa: E402
-from boostjax.sharding.strategies import placement  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MODEL = ModelConfig(kind="cola", vocab_size=32000, d_model=1024, n_layers=8, n_heads=16, d_ff=2736, rank=256,
@@ -61,10 +61,9 @@ def measure_one(schedule: str, micro: int) -> dict:
     cfg = validate(Config(MODEL, t))
     graphdef, params_like = nnx.split(nnx.eval_shape(lambda: LLaMA(MODEL, rngs=nnx.Rngs(0))))
     params_like = params_like.to_pure_dict()
-    plan = placement(cfg, graphdef, params_like)
+    plan = choose(cfg, graphdef, params_like)
     state_like = jax.eval_shape(plan.to_state, params_like)
-    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(plan.mesh, s), plan.specs,
-                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    shardings = plan.place("params", plan.param_specs(state_like), state_like)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state_like, shardings)
     batch = {k: jax.ShapeDtypeStruct((t.batch, SEQ), jnp.int32, sharding=plan.batch_sharding)
              for k in ("inputs", "targets")}
@@ -95,11 +94,12 @@ def measure_speed() -> dict:
                         pipeline_schedule=schedule)
         cfg = validate(Config(SPEED_MODEL, t))
         graphdef, params = init_model(cfg)
-        plan = placement(cfg, graphdef, params)
+        plan = choose(cfg, graphdef, params)
         rng = np.random.default_rng(0)
-        batch = plan.put_batch({k: rng.integers(0, SPEED_MODEL.vocab_size, (t.batch, t.seq)).astype(np.int32)
-                                for k in ("inputs", "targets")})
-        placed = plan.put_params(params)
+        batch = jax.device_put({k: rng.integers(0, SPEED_MODEL.vocab_size, (t.batch, t.seq)).astype(np.int32)
+                                for k in ("inputs", "targets")}, plan.batch_sharding)
+        like = jax.eval_shape(plan.to_state, params)
+        placed = jax.device_put(plan.to_state(params), plan.place("params", plan.param_specs(like), like))
         fn = jax.jit(jax.value_and_grad(plan.loss_fn)).lower(placed, batch).compile()
         jax.block_until_ready(fn(placed, batch))  # warm-up
         calls[schedule] = (fn, placed, batch)

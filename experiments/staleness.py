@@ -42,7 +42,8 @@ import numpy as np  # noqa: E402
 
 from boostjax.config import Config, ModelConfig, TrainConfig, validate  # noqa: E402
 from boostjax.data import BatchIterator, eval_batches, load_corpus  # noqa: E402
-from boostjax.step import build_step_fns, local_loss_fn  # noqa: E402
+from boostjax.placement import local_loss_fn  # noqa: E402
+from boostjax.step import build_step_fns  # noqa: E402
 from boostjax.train import init_model  # noqa: E402
 
 # name -> (label, TrainConfig overrides)
@@ -131,17 +132,17 @@ def run_one(s: Settings, opt: str, n_stages: int) -> dict:
     corpus, graphdef, params0, eval_fn, val = _context(s)
     cfg = s.config(opt, n_stages)
     fns = build_step_fns(cfg, graphdef, params0)
-    params, opt_state = fns.init(jax.tree.map(np.array, params0))  # copies: the step donates its inputs
+    state = fns.init(jax.tree.map(np.array, params0))  # copies: the step donates its inputs
     data = BatchIterator(corpus.train, s.batch, s.seq, s.seed, vocab_size=cfg.model.vocab_size)
     t0 = time.perf_counter()
-    step = fns.compile(params, opt_state, data.batch_at(0))
+    step = fns.compile(state, data.batch_at(0))
     compile_s = time.perf_counter() - t0
     losses: list[float] = []
     pending: list[Any] = []
     diverged = False
     t0 = time.perf_counter()
     for k in range(1, s.steps + 1):
-        params, opt_state, m = step(params, opt_state, fns.put_batch(data.next()))
+        state, m = step(state, fns.put_batch(data.next()))
         pending.append(m["loss"])
         if k % s.fetch_every == 0 or k == s.steps:
             fetched = [float(v) for v in jax.device_get(pending)]
@@ -151,7 +152,7 @@ def run_one(s: Settings, opt: str, n_stages: int) -> dict:
                 diverged = True  # recorded as never reaching the target
                 break
     train_s = time.perf_counter() - t0
-    final_val = float("nan") if diverged else float(np.mean([float(eval_fn(params, b)) for b in val]))
+    final_val = float("nan") if diverged else float(np.mean([float(eval_fn(state.params, b)) for b in val]))
     return {"optimizer": opt, "stages": n_stages, "losses": [round(v, 5) for v in losses], "diverged": diverged,
             "compile_s": round(compile_s, 2), "train_s": round(train_s, 2),
             "step_ms": round(1000 * train_s / max(len(losses), 1), 1), "final_val_loss": final_val}

@@ -14,8 +14,8 @@ from test_tp import TINY, _compare, _rel, assert_matches, seed_of
 from boostjax import hf
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, validate, validate_model
 from boostjax.models import attention, ops
+from boostjax.placement import local_loss_fn
 from boostjax.runfolder import RunFolder
-from boostjax.step import local_loss_fn
 from boostjax.train import abstract_model
 
 BF16_EPS = 2.0**-8  # bfloat16's spacing at 1 (8 significand bits)

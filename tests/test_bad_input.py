@@ -24,7 +24,7 @@ import boostjax.data
 import boostjax.generate  # noqa: F401 (its jitted function is made at import, before jax.jit is disabled)
 import boostjax.launch
 import boostjax.offload.apply  # noqa: F401 (imported before jax.jit is disabled)
-import boostjax.sharding.strategies  # noqa: F401
+import boostjax.placement  # noqa: F401
 import boostjax.step  # noqa: F401
 import boostjax.train  # noqa: F401
 from boostjax import hf

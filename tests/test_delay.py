@@ -11,8 +11,8 @@ import pytest
 
 from boostjax.optim.baselines import (OPTIMIZERS, delay_lr_factor, make_optimizer, scale_by_stage_delay,
                                       stage_refresh_periods)
-from boostjax.optim.delay import (DelayState, assign_stages, delay_init, delay_push, delayed_params,
-                                  delayed_train_step, stage_delays)
+from boostjax.optim.delay import DelayState, assign_stages, delay_init, delay_push, delayed_params, stage_delays
+from boostjax.step import TrainState, train_step
 
 N_LAYERS, D = 12, 3
 
@@ -93,6 +93,15 @@ def test_assign_stages_errors():
 
 
 # ----------------------------------------------------------------------------- emulation vs reference
+def _delayed_step(opt: optax.GradientTransformation):
+    """The training step (`boostjax.step.train_step`) on a `TrainState` holding a `DelayState`."""
+    return jax.jit(train_step(_loss, opt, optax.constant_schedule(0.0)))
+
+
+def _delayed_state(params, opt: optax.GradientTransformation, stages, n_stages: int) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), delay_init(params, stages, n_stages))
+
+
 def _reference(params, stages, n_stages, opt, batches):
     """Every past full version kept in a list; the mixed vector is assembled leaf by leaf."""
     grad = jax.jit(jax.value_and_grad(_loss))
@@ -115,16 +124,17 @@ def test_emulation_equals_explicit_reference(n_stages):
     stages = assign_stages(params, N_LAYERS, n_stages)
     opt = optax.adamw(3e-2, weight_decay=0.01)
     ref = _reference(params, stages, n_stages, opt, batches)
-    step = jax.jit(delayed_train_step(_loss, opt))
-    p, s, ds = params, opt.init(params), delay_init(params, stages, n_stages)
-    depths = {x.shape[0] for x in jax.tree.leaves(ds.history)}
+    step = _delayed_step(opt)
+    state = _delayed_state(params, opt, stages, n_stages)
+    depths = {x.shape[0] for x in jax.tree.leaves(state.delay.history)}
     assert depths == set(range(1, n_stages + 1))
     # One fused step against separately jitted grad / update: other fusion, so 1-2 ulp differences
     # (FMA contraction; none without FMA). With 1- and 4-ulp noise on the reference gradients (40 draws)
     # params differ by <= 2.4e-7 (0.16 of atol = rtol = 1e-6), losses by 2.1e-7 relative: 2e-6 and 3e-6
     # leave >= 10x. Stage 0 reading a version one step too old moves params by 0.16, the loss by 4e-2.
     for t, batch in enumerate(batches):
-        p, s, ds, loss = step(p, s, ds, batch)
+        state, metrics = step(state, batch)
+        p, ds, loss = state.params, state.delay, metrics["loss"]
         _close(p, ref[t][0], atol=2e-6, rtol=2e-6)
         np.testing.assert_allclose(float(loss), float(ref[t][1]), rtol=3e-6)
         assert int(ds.step) == t + 1
@@ -228,11 +238,11 @@ def test_rotation_with_stage_aware_refresh_in_delayed_training():
     stages = assign_stages(params, 2, 2)
     opt = make_optimizer("rotation", lr=1e-2, clip=1.0, stages_tree=stages, n_stages=2,
                          refresh_every=2, stage_aware_refresh=True)
-    step = jax.jit(delayed_train_step(_loss, opt))
-    p, s, ds = params, opt.init(params), delay_init(params, stages, 2)
+    step = _delayed_step(opt)
+    state = _delayed_state(params, opt, stages, 2)
     losses = []
     for batch in batches:
-        p, s, ds, loss = step(p, s, ds, batch)
-        losses.append(float(loss))
-    assert np.all(np.isfinite(losses)) and int(ds.step) == 5
-    assert s[1].basis_l["layers"][0]["w"].shape == (D, D)
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert np.all(np.isfinite(losses)) and int(state.delay.step) == 5
+    assert state.opt_state[1].basis_l["layers"][0]["w"].shape == (D, D)

@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_tp import put_params
 
 from boostjax import data
 from boostjax.config import Config, ModelConfig, TrainConfig, validate
 from boostjax.data import DocumentIterator, batch_iterator, eval_batches, load_corpus
 from boostjax.models import ops
-from boostjax.sharding.strategies import placement
-from boostjax.step import local_loss_fn
 from boostjax.interrupt import TrainingInterrupted
+from boostjax.placement import choose, local_loss_fn
 from boostjax.train import abstract_model, train
 
 EOS = 0
@@ -209,8 +209,9 @@ def test_chunked_tensor_parallel_matches_one_device_xla_with_segments():
     ref_cfg = replace(cfg, model=replace(cfg.model, attention="xla"), train=TrainConfig(batch=4, seq=32))
     with jax.default_matmul_precision("highest"):
         ref_loss, ref_grads = jax.jit(jax.value_and_grad(local_loss_fn(ref_cfg, abstract_model(ref_cfg)[0])))(params, batch)
-        plan = placement(cfg, graphdef, params)
-        loss, grads = jax.jit(jax.value_and_grad(plan.loss_fn))(plan.put_params(params), plan.put_batch(batch))
+        pl = choose(cfg, graphdef, params)
+        loss, grads = jax.jit(jax.value_and_grad(pl.loss_fn))(put_params(pl, params),
+                                                              jax.device_put(batch, pl.batch_sharding))
     errs = [_rel(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))]
     assert abs(float(loss - ref_loss)) < 1e-5 * abs(float(ref_loss)) and max(errs) < 2e-5, (loss, ref_loss, max(errs))
 

@@ -26,13 +26,13 @@ def run_steps(cfg: Config, batches: list[dict]) -> tuple[list[float], dict, str]
     """Losses of one optimizer step per batch, the final per-layer parameters, the compiled step."""
     graphdef, params = init_model(cfg)
     fns = build_step_fns(cfg, graphdef, params)
-    params, opt_state = fns.init(params)
-    step = fns.compile(params, opt_state, batches[0])
+    state = fns.init(params)
+    step = fns.compile(state, batches[0])
     losses = []
     for b in batches:
-        params, opt_state, m = step(params, opt_state, fns.put_batch(b))
+        state, m = step(state, fns.put_batch(b))
         losses.append(float(m["loss"]))
-    return losses, jax.device_get(fns.to_canonical(params)), step.as_text()
+    return losses, jax.device_get(fns.to_canonical(state.params)), step.as_text()
 
 
 @pytest.mark.parametrize("mesh,strategy,optimizer", [
@@ -66,7 +66,7 @@ def test_train_state_shapes_are_what_init_and_put_batch_place(mesh, strategy, ze
     fns = build_step_fns(cfg, graphdef, params)
     placed = fns.init(params)
     batch = fns.put_batch({k: np.zeros((12, 16), np.int32) for k in ("inputs", "targets")})
-    assert jax.tree.structure(shapes) == jax.tree.structure((*placed, batch))
-    for want, got in zip(jax.tree.leaves(shapes), jax.tree.leaves((*placed, batch))):
+    assert jax.tree.structure(shapes) == jax.tree.structure((placed, batch))
+    for want, got in zip(jax.tree.leaves(shapes), jax.tree.leaves((placed, batch))):
         assert (want.shape, want.dtype) == (got.shape, got.dtype)
         assert want.sharding.is_equivalent_to(got.sharding, len(got.shape)), (want.sharding, got.sharding)

@@ -23,9 +23,9 @@ def test_report_is_the_train_step(mesh, strategy, extra):
                                             dtype="float32", **extra)))
     graphdef, state = nnx.split(LLaMA(TINY, rngs=nnx.Rngs(0)))
     fns = build_step_fns(cfg, graphdef, state.to_pure_dict())
-    params, opt_state = fns.init(state.to_pure_dict())
+    train_state = fns.init(state.to_pure_dict())
     rows = np.zeros((4 * extra.get("grad_accum", 1), 16), np.int32)
-    real = memory.memory_fields(fns.compile(params, opt_state, {"inputs": rows, "targets": rows}))
+    real = memory.memory_fields(fns.compile(train_state, {"inputs": rows, "targets": rows}))
     assert {k: r[k] for k in real} == real
     assert r["argument_bytes"] == r["weight_bytes"] + r["optimizer_bytes"] + r["batch_bytes"]
     assert r["peak_bytes_per_device"] == r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]

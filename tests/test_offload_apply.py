@@ -8,8 +8,10 @@ import json
 from dataclasses import replace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, preset, validate
 from boostjax.models.llama import RematSegment
@@ -17,7 +19,9 @@ from boostjax.offload import apply
 from boostjax.offload.costmodel import build_instance
 from boostjax.offload.hardware import HardwareProfile
 from boostjax.offload.planner import Decisions, baseline_plan, make_plan
-from boostjax.step import build_step_fns, local_loss_fn, make_optimizer, make_train_step
+from boostjax.placement import Offloaded, SingleDevice, host_mask, local_loss_fn
+from boostjax.placement.offload import check_offload
+from boostjax.step import TrainState, build_step_fns, make_optimizer, step_layout, train_step
 from boostjax.train import init_model, train
 
 MICRO = ModelConfig(d_model=32, n_layers=4, n_heads=2, d_ff=64, rank=8)
@@ -63,6 +67,24 @@ def _close_on_scale(got, want, rel: float = 1e-5) -> None:
         np.testing.assert_allclose(x, y, rtol=0, atol=rel * float(np.abs(y).max()))
 
 
+def _offloaded(cfg: Config, graphdef, plan) -> Offloaded:
+    """The placement `boostjax.placement.choose` gives `cfg` with `plan` (a `Plan` object, not a file)."""
+    check_offload(cfg, plan, 1)
+    apply.check_plan(plan, cfg)
+    return Offloaded(SingleDevice(cfg, graphdef, remat=apply.schedule(plan)), plan)
+
+
+def _placed_state(pl: Offloaded, tx, params) -> tuple[TrainState, TrainState]:
+    """(the training state, its shardings) on `pl`, placed as `boostjax.step.step_layout` places them:
+    the layers the plan sends to host in pinned host memory, the rest on device."""
+    like = jax.eval_shape(pl.to_state, params)
+    init = lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p))  # noqa: E731
+    rest = (lambda s: (s.step, s.opt_state))(jax.eval_shape(init, like))
+    step_home, opt_homes = pl.place("opt_state", jax.tree.map(lambda _: P(), rest), rest)
+    homes = TrainState(step_home, pl.place("params", pl.param_specs(like), like), opt_homes)
+    return jax.device_put(init(pl.to_state(params)), homes), homes
+
+
 @pytest.fixture(scope="module")
 def model():
     graphdef, params = init_model(_cfg())
@@ -93,7 +115,7 @@ def test_schedule_follows_the_plan():
 def test_loss_and_gradients_equal_plan_free(model, reference, name):
     graphdef, params, batch = model
     ref_loss, ref_g = reference
-    placed = apply.offload_placement(_cfg(offload_plan="unused"), graphdef, PLANS[name])
+    placed = _offloaded(_cfg(offload_plan="unused"), graphdef, PLANS[name])
     loss, grads = jax.jit(jax.value_and_grad(placed.loss_fn))(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     _close_on_scale(grads, ref_g)
@@ -119,18 +141,18 @@ def test_step_with_host_state_matches_plan_free(model, tmp_path):
     out = {}
     for key, c in (("ref", cfg_ref), ("plan", cfg)):
         fns = build_step_fns(c, graphdef, params)
-        p, o = fns.init(params)
-        step = fns.compile(p, o, batch)
+        state = fns.init(params)
+        step = fns.compile(state, batch)
         for _ in range(2):
-            p, o, m = step(p, o, fns.put_batch(batch))
-        out[key] = (p, o, float(m["loss"]), step, fns)
-    p, o, loss, step, fns = out["plan"]
+            state, m = step(state, fns.put_batch(batch))
+        out[key] = (state.params, state.opt_state, float(m["loss"]), step, fns, state)
+    p, o, loss, step, fns, state = out["plan"]
     np.testing.assert_allclose(loss, out["ref"][2], rtol=1e-6)
     _close_on_scale(p, out["ref"][0])
     _close_on_scale(o, out["ref"][1])
     # layer 0 streams its parameters, layers 0 and 2 keep optimizer states on the host
-    mask_p = apply.host_mask(p, PLANS["nested"].param_place)
-    mask_o = apply.host_mask(o, PLANS["nested"].opt_place)
+    mask_p = host_mask(p, PLANS["nested"].param_place)
+    mask_o = host_mask(o, PLANS["nested"].opt_place)
     kinds = [x.sharding.memory_kind for x in jax.tree.leaves(p)]
     assert kinds == ["pinned_host" if h else "device" for h in jax.tree.leaves(mask_p)]
     assert {x.sharding.memory_kind for x, h in zip(jax.tree.leaves(o), jax.tree.leaves(mask_o)) if h} == {"pinned_host"}
@@ -139,10 +161,9 @@ def test_step_with_host_state_matches_plan_free(model, tmp_path):
     # compiled CPU program: every host-resident input and output in memory space 5 (pinned host)
     assert apply.host_memory_report(step.as_text())["entry_s5"] == 2 * n_host
     # CUDA lowering of the same step: host<->device moves of that state and the 2 offloaded boundaries
-    pl = apply.offload_placement(cfg, graphdef)
-    tx, lr = make_optimizer(cfg, params)
+    lay = step_layout(cfg, graphdef, params)
     gpu = apply.host_memory_report(apply.lower_for_gpu(
-        make_train_step(pl.loss_fn, tx, lr, fetch=pl.fetch, store=pl.store), p, o, fns.put_batch(batch)))
+        train_step(lay.placement.loss_fn, lay.tx, lay.lr_fn, homes=lay.homes), state, fns.put_batch(batch)))
     assert gpu["annotate_pinned_host"] == n_host + 2 and gpu["annotate_device"] == n_host + 2
     # eval on host-resident parameters
     np.testing.assert_allclose(fns.eval_loss(p, fns.put_batch(batch)),
@@ -206,10 +227,10 @@ def test_memory_prediction_against_compiled_step(kind, batch, seq, mixed, baseli
     tx, lr = make_optimizer(cfg, params)
     ratios, measured = [], []
     for plan in (make_plan(inst, mixed, "manual"), *(baseline_plan(inst, b) for b in baselines)):
-        pl = apply.offload_placement(cfg, graphdef, plan)
-        p, o = pl.put_params(params), pl.put_opt_state(tx.init(params))
-        c = jax.jit(make_train_step(pl.loss_fn, tx, lr, fetch=pl.fetch, store=pl.store), donate_argnums=(0, 1)) \
-            .lower(p, o, batch_).compile(compiler_options=pl.compiler_options)
+        pl = _offloaded(cfg, graphdef, plan)
+        state, homes = _placed_state(pl, tx, params)
+        c = jax.jit(train_step(pl.loss_fn, tx, lr, homes=homes), donate_argnums=(0,)) \
+            .lower(state, batch_).compile(compiler_options=pl.compiler_options)
         measured.append(apply.compiled_memory(c)["total_bytes"])
         ratios.append(measured[-1] / apply.cpu_equivalent(inst, plan)[0])
     if "no-offload" in baselines:

@@ -10,12 +10,12 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from test_tp import TINY, _compare, assert_matches, seed_of
+from test_tp import TINY, _compare, assert_matches, put_params, seed_of
 
 from boostjax.config import Config, ConfigError, TrainConfig, validate
+from boostjax.placement import choose
 from boostjax.run import load_run
 from boostjax.sharding.pipeline import bubble_fraction, microbatches, pipeline_info
-from boostjax.sharding.strategies import placement
 from boostjax.train import init_model, train
 
 
@@ -33,7 +33,7 @@ def test_pipeline_matches_single_device(mesh, strategy, kind, layers, micro, rem
 def test_stage_parameters_are_sharded_over_stage():
     cfg = Config(replace(TINY, n_layers=4), TrainConfig(strategy="btp", mesh="data=1,stage=2,model=2", batch=4))
     graphdef, params = init_model(cfg)
-    placed = placement(cfg, graphdef, params).put_params(params)
+    placed = put_params(choose(cfg, graphdef, params), params)
     a_qkv = placed["layers"]["attn"]["a_qkv"]  # [L, d, 3, r]: layers over stage, d over model (BTP)
     assert a_qkv.shape == (4, *params["layers"][0]["attn"]["a_qkv"].shape)
     assert {s.data.shape for s in a_qkv.addressable_shards} == {(2, TINY.d_model // 2, 3, TINY.rank)}
@@ -50,9 +50,9 @@ def test_each_stage_runs_the_head_on_its_share_of_the_tokens():
     cfg = validate(Config(replace(TINY, n_layers=4), TrainConfig(strategy="btp", mesh="data=2,stage=2,model=2",
                                                                  batch=8, seq=8)))
     graphdef, params = init_model(cfg)
-    plan = placement(cfg, graphdef, params)
+    pl = choose(cfg, graphdef, params)
     batch = {k: np.zeros((8, 8), np.int32) for k in ("inputs", "targets")}
-    text = jax.jit(plan.loss_fn).lower(plan.put_params(params), plan.put_batch(batch)).as_text()
+    text = jax.jit(pl.loss_fn).lower(put_params(pl, params), jax.device_put(batch, pl.batch_sharding)).as_text()
     tokens, vocab = 8 // 2 * 8, TINY.vocab_size // 2  # per data shard; per model shard
     # leading sizes of every [..., V/T] f32 tensor (logits and their softmax terms; head weights are [d, V/T])
     rows = {int(np.prod([int(n) for n in dims.split("x")])) for dims in re.findall(rf"tensor<([0-9x]+)x{vocab}xf32>", text)}
@@ -86,7 +86,7 @@ def test_placement_checks_split_without_validate():
     cfg = Config(replace(TINY, n_layers=3), TrainConfig(mesh="stage=2", batch=4))
     graphdef, params = init_model(cfg)
     with pytest.raises(ConfigError, match="model.n_layers: 3 layers do not split into stage=2.*fix:"):
-        placement(cfg, graphdef, params)
+        choose(cfg, graphdef, params)
 
 
 def test_stage_mesh_trains_checkpoints_and_resumes(tmp_path):

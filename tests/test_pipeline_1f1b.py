@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_tp import TINY, _rel, seed_of
+from test_tp import TINY, _rel, put_params, seed_of
 
 from boostjax.config import Config, TrainConfig, validate
 from boostjax.runfolder import RunFolder
 from boostjax.sharding.pipeline import pipeline_info
-from boostjax.sharding.strategies import placement
-from boostjax.step import build_step_fns, local_loss_fn
+from boostjax.placement import choose, local_loss_fn
+from boostjax.step import build_step_fns
 from boostjax.train import init_model
 
 TOL = 1e-5  # norm-relative, fp32; measured <= 1e-6 on these cases
@@ -28,9 +28,9 @@ def _run(fn, *args):
 
 def _loss_and_grads(cfg: Config, params, batch):
     graphdef, _ = init_model(cfg)
-    plan = placement(cfg, graphdef, params)
-    loss, grads = _run(jax.value_and_grad(plan.loss_fn), plan.put_params(params), plan.put_batch(batch))
-    return float(loss), plan.to_canonical(grads)
+    pl = choose(cfg, graphdef, params)
+    loss, grads = _run(jax.value_and_grad(pl.loss_fn), put_params(pl, params), jax.device_put(batch, pl.batch_sharding))
+    return float(loss), pl.to_canonical(grads)
 
 
 # (mesh, strategy, kind, micro-batches, remat, also against GPipe): each P with M = P and M = 2P, each
@@ -81,12 +81,12 @@ def test_1f1b_train_step_matches_gpipe(monkeypatch):
         rng = np.random.default_rng(5)
         batches = [{k: rng.integers(0, model.vocab_size, (4, 8)).astype(np.int32) for k in ("inputs", "targets")}
                    for _ in range(3)]
-        step = fns.compile(*state, batches[0])
+        step = fns.compile(state, batches[0])
         losses = []
         for b in batches:
-            *state, metrics = step(*state, fns.put_batch(b))
+            state, metrics = step(state, fns.put_batch(b))
             losses.append(float(metrics["loss"]))
-        runs[schedule] = losses, fns.to_canonical(state[0])
+        runs[schedule] = losses, fns.to_canonical(state.params)
     (l_gp, p_gp), (l_1f, p_1f) = runs["gpipe"], runs["1f1b"]
     # bf16 compute: the schedules sum the same bf16 products in a different order (1F1B accumulates
     # parameter gradients in fp32, GPipe's autodiff in bf16)

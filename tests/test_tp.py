@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
-from boostjax.sharding.strategies import placement
-from boostjax.step import local_loss_fn
+from boostjax.placement import choose, local_loss_fn
 from boostjax.train import init_model
 
 CASES = [("fullrank-tp", "llama"), ("vanilla-tp", "cola"), ("vanilla-tp", "svd"), ("vanilla-tp", "lax"),
@@ -43,6 +42,12 @@ def assert_matches(loss_err: float, grad_errs: dict[str, float], tol: float = TO
     assert loss_err < tol and not bad, (loss_err, bad)
 
 
+def put_params(pl, params):
+    """`params` (canonical) in the placement's training layout and shardings."""
+    like = jax.eval_shape(pl.to_state, params)
+    return jax.device_put(pl.to_state(params), pl.place("params", pl.param_specs(like), like))
+
+
 def _compare(cfg: Config, seed: int, ref: Config | None = None):
     """Relative error of the loss and of each gradient (by path), parallel vs single device.
     `ref`: the single-device reference's config when it differs from `cfg` (e.g. another attention)."""
@@ -55,10 +60,10 @@ def _compare(cfg: Config, seed: int, ref: Config | None = None):
              for k in ("inputs", "targets")}
     with jax.default_matmul_precision("highest"):
         ref_loss, ref_grads = jax.value_and_grad(local_loss_fn(ref or cfg, ref_graphdef))(params, batch)
-        plan = placement(cfg, graphdef, params)
-        loss, grads = jax.jit(jax.value_and_grad(plan.loss_fn))(plan.put_params(params), plan.put_batch(batch))
-    if plan.to_canonical is not None:  # a pipeline's stacked layers, back to per-layer gradients
-        grads = plan.to_canonical(grads)
+        pl = choose(cfg, graphdef, params)
+        loss, grads = jax.jit(jax.value_and_grad(pl.loss_fn))(put_params(pl, params),
+                                                              jax.device_put(batch, pl.batch_sharding))
+    grads = pl.to_canonical(grads)  # a pipeline's stacked layers, back to per-layer gradients
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
     errs = jax.tree_util.tree_flatten_with_path(jax.tree.map(_rel, grads, ref_grads))[0]
     return abs(float(loss - ref_loss)) / abs(float(ref_loss)), {jax.tree_util.keystr(p): e for p, e in errs}
@@ -104,19 +109,19 @@ def test_indivisible_shapes_fail_before_compile(field, overrides, strategy):
     cfg = Config(replace(TINY, kind=kind, **overrides), TrainConfig(strategy=strategy, mesh="data=1,model=4"))
     graphdef, params = init_model(cfg)
     with pytest.raises(ConfigError, match=f"model.{field}:.*fix:"):
-        placement(cfg, graphdef, params)
+        choose(cfg, graphdef, params)
 
 
 def test_bad_meshes():
     cfg = Config(replace(TINY, kind="cola"), TrainConfig(strategy="btp", mesh="data=4,model=4"))
     graphdef, params = init_model(cfg)
     with pytest.raises(ConfigError, match="train.mesh: .*16 devices but 8"):
-        placement(cfg, graphdef, params)
+        choose(cfg, graphdef, params)
     with pytest.raises(ConfigError, match="train.strategy: btp does not serve model kind 'llama'"):
         cfg2 = replace(cfg, model=replace(cfg.model, kind="llama"), train=replace(cfg.train, mesh="model=2"))
-        placement(cfg2, graphdef, params)
+        choose(cfg2, graphdef, params)
     with pytest.raises(ConfigError, match="train.mesh: cannot read"):
-        placement(replace(cfg, train=replace(cfg.train, mesh="model:2")), graphdef, params)
+        choose(replace(cfg, train=replace(cfg.train, mesh="model:2")), graphdef, params)
 
 
 @pytest.mark.parametrize("strategy", ["btp"])  # vanilla-tp: the exact one-step test below covers its sharded update
@@ -143,14 +148,14 @@ def _train_steps(model: ModelConfig, train: TrainConfig, steps: int) -> tuple[li
     cfg = Config(model, train)
     graphdef, params = init_model(cfg)
     fns = build_step_fns(cfg, graphdef, params)
-    params, opt_state = fns.init(params)
+    state = fns.init(params)
     data = BatchIterator(load_corpus("").train, train.batch, train.seq, 0, vocab_size=model.vocab_size)
-    step = fns.compile(params, opt_state, data.batch_at(0))
+    step = fns.compile(state, data.batch_at(0))
     losses = []
     for _ in range(steps):
-        params, opt_state, m = step(params, opt_state, fns.put_batch(data.next()))
+        state, m = step(state, fns.put_batch(data.next()))
         losses.append(float(m["loss"]))
-    return losses, jax.device_get(fns.to_canonical(params))
+    return losses, jax.device_get(fns.to_canonical(state.params))
 
 
 @pytest.mark.parametrize("optimizer,delay", [("pipedream-lr", 2), ("adam8bit", 1)])
@@ -191,21 +196,21 @@ def test_rotation_step_on_a_tp_mesh_matches_one_device_from_the_same_state(strat
         cfg = Config(model, t)
         graphdef, params = init_model(cfg)
         fns = build_step_fns(cfg, graphdef, params)
-        return fns, *fns.init(params)
+        return fns, fns.init(params)
 
-    fns, params, opt_state = build(train)
-    step = fns.compile(params, opt_state, batches[0])
+    fns, state = build(train)
+    step = fns.compile(state, batches[0])
     for b in batches[:3]:
-        params, opt_state, _ = step(params, opt_state, fns.put_batch(b))
-    state = jax.device_get((params, opt_state))
-    params, opt_state, _ = step(params, opt_state, fns.put_batch(batches[3]))
-    ref = jax.device_get((params, opt_state))
+        state, _ = step(state, fns.put_batch(b))
+    saved = jax.device_get(state)
+    state, _ = step(state, fns.put_batch(batches[3]))
+    ref = jax.device_get((state.params, state.opt_state))
 
-    fns, params, opt_state = build(replace(train, strategy=strategy, mesh="data=1,model=2"))
-    params, opt_state = jax.tree.map(lambda v, like: jax.device_put(v, like.sharding), state, (params, opt_state))
-    step = fns.compile(params, opt_state, batches[0])
-    params, opt_state, _ = step(params, opt_state, fns.put_batch(batches[3]))
-    got = jax.device_get((params, opt_state))
+    fns, state = build(replace(train, strategy=strategy, mesh="data=1,model=2"))
+    state = jax.tree.map(lambda v, like: jax.device_put(v, like.sharding), saved, state)
+    step = fns.compile(state, batches[0])
+    state, _ = step(state, fns.put_batch(batches[3]))
+    got = jax.device_get((state.params, state.opt_state))
     errs = jax.tree_util.tree_flatten_with_path(jax.tree.map(lambda a, b: _rel(np.asarray(a, np.float32),
                                                                                 np.asarray(b, np.float32)), got, ref))[0]
     bad = {jax.tree_util.keystr(p): e for p, e in errs if e > 1e-5}

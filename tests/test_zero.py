@@ -29,21 +29,21 @@ def test_data_sharded_picks_the_first_free_divisible_dimension():
 
 def _steps(cfg: Config, steps: int, state=None, start: int = 0):
     """`steps` optimizer steps from a fresh init (or from `state`, placed as `train_state_shapes` says):
-    (losses, params, opt_state, the compiled step, put_batch)."""
+    (losses, params, opt_state, the compiled step, put_batch, the whole TrainState)."""
     graphdef, params = init_model(cfg)
     fns = build_step_fns(cfg, graphdef, params)
     if state is None:
-        params, opt_state = fns.init(params)
+        state = fns.init(params)
     else:
-        shapes = train_state_shapes(cfg, graphdef, params)[:2]
-        params, opt_state = jax.device_put(state, jax.tree.map(lambda s: s.sharding, shapes))
+        shapes = train_state_shapes(cfg, graphdef, params)[0]
+        state = jax.device_put(state, jax.tree.map(lambda s: s.sharding, shapes))
     data = BatchIterator(TOKENS, cfg.train.batch, cfg.train.seq, 0, step=start, vocab_size=MODEL.vocab_size)
-    step = fns.compile(params, opt_state, data.batch_at(start))
+    step = fns.compile(state, data.batch_at(start))
     losses = []
     for _ in range(steps):
-        params, opt_state, m = step(params, opt_state, fns.put_batch(data.next()))
+        state, m = step(state, fns.put_batch(data.next()))
         losses.append(float(m["loss"]))
-    return losses, params, opt_state, step, fns.put_batch
+    return losses, state.params, state.opt_state, step, fns.put_batch, state
 
 
 def _flat(tree) -> np.ndarray:
@@ -78,11 +78,11 @@ def test_sharded_state_steps_equal_the_replicated_steps(mesh, strategy, optimize
     sharded = Config(MODEL, replace(base, zero=zero))
     ref = _steps(Config(MODEL, base), 3)
     if optimizer == "rotation":
-        state = jax.device_get(ref[1:3])
+        state = jax.device_get(ref[5])
         got = _steps(sharded, 1, state, start=3)
         batch = BatchIterator(TOKENS, 8, 16, 0, vocab_size=MODEL.vocab_size).batch_at(3)
-        params, opt_state, m = ref[3](*ref[1:3], ref[4](batch))
-        ref = ([float(m["loss"])], params, opt_state)
+        state, m = ref[3](ref[5], ref[4](batch))
+        ref = ([float(m["loss"])], state.params, state.opt_state)
     else:
         got = _steps(sharded, 3)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)

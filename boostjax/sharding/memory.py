@@ -75,8 +75,8 @@ def train_config(batch: int, seq: int, strategy: str, mesh: str, remat: str, dty
 
 def train_step_compiled(cfg: Config, compiler_options: dict | None = None) -> AbstractStep:
     """The training step `boostjax train` compiles for `cfg`, compiled on abstract inputs: the state
-    layout from `step.step_layout` / `step.train_state_shapes`, the step from `step.make_train_step`
-    with the same accumulation, donation and output shardings as `StepFns.compile`."""
+    layout and step from `step.step_layout` / `step.layout_step` / `step.train_state_shapes`, with the
+    same accumulation, donation and output shardings as `StepFns.compile`."""
     import jax  # noqa: PLC0415 (the CLI sets the simulated device count first)
     from flax import nnx  # noqa: PLC0415
     from jax.sharding import NamedSharding  # noqa: PLC0415
@@ -84,7 +84,7 @@ def train_step_compiled(cfg: Config, compiler_options: dict | None = None) -> Ab
 
     from boostjax.models.attention import check_backend  # noqa: PLC0415
     from boostjax.models.llama import LLaMA  # noqa: PLC0415
-    from boostjax.step import make_train_step, step_layout, train_state_shapes  # noqa: PLC0415
+    from boostjax.step import layout_step, step_layout, train_state_shapes  # noqa: PLC0415
 
     t = cfg.train
     if t.offload_plan:
@@ -98,16 +98,16 @@ def train_step_compiled(cfg: Config, compiler_options: dict | None = None) -> Ab
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg.model, rngs=nnx.Rngs(0))))
     params_like = state.to_pure_dict()
     lay = step_layout(cfg, graphdef, params_like)
-    p_sds, o_sds, b_sds = train_state_shapes(cfg, graphdef, params_like)
-    step = make_train_step(lay.plan.loss_fn, lay.tx, lay.lr_fn, delayed=t.pipeline_delay > 1, accum=t.grad_accum,
-                           micro_sharding=lay.micro, accum_sharding=lay.grads)
+    state_sds, b_sds = train_state_shapes(cfg, graphdef, params_like)
+    mesh = lay.placement.mesh
     kw = {}
-    if lay.plan.mesh is not None:  # as StepFns.compile: the state comes back in the layout it came in
-        kw["out_shardings"] = (lay.params, lay.opt_state, NamedSharding(lay.plan.mesh, P()))
-    lowered = jax.jit(step, donate_argnums=(0, 1), **kw).lower(p_sds, o_sds, b_sds)
+    if mesh is not None:  # as StepFns.compile: the state comes back in the layout it came in
+        kw["out_shardings"] = (lay.homes, NamedSharding(mesh, P()))
+    lowered = jax.jit(layout_step(cfg, lay), donate_argnums=(0,), **kw).lower(state_sds, b_sds)
     if compiler_options is None and jax.default_backend() == "cpu":
         compiler_options = FAST_CPU
-    return AbstractStep(lowered.compile(compiler_options), p_sds, o_sds, b_sds, lay.plan.loss_fn, lay.plan.mesh)
+    opt_sds = (state_sds.step, state_sds.opt_state, state_sds.delay)
+    return AbstractStep(lowered.compile(compiler_options), state_sds.params, opt_sds, b_sds, lay.placement.loss_fn, mesh)
 
 
 def memory_parts(step: AbstractStep) -> dict[str, int]:
