@@ -113,7 +113,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if setup(cfg.train) is None:  # a multi-host job simulates each process's share of the devices
         simulate_for_mesh(cfg.train.mesh)
     from boostjax.interrupt import TrainingInterrupted  # noqa: PLC0415
-    from boostjax.train import NonFiniteLoss, train  # noqa: PLC0415 (after the device count is set)
+    from boostjax.trainer import NonFiniteLoss, train  # noqa: PLC0415 (after the device count is set)
 
     try:
         result = train(cfg)
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     from boostjax import launch  # noqa: PLC0415 (imports no JAX at module level)
 
     launch.register(sub)
-    from boostjax.evaluate import register as register_eval  # noqa: PLC0415 (imports no JAX at module level)
+    from boostjax.evaluation import register as register_eval  # noqa: PLC0415 (imports no JAX at module level)
     from boostjax.generate_cli import register as register_generate  # noqa: PLC0415
     from boostjax.tokenize import register as register_tokenize  # noqa: PLC0415
 

@@ -211,7 +211,7 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from boostjax.train import abstract_model  # noqa: PLC0415
+    from boostjax.models.llama import abstract_model  # noqa: PLC0415 (imports JAX)
 
     if not isinstance(cfg, ModelConfig) or not cfg.low_rank:
         raise ConfigError(f"lowrank_from_dense: need a ModelConfig of kind svd, cola or lax, got "
@@ -256,7 +256,7 @@ def _leaves(tree: Any) -> dict[str, tuple[int, ...]]:
 
 def check_params(m: ModelConfig, params: Any, what: str) -> None:
     """ConfigError unless `params` is a pure params dict with the names and shapes of the model `m`."""
-    from boostjax.train import abstract_model  # noqa: PLC0415
+    from boostjax.models.llama import abstract_model  # noqa: PLC0415 (imports JAX)
 
     if not isinstance(params, Mapping):
         raise ConfigError(f"{what}: need a pure params dict (nnx.to_pure_dict), got {type(params).__name__}; "

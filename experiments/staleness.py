@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from boostjax.config import Config, ModelConfig, TrainConfig, validate  # noqa: E402
 from boostjax.data import BatchIterator, eval_batches, load_corpus  # noqa: E402
 from boostjax.step import build_step_fns, local_loss_fn  # noqa: E402
-from boostjax.train import init_model  # noqa: E402
+from boostjax.models.llama import init_model  # noqa: E402
 
 # name -> (label, TrainConfig overrides)
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 
 import boostjax.data
-import boostjax.generate  # noqa: F401 (its jitted function is made at import, before jax.jit is disabled)
+import boostjax.generation  # noqa: F401 (its jitted function is made at import, before jax.jit is disabled)
 import boostjax.launch
 import boostjax.offload.apply  # noqa: F401 (imported before jax.jit is disabled)
 import boostjax.sharding.strategies  # noqa: F401
 import boostjax.step  # noqa: F401
-import boostjax.train  # noqa: F401
+import boostjax.trainer  # noqa: F401
 from boostjax import hf
 from boostjax.cli import main
 from boostjax.config import ModelConfig
@@ -631,7 +631,7 @@ INIT_CFG = ModelConfig(kind="llama", vocab_size=256, d_model=16, n_layers=1, n_h
 def init_folder(tmp_path):
     """A complete small Hugging Face folder (numpy weights: nothing is traced)."""
     from boostjax.config import Config  # noqa: PLC0415
-    from boostjax.train import abstract_model  # noqa: PLC0415
+    from boostjax.models.llama import abstract_model  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(np.float32), abstract_model(Config(INIT_CFG))[1])
@@ -677,7 +677,7 @@ def test_init_from_hf_refused(capsys, tmp_path, init_folder, case, flags, field,
 def test_init_params_refused(tmp_path, init_folder):
     """The Python API: `init=` params that fit neither the model nor its dense twin, and two sources."""
     from boostjax.config import Config, ConfigError, TrainConfig  # noqa: PLC0415
-    from boostjax.train import train  # noqa: PLC0415
+    from boostjax.trainer import train  # noqa: PLC0415
 
     t = TrainConfig(steps=1, batch=2, seq=16, progress=False, out=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"^train.init: the params fit neither this svd model"):

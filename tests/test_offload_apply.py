@@ -18,7 +18,8 @@ from boostjax.offload.costmodel import build_instance
 from boostjax.offload.hardware import HardwareProfile
 from boostjax.offload.planner import Decisions, baseline_plan, make_plan
 from boostjax.step import build_step_fns, local_loss_fn, make_optimizer, make_train_step
-from boostjax.train import init_model, train
+from boostjax.models.llama import init_model
+from boostjax.trainer import train
 
 MICRO = ModelConfig(d_model=32, n_layers=4, n_heads=2, d_ff=64, rank=8)
 B, T = 2, 16
