@@ -524,10 +524,12 @@ def _cmd_comm(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`boostjax comm ...` as a standalone entry point: `python -m boostjax.sharding.comm --preset 1b`."""
-    from boostjax.cli import main as cli_main  # noqa: PLC0415 (the CLI imports this module lazily)
+    from boostjax.commands import run  # noqa: PLC0415
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    return cli_main(argv if argv[:1] == ["comm"] else ["comm", *argv])
+    parser = argparse.ArgumentParser(prog="boostjax")
+    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    return run(parser, argv if argv[:1] == ["comm"] else ["comm", *argv])
 
 
 if __name__ == "__main__":
