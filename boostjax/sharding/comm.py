@@ -247,8 +247,8 @@ def expected_per_layer(model: ModelConfig, strategy: str, tokens: int, dtype: st
 
     Forward elements per token: full-rank `2d`; vanilla `he + 2·ke + 2d + 2f` (= `5d + 2f` without
     GQA); BTP `7r` plus two fp32 norm statistics (`Σx²` of each pre-norm, `[b, s, 1]`, riding in the
-    qkv and gate_up all-reduces). The paper's step figure doubles the forward (BTP's statistics need
-    no backward collective: their cotangent is replicated).
+    qkv and gate_up all-reduces). BOOST's step figure (https://arxiv.org/abs/2512.12131) doubles the
+    forward (BTP's statistics need no backward collective: their cotangent is replicated).
     """
     d, f, r = model.d_model, model.d_ff, model.rank
     he, ke = model.n_heads * model.head_dim, model.kv_heads * model.head_dim
