@@ -1,7 +1,8 @@
 """The package's import structure, read from the source with `ast` (every import statement, including
 function-local ones): no import cycle, the layers (config -> models -> optim / sharding / offload ->
 placement -> step -> training loop / CLI) never import upwards, and no submodule shadows an exported
-function. `python tests/test_imports.py` prints the cycles and the upward imports."""
+function. `python tests/test_imports.py` prints the cycles, the upward imports the tests refuse, and
+every arrow to a higher layer."""
 
 from __future__ import annotations
 
@@ -101,19 +102,28 @@ def describe(graph: dict[str, dict[str, int]], comp: list[str]) -> str:
     return "{" + ", ".join(comp) + "}: " + "; ".join(edges)
 
 
-def _short(mod: str) -> str:
-    return mod.removeprefix("boostjax.")
+# the layers, bottom to top (top-level name -> rank); modules not named here sit beside them
+LAYERS = {"config": 0, "models": 1, "optim": 2, "sharding": 2, "offload": 2, "placement": 3, "step": 4,
+          "trainer": 5, "cli": 5, "commands": 5, "launch": 5}
 
 
-def upward_imports(graph: dict[str, dict[str, int]]) -> list[str]:
-    """Imports that break the layering: models above config importing optim/sharding/offload/placement/
-    step/train; config importing a boostjax module that itself imports from boostjax."""
+def _top(mod: str) -> str:
+    return mod.removeprefix("boostjax.").split(".")[0]
+
+
+def upward_imports(graph: dict[str, dict[str, int]], every_layer: bool = False) -> list[str]:
+    """Imports that break the layering. Asserted: `models` import nothing from optim / sharding /
+    offload / placement / step / the loop, and `config` imports only boostjax modules that import
+    nothing from boostjax. `every_layer=True` lists every arrow to a higher layer of `LAYERS`."""
     bad = []
     for mod, deps in sorted(graph.items()):
         for dep, line in sorted(deps.items()):
-            if _short(mod).split(".")[0] == "models" and _short(dep).split(".")[0] in ABOVE_MODELS:
+            lo, hi = LAYERS.get(_top(mod)), LAYERS.get(_top(dep))
+            if every_layer and lo is not None and hi is not None and hi > lo:
+                bad.append(f"{mod} -> {dep} (line {line}): layer {lo} imports layer {hi}")
+            elif not every_layer and _top(mod) == "models" and _top(dep) in ABOVE_MODELS:
                 bad.append(f"{mod} -> {dep} (line {line}): models import nothing above them")
-            if mod == "boostjax.config" and graph.get(dep):
+            elif not every_layer and mod == "boostjax.config" and graph.get(dep):
                 bad.append(f"{mod} -> {dep} (line {line}): config imports only modules that import nothing "
                            f"from boostjax ({dep} imports {', '.join(sorted(graph[dep]))})")
     return bad
@@ -170,4 +180,5 @@ def test_exported_functions_stay_functions_after_every_submodule_is_imported():
 if __name__ == "__main__":
     g = import_graph()
     print("\n".join(describe(g, c) for c in cycles(g)) or "no import cycle")
-    print("\n".join(upward_imports(g)) or "no upward import")
+    print("\n".join(upward_imports(g)) or "no upward import (asserted rules)")
+    print("every arrow to a higher layer:\n" + ("\n".join(upward_imports(g, every_layer=True)) or "none"))
