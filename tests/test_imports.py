@@ -16,7 +16,6 @@ from pathlib import Path
 import boostjax
 
 PACKAGE = Path(boostjax.__file__).parent
-ABOVE_MODELS = ("sharding", "optim", "offload", "placement", "step", "train", "trainer")
 
 
 def _module_files() -> dict[str, tuple[Path, bool]]:
@@ -105,6 +104,7 @@ def describe(graph: dict[str, dict[str, int]], comp: list[str]) -> str:
 # the layers, bottom to top (top-level name -> rank); modules not named here sit beside them
 LAYERS = {"config": 0, "models": 1, "optim": 2, "sharding": 2, "offload": 2, "placement": 3, "step": 4,
           "trainer": 5, "cli": 5, "commands": 5, "launch": 5}
+ABOVE_MODELS = {name for name, rank in LAYERS.items() if rank > LAYERS["models"]}
 
 
 def _top(mod: str) -> str:
