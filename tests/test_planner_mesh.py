@@ -117,6 +117,10 @@ def test_a_pipeline_stage_keeps_one_parameter_mode():
     modes, the planner returns the best uniform plan (brute force over uniform plans)."""
     inst = _stage_instance()
     assert inst.uniform_modes and inst.n_layers == 2
+    rows, tokens = 8 // 2, 8 // 2 * 64  # batch 8 over data=2, seq 64; BTP on model=2: d 64 -> 32, vocab 256 -> 128
+    assert inst.boundary_bytes[0] == rows * 64 * 32 * 4 and inst.tokens == tokens
+    head_tokens = tokens // 2  # the pipeline splits the head's tokens over its 2 stages
+    assert inst.head_work_bytes == 3 * 4 * head_tokens * 128 + 2 * head_tokens * 64 * 4
     free = replace(inst, uniform_modes=False)
     budget, _ = min_budget(free, 10)
     mixed = solve(free.with_budget(budget), time_limit_s=10)
