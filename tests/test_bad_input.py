@@ -161,6 +161,15 @@ def test_huge_mesh_in_a_fresh_process_is_refused_before_jax(tmp_path):
     (["--batch", "0"], "plan.batch"), (["--seq", "-1"], "plan.seq"), (["--seq", "100000000"], "plan.seq"),
     (["--batch", "1000000000000"], "plan.batch"), (["--n-layers", "5000"], "plan.n_layers"),
     (["--d-model", "-1"], "model.d_model"), (["--preset", "huge"], "preset"),
+    # --strategy / --mesh: one device's share of a mesh, refused as the trainer refuses the run
+    (["--strategy", "tp9", "--mesh", "model=2"], "plan.strategy"), (["--mesh", "data=2,pipe=2"], "plan.mesh"),
+    (["--strategy", "btp"], "plan.mesh"), (["--mesh", "data=1,model=2"], "plan.mesh"),
+    (["--strategy", "fullrank-tp", "--mesh", "model=2"], "plan.strategy"),
+    (["--strategy", "btp", "--mesh", "model=3"], "model.d_model"),
+    (["--strategy", "vanilla-tp", "--mesh", "model=16"], "model.rank"),
+    (["--mesh", "data=3"], "plan.batch"), (["--mesh", "data=1,stage=3"], "model.n_layers"),
+    (["--mesh", "stage=2", "--batch", "1", "--seq", "3"], "plan.seq"),
+    (["--instance", "lazytrain-27b", "--mesh", "data=2"], "plan.instance"),
 ])
 def test_plan_flags(capsys, tmp_path, flags, field):
     _refused(capsys, [*PLAN, "--out", tmp_path / "plan.json", *flags], field)
@@ -219,6 +228,8 @@ def plan_file(tmp_path_factory):
     (["--dtype", "bfloat16"], ["train.dtype='float32'", "train.dtype='bfloat16'"]),
     (["--optimizer", "adam8bit"], ["train.optimizer='adamw'", "train.optimizer='adam8bit'"]),
     (["--n-layers", "4"], ["the plan has 2 layers", "n_layers=4"]),
+    (["--strategy", "btp", "--mesh", "data=1,model=2"], ["train.strategy='none'", "train.strategy='btp'"]),
+    (["--mesh", "data=2"], ["train.mesh=''", "train.mesh='data=2,model=1'"]),
 ])
 def test_offload_plan_for_another_run(capsys, tmp_path, plan_file, flags, needles):
     line = _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--offload-plan", plan_file, *flags],
