@@ -32,10 +32,12 @@ import numpy as np
 
 from boostjax.config import (ATTENTION, LOW_RANK_KINDS, OPTIMIZERS, PIPELINE_SCHEDULES, PRESETS, REMAT, Config,
                              ConfigError, ModelConfig, check_batch_seq, mesh_devices, parse_mesh, preset, validate)
+from boostjax.config import STRATEGIES as CONFIG_STRATEGIES
 from boostjax.sharding import hlo, memory
 from boostjax.sharding.memory import GIB
 
-STRATEGIES = ("fullrank-tp", "vanilla-tp", "btp")
+# the TP strategies (config's names are `boostjax.sharding.rules.STRATEGIES`' keys; no JAX imported here)
+STRATEGIES = tuple(s for s in CONFIG_STRATEGIES if s != "none")
 MEMORY_KEYS = ("peak_bytes_per_device", "weight_bytes", "optimizer_bytes", "activation_bytes", "batch_bytes",
                "gradient_bytes_estimate")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2}
