@@ -92,7 +92,7 @@ def cpu_memory_check() -> list[dict]:
     from boostjax.offload.planner import make_plan  # noqa: PLC0415
     from boostjax.placement import Offloaded, SingleDevice  # noqa: PLC0415
     from boostjax.step import TrainState, make_optimizer, train_step  # noqa: PLC0415
-    from boostjax.train import init_model  # noqa: PLC0415
+    from boostjax.models.llama import init_model  # noqa: PLC0415
 
     def placed_state(pl, tx, params):
         """(training state, its shardings) on the offload placement `pl`, as `step.step_layout` places them."""

@@ -22,7 +22,8 @@ from boostjax.data import DocumentIterator, batch_iterator, eval_batches, load_c
 from boostjax.models import ops
 from boostjax.interrupt import TrainingInterrupted
 from boostjax.placement import choose, local_loss_fn
-from boostjax.train import abstract_model, train
+from boostjax.models.llama import abstract_model
+from boostjax.trainer import train
 
 EOS = 0
 SMALL = ModelConfig(kind="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, rank=8,
