@@ -32,6 +32,8 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
+from boostjax.models.stacking import unstack_layers
+
 MANIFEST = "SHA256SUMS"
 TRASH = ".trash"
 ASIDE = "checkpoints-aside"  # sibling of checkpoints/: damaged or non-finite steps, kept for inspection
@@ -309,7 +311,6 @@ class Checkpointer:
         """(step, parameters, damaged newer steps) without knowing the optimizer's state, for export
         and evaluation: the given step, or the newest restorable one. Always in the canonical
         per-layer layout (a pipeline run's stacked layers are unstacked)."""
-        from boostjax.sharding.pipeline import unstack_layers  # noqa: PLC0415
 
         steps = self.steps()
         if step is not None and step not in steps:

@@ -18,7 +18,7 @@ import numpy as np
 
 from boostjax.checkpoint import Checkpointer, Restored
 from boostjax.config import Config, ConfigError
-from boostjax.sharding.pipeline import stack_layers, unstack_layers
+from boostjax.models.stacking import stack_layers, unstack_layers
 from boostjax.step import make_optimizer
 
 ELEMENTWISE = ("adamw", "nesterov", "pipedream-lr")  # optimizer state: one value per parameter element

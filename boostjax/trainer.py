@@ -39,7 +39,7 @@ from boostjax.models import attention
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA, abstract_model, init_model
 from boostjax.observe import PROFILE, StepProfiler, TensorBoard, hardware_profile, mfu, parse_profile
-from boostjax.offload import check_plan_for
+from boostjax import placement
 from boostjax.runfolder import RunFolder
 from boostjax.step import StepFns, build_step_fns, checkpoint_parts, from_checkpoint
 from boostjax.tokenize import check_run_tokenizer, install_run_tokenizer
@@ -178,9 +178,8 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
     for what cannot run (before anything is written or compiled where the configuration is at fault).
     """
     cfg = validate(pretrained.resolve_config(cfg) if isinstance(cfg, Config) else cfg)
+    placement.check(cfg)  # what the chosen layout (mesh, stages, offload plan) cannot run, before anything is written
     t = cfg.train
-    if t.offload_plan:  # the plan is checked before anything is written (the placement layer owns this call)
-        check_plan_for(t.offload_plan, cfg)
     if init is not None and t.init_from_hf:
         raise ConfigError("train.init: both init= params and init_from_hf are given; fix: pass one of them")
     hf_tokenizer = pretrained.source_tokenizer(cfg)  # the data's tokenizer, if any, must be the checkpoint's

@@ -29,6 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from boostjax.offload import check_plan_for  # noqa: E402
 from boostjax.offload.cli import report  # noqa: E402
 from boostjax.offload.costmodel import PlanInstance, instance_family, lazytrain_27b  # noqa: E402
 from boostjax.offload.planner import BASELINES, baseline_plan, solve  # noqa: E402
@@ -119,7 +120,7 @@ def cpu_memory_check() -> list[dict]:
                 inst.with_budget((nob.predicted_peak_bytes + fr.predicted_peak_bytes) / 2), time_limit_s=10)
             plans["mixed (manual)"] = make_plan(inst, _mixed(inst), "manual")
         for pname, plan in plans.items():
-            apply.check_plan(plan, cfg)
+            check_plan_for(plan, cfg, require_record=False)
             pl = Offloaded(SingleDevice(cfg, graphdef, remat=apply.schedule(plan)), plan)
             state, homes = placed_state(pl, tx, params)
             step = train_step(pl.loss_fn, tx, lr, homes=homes)

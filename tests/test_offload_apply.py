@@ -20,7 +20,6 @@ from boostjax.offload.costmodel import build_instance
 from boostjax.offload.hardware import HardwareProfile
 from boostjax.offload.planner import Decisions, baseline_plan, make_plan
 from boostjax.placement import Offloaded, SingleDevice, host_mask, local_loss_fn
-from boostjax.placement.offload import check_offload
 from boostjax.step import TrainState, build_step_fns, make_optimizer, step_layout, train_step
 from boostjax.models.llama import init_model
 from boostjax.trainer import train
@@ -70,8 +69,7 @@ def _close_on_scale(got, want, rel: float = 1e-5) -> None:
 
 def _offloaded(cfg: Config, graphdef, plan) -> Offloaded:
     """The placement `boostjax.placement.choose` gives `cfg` with `plan` (a `Plan` object, not a file)."""
-    check_offload(cfg, plan, 1)
-    apply.check_plan(plan, cfg)
+    check_plan_for(plan, cfg, require_record=False)
     return Offloaded(SingleDevice(cfg, graphdef, remat=apply.schedule(plan)), plan)
 
 

@@ -7,7 +7,7 @@ import json
 import re
 
 from boostjax.cli import main
-from boostjax.offload.apply import load_plan
+from boostjax.offload.planfile import read_plan
 from boostjax.run import read_metrics
 
 SHAPE = ["--d-model", "32", "--n-layers", "4", "--n-heads", "2", "--d-ff", "64", "--rank", "8"]
@@ -30,7 +30,7 @@ def test_plan_json_fields_and_train_with_the_plan(tmp_path, capsys):
     assert not rep["baselines"]["no-offload"]["fits"]
     assert rep["predicted_step_s"] <= min(b["predicted_step_s"] for b in rep["baselines"].values() if b["fits"])
     assert sum(r["last"] - r["first"] + 1 for r in rep["layers"]) == 4
-    plan = load_plan(out)
+    plan = read_plan(out)
     assert len(plan.decisions.boundary) == 4 and plan.predicted_peak_bytes == rep["predicted_peak_bytes"]
     # full remat with everything on device does not fit: something lives on the host or is recomputed
     assert set(plan.boundary) != {"device"} or "host" in plan.opt_place

@@ -24,8 +24,8 @@ from boostjax.offload.blockgraph import block_graph
 from boostjax.offload.decisions import check_decisions
 from boostjax.offload.planfile import Plan, read_plan
 from boostjax.offload.planner import brute_force, min_budget, solve
-from boostjax.sharding.specs import param_specs
-from boostjax.sharding.strategies import shard_loss_fn
+from boostjax.placement.tensor import shard_loss_fn
+from boostjax.sharding.rules import logical_axes, param_specs
 
 CASES = [("cola", "btp"), ("lax", "btp"), ("svd", "vanilla-tp"), ("cola", "vanilla-tp"), ("llama", "fullrank-tp")]
 DATA, TP, BATCH, SEQ = 2, 4, 4, 16
@@ -50,7 +50,7 @@ def test_per_device_parameters_are_the_shards_of_the_trainers_shardings(kind, st
     shard shapes of `NamedSharding(mesh, spec)` over the strategy's specs."""
     cfg = _model(kind)
     _, params = _params(cfg)
-    specs, mesh = param_specs(strategy, params), _mesh()
+    specs, mesh = param_specs(strategy, logical_axes(cfg)), _mesh()
     shard = lambda x, s: math.prod(NamedSharding(mesh, s).shard_shape(x.shape))  # noqa: E731
     numel = jax.tree.map(shard, params, specs, is_leaf=lambda x: isinstance(x, P))
     layer0 = sum(jax.tree.leaves(numel["layers"][0]))
@@ -89,7 +89,7 @@ def test_per_device_activations_are_the_traced_steps(kind, strategy):
     cfg = Config(model=_model(kind), train=TrainConfig(batch=BATCH, seq=SEQ, strategy=strategy,
                                                        mesh=f"data={DATA},model={TP}"))
     graphdef, params = _params(cfg.model)
-    loss = shard_loss_fn(cfg, graphdef, _mesh(), param_specs(strategy, params))
+    loss = shard_loss_fn(cfg, graphdef, _mesh(), param_specs(strategy, logical_axes(cfg.model)), cfg.train.remat)
     rows = jax.ShapeDtypeStruct((BATCH, SEQ), np.int32)
     traced = _named_shapes(jax.make_jaxpr(loss)(params, {"inputs": rows, "targets": rows}).jaxpr, {})
     lc = cm.layer_cost(cfg.model, BATCH // DATA, SEQ, cm.get_profile("H800-80GB"), dtype_bytes=4,

@@ -45,19 +45,17 @@ The placement layer applies all of this on any layout (`boostjax.placement.offlo
 
 from __future__ import annotations
 
-import pathlib
 import re
 from dataclasses import replace
 from typing import Any, Callable
 
 import jax
 
-from boostjax.config import Config, ConfigError
+from boostjax.config import Config
 from boostjax.models.llama import RematSegment
-from boostjax.offload.costmodel import PlanInstance, activation_names, build_instance
+from boostjax.offload.costmodel import PlanInstance, build_instance
 from boostjax.offload.hardware import HardwareProfile
-from boostjax.offload.plans import Plan, simulate
-from boostjax.offload.plans import check_planned_for, read_plan
+from boostjax.offload.planfile import Plan, simulate
 
 HOST, DEVICE = "pinned_host", "device"
 _OFFLOAD = dict(offload_src=DEVICE, offload_dst=HOST)
@@ -66,28 +64,6 @@ _HAS_STATS = ("qkv_latent", "o_latent", "gate_up_latent", "down_latent", "attn_o
 
 
 # ----------------------------------------------------------------------------- plan files
-
-
-def load_plan(path: str | pathlib.Path) -> Plan:
-    """A `Plan` from a plan.json written by `boostjax plan --out` (or `Plan.to_json`); `ConfigError`
-    (one line naming the file and the fix) for anything else."""
-    return read_plan(path)
-
-
-def check_plan(plan: Plan, cfg: Config) -> None:
-    """Raise `ConfigError` when the plan cannot drive this configuration's step."""
-    n, stages = len(plan.decisions.boundary), cfg.train.sizes.stage
-    if n != cfg.model.n_layers // stages:
-        per = f"a stage holds {cfg.model.n_layers // stages} of the model's layers" if stages > 1 else \
-            f"the model has {cfg.model.n_layers}"
-        raise ConfigError(f"train.offload_plan: the plan has {n} layers but {per}; "
-                          "fix: plan for the same model and mesh (boostjax plan with the same shape and --mesh flags)")
-    names = activation_names(cfg.model)
-    if tuple(plan.activation_names) != names:
-        raise ConfigError(f"train.offload_plan: the plan tags {list(plan.activation_names)} but a {cfg.model.kind} block "
-                          f"has {list(names)}; fix: plan for the same model kind (boostjax plan --model {cfg.model.kind})")
-    # a plan object built in Python may lack the record; a plan file without one is refused by `validate`
-    check_planned_for(plan, cfg.model, cfg.train, cfg.train.offload_plan or "the plan", require=False)
 
 
 # ----------------------------------------------------------------------------- policies
@@ -164,7 +140,7 @@ def instance_for(cfg: Config, hw: HardwareProfile | str, budget_bytes: float | N
     t = cfg.train
     return build_instance(cfg.model, t.batch, t.seq, hw, budget_bytes=budget_bytes,
                           dtype_bytes=4 if t.dtype == "float32" else 2,
-                          eight_bit=t.optimizer == "adam8bit", **kw)
+                          eight_bit=t.optimizer == "adam8bit", strategy=t.strategy, mesh=t.mesh, **kw)
 
 
 def cpu_equivalent(inst: PlanInstance, plan: Plan) -> tuple[float, float]:
@@ -225,5 +201,5 @@ def lower_for_gpu(fn: Callable, *args: Any) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-__all__ = ["DEVICE", "HOST", "annotated_placements", "check_plan", "compiled_memory", "cpu_equivalent", "describe",
-           "host_memory_report", "instance_for", "layer_checkpoint", "load_plan", "lower_for_gpu", "schedule"]
+__all__ = ["DEVICE", "HOST", "annotated_placements", "compiled_memory", "cpu_equivalent", "describe",
+           "host_memory_report", "instance_for", "layer_checkpoint", "lower_for_gpu", "schedule"]

@@ -37,6 +37,7 @@ from boostjax.config import ModelConfig, preset
 from boostjax.offload.blockgraph import (ALL, ATTENTION, BOUNDARY, _bwd_needs, _saved_bytes, activation_names,
                                         block_graph, default_inner_options, recompute_cost)
 from boostjax.offload.hardware import HardwareProfile, get_profile
+from boostjax.sharding import rules
 
 MODES: tuple[str, ...] = ("device", "opt-host", "host")
 """Where a layer's parameters / optimizer states live: both on device; fp32 master + optimizer states
@@ -45,18 +46,14 @@ on the host with a compute-dtype copy resident on device; both on the host (Mega
 
 # ----------------------------------------------------------------------------- one device of a mesh
 
-# The block dimensions each TP strategy divides by the `model` axis size (`boostjax.sharding.specs`):
+# The block dimensions each TP strategy divides by the `model` axis size (`boostjax.sharding.rules`):
 # BTP shards the residual stream (d) with the heads and d_ff and keeps the r-dim latents whole
 # (replicated after their psum); vanilla TP splits every low-rank pair along r (the [b, t, d]
 # residuals and all heads replicated); Megatron (fullrank-tp) splits heads and d_ff (the [b, t, d]
 # residual replicated). A block of the model with these dimensions divided is one device's block:
 # its parameter shapes are the device's shards and its tensor widths the device's activations.
 STRATEGY_DIMS: dict[str, tuple[str, ...]] = {
-    "none": (),
-    "fullrank-tp": ("n_heads", "n_kv_heads", "d_ff"),
-    "vanilla-tp": ("rank",),
-    "btp": ("d_model", "n_heads", "n_kv_heads", "d_ff"),
-}
+    name: tuple(f for f in rules.split_fields(name) if f != "vocab_size") for name in rules.STRATEGIES}
 
 
 @dataclass(frozen=True)

@@ -11,54 +11,19 @@ from typing import Any
 
 from boostjax.config import Config, ConfigError, ModelConfig
 from boostjax.models.attention import memory_kind
-from boostjax.offload.costmodel import (PLANNED_FOR_DEFAULTS, STRATEGY_DIMS, MeshSizes, activation_names,
+from boostjax.offload.costmodel import (PLANNED_FOR_DEFAULTS, MeshSizes, activation_names,
                                         build_instance, mesh_sizes, planned_for)
 from boostjax.offload.decisions import check_decisions
 from boostjax.offload.planfile import Plan, read_plan
-from boostjax.sharding.specs import KINDS
+from boostjax.sharding import rules
 
 _PLAN_FLAGS = {"model.kind": "--model", "train.optimizer": "--optimizer", "attention": "--attention"}
 
 
 def check_mesh_for(model: ModelConfig, strategy: str, mesh: Any, batch: int, seq: int, where: str = "train") -> None:
-    """`ConfigError` (one line) when `strategy` on `mesh` (see `mesh_sizes`; None or '' = no mesh) cannot
-    run this model, batch and seq, as the trainer refuses it: an unknown strategy, a TP strategy
-    without a mesh, a model kind it does not serve, a model axis without a TP strategy, TP sizes not
-    dividing the sharded dimensions or the vocabulary, stages not dividing the layers, data not
-    dividing the batch, a pipeline's tokens not splitting over its stages. `where` prefixes the
-    batch/seq/strategy/mesh fields (`train` or `plan`)."""
-    s = mesh_sizes(mesh, f"{where}.mesh")
-    if strategy not in STRATEGY_DIMS:
-        raise ConfigError(f"{where}.strategy: unknown strategy {strategy!r}; fix: use one of {', '.join(STRATEGY_DIMS)}")
-    if strategy != "none" and (mesh is None or mesh == ""):
-        raise ConfigError(f"{where}.mesh: strategy {strategy} needs a mesh; fix: pass --mesh data=1,model=2")
-    if model.kind not in KINDS[strategy]:
-        raise ConfigError(f"{where}.strategy: {strategy} does not serve model kind {model.kind!r}; fix: use --model "
-                          f"{' or '.join(KINDS[strategy])} or another --strategy")
-    if strategy == "none" and s.model > 1:
-        raise ConfigError(f"{where}.mesh: a model axis > 1 needs a TP strategy; fix: pass --strategy btp, vanilla-tp "
-                          "or fullrank-tp")
-    if s.model > 1:
-        values = {"d_model": model.d_model, "n_heads": model.n_heads, "n_kv_heads": model.kv_heads,
-                  "d_ff": model.d_ff, "rank": model.rank}
-        needs = [(dim, values[dim]) for dim in ("d_model", "n_heads", "n_kv_heads", "d_ff", "rank")
-                 if dim in STRATEGY_DIMS[strategy]] + [("vocab_size", model.vocab_size)]
-        for name, value in needs:
-            if value % s.model:
-                raise ConfigError(f"model.{name}: {value} is not divisible by the TP size {s.model} ({strategy}); "
-                                  f"fix: choose --{name.replace('_', '-')} a multiple of {s.model} or a smaller "
-                                  "model axis")
-    if model.n_layers % s.stage:
-        raise ConfigError(f"model.n_layers: {model.n_layers} layers do not split into stage={s.stage} equal "
-                          f"contiguous stages; fix: pass --n-layers a multiple of {s.stage} or a stage count that "
-                          f"divides {model.n_layers}")
-    if batch % s.data:
-        raise ConfigError(f"{where}.batch: {batch} is not divisible by data={s.data}; fix: pass --batch a multiple "
-                          f"of {s.data}")
-    if s.stage > 1 and (batch // s.data) * seq % s.stage:
-        raise ConfigError(f"{where}.seq: the head and loss are split over the stages by tokens, and the "
-                          f"{batch // s.data}x{seq} tokens per data shard do not split into stage={s.stage} equal "
-                          f"parts; fix: pass --seq a multiple of {s.stage}")
+    """`boostjax.sharding.rules.check_mesh_for` on a mesh given as `mesh_sizes` reads it (None or '' = no mesh)."""
+    sizes = None if mesh is None or mesh == "" else mesh_sizes(mesh, f"{where}.mesh")
+    rules.check_mesh_for(model, strategy, sizes, batch, seq, where)
 
 
 def check_planned_for(plan: Plan, model: ModelConfig, train: Any, path: Any = "the plan",

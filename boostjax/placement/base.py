@@ -38,7 +38,10 @@ class Placement(Protocol):
 
     def to_canonical(self, params: Any) -> Any: ...  # training layout -> canonical params
 
-    def param_specs(self, state_like: Any) -> Any: ...  # PartitionSpec per parameter leaf
+    @property
+    def axes(self) -> Any: ...  # logical axes per parameter leaf, in the training layout
+
+    def param_specs(self, state_like: Any) -> Any: ...  # PartitionSpec per parameter leaf (from `axes`)
 
     def place(self, role: Role, specs: Any, like: Any) -> Any: ...  # sharding per leaf (None: unconstrained)
 

@@ -5,7 +5,8 @@ The step moves them to device memory and back inside the jitted program (`base.t
 
 On a `stage` mesh the plan covers one stage's layers (every stage applies it to its own), and a
 pipeline stacks each parameter's layers into one array: that array lives on host when the plan puts
-all of the stage's layers there (`boostjax plan --mesh ... stage=P` plans them alike).
+all of the stage's layers there (`boostjax plan --mesh ... stage=P` plans them alike, and
+`boostjax.offload.check_plan_for` refuses a plan that does not).
 See `boostjax.offload.apply` for what a plan's decisions turn into and what the CPU backend does.
 """
 
@@ -20,8 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import Config, ConfigError
-from boostjax.offload.plans import Plan
+from boostjax.offload.planfile import Plan
 from boostjax.placement.base import DEVICE, HOST, Placement, Role
 
 
@@ -47,15 +47,6 @@ def host_mask(tree: Any, places: tuple[str, ...]) -> Any:
         return k is not None and places[k] == "host"
 
     return jax.tree_util.tree_map_with_path(home, tree)
-
-
-def check_stacked_places(plan: Plan, stages: int) -> None:
-    """A pipeline keeps one array per parameter for all of a stage's layers: a plan must place them alike."""
-    for name, places in (("parameters", plan.param_place), ("optimizer states", plan.opt_place)):
-        if stages > 1 and len(set(places)) > 1:
-            raise ConfigError(f"train.offload_plan: the plan puts some layers' {name} on host and others on device, "
-                              f"but a pipeline stage stacks its layers into one array; fix: re-run boostjax plan with "
-                              f"--mesh including stage={stages} (it places a stage's layers alike)")
 
 
 @dataclass(frozen=True)
@@ -98,6 +89,10 @@ class Offloaded:
     def to_canonical(self, params: Any) -> Any:
         return self.base.to_canonical(params)
 
+    @property
+    def axes(self) -> Any:
+        return self.base.axes
+
     def param_specs(self, state_like: Any) -> Any:
         return self.base.param_specs(state_like)
 
@@ -114,10 +109,3 @@ class Offloaded:
     @property
     def loss_fn(self):
         return self.base.loss_fn
-
-
-def check_offload(cfg: Config, plan: Plan, stages: int) -> None:
-    """What an offload plan needs from the run besides fitting the model (`check_plan_for`)."""
-    if cfg.train.remat != "none":
-        raise ConfigError("train.offload_plan: the plan decides the remat policy; fix: drop --remat (or pass none)")
-    check_stacked_places(plan, stages)

@@ -11,30 +11,24 @@ from typing import Any
 
 from boostjax.config import Config, ConfigError
 from boostjax.placement.tensor import TensorParallel
-from boostjax.sharding.mesh import DATA, MODEL, STAGE
-from boostjax.sharding.pipeline import (microbatches, pipeline_info, pipeline_loss_fn, stack_layers, stage_specs,
-                                        unstack_layers)
+from boostjax.sharding import rules
+from boostjax.sharding.mesh import MODEL
+from boostjax.models.stacking import stack_layers, unstack_layers
+from boostjax.sharding.pipeline import microbatches, pipeline_info, pipeline_loss_fn
 from boostjax.sharding.pipeline_1f1b import onef1b_loss_fn
 
 
-def check_pipeline(cfg: Config, stages: int, data: int) -> None:
-    """Raise `ConfigError` when `stage` pipeline stages cannot run this configuration."""
+def check_pipeline(cfg: Config) -> None:
+    """Raise `ConfigError` for what pipeline stages cannot run (the mesh sizes themselves are checked
+    by `rules.check_mesh_for`): micro-batches that do not divide a data shard's rows, segment ids,
+    a tied head."""
     m, t = cfg.model, cfg.train
-    if m.n_layers % stages:
-        raise ConfigError(f"model.n_layers: {m.n_layers} layers do not split into stage={stages} equal contiguous "
-                          f"stages; fix: pass --n-layers a multiple of {stages} or a stage count that divides "
-                          f"{m.n_layers}")
-    if t.batch % data:
-        raise ConfigError(f"train.batch: {t.batch} is not divisible by data={data}; fix: pass --batch a multiple of {data}")
+    data = t.sizes.data
     local = t.batch // data
     if t.microbatches and local % t.microbatches:
         raise ConfigError(f"train.microbatches: the batch per data shard ({t.batch}/data={data} = {local}) is not "
                           f"divisible by {t.microbatches} micro-batches; fix: pass --microbatches a divisor of "
                           f"{local} or 0 (auto)")
-    if local * t.seq % stages:
-        raise ConfigError(f"train.seq: the head and loss are split over the stages by tokens, and the {local}x{t.seq} "
-                          f"tokens per data shard do not split into stage={stages} equal parts; fix: pass --seq a "
-                          f"multiple of {stages}")
     if t.doc_mask:
         raise ConfigError("train.doc_mask: pipeline stages do not carry segment ids; "
                           "fix: drop stage= from --mesh or drop --doc-mask")
@@ -48,7 +42,7 @@ class Pipeline(TensorParallel):
     """Stacked, stage-sharded layers; embedding, final norm and head replicated over `stage`."""
 
     def __post_init__(self) -> None:
-        check_pipeline(self.cfg, self.mesh.shape[STAGE], self.mesh.shape[DATA])
+        check_pipeline(self.cfg)
 
     def to_state(self, params: Any) -> Any:
         return stack_layers(params)
@@ -56,8 +50,13 @@ class Pipeline(TensorParallel):
     def to_canonical(self, params: Any) -> Any:
         return unstack_layers(params)
 
+    @cached_property
+    def axes(self) -> Any:
+        """The logical axes of the stacked layout: `layers` (-> `stage`) in front of every layer's."""
+        return rules.stack_axes(rules.logical_axes(self.cfg.model))
+
     def param_specs(self, state_like: Any) -> Any:
-        return stage_specs(self.cfg.train.strategy, state_like, self.mesh.shape[MODEL])
+        return rules.param_specs(self.cfg.train.strategy if self.mesh.shape[MODEL] > 1 else "none", self.axes)
 
     @property
     def info(self) -> dict:

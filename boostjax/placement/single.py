@@ -8,12 +8,12 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 
 from boostjax.config import Config
 from boostjax.models.ops import cast_params
 from boostjax.placement.base import Role
+from boostjax.sharding import rules
 
 
 def local_loss_fn(cfg: Config, graphdef, remat: Any = None):
@@ -47,8 +47,12 @@ class SingleDevice:
     def to_canonical(self, params: Any) -> Any:
         return params
 
+    @cached_property
+    def axes(self) -> Any:
+        return rules.logical_axes(self.cfg.model)
+
     def param_specs(self, state_like: Any) -> Any:
-        return jax.tree.map(lambda _: P(), state_like)
+        return rules.param_specs("none", self.axes)
 
     def place(self, role: Role, specs: Any, like: Any) -> Any:
         if role == "grads":

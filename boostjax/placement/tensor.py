@@ -13,40 +13,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import Config, ConfigError, ModelConfig
+from boostjax.config import Config
 from boostjax.models.ops import cast_params
 from boostjax.placement.base import Role, is_spec
 from boostjax.sharding.mesh import DATA, MODEL, loss_mesh
-from boostjax.sharding.specs import COLLECTIVES, KINDS, data_sharded, param_specs
-
-
-def check_strategy(model: ModelConfig, strategy: str, tp: int) -> None:
-    """Raise `ConfigError` (one line: field and fix) when a strategy cannot shard this model."""
-    if model.kind not in KINDS[strategy]:
-        want = " or ".join(KINDS[strategy])
-        raise ConfigError(f"train.strategy: {strategy} does not serve model kind {model.kind!r}; fix: use --model {want}"
-                          f" or another --strategy")
-    if strategy == "none" and tp > 1:
-        raise ConfigError("train.mesh: a model axis > 1 needs a TP strategy; fix: pass --strategy btp, vanilla-tp or fullrank-tp")
-    if tp == 1:
-        return
-    needs = {"d_model": model.d_model} if strategy == "btp" else {}
-    if strategy in ("fullrank-tp", "btp"):
-        needs |= {"n_heads": model.n_heads, "n_kv_heads": model.kv_heads, "d_ff": model.d_ff}
-    if strategy == "vanilla-tp":
-        needs |= {"rank": model.rank}
-    needs["vocab_size"] = model.vocab_size
-    for name, value in needs.items():
-        if value % tp:
-            raise ConfigError(f"model.{name}: {value} is not divisible by the TP size {tp} ({strategy}); "
-                              f"fix: choose --{name.replace('_', '-')} a multiple of {tp} or a smaller model axis")
+from boostjax.sharding import rules
 
 
 def shard_loss_fn(cfg: Config, graphdef, mesh: Mesh, specs: Any, remat: Any) -> Callable[[Any, dict], jax.Array]:
     """The mean loss over the global batch, computed by `shard_map` with the strategy's collectives."""
-    coll = COLLECTIVES[cfg.train.strategy]
+    coll = rules.STRATEGIES[cfg.train.strategy].collectives
     if mesh.shape[MODEL] == 1:
-        coll = COLLECTIVES["none"]
+        coll = rules.STRATEGIES["none"].collectives
         specs = jax.tree.map(lambda _: P(), specs, is_leaf=is_spec)
     inner, rows = loss_mesh(mesh)
 
@@ -98,16 +76,21 @@ class TensorParallel:
     def to_canonical(self, params: Any) -> Any:
         return params
 
+    @cached_property
+    def axes(self) -> Any:
+        """The logical axes of every parameter in the training layout."""
+        return rules.logical_axes(self.cfg.model)
+
     def param_specs(self, state_like: Any) -> Any:
-        return param_specs(self.cfg.train.strategy, state_like)
+        return rules.param_specs(self.cfg.train.strategy, self.axes)
 
     def place(self, role: Role, specs: Any, like: Any) -> Any:
         """NamedShardings of `specs`; ZeRO adds `data` to optimizer state and gradients (stage >= 1)
-        and parameters (stage 3): `specs.data_sharded`."""
+        and parameters (stage 3): `rules.data_sharded`."""
         zero = self.cfg.train.zero
         split = zero >= 3 if role == "params" else zero >= 1
         data = self.mesh.shape[DATA] if split else 1
-        return jax.tree.map(lambda s, a: NamedSharding(self.mesh, data_sharded(s, a.shape, data)),
+        return jax.tree.map(lambda s, a: NamedSharding(self.mesh, rules.data_sharded(s, a.shape, data)),
                             specs, like, is_leaf=is_spec)
 
     @cached_property

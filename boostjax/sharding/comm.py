@@ -504,7 +504,7 @@ def _cmd_comm(args: argparse.Namespace) -> int:
         raise ConfigError(f"comm.mesh: {e}") from e
     import jax  # noqa: PLC0415 (after the device count is set)
 
-    from boostjax.placement.tensor import check_strategy  # noqa: PLC0415
+    from boostjax.sharding.rules import check_strategy  # noqa: PLC0415
 
     devices, visible = mesh_devices(args.mesh, "comm.mesh"), jax.device_count()
     if devices > visible:  # e.g. an accelerator with fewer devices than the mesh (nothing simulated)

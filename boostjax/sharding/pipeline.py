@@ -2,11 +2,11 @@
 `data` and every TP strategy.
 
 Layout. The training state keeps the blocks *stacked*: `params["layers"]` is one Block-shaped tree
-whose leaves carry a leading layer axis `[L, ...]`, sharded `P("stage", *tp_spec)` (`stage_specs`), so
+whose leaves carry a leading layer axis `[L, ...]`, sharded `P("stage", *tp_spec)` (`boostjax.sharding.rules`: logical axis `layers` -> `stage`), so
 stage `s` holds exactly its contiguous layers `[s·L/P, (s+1)·L/P)`. Embedding, final norm and LM head
 keep their TP spec and are replicated over `stage`; only stage 0 uses the embedding (the others
 contribute zero to its gradient), and every stage runs norm and head on its share of the tokens
-(below). `stack_layers` / `unstack_layers` convert to and from the canonical
+(below). `boostjax.models.stacking` converts to and from the canonical
 per-layer layout (`layers: {0: Block, 1: Block, ...}`) that `TrainResult`, `load_run` and
 `export-hf` see; checkpoints hold the training (stacked) layout and `Checkpointer.restore_params`
 unstacks them.
@@ -33,15 +33,15 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import Config, TrainConfig, parse_mesh
+from boostjax.config import Config, TrainConfig
 from boostjax.models import ops
 from boostjax.models.llama import LLaMA, Block, resolve_remat, run_schedule
 from boostjax.models.ops import cast_params
 from boostjax.models.remat import tied_checkpoint
-from boostjax.sharding.collectives import vocab_parallel_cross_entropy
+from boostjax.models.collectives import vocab_parallel_cross_entropy
 from boostjax.sharding.mesh import loss_mesh
 from boostjax.sharding.pipeline_1f1b import ring_slots
-from boostjax.sharding.specs import COLLECTIVES, param_specs
+from boostjax.sharding.rules import STRATEGIES
 
 STAGE = "stage"
 
@@ -56,8 +56,7 @@ def microbatches(t: TrainConfig) -> int:
     """`t.microbatches`, or (0 = auto) the largest divisor of the per-data-shard batch that is at most
     4·P: GPipe's bubble is small once M >= 4P ((P-1)/(5P-1) < 20 %), and more, smaller micro-batches
     only cost GEMM efficiency."""
-    sizes = parse_mesh(t.mesh)
-    stages, local = sizes.get("stage", 1), t.batch // sizes.get("data", 1)
+    stages, local = t.sizes.stage, t.batch // t.sizes.data
     if t.microbatches:
         return t.microbatches
     return max(m for m in range(1, min(local, 4 * stages) + 1) if local % m == 0)
@@ -72,43 +71,11 @@ def activation_slots(schedule: str, stages: int, microbatches: int) -> int:
 def pipeline_info(t: TrainConfig) -> dict:
     """What the train loop logs at start and `StepFns.info` returns: schedule, stages, micro-batches,
     bubble (the same `(P-1)/(M+P-1)` for both schedules) and the activation slots per device."""
-    stages, m = parse_mesh(t.mesh).get("stage", 1), microbatches(t)
+    stages, m = t.sizes.stage, microbatches(t)
     return {"schedule": t.pipeline_schedule, "stages": stages, "microbatches": m,
-            "microbatch_size": t.batch // parse_mesh(t.mesh).get("data", 1) // m,
+            "microbatch_size": t.batch // t.sizes.data // m,
             "bubble_fraction": bubble_fraction(stages, m),
             "activation_slots": activation_slots(t.pipeline_schedule, stages, m)}
-
-
-# -- layouts ---------------------------------------------------------------------------------------
-def is_stacked(params: Any) -> bool:
-    """Whether `params["layers"]` is one stacked Block tree (not `{0: Block, 1: Block, ...}`)."""
-    layers = params.get("layers") if isinstance(params, dict) else None
-    return isinstance(layers, dict) and "attn" in layers
-
-
-def stack_layers(params: dict) -> dict:
-    """Canonical per-layer params -> one Block tree with a leading layer axis `[L, ...]`."""
-    layers = params["layers"]
-    blocks = [layers[i] for i in sorted(layers, key=int)]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
-    return {**params, "layers": stacked}
-
-
-def unstack_layers(params: dict) -> dict:
-    """The inverse of `stack_layers` (canonical params unchanged)."""
-    if not is_stacked(params):
-        return params
-    stacked = params["layers"]
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    return {**params, "layers": {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)}}
-
-
-def stage_specs(strategy: str, stacked: Any, tp: int) -> Any:
-    """The TP strategy's spec table with `stage` prepended to every stacked layer's spec (TP specs
-    dropped when the model axis is 1)."""
-    specs = param_specs(strategy if tp > 1 else "none", stacked)
-    return {k: (jax.tree.map(lambda s: P(STAGE, *s), v, is_leaf=lambda x: isinstance(x, P)) if k == "layers" else v)
-            for k, v in specs.items()}
 
 
 # -- the pipelined loss ------------------------------------------------------------------------------
@@ -118,7 +85,7 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int, remat: A
     `remat`: a policy name (default `cfg.train.remat`), or a per-layer schedule of one stage's
     layers (an offload plan's: every stage applies it to its own layers)."""
     mcfg, stages, tp = cfg.model, mesh.shape[STAGE], mesh.shape["model"]
-    coll = COLLECTIVES[cfg.train.strategy] if tp > 1 else COLLECTIVES["none"]
+    coll = STRATEGIES[cfg.train.strategy if tp > 1 else "none"].collectives
     top_def, _ = nnx.split(nnx.eval_shape(lambda: LLaMA(replace(mcfg, n_layers=0), rngs=nnx.Rngs(0))))
     block_def, _ = nnx.split(nnx.eval_shape(lambda: Block(mcfg, rngs=nnx.Rngs(0))))
     per_stage = mcfg.n_layers // stages

@@ -42,9 +42,9 @@ from boostjax.config import Config
 from boostjax.models import ops
 from boostjax.models.llama import LLaMA, Block, resolve_remat, run_schedule
 from boostjax.models.ops import cast_params
-from boostjax.sharding.collectives import vocab_parallel_cross_entropy
+from boostjax.models.collectives import vocab_parallel_cross_entropy
 from boostjax.sharding.mesh import loss_mesh
-from boostjax.sharding.specs import COLLECTIVES
+from boostjax.sharding.rules import STRATEGIES
 
 STAGE = "stage"
 
@@ -96,7 +96,7 @@ def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str
     """The per-device 1F1B program: `(params, inputs_bt, targets_bt) -> (loss, grads)` inside a
     shard_map over `axis_names` (the mesh's, less a `data` axis of size 1)."""
     mcfg, stages, tp, data = cfg.model, mesh.shape[STAGE], mesh.shape["model"], mesh.shape["data"]
-    coll = COLLECTIVES[cfg.train.strategy] if tp > 1 else COLLECTIVES["none"]
+    coll = STRATEGIES[cfg.train.strategy if tp > 1 else "none"].collectives
     top_def, _ = nnx.split(nnx.eval_shape(lambda: LLaMA(replace(mcfg, n_layers=0), rngs=nnx.Rngs(0))))
     block_def, _ = nnx.split(nnx.eval_shape(lambda: Block(mcfg, rngs=nnx.Rngs(0))))
     per_stage, n_ring, last = mcfg.n_layers // stages, ring_slots(stages), stages - 1

@@ -29,7 +29,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import LOW_RANK_KINDS, MODEL_KINDS, ModelConfig
+from boostjax.config import LOW_RANK_KINDS, MODEL_KINDS, ConfigError, ModelConfig
 from boostjax.models.collectives import Collectives
 from boostjax.models.llama import AXES, LLaMA
 
@@ -152,11 +152,61 @@ def rotation_mask(axes_tree: Any) -> Any:
     return jax.tree_util.tree_map_with_path(mask, axes_tree, is_leaf=_is_axes)
 
 
+def split_fields(strategy: str) -> tuple[str, ...]:
+    """The ModelConfig fields behind the logical axes the strategy splits over `model`, in
+    `AXIS_SIZES` order (`vocab_size` last: every strategy splits the vocabulary)."""
+    rules = STRATEGIES[strategy].rules
+    return tuple(f for a, (f, _) in AXIS_SIZES.items() if rules.get(a) == MODEL)
+
+
 def split_sizes(strategy: str, model_cfg: ModelConfig) -> dict[str, int]:
     """The model dimensions the strategy splits over the `model` mesh axis (each must divide by the TP
     size): {ModelConfig field: size}, in `AXIS_SIZES` order."""
     rules = STRATEGIES[strategy].rules
     return {f: size(model_cfg) for a, (f, size) in AXIS_SIZES.items() if rules.get(a) == MODEL}
+
+
+def check_strategy(model: ModelConfig, strategy: str, tp: int, where: str = "train") -> None:
+    """`ConfigError` (one line) when `strategy` cannot split this model over a model axis of `tp`
+    devices: a model kind it does not serve, a model axis without a TP strategy, a split dimension
+    (or the vocabulary) that `tp` does not divide."""
+    kinds = STRATEGIES[strategy].kinds
+    if model.kind not in kinds:
+        raise ConfigError(f"{where}.strategy: {strategy} does not serve model kind {model.kind!r}; fix: use --model "
+                          f"{' or '.join(kinds)} or another --strategy")
+    if strategy == "none" and tp > 1:
+        raise ConfigError(f"{where}.mesh: a model axis > 1 needs a TP strategy; fix: pass --strategy btp, vanilla-tp "
+                          "or fullrank-tp")
+    for name, value in (split_sizes(strategy, model).items() if tp > 1 else ()):
+        if value % tp:
+            raise ConfigError(f"model.{name}: {value} is not divisible by the TP size {tp} ({strategy}); "
+                              f"fix: choose --{name.replace('_', '-')} a multiple of {tp} or a smaller model axis")
+
+
+def check_mesh_for(model: ModelConfig, strategy: str, sizes: Any, batch: int, seq: int, where: str = "train") -> None:
+    """`ConfigError` (one line: field and fix) when `strategy` on a mesh of `sizes` (`.data`, `.stage`,
+    `.model`; None = no mesh) cannot run this model, batch and seq: an unknown strategy, a TP strategy
+    without a mesh, a model kind it does not serve, a model axis without a TP strategy, TP sizes not
+    dividing the split dimensions or the vocabulary, stages not dividing the layers, data not dividing
+    the batch, a pipeline's tokens not splitting over its stages. `where` prefixes the batch/seq/
+    strategy/mesh fields (`train` or `plan`). The trainer and the planner both run it."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"{where}.strategy: unknown strategy {strategy!r}; fix: use one of {', '.join(STRATEGIES)}")
+    if strategy != "none" and sizes is None:
+        raise ConfigError(f"{where}.mesh: strategy {strategy} needs a mesh; fix: pass --mesh data=1,model=2")
+    data, stage, tp = (1, 1, 1) if sizes is None else (sizes.data, sizes.stage, sizes.model)
+    check_strategy(model, strategy, tp, where)
+    if model.n_layers % stage:
+        raise ConfigError(f"model.n_layers: {model.n_layers} layers do not split into stage={stage} equal "
+                          f"contiguous stages; fix: pass --n-layers a multiple of {stage} or a stage count that "
+                          f"divides {model.n_layers}")
+    if batch % data:
+        raise ConfigError(f"{where}.batch: {batch} is not divisible by data={data}; fix: pass --batch a multiple "
+                          f"of {data}")
+    if stage > 1 and (batch // data) * seq % stage:
+        raise ConfigError(f"{where}.seq: the head and loss are split over the stages by tokens, and the "
+                          f"{batch // data}x{seq} tokens per data shard do not split into stage={stage} equal "
+                          f"parts; fix: pass --seq a multiple of {stage}")
 
 
 def data_sharded(spec: P, shape: tuple[int, ...], data: int) -> P:
