@@ -16,7 +16,7 @@ from boostjax.offload.costmodel import build_instance
 from boostjax.offload.planner import Decisions, make_plan
 from boostjax.placement import on_host
 from boostjax.step import build_step_fns
-from boostjax.train import init_model
+from boostjax.models.llama import init_model
 
 MODEL = ModelConfig(kind="cola", d_model=32, n_layers=4, n_heads=2, d_ff=64, rank=16, max_seq_len=16)
 
