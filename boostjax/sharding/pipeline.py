@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import Config, ConfigError, TrainConfig, parse_mesh
+from boostjax.config import Config, ConfigError, TrainConfig
 from boostjax.models import ops
 from boostjax.models.llama import LLaMA, Block, resolve_remat
 from boostjax.models.remat import tied_checkpoint
@@ -54,8 +54,7 @@ def microbatches(t: TrainConfig) -> int:
     """`t.microbatches`, or (0 = auto) the largest divisor of the per-data-shard batch that is at most
     4·P: GPipe's bubble is small once M >= 4P ((P-1)/(5P-1) < 20 %), and more, smaller micro-batches
     only cost GEMM efficiency."""
-    sizes = parse_mesh(t.mesh)
-    stages, local = sizes.get("stage", 1), t.batch // sizes.get("data", 1)
+    stages, local = t.sizes.stage, t.batch // t.sizes.data
     if t.microbatches:
         return t.microbatches
     return max(m for m in range(1, min(local, 4 * stages) + 1) if local % m == 0)
@@ -70,9 +69,9 @@ def activation_slots(schedule: str, stages: int, microbatches: int) -> int:
 def pipeline_info(t: TrainConfig) -> dict:
     """What the train loop logs at start and `StepFns.info` returns: schedule, stages, micro-batches,
     bubble (the same `(P-1)/(M+P-1)` for both schedules) and the activation slots per device."""
-    stages, m = parse_mesh(t.mesh).get("stage", 1), microbatches(t)
+    stages, m = t.sizes.stage, microbatches(t)
     return {"schedule": t.pipeline_schedule, "stages": stages, "microbatches": m,
-            "microbatch_size": t.batch // parse_mesh(t.mesh).get("data", 1) // m,
+            "microbatch_size": t.batch // t.sizes.data // m,
             "bubble_fraction": bubble_fraction(stages, m),
             "activation_slots": activation_slots(t.pipeline_schedule, stages, m)}
 

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import Config, ConfigError, ModelConfig, parse_mesh
+from boostjax.config import Config, ConfigError, MeshShape, ModelConfig
 from boostjax.sharding.specs import COLLECTIVES, KINDS, param_specs
 
 
@@ -56,13 +56,12 @@ def check_strategy(model: ModelConfig, strategy: str, tp: int) -> None:
                               f"fix: choose --{name.replace('_', '-')} a multiple of {tp} or a smaller model axis")
 
 
-def make_mesh(spec: str) -> Mesh | None:
-    """The mesh of a `--mesh` string over the first devices ('' -> None: one device): `data x model`,
+def make_mesh(shape: MeshShape | None) -> Mesh | None:
+    """The mesh of `shape` over the first devices (None -> None: one device): `data x model`,
     or `data x stage x model` when stage > 1 (model innermost: TP groups on neighbouring devices)."""
-    sizes = parse_mesh(spec)
-    if not sizes:
+    if shape is None:
         return None
-    d, p, t = sizes.get("data", 1), sizes.get("stage", 1), sizes.get("model", 1)
+    d, p, t = shape.data, shape.stage, shape.model
     n = jax.device_count()
     if d * p * t > n or (jax.process_count() > 1 and d * p * t != n):
         shown = f"data={d} x stage={p} x model={t}" if p > 1 else f"data={d} x model={t}"
