@@ -440,8 +440,8 @@ def _validate_tied(t: TrainConfig, m: ModelConfig) -> None:
     sizes = t.sizes
     _need(not m.tie_embeddings or (t.strategy == "none" and sizes.model == 1 and sizes.stage == 1),
           f"model.tie_embeddings: a tied LM head (the embedding) is not implemented under tensor parallelism or "
-          f"pipeline stages (strategy={t.strategy}, mesh={mesh_text(t.mesh)!r}); fix: pass --strategy none and a data-only "
-          "--mesh (e.g. data=8), or --no-tie-embeddings")
+          f"pipeline stages (strategy={t.strategy}, mesh={mesh_text(t.mesh)!r}); fix: pass --strategy none and a "
+          "data-only --mesh (e.g. data=8), or --no-tie-embeddings")
 
 
 def _validate_observe(t: TrainConfig) -> None:

@@ -65,7 +65,8 @@ def memory_fields(compiled) -> dict[str, int]:
     return {f"{n}_bytes": int(getattr(ma, f"{n}_size_in_bytes", 0) or 0) for n in MEMORY_FIELDS}
 
 
-def train_config(batch: int, seq: int, strategy: str, mesh: MeshShape | str | None, remat: str, dtype: str, **train_fields) -> TrainConfig:
+def train_config(batch: int, seq: int, strategy: str, mesh: MeshShape | str | None, remat: str, dtype: str,
+                 **train_fields) -> TrainConfig:
     names = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(train_fields) - names)
     if unknown:
@@ -139,6 +140,6 @@ def memory_report(model: ModelConfig, mesh: MeshShape | str | None, batch: int, 
     t = train_config(batch, seq, strategy, mesh, remat, dtype, **train_fields)
     cfg = validate(Config(model, t))
     parts = memory_parts(train_step_compiled(cfg))
-    return {"kind": model.kind, "strategy": strategy, "mesh": mesh_text(t.mesh), "batch": batch, "seq": seq, "remat": remat,
-            "dtype": dtype, "train": dict(train_fields), "backend": jax.default_backend(), **parts,
+    return {"kind": model.kind, "strategy": strategy, "mesh": mesh_text(t.mesh), "batch": batch, "seq": seq,
+            "remat": remat, "dtype": dtype, "train": dict(train_fields), "backend": jax.default_backend(), **parts,
             "peak_gib": parts["peak_bytes_per_device"] / GIB}
