@@ -178,3 +178,32 @@ def test_cli_train_validates_and_joins_once(monkeypatch, tmp_path):
         train_mod.train(cfg)  # the Python API: train validates and joins itself
     assert calls == {"validate": 2, "setup": 2}
     assert is_validated(validate(cfg)) and not is_validated(replace(cfg, train=TrainConfig(out="x")))
+
+
+def test_config_imports_only_leaf_modules():
+    """Every module may import `boostjax.config`: it imports only boostjax modules that import no boostjax
+    module (no cycle can pass through it), at module level or inside a function."""
+    import ast
+    import pathlib
+
+    import boostjax
+
+    root = pathlib.Path(boostjax.__file__).parent
+
+    def imports(path: pathlib.Path, skip: str = "") -> set[str]:
+        tree = ast.parse(path.read_text())
+        skipped = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == skip
+                   for n in ast.walk(f)}
+        found = set()
+        for n in ast.walk(tree):
+            if id(n) not in skipped and isinstance(n, ast.ImportFrom) and (n.module or "").startswith("boostjax"):
+                found.add(n.module)
+            elif id(n) not in skipped and isinstance(n, ast.Import):
+                found |= {a.name for a in n.names if a.name.startswith("boostjax")}
+        return found
+
+    # _validate_offload_plan leaves config with the offload plan check (issue 14, item 5: the placement calls it)
+    used = imports(root / "config.py", skip="_validate_offload_plan")
+    assert used == {"boostjax.data", "boostjax.offload.hardware"}, used
+    for module in used:
+        assert imports(root.joinpath(*module.split(".")[1:]).with_suffix(".py")) == set(), module
