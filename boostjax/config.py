@@ -197,7 +197,7 @@ class TrainConfig:
     microbatches: int = 0  # pipeline micro-batches per data shard (stage > 1); 0 = auto (see sharding.pipeline)
     grad_accum: int = 1  # N micro-batches of `batch` rows per optimizer step (effective batch: batch x N)
     zero: ZeroStage = 0  # data-parallel state sharding: 0 replicated, 1 optimizer state over data, 3 params too
-    pipeline_schedule: PipelineSchedule = "gpipe"  # stage > 1: "gpipe" or "1f1b" (activation memory ~2P micro-batches, not M+P-1)
+    pipeline_schedule: PipelineSchedule = "gpipe"  # stage > 1: gpipe, or 1f1b (activations ~2P micro-batches, not M+P-1)
     remat: Remat = "none"
     optimizer: Optimizer = "adamw"
     pipeline_delay: int = 1  # S: emulate an asynchronous pipeline of S stages (1 = no delay)
@@ -304,8 +304,10 @@ def _check_types(obj: Any, prefix: str) -> None:
                   f"{prefix}.{f.name}: must be a number, got {v!r}; fix: pass {flag} X")
             _need(math.isfinite(v), f"{prefix}.{f.name}: must be a finite number, got {v}; "
                                     f"fix: pass {flag} with a finite value (default {f.default!r})")
-        elif f.name == "mesh":
-            pass  # a MeshShape or None: TrainConfig's constructor parsed it
+        elif f.name == "mesh":  # a MeshShape or None (the constructor parsed a string); its sizes positive ints
+            bad = v is not None and not all(type(getattr(v, a)) is int and getattr(v, a) >= 1 for a in MESH_AXES)
+            _need(not bad, f"{prefix}.mesh: {v!r} has a size that is not an integer >= 1; "
+                           "fix: pass e.g. --mesh data=2,model=4 or MeshShape(data=2, model=4)")
         elif typing.get_origin(kind) is Literal and all(isinstance(x, int) for x in get_args(kind)):
             _need(isinstance(v, int) and not isinstance(v, bool),
                   f"{prefix}.{f.name}: must be an integer, got {v!r}; fix: pass {flag} N")
@@ -500,7 +502,7 @@ def _validate_doc_mask(t: TrainConfig, m: ModelConfig) -> None:
     _need(m.attention != "cudnn", "train.doc_mask: cuDNN attention takes no segment ids; "
                                   "fix: pass --attention chunked (or auto) or drop --doc-mask")
     _need(t.sizes.stage == 1, "train.doc_mask: pipeline stages do not carry segment ids; "
-                                                   "fix: drop stage= from --mesh or drop --doc-mask")
+                              "fix: drop stage= from --mesh or drop --doc-mask")
 
 
 def _validate_pipeline(t: TrainConfig, m: ModelConfig) -> None:
@@ -595,8 +597,8 @@ def validate_processes(coordinator: str, num_processes: int, process_id: int, me
 
 def validate_process_mesh(num_processes: int, mesh: MeshShape | None) -> None:
     """A job of several processes needs a mesh whose devices split evenly over them."""
-    _need(mesh is not None, f"train.mesh: a job of {num_processes} processes needs a device mesh over all of their "
-                       "devices; fix: pass e.g. --mesh data=D,model=T with D x T the job's device count")
+    _need(mesh is not None, f"train.mesh: a job of {num_processes} processes needs a device mesh over all of "
+                            "their devices; fix: pass e.g. --mesh data=D,model=T with D x T the job's device count")
     devices = mesh.devices
     _need(devices % num_processes == 0,
           f"train.mesh: its {devices} devices do not split evenly over {num_processes} processes; "

@@ -69,3 +69,11 @@ def test_resume_compares_meshes_and_records_text(tmp_path):
     json.dumps(changes)  # config_history.jsonl holds it
     assert folder.check_resume(Config(), Config(train=TrainConfig(mesh="data=2")), resuming=False) == {
         "train.mesh": ["", "data=2,model=1"]}
+
+
+def test_a_mesh_shape_made_in_python_is_checked():
+    from boostjax.config import ModelConfig, validate
+
+    for bad in (MeshShape(data=0), MeshShape(model=2.0), MeshShape(stage=True)):
+        with pytest.raises(ConfigError, match=r"^train\.mesh: .*fix: "):
+            validate(Config(ModelConfig(), TrainConfig(mesh=bad)))
