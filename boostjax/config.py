@@ -5,7 +5,7 @@ are the flag's choices. The mesh is parsed once, into a `MeshShape`, when a `Tra
 `validate` runs before anything is compiled and raises `ConfigError` with one line naming the field
 and the fix; it marks the config it checked, so a job validates once (`is_validated`).
 
-This module imports only leaf modules of boostjax (`boostjax.data`, `boostjax.offload.hardware`:
+This module imports only leaf modules of boostjax (`boostjax.data`, `boostjax.hardware`:
 modules that import nothing of boostjax), so every other module may import it.
 """
 
@@ -15,14 +15,13 @@ import dataclasses
 import json
 import math
 import os
-import pathlib
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 from boostjax.data import check_data
-from boostjax.offload.hardware import _ALIASES as HARDWARE_ALIASES
-from boostjax.offload.hardware import PROFILES, get_profile
+from boostjax.hardware import _ALIASES as HARDWARE_ALIASES
+from boostjax.hardware import PROFILES, get_profile
 
 # Each set of names is written once, as a Literal (the field's type; the CLI's choices); the tuples follow.
 ModelKind = Literal["llama", "cola", "svd", "lax"]
@@ -218,7 +217,7 @@ class TrainConfig:
     # observability (issue 13, item 7; boostjax.observe)
     tensorboard: bool = True  # TensorBoard event files in <out>/tensorboard/ (process 0)
     profile: str = ""  # "START:STOP": a jax.profiler trace of steps [START, STOP) into <out>/profile/
-    hardware: str = ""  # peak-FLOPs profile for MFU (boostjax.offload.hardware); "" = detect from the device
+    hardware: str = ""  # peak-FLOPs profile for MFU (boostjax.hardware); "" = detect from the device
     # item 2 (documents): batches carry segment ids and attention never crosses a document boundary
     doc_mask: bool = False
     # item 4 (boostjax.pretrained): a Hugging Face LLaMA folder a new run starts from ("" = random init)
@@ -432,8 +431,6 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _validate_tied(t, m)
     _validate_observe(t)
     _validate_doc_mask(t, m)
-    if t.offload_plan:
-        _validate_offload_plan(t, m)
 
 
 def _validate_tied(t: TrainConfig, m: ModelConfig) -> None:
@@ -536,32 +533,6 @@ def _validate_pipeline(t: TrainConfig, m: ModelConfig) -> None:
                                  "other; fix: drop --pipeline-delay or the stage= axis of --mesh")
     _need(t.optimizer != "rotation", "train.optimizer: basis rotation is not implemented for stage-stacked "
                                      "layers; fix: use --optimizer adamw (or drop stage= from --mesh)")
-
-
-def _validate_offload_plan(t: TrainConfig, m: ModelConfig) -> None:
-    """The plan file is a plan made for this model, batch, seq, dtype and optimizer, and runs on one device."""
-    from boostjax.offload.costmodel import build_instance  # noqa: PLC0415 (offload imports this module)
-    from boostjax.offload.decisions import check_decisions  # noqa: PLC0415
-    from boostjax.offload.plans import check_planned_for, read_plan  # noqa: PLC0415
-
-    _need(t.strategy == "none" and t.mesh is None,
-          "train.offload_plan: an offload plan runs on one device; fix: drop --strategy and --mesh")
-    _need(t.remat == "none", "train.offload_plan: the plan sets the remat policy; fix: drop --remat")
-    path = pathlib.Path(t.offload_plan)
-    plan = read_plan(path)
-    n = len(plan.decisions.boundary)
-    _need(n == m.n_layers, f"train.offload_plan: the plan has {n} layers but n_layers={m.n_layers} ({path}); "
-                           f"fix: re-run boostjax plan with --n-layers {m.n_layers} (and this run's other flags) "
-                           f"--out {path}")
-    check_planned_for(plan, m, t, path)
-    inst = build_instance(m, t.batch, t.seq, "H800-80GB", dtype_bytes=4 if t.dtype == "float32" else 2,
-                          eight_bit=t.optimizer == "adam8bit")
-    try:
-        check_decisions(inst, plan.decisions)
-    except ValueError as e:
-        why = str(e).split("; fix:")[0]
-        raise ConfigError(f"train.offload_plan: {path} holds decisions this model does not allow ({why}); "
-                          f"fix: re-run boostjax plan --out {path}") from None
 
 
 def validate_processes(coordinator: str, num_processes: int, process_id: int, mesh: MeshShape | None,

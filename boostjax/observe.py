@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from boostjax.config import check_hardware
-from boostjax.offload.hardware import HardwareProfile, get_profile, profile_for_device
+from boostjax.hardware import HardwareProfile, get_profile, profile_for_device
 
 TENSORBOARD = "tensorboard"  # run-folder entries written here
 PROFILE = "profile"

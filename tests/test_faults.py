@@ -25,7 +25,7 @@ from boostjax.checkpoint import ASIDE, MANIFEST, CheckpointError, Checkpointer
 from boostjax.cli import main
 from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.run import load_run, read_metrics
-from boostjax.train import NonFiniteLoss, train
+from boostjax.trainer import NonFiniteLoss, train
 
 pytestmark = pytest.mark.xdist_group("faults")  # one worker: the subprocess tests share a reference run
 

@@ -11,7 +11,7 @@ import pytest
 from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.data import BatchIterator
 from boostjax.step import build_step_fns, train_state_shapes
-from boostjax.train import init_model
+from boostjax.models.llama import init_model
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)
 MODEL = ModelConfig(kind="cola", d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=16, vocab_size=256, max_seq_len=16)

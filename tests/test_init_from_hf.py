@@ -20,7 +20,8 @@ from boostjax.models import ops
 from boostjax.sharding.collectives import LOCAL
 from boostjax.text import TOKENIZER_FILE, train_tokenizer
 from boostjax.tokenize import tokenize_corpus
-from boostjax.train import abstract_model, train
+from boostjax.models.llama import abstract_model
+from boostjax.trainer import train
 
 DENSE = ModelConfig(kind="llama", vocab_size=288, d_model=32, n_layers=2, n_heads=4, d_ff=64, norm_eps=1e-5)
 # the training runs: one layer (half the program to compile) and logits of O(1), far from uniform, so a

@@ -35,7 +35,7 @@ def test_shapes_and_param_count(kind):
     assert flops_per_token(model.cfg, 128) > 6 * (n - SMALL.vocab_size * SMALL.d_model)
 
 
-def test_low_rank_is_smaller_and_presets_match_design():
+def test_low_rank_is_smaller_and_the_7b_preset_is_llama_7b():
     from boostjax.config import preset
 
     assert param_count(preset("7b", kind="cola")) < 0.5 * param_count(preset("7b", kind="llama"))

@@ -13,7 +13,7 @@ from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, valid
 from boostjax.launch import launch_local
 from boostjax.multihost import ProcessGroup, resolve
 from boostjax.run import read_metrics
-from boostjax.train import train
+from boostjax.trainer import train
 
 MICRO = ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, rank=8)
 JOB = TrainConfig(steps=8, batch=8, seq=32, log_every=1, ckpt_every=4, eval_every=100, eval_batches=1,

@@ -11,7 +11,7 @@ import pytest
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
 from boostjax.sharding.strategies import placement
 from boostjax.step import local_loss_fn
-from boostjax.train import init_model
+from boostjax.models.llama import init_model
 
 CASES = [("fullrank-tp", "llama"), ("vanilla-tp", "cola"), ("vanilla-tp", "svd"), ("vanilla-tp", "lax"),
          ("btp", "cola"), ("btp", "svd"), ("btp", "lax")]

@@ -11,7 +11,7 @@ import pytest
 from boostjax.cli import main
 from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.run import load_run, read_metrics
-from boostjax.train import train
+from boostjax.trainer import train
 
 MICRO = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=8)
 FAST = TrainConfig(steps=40, batch=8, seq=32, lr=3e-3, log_every=5, eval_every=20, eval_batches=2,

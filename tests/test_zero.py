@@ -13,7 +13,8 @@ from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.data import BatchIterator
 from boostjax.sharding.specs import data_sharded
 from boostjax.step import build_step_fns, train_state_shapes
-from boostjax.train import init_model, train
+from boostjax.models.llama import init_model
+from boostjax.trainer import train
 
 TOKENS = np.random.default_rng(1).integers(0, 256, 20_000).astype(np.uint16)
 MODEL = ModelConfig(kind="cola", d_model=32, n_layers=1, n_heads=2, d_ff=64, rank=16, vocab_size=256, max_seq_len=16)

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from boostjax.config import ModelConfig
+from boostjax.config import Config, ModelConfig
 from boostjax.models import kvcache, ops
 from boostjax.models.remat import tied_checkpoint
 from boostjax.sharding.collectives import LOCAL, Collectives, vocab_parallel_cross_entropy
@@ -301,3 +301,16 @@ def _check_schedule(schedule: RematSchedule, n_layers: int) -> RematSchedule:
         raise ValueError(f"remat: the schedule covers {n} layers but the model has {n_layers}; "
                          "fix: one entry per layer (a RematSegment counts len(inner) layers)")
     return schedule
+
+
+def init_model(cfg: Config) -> tuple[Any, dict]:
+    """(graphdef, fp32 parameter dict) of a freshly initialised model."""
+    model = LLaMA(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
+    graphdef, state = nnx.split(model)
+    return graphdef, state.to_pure_dict()
+
+
+def abstract_model(cfg: Config) -> tuple[Any, dict]:
+    """(graphdef, parameter shapes) of the model, without allocating it."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))))
+    return graphdef, state.to_pure_dict()

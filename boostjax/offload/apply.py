@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 from boostjax.config import Config, ConfigError
 from boostjax.models.llama import RematSegment
 from boostjax.offload.costmodel import PlanInstance, activation_names, build_instance
-from boostjax.offload.hardware import HardwareProfile
+from boostjax.hardware import HardwareProfile
 from boostjax.offload.planner import Plan, simulate
 from boostjax.offload.plans import check_planned_for, read_plan
 
