@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, preset, validate
+from boostjax.hardware import HardwareProfile
 from boostjax.models.llama import RematSegment
 from boostjax.offload import apply, check_plan_for
 from boostjax.offload.costmodel import build_instance
-from boostjax.hardware import HardwareProfile
 from boostjax.offload.planner import Decisions, baseline_plan, make_plan
 from boostjax.step import build_step_fns, local_loss_fn, make_optimizer, make_train_step
 from boostjax.models.llama import init_model

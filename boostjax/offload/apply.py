@@ -57,9 +57,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from boostjax.config import Config, ConfigError
+from boostjax.hardware import HardwareProfile
 from boostjax.models.llama import RematSegment
 from boostjax.offload.costmodel import PlanInstance, activation_names, build_instance
-from boostjax.hardware import HardwareProfile
 from boostjax.offload.planner import Plan, simulate
 from boostjax.offload.plans import check_planned_for, read_plan
 
