@@ -17,7 +17,7 @@ from boostjax.cli import main
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
 from boostjax.data import batch_iterator, load_corpus
 from boostjax.models import ops
-from boostjax.sharding.collectives import LOCAL
+from boostjax.models.collectives import LOCAL
 from boostjax.text import TOKENIZER_FILE, train_tokenizer
 from boostjax.tokenize import tokenize_corpus
 from boostjax.models.llama import abstract_model

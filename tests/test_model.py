@@ -12,7 +12,7 @@ from boostjax.config import ModelConfig
 from boostjax.models import ops
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA
-from boostjax.sharding.collectives import LOCAL
+from boostjax.models.collectives import LOCAL
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, rank=8, vocab_size=64)
 

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.data import BatchIterator
-from boostjax.sharding.specs import data_sharded
+from boostjax.sharding.rules import data_sharded
 from boostjax.step import build_step_fns, train_state_shapes
 from boostjax.models.llama import init_model
 from boostjax.trainer import train

@@ -32,10 +32,12 @@ import numpy as np
 
 from boostjax.config import (ATTENTION, LOW_RANK_KINDS, OPTIMIZERS, PIPELINE_SCHEDULES, PRESETS, REMAT, Config,
                              ConfigError, MeshShape, ModelConfig, as_mesh, check_batch_seq, preset, validate)
+from boostjax.config import STRATEGIES as CONFIG_STRATEGIES
 from boostjax.sharding import hlo, memory
 from boostjax.sharding.memory import GIB
 
-STRATEGIES = ("fullrank-tp", "vanilla-tp", "btp")
+# the TP strategies (config's names are `boostjax.sharding.rules.STRATEGIES`' keys; no JAX imported here)
+STRATEGIES = tuple(s for s in CONFIG_STRATEGIES if s != "none")
 MEMORY_KEYS = ("peak_bytes_per_device", "weight_bytes", "optimizer_bytes", "activation_bytes", "batch_bytes",
                "gradient_bytes_estimate")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2}
@@ -136,8 +138,8 @@ def compiled_step(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: in
     """One training step of `model` (its kind mapped by `model_for`), compiled abstractly (cached):
     `.step_text` (HLO), `.step_cost` (`cost_analysis()`: per-device `flops`, `bytes accessed`, ...) and
     `.step_memory`. The forward loss alone is not compiled (`.fwd_text` is empty)."""
-    return _build(model_for(model, strategy), as_mesh(mesh, "comm.mesh"), batch, seq, strategy, remat, dtype, step=True,
-                  with_residuals=False, forward=False)
+    return _build(model_for(model, strategy), as_mesh(mesh, "comm.mesh"), batch, seq, strategy, remat, dtype,
+                  step=True, with_residuals=False, forward=False)
 
 
 def _axes(c: hlo.Collective, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> str:
