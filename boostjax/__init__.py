@@ -15,7 +15,7 @@ _EXPORTS: dict[str, str] = {
     # configuration
     "Config": "boostjax.config", "ModelConfig": "boostjax.config", "TrainConfig": "boostjax.config",
     "ConfigError": "boostjax.config", "preset": "boostjax.config", "PRESETS": "boostjax.config",
-    "validate": "boostjax.config",
+    "validate": "boostjax.placement",
     # models
     "LLaMA": "boostjax.models.llama", "param_count": "boostjax.models.flops",
     "flops_per_token": "boostjax.models.flops",
@@ -42,7 +42,7 @@ _EXPORTS: dict[str, str] = {
     "make_optimizer": "boostjax.optim.baselines",
     # offload planning
     "solve_plan": "boostjax.offload.planner", "build_instance": "boostjax.offload.costmodel",
-    "get_profile": "boostjax.offload.hardware",
+    "get_profile": "boostjax.hardware",
     # the tokenizer of a run, tokenised data folder or Hugging Face folder (byte level when it has none)
     "load_tokenizer": "boostjax.text",
 }

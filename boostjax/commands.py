@@ -14,8 +14,8 @@ import sys
 import typing
 from typing import Any, Callable, Sequence
 
-from boostjax.config import (PRESETS, Config, ConfigError, ModelConfig, TrainConfig, one_line_parse_errors,
-                             preset, validate)
+from boostjax.config import (PRESETS, Config, ConfigError, ModelConfig, TrainConfig, mesh_text,
+                             one_line_parse_errors, preset, validate)
 
 _RENAMED = {"kind": "model"}  # config field -> flag name where they differ
 _HELP = {
@@ -71,7 +71,8 @@ _HELP = {
 
 
 def add_fields(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """One flag per field of the config dataclass `cls` (`--d-model`, `--lr`, ...), in a group `title`."""
+    """One flag per field of the config dataclass `cls` (`--d-model`, `--lr`, ...), in a group `title`: a bool
+    is --x/--no-x, a `Literal` offers its values as choices, the mesh is text (TrainConfig parses it, once)."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -80,12 +81,13 @@ def add_fields(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": _HELP.get(f.name, "")}
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is typing.Literal:
+            kw["choices"] = typing.get_args(kind)
+            kw["type"] = type(kw["choices"][0])
         else:
             kw["type"] = kind if kind in (int, float) else str
-            choices = typing.get_args(kind)
-            if choices:
-                kw["choices"] = choices
-        kw["help"] = (kw["help"] + f" (default: {f.default!r})").strip()
+        default = mesh_text(f.default) if f.name == "mesh" else f.default
+        kw["help"] = (kw["help"] + f" (default: {default!r})").strip()
         group.add_argument(flag, **kw)
 
 

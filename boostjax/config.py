@@ -1,7 +1,12 @@
-"""Typed configuration: model shapes, training hyperparameters, presets and validation.
+"""Typed configuration: model shapes, training hyperparameters, the device mesh, presets and validation.
 
-Every field is overridable from the CLI (`--d-model 256`, `--lr 3e-4`, ...). `validate` runs before
-anything is compiled and raises `ConfigError` with one line naming the field and the fix.
+Every field is overridable from the CLI (`--d-model 256`, `--lr 3e-4`, ...); a `Literal` field's values
+are the flag's choices. The mesh is parsed once, into a `MeshShape`, when a `TrainConfig` is made.
+`validate` runs before anything is compiled and raises `ConfigError` with one line naming the field
+and the fix; it marks the config it checked, so a job validates once (`is_validated`).
+
+This module imports only leaf modules of boostjax (`boostjax.data`, `boostjax.hardware`:
+modules that import nothing of boostjax), so every other module may import it.
 """
 
 from __future__ import annotations
@@ -12,22 +17,39 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
+from boostjax.data import check_data
+from boostjax.hardware import _ALIASES as HARDWARE_ALIASES
+from boostjax.hardware import PROFILES, get_profile
+
+# Each set of names is written once, as a Literal (the field's type; the CLI's choices); the tuples follow.
 ModelKind = Literal["llama", "cola", "svd", "lax"]
 Attention = Literal["auto", "xla", "cudnn", "chunked"]
 RopeType = Literal["default", "linear", "dynamic", "llama3"]
-ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3")
-ATTENTION: tuple[str, ...] = ("auto", "xla", "cudnn", "chunked")
-MODEL_KINDS: tuple[str, ...] = ("llama", "cola", "svd", "lax")
+Strategy = Literal["none", "fullrank-tp", "vanilla-tp", "btp"]
+Dtype = Literal["float32", "bfloat16"]
+DataDtype = Literal["uint16", "uint32"]
+Remat = Literal["none", "full", "lowrank"]
+Optimizer = Literal["adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit"]
+ZeroStage = Literal[0, 1, 3]
+PipelineSchedule = Literal["gpipe", "1f1b"]
+RotSource = Literal["second", "first"]
+RotGeometry = Literal["bilateral", "unilateral"]
+ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
+ATTENTION: tuple[str, ...] = get_args(Attention)
+MODEL_KINDS: tuple[str, ...] = get_args(ModelKind)
 LOW_RANK_KINDS: tuple[str, ...] = ("cola", "svd", "lax")
-STRATEGIES: tuple[str, ...] = ("none", "fullrank-tp", "vanilla-tp", "btp")
-DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-REMAT: tuple[str, ...] = ("none", "full", "lowrank")
-OPTIMIZERS: tuple[str, ...] = ("adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit")
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+DATA_DTYPES: tuple[str, ...] = get_args(DataDtype)
+REMAT: tuple[str, ...] = get_args(Remat)
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 MESH_AXES: tuple[str, ...] = ("data", "stage", "model")
-ZERO_STAGES: tuple[int, ...] = (0, 1, 3)
-PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+ZERO_STAGES: tuple[int, ...] = get_args(ZeroStage)
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+ROT_SOURCES: tuple[str, ...] = get_args(RotSource)
+ROT_GEOMETRIES: tuple[str, ...] = get_args(RotGeometry)
 # Sizes past which a number is a typo, not a run: token positions and ids are int32 in the step, and a
 # materialised attention of a longer sequence has more than 2^40 scores per head and sequence.
 MAX_SEQ_LEN: int = 1 << 20
@@ -38,6 +60,59 @@ MAX_INIT_TIMEOUT: int = 24 * 3600
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The sizes of the device mesh's axes: `data` (batch rows), `stage` (pipeline stages), `model` (TP)."""
+
+    data: int = 1
+    stage: int = 1
+    model: int = 1
+
+    @classmethod
+    def parse(cls, text: str, field: str = "train.mesh") -> "MeshShape | None":
+        """'data=2,model=4' -> MeshShape(2, 1, 4); '' -> None (one device, no mesh). Errors name `field`."""
+        if not isinstance(text, str):
+            raise ConfigError(f"{field}: must be a string like 'data=2,model=4', got {text!r}; "
+                              "fix: pass e.g. --mesh data=2,model=4")
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            axis, sep, size = (x.strip() for x in part.partition("="))
+            if not sep or not (size.isascii() and size.isdigit()) or int(size) < 1:
+                raise ConfigError(f"{field}: cannot read {part!r}; fix: write it like data=2,model=4 (sizes >= 1)")
+            if axis not in MESH_AXES:
+                raise ConfigError(f"{field}: unknown axis {axis!r}; fix: use the axes data, stage and model")
+            if axis in sizes:
+                raise ConfigError(f"{field}: axis {axis!r} appears twice in {text!r}; fix: give each axis once, "
+                                  "e.g. data=4,model=2")
+            sizes[axis] = int(size)
+        return cls(**sizes) if sizes else None
+
+    def __str__(self) -> str:
+        """The canonical text: `data=2,model=4`, or `data=2,stage=2,model=2` (stage shown when > 1)."""
+        return ",".join(f"{axis}={getattr(self, axis)}" for axis in self.axes)
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.stage * self.model
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh's axis names: `("data", "model")`, or `("data", "stage", "model")` when stage > 1."""
+        return MESH_AXES if self.stage > 1 else ("data", "model")
+
+
+def as_mesh(value: "MeshShape | str | None", field: str = "train.mesh") -> MeshShape | None:
+    """A mesh given as a MeshShape, None or its text (parsed here: the one place a mesh string is read)."""
+    if value is None or isinstance(value, MeshShape):
+        return value
+    return MeshShape.parse(value, field)
+
+
+def mesh_text(mesh: MeshShape | None) -> str:
+    """The text of a mesh as config.json and `--mesh` write it ('' = one device, no mesh)."""
+    return "" if mesh is None else str(mesh)
 
 
 @dataclass(frozen=True)
@@ -106,26 +181,27 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     clip: float = 1.0
-    dtype: str = "float32"  # compute dtype; parameters and optimizer state stay fp32
+    dtype: Dtype = "float32"  # compute dtype; parameters and optimizer state stay fp32
     out: str = "runs/default"
     data: str = ""  # "" = the built-in corpus (this interpreter's standard library sources)
-    data_dtype: str = "uint16"  # element type of pre-tokenised .bin files
+    data_dtype: DataDtype = "uint16"  # element type of pre-tokenised .bin files
     ckpt_every: int = 100
     keep_ckpts: int = 3
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4
-    strategy: str = "none"
-    mesh: str = ""  # "data=D,stage=P,model=T"; "" = one device
+    strategy: Strategy = "none"
+    # "data=D,stage=P,model=T" or a MeshShape (parsed in __post_init__); None (or "") = one device, no mesh
+    mesh: MeshShape | None = None
     microbatches: int = 0  # pipeline micro-batches per data shard (stage > 1); 0 = auto (see sharding.pipeline)
     grad_accum: int = 1  # N micro-batches of `batch` rows per optimizer step (effective batch: batch x N)
-    zero: int = 0  # data-parallel state sharding: 0 replicated, 1 optimizer state over data, 3 params too
-    pipeline_schedule: str = "gpipe"  # stage > 1: "gpipe" or "1f1b" (activation memory ~2P micro-batches, not M+P-1)
-    remat: str = "none"
-    optimizer: str = "adamw"
+    zero: ZeroStage = 0  # data-parallel state sharding: 0 replicated, 1 optimizer state over data, 3 params too
+    pipeline_schedule: PipelineSchedule = "gpipe"  # stage > 1: gpipe, or 1f1b (activations ~2P micro-batches, not M+P-1)
+    remat: Remat = "none"
+    optimizer: Optimizer = "adamw"
     pipeline_delay: int = 1  # S: emulate an asynchronous pipeline of S stages (1 = no delay)
-    rot_source: str = "second"  # rotation basis from the 2nd moment (G Gᵀ) or the 1st (momentum)
-    rot_geometry: str = "bilateral"  # rotate both sides, or only the smaller one ("unilateral")
+    rot_source: RotSource = "second"  # rotation basis from the 2nd moment (G Gᵀ) or the 1st (momentum)
+    rot_geometry: RotGeometry = "bilateral"  # rotate both sides, or only the smaller one ("unilateral")
     rot_refresh: int = 10  # refresh the rotation basis every T steps
     rot_beta: float = 0.95  # EMA of G Gᵀ / Gᵀ G (SOAP's 0.95: the basis must follow the current curvature)
     rot_max_dim: int = 4096  # a side larger than this is not rotated
@@ -141,24 +217,19 @@ class TrainConfig:
     # observability (issue 13, item 7; boostjax.observe)
     tensorboard: bool = True  # TensorBoard event files in <out>/tensorboard/ (process 0)
     profile: str = ""  # "START:STOP": a jax.profiler trace of steps [START, STOP) into <out>/profile/
-    hardware: str = ""  # peak-FLOPs profile for MFU (boostjax.offload.hardware); "" = detect from the device
+    hardware: str = ""  # peak-FLOPs profile for MFU (boostjax.hardware); "" = detect from the device
     # item 2 (documents): batches carry segment ids and attention never crosses a document boundary
     doc_mask: bool = False
     # item 4 (boostjax.pretrained): a Hugging Face LLaMA folder a new run starts from ("" = random init)
     init_from_hf: str = ""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mesh", as_mesh(self.mesh))  # the one parse of a mesh string
 
-class _Sizes(typing.NamedTuple):  # lead's stand-in for wt-cfg's MeshShape
-    data: int = 1
-    stage: int = 1
-    model: int = 1
-
-
-def _sizes(self: TrainConfig) -> _Sizes:
-    return _Sizes(**parse_mesh(self.mesh))
-
-
-TrainConfig.sizes = property(_sizes)  # type: ignore[attr-defined]
+    @property
+    def sizes(self) -> MeshShape:
+        """The mesh's axis sizes; all ones for one device (`mesh` None)."""
+        return self.mesh or MeshShape()
 
 
 def warmup_steps(t: TrainConfig) -> int:
@@ -171,7 +242,10 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain JSON values: the mesh as its text (config.json), '' for one device."""
+        d = dataclasses.asdict(self)
+        d["train"]["mesh"] = mesh_text(self.train.mesh)
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -207,29 +281,6 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return replace(PRESETS[key], **overrides)
 
 
-def parse_mesh(spec: str, name: str = "train.mesh") -> dict[str, int]:
-    """'data=2,model=4' -> {'data': 2, 'model': 4}; '' -> {}. `name` is the field named in errors."""
-    if not isinstance(spec, str):
-        raise ConfigError(f"{name}: must be a string like 'data=2,model=4', got {spec!r}; fix: pass e.g. --mesh data=2,model=4")
-    out: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        axis, sep, size = (x.strip() for x in part.partition("="))
-        if not sep or not (size.isascii() and size.isdigit()) or int(size) < 1:
-            raise ConfigError(f"{name}: cannot read {part!r}; fix: write it like data=2,model=4 (sizes >= 1)")
-        if axis not in MESH_AXES:
-            raise ConfigError(f"{name}: unknown axis {axis!r}; fix: use the axes data, stage and model")
-        if axis in out:
-            raise ConfigError(f"{name}: axis {axis!r} appears twice in {spec!r}; fix: give each axis once, "
-                              "e.g. data=4,model=2")
-        out[axis] = int(size)
-    return out
-
-
-def mesh_devices(spec: str, name: str = "train.mesh") -> int:
-    """The device count of a `--mesh` string: the product of its sizes (1 for '')."""
-    return math.prod(parse_mesh(spec, name).values())
-
-
 def _need(ok: bool, msg: str) -> None:
     if not ok:
         raise ConfigError(msg)
@@ -252,6 +303,13 @@ def _check_types(obj: Any, prefix: str) -> None:
                   f"{prefix}.{f.name}: must be a number, got {v!r}; fix: pass {flag} X")
             _need(math.isfinite(v), f"{prefix}.{f.name}: must be a finite number, got {v}; "
                                     f"fix: pass {flag} with a finite value (default {f.default!r})")
+        elif f.name == "mesh":  # a MeshShape or None (the constructor parsed a string); its sizes positive ints
+            bad = v is not None and not all(type(getattr(v, a)) is int and getattr(v, a) >= 1 for a in MESH_AXES)
+            _need(not bad, f"{prefix}.mesh: {v!r} has a size that is not an integer >= 1; "
+                           "fix: pass e.g. --mesh data=2,model=4 or MeshShape(data=2, model=4)")
+        elif typing.get_origin(kind) is Literal and all(isinstance(x, int) for x in get_args(kind)):
+            _need(isinstance(v, int) and not isinstance(v, bool),
+                  f"{prefix}.{f.name}: must be an integer, got {v!r}; fix: pass {flag} N")
         else:  # str and Literal[str, ...]
             _need(isinstance(v, str), f"{prefix}.{f.name}: must be a string, got {v!r}; fix: pass {flag} TEXT")
 
@@ -347,7 +405,7 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _need(t.clip >= 0, f"train.clip: must be >= 0 (0 disables), got {t.clip}; fix: pass e.g. --clip 1.0")
     _need(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}; fix: pass e.g. 0.01")
     _need(t.dtype in DTYPES, f"train.dtype: unknown dtype {t.dtype!r}; fix: use one of {', '.join(DTYPES)}")
-    _need(t.data_dtype in ("uint16", "uint32"), f"train.data_dtype: {t.data_dtype!r}; fix: use uint16 or uint32")
+    _need(t.data_dtype in DATA_DTYPES, f"train.data_dtype: {t.data_dtype!r}; fix: use {' or '.join(DATA_DTYPES)}")
     _need(m.attention != "cudnn" or t.dtype != "float32",
           "model.attention: cudnn runs in bfloat16/float16 and the compute dtype is float32; "
           "fix: pass --dtype bfloat16 or --attention chunked")
@@ -360,38 +418,51 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _need(m.n_layers % t.pipeline_delay == 0,
           f"train.pipeline_delay: {t.pipeline_delay} stages do not divide n_layers={m.n_layers}; "
           f"fix: pick a divisor of {m.n_layers}")
-    _need(t.rot_source in ("second", "first"), f"train.rot_source: {t.rot_source!r}; fix: use second or first")
-    _need(t.rot_geometry in ("bilateral", "unilateral"),
-          f"train.rot_geometry: {t.rot_geometry!r}; fix: use bilateral or unilateral")
+    _need(t.rot_source in ROT_SOURCES, f"train.rot_source: {t.rot_source!r}; fix: use {' or '.join(ROT_SOURCES)}")
+    _need(t.rot_geometry in ROT_GEOMETRIES,
+          f"train.rot_geometry: {t.rot_geometry!r}; fix: use {' or '.join(ROT_GEOMETRIES)}")
     for name in ("rot_refresh", "rot_max_dim", "delay_lr_tc"):
         v = getattr(t, name)
         _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
     _need(0.0 <= t.rot_beta < 1.0, f"train.rot_beta: {t.rot_beta} outside [0, 1); fix: e.g. --rot-beta 0.95")
     _need(1 <= t.init_timeout <= MAX_INIT_TIMEOUT,
           f"train.init_timeout: {t.init_timeout} s outside [1, {MAX_INIT_TIMEOUT}]; fix: pass e.g. --init-timeout 300")
-    _validate_pipeline(t, m)
-    _validate_tied(t, m)
+    _validate_pipeline(t)
     _validate_observe(t)
     _validate_doc_mask(t, m)
 
 
-def _validate_tied(t: TrainConfig, m: ModelConfig) -> None:
-    """A tied head is the embedding: TP strategies shard the head by vocabulary and the embedding
-    otherwise, and pipeline stages keep them on different devices, so tied models train without either."""
-    sizes = parse_mesh(t.mesh)
-    _need(not m.tie_embeddings or (t.strategy == "none" and sizes.get("model", 1) == 1 and sizes.get("stage", 1) == 1),
-          f"model.tie_embeddings: a tied LM head (the embedding) is not implemented under tensor parallelism or "
-          f"pipeline stages (strategy={t.strategy}, mesh={t.mesh!r}); fix: pass --strategy none and a data-only "
-          "--mesh (e.g. data=8), or --no-tie-embeddings")
-
-
 def _validate_observe(t: TrainConfig) -> None:
     """--profile START:STOP within the run, --hardware a known profile name (`boostjax.observe`)."""
-    from boostjax.observe import hardware_profile, parse_profile  # noqa: PLC0415 (imports this module)
-
     parse_profile(t.profile, t.steps)
     if t.hardware:
-        hardware_profile(t.hardware)
+        check_hardware(t.hardware)
+
+
+def parse_profile(spec: str, steps: int) -> tuple[int, int] | None:
+    """--profile 'START:STOP' -> (START, STOP) with 0 <= START < STOP <= steps; '' -> None."""
+    if not spec:
+        return None
+    start, sep, stop = spec.partition(":")
+    ok = bool(sep) and all(x.strip().isascii() and x.strip().isdigit() for x in (start, stop))
+    if not ok:
+        raise ConfigError(f"train.profile: cannot read {spec!r}; fix: pass --profile START:STOP with two "
+                          f"step numbers, e.g. --profile 10:15")
+    a, b = int(start), int(stop)
+    if not a < b <= steps:
+        raise ConfigError(f"train.profile: steps {a}:{b} must satisfy START < STOP <= steps={steps}; fix: pass "
+                          f"e.g. --profile {min(10, max(steps - 1, 0))}:{min(15, steps)}")
+    return a, b
+
+
+def check_hardware(name: str) -> None:
+    """--hardware names a known profile (or an alias); '' (detect the device) is checked where it runs."""
+    try:
+        get_profile(name)
+    except ValueError as e:
+        why = str(e).split("; fix:")[0].removeprefix("hardware: ")
+        raise ConfigError(f"train.hardware: {why}; fix: pass one of {', '.join(PROFILES)} (or an alias: "
+                          f"{', '.join(sorted(HARDWARE_ALIASES))}), or '' to detect the device") from None
 
 
 def _validate_accum_zero(t: TrainConfig) -> None:
@@ -406,51 +477,29 @@ def _validate_accum_zero(t: TrainConfig) -> None:
     if t.offload_plan:
         _need(t.grad_accum == 1, "train.grad_accum: an offload plan budgets one batch per step and no gradient "
                                  "accumulator; fix: drop --grad-accum or --offload-plan")
-        _need(t.zero == 0, "train.zero: an offload plan runs on one device with nothing to shard over data; "
-                           "fix: drop --zero or --offload-plan")
+        _need(t.zero == 0, "train.zero: an offload plan budgets each device's state unsplit over data (ZeRO is not "
+                           "planned); fix: drop --zero or --offload-plan")
 
 
 def _validate_doc_mask(t: TrainConfig, m: ModelConfig) -> None:
-    """`doc_mask`: segment ids reach the chunked/xla attention of a one-stage step (not cuDNN, not a pipeline)."""
+    """`doc_mask`: segment ids reach the chunked/xla attention (not cuDNN; a pipeline refuses them:
+    `boostjax.placement.pipeline.check_pipeline`)."""
     if not t.doc_mask:
         return
     _need(m.attention != "cudnn", "train.doc_mask: cuDNN attention takes no segment ids; "
                                   "fix: pass --attention chunked (or auto) or drop --doc-mask")
-    _need(parse_mesh(t.mesh).get("stage", 1) == 1, "train.doc_mask: pipeline stages do not carry segment ids; "
-                                                   "fix: drop stage= from --mesh or drop --doc-mask")
 
 
-def _validate_pipeline(t: TrainConfig, m: ModelConfig) -> None:
-    """A `stage` mesh axis: layers split evenly, micro-batches divide the per-data-shard batch."""
-    sizes = parse_mesh(t.mesh)
-    stages, data = sizes.get("stage", 1), sizes.get("data", 1)
+def _validate_pipeline(t: TrainConfig) -> None:
+    """The pipeline fields themselves (what a `stage` mesh needs of them: `boostjax.placement.check`)."""
     _need(t.microbatches >= 0, f"train.microbatches: must be >= 0 (0 = auto), got {t.microbatches}; "
                                "fix: pass --microbatches M with M >= 1")
     _need(t.pipeline_schedule in PIPELINE_SCHEDULES,
           f"train.pipeline_schedule: unknown schedule {t.pipeline_schedule!r}; fix: use one of "
           f"{', '.join(PIPELINE_SCHEDULES)}")
-    _need(stages > 1 or t.pipeline_schedule == "gpipe",
-          f"train.pipeline_schedule: {t.pipeline_schedule} schedules pipeline stages, and the mesh has none; "
-          "fix: add stage=P (P >= 2) to --mesh or drop --pipeline-schedule")
-    if stages == 1:
-        _need(t.microbatches == 0, "train.microbatches: micro-batches need pipeline stages; "
-                                   "fix: add stage=P to --mesh or drop --microbatches")
-        return
-    _need(m.n_layers % stages == 0,
-          f"model.n_layers: {m.n_layers} layers do not split into stage={stages} equal contiguous stages; "
-          f"fix: pass --n-layers a multiple of {stages} or a stage count that divides {m.n_layers}")
-    _need(t.batch % data == 0, f"train.batch: {t.batch} is not divisible by data={data}; "
-                               f"fix: pass --batch a multiple of {data}")
-    local = t.batch // data
-    _need(t.microbatches == 0 or local % t.microbatches == 0,
-          f"train.microbatches: the batch per data shard ({t.batch}/data={data} = {local}) is not divisible "
-          f"by {t.microbatches} micro-batches; fix: pass --microbatches a divisor of {local} or 0 (auto)")
-    _need(local * t.seq % stages == 0,
-          f"train.seq: the head and loss are split over the stages by tokens, and the {local}x{t.seq} tokens "
-          f"per data shard do not split into stage={stages} equal parts; fix: pass --seq a multiple of {stages}")
 
 
-def validate_processes(coordinator: str, num_processes: int, process_id: int, mesh: str,
+def validate_processes(coordinator: str, num_processes: int, process_id: int, mesh: MeshShape | None,
                        names: tuple[str, str, str] = ("train.coordinator", "train.num_processes", "train.process_id"),
                        ) -> None:
     """A multi-host process group: all of coordinator/num_processes/process_id or none, and a mesh
@@ -481,34 +530,39 @@ def validate_processes(coordinator: str, num_processes: int, process_id: int, me
     validate_process_mesh(num_processes, mesh)
 
 
-def validate_process_mesh(num_processes: int, mesh: str) -> None:
+def validate_process_mesh(num_processes: int, mesh: MeshShape | None) -> None:
     """A job of several processes needs a mesh whose devices split evenly over them."""
-    sizes = parse_mesh(mesh)
-    devices = 1
-    for size in sizes.values():
-        devices *= size
-    _need(bool(sizes), f"train.mesh: a job of {num_processes} processes needs a device mesh over all of their "
-                       "devices; fix: pass e.g. --mesh data=D,model=T with D x T the job's device count")
+    _need(mesh is not None, f"train.mesh: a job of {num_processes} processes needs a device mesh over all of "
+                            "their devices; fix: pass e.g. --mesh data=D,model=T with D x T the job's device count")
+    devices = mesh.devices
     _need(devices % num_processes == 0,
           f"train.mesh: its {devices} devices do not split evenly over {num_processes} processes; "
           f"fix: make the product of the --mesh sizes a multiple of {num_processes} (devices per process x processes)")
 
 
 def validate(cfg: Config) -> Config:
-    """Raise `ConfigError` on the first invalid field; return the config unchanged otherwise."""
+    """Raise `ConfigError` on the first invalid field; return the config unchanged otherwise, marked
+    as checked (`is_validated`: a job's later steps do not check it again)."""
     _need(isinstance(cfg, Config), f"config: need a Config, got {type(cfg).__name__}; fix: pass Config(model, train)")
     validate_model(cfg.model)
     validate_train(cfg.train, cfg.model)
     t = cfg.train
     validate_processes(t.coordinator, t.num_processes, t.process_id, t.mesh)
     _validate_data(t, cfg.model)  # last: it reads the data (a .bin file once, in chunks)
+    object.__setattr__(cfg, _VALIDATED, True)  # not a field: equality, to_dict and replace() ignore it
     return cfg
+
+
+_VALIDATED = "_validated"
+
+
+def is_validated(cfg: Config) -> bool:
+    """Whether `validate` passed on this very object (a changed copy, `dataclasses.replace`, is not)."""
+    return bool(getattr(cfg, _VALIDATED, False))
 
 
 def _validate_data(t: TrainConfig, m: ModelConfig) -> None:
     """`train.data` exists, can be read, and holds no token id >= `model.vocab_size`."""
-    from boostjax.data import check_data  # noqa: PLC0415 (numpy only; keeps this module light)
-
     try:
         check_data(t.data, t.data_dtype, m.vocab_size)
     except ConfigError:

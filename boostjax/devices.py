@@ -11,6 +11,8 @@ import os
 import re
 import sys
 
+from boostjax.config import ConfigError, MeshShape
+
 _FLAG = "--xla_force_host_platform_device_count"
 # Simulated CPU devices: tests and experiments use up to 8 (a TP8 projection, data x model = 2 x 4);
 # each costs memory and a thread when JAX starts, and a typo (`data=100000`) would exhaust the host.
@@ -21,8 +23,6 @@ _ACCELERATOR_MODULES = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_pl
 
 def simulated_device_cap() -> int:
     """The most CPU devices `simulate_devices` creates: `MAX_SIMULATED_DEVICES`, or `$BOOSTJAX_MAX_CPU_DEVICES`."""
-    from boostjax.config import ConfigError  # noqa: PLC0415
-
     raw = os.environ.get(CAP_VAR, "").strip()
     if not raw:
         return MAX_SIMULATED_DEVICES
@@ -63,8 +63,6 @@ def simulate_devices(n: int, name: str = "simulate_devices") -> int:
     is touched, unless an accelerator backend is installed: then nothing is simulated and the mesh
     is checked against the devices JAX finds (`boostjax.sharding.mesh.make_mesh`).
     """
-    from boostjax.config import ConfigError  # noqa: PLC0415
-
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"{name}: need a device count >= 1, got {n!r}; fix: pass a positive integer")
     cap = simulated_device_cap()
@@ -119,9 +117,7 @@ def exact_low_precision() -> bool:
     return True
 
 
-def simulate_for_mesh(spec: str, name: str = "train.mesh") -> int:
-    """`simulate_devices` for the product of a `--mesh` string's axis sizes ('' -> 1); errors name `name`."""
-    from boostjax.config import mesh_devices  # noqa: PLC0415
-
-    n = mesh_devices(spec, name)
+def simulate_for_mesh(mesh: MeshShape | None, name: str = "train.mesh") -> int:
+    """`simulate_devices` for the mesh's device count (None: one device); errors name `name`."""
+    n = mesh.devices if mesh is not None else 1
     return simulate_devices(n, name) if n > 1 else n

@@ -105,7 +105,7 @@ def check_launch(args: argparse.Namespace) -> list[str]:
     """Every launch flag and the train command line, checked once here before any process starts
     (`ConfigError`, one line); returns the train command line."""
     from boostjax.commands import add_train_command, train_config  # noqa: PLC0415
-    from boostjax.config import ConfigError, mesh_devices, one_line_parse_errors  # noqa: PLC0415
+    from boostjax.config import ConfigError, one_line_parse_errors  # noqa: PLC0415
     from boostjax.devices import simulated_device_cap  # noqa: PLC0415
     from boostjax.multihost import port_in_use  # noqa: PLC0415
 
@@ -140,7 +140,7 @@ def check_launch(args: argparse.Namespace) -> list[str]:
     train_args = parser.parse_args([*rest, "--coordinator", f"127.0.0.1:{args.port or 1}",
                                     "--num-processes", str(n), "--process-id", "0"])
     cfg = train_config(train_args)  # the whole train configuration, as each process will check it
-    devices = mesh_devices(cfg.train.mesh)
+    devices = cfg.train.sizes.devices
     cpu_only = os.environ.get("JAX_PLATFORMS", "cpu").strip().lower() == "cpu"
     if cpu_only and devices > cap:
         raise ConfigError(f"train.mesh: {devices} devices are simulated on this machine by {n} processes, more "

@@ -1,7 +1,7 @@
 """Multi-host jobs: several processes (one per node, or per GPU) joined by `jax.distributed.initialize`.
 
-`setup(train_cfg)` runs before any JAX computation (the CLI calls it first; `train` calls it too, a
-no-op once done). It finds the process group, in this order:
+`setup(train_cfg)` runs once, before any JAX computation: the CLI calls it first, and `train` calls it
+only when it was not run for this config (`is_set_up`). It finds the process group, in this order:
 
 1. the flags / `TrainConfig` fields `--coordinator HOST:PORT --num-processes N --process-id I`;
 2. the variables `BOOSTJAX_COORDINATOR`, `BOOSTJAX_NUM_PROCESSES`, `BOOSTJAX_PROCESS_ID`;
@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from boostjax.config import ConfigError, TrainConfig, parse_mesh, validate_process_mesh, validate_processes
+from boostjax.config import ConfigError, MeshShape, TrainConfig, validate_process_mesh, validate_processes
 
 ENV_VARS: tuple[str, str, str] = ("BOOSTJAX_COORDINATOR", "BOOSTJAX_NUM_PROCESSES", "BOOSTJAX_PROCESS_ID")
 AUTO_CLUSTERS: tuple[str, ...] = ("slurm", "ompi")  # JAX cluster environments read from variables only
@@ -53,7 +53,7 @@ def _env_int(environ: Mapping[str, str], name: str, unset: int) -> int:
         raise ConfigError(f"{name}: {raw!r} is not an integer; fix: export {name}=N or unset it") from None
 
 
-def _cluster_group(mesh: str) -> ProcessGroup | None:
+def _cluster_group(mesh: MeshShape | None) -> ProcessGroup | None:
     """A SLURM / Open MPI job of > 1 tasks, as JAX's own auto-detection sees it."""
     try:
         from jax._src import clusters  # noqa: PLC0415 (JAX's detection: importing it starts no backend)
@@ -87,10 +87,7 @@ def resolve(t: TrainConfig, environ: Mapping[str, str] | None = None) -> Process
 
 def local_device_count(t: TrainConfig, group: ProcessGroup | None) -> int:
     """Devices one process contributes to the mesh (the product of its sizes over the processes)."""
-    n = 1
-    for size in parse_mesh(t.mesh).values():
-        n *= size
-    return n // (group.num_processes if group else 1)
+    return t.sizes.devices // (group.num_processes if group else 1)
 
 
 def setup(t: TrainConfig) -> ProcessGroup | None:
@@ -103,6 +100,7 @@ def setup(t: TrainConfig) -> ProcessGroup | None:
 
     group = resolve(t)
     if group is None:
+        _SET_UP[:] = [t]
         return None
     import jax  # noqa: PLC0415 (importing JAX starts no backend)
 
@@ -110,6 +108,7 @@ def setup(t: TrainConfig) -> ProcessGroup | None:
         if jax.process_count() != group.num_processes or jax.process_index() != group.process_id:
             raise RuntimeError(f"JAX already runs as process {jax.process_index()} of {jax.process_count()}, "
                                f"not {group.process_id} of {group.num_processes}; fix: start a fresh process")
+        _SET_UP[:] = [t]
         return group
     if _backend_started():
         raise RuntimeError("a multi-host job must join before JAX starts its backend; fix: call "
@@ -123,7 +122,16 @@ def setup(t: TrainConfig) -> ProcessGroup | None:
         _check_port_free(group)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _initialize(group, t.init_timeout)
+    _SET_UP[:] = [t]
     return group
+
+
+_SET_UP: list[TrainConfig] = []  # the config `setup` last ran for (this process's job)
+
+
+def is_set_up(t: TrainConfig) -> bool:
+    """Whether `setup` already ran in this process for this very config object."""
+    return bool(_SET_UP) and _SET_UP[0] is t
 
 
 INIT_GRACE_S = 30  # JAX's own deadline runs this much after ours (it aborts the process from C++)

@@ -24,39 +24,18 @@ import pathlib
 import time
 from typing import Any
 
-from boostjax.config import ConfigError
-from boostjax.offload.hardware import _ALIASES as ALIASES
-from boostjax.offload.hardware import PROFILES, HardwareProfile, get_profile, profile_for_device
+from boostjax.config import check_hardware
+from boostjax.hardware import HardwareProfile, get_profile, profile_for_device
 
 TENSORBOARD = "tensorboard"  # run-folder entries written here
 PROFILE = "profile"
 
 
-def parse_profile(spec: str, steps: int) -> tuple[int, int] | None:
-    """'START:STOP' -> (START, STOP) with 0 <= START < STOP <= steps; '' -> None."""
-    if not spec:
-        return None
-    start, sep, stop = spec.partition(":")
-    ok = bool(sep) and all(x.strip().isascii() and x.strip().isdigit() for x in (start, stop))
-    if not ok:
-        raise ConfigError(f"train.profile: cannot read {spec!r}; fix: pass --profile START:STOP with two "
-                          f"step numbers, e.g. --profile 10:15")
-    a, b = int(start), int(stop)
-    if not a < b <= steps:
-        raise ConfigError(f"train.profile: steps {a}:{b} must satisfy START < STOP <= steps={steps}; fix: pass "
-                          f"e.g. --profile {min(10, max(steps - 1, 0))}:{min(15, steps)}")
-    return a, b
-
-
 def hardware_profile(name: str) -> HardwareProfile | None:
     """The named profile ('' = the one matching `jax.devices()[0].device_kind`, None when unknown)."""
     if name:
-        try:
-            return get_profile(name)
-        except ValueError as e:
-            why = str(e).split("; fix:")[0].removeprefix("hardware: ")
-            raise ConfigError(f"train.hardware: {why}; fix: pass one of {', '.join(PROFILES)} (or an alias: "
-                              f"{', '.join(sorted(ALIASES))}), or '' to detect the device") from None
+        check_hardware(name)  # ConfigError naming train.hardware
+        return get_profile(name)
     import jax  # noqa: PLC0415
 
     return profile_for_device(jax.devices()[0].device_kind)

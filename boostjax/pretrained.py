@@ -142,7 +142,7 @@ def resolve_config(cfg: Config, explicit: Iterable[str] | None = None) -> Config
                               "checkpoint's)")
     m = dataclasses.replace(src, **{k: getattr(cfg.model, k) for k in CHOSEN})
     _check_rank(m)
-    return dataclasses.replace(cfg, model=m)
+    return cfg if m == cfg.model else dataclasses.replace(cfg, model=m)  # the same object: still validated
 
 
 def config_from_flags(given: Mapping[str, Any], preset_given: bool) -> Config:

@@ -29,7 +29,7 @@ import re
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
+from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, mesh_text
 
 CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS = "config.json", "config_history.jsonl", "metrics.jsonl", ".lock", "checkpoints"
 TOKENIZER = "tokenizer.json"  # the run's tokenizer when it is not byte level (boostjax.text)
@@ -272,6 +272,8 @@ class RunFolder:
                         f"{section}.{f.name}: the checkpoints in {self.path} were trained with {f.name}={va!r}, "
                         f"this command asks for {vb!r}, and a resumed run cannot change it; fix: pass "
                         f"{_flag(f.name)} {va}, or another --out for a new run")
+                if isinstance(a, TrainConfig) and f.name == "mesh":  # compared as meshes, recorded as text
+                    va, vb = mesh_text(va), mesh_text(vb)
                 changes[f"{section}.{f.name}"] = [va, vb]
         return changes
 

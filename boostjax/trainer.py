@@ -32,13 +32,13 @@ from tqdm.auto import tqdm
 
 from boostjax import multihost, pretrained, relayout
 from boostjax.checkpoint import CheckpointError, Checkpointer, step_dirs
-from boostjax.config import Config, ConfigError, TrainConfig, mesh_devices, parse_mesh, validate, warmup_steps
+from boostjax.config import Config, ConfigError, TrainConfig, is_validated, parse_profile, validate, warmup_steps
 from boostjax.data import BatchIterator, batch_iterator, eval_batches, is_token_folder, load_corpus
 from boostjax.interrupt import StopSignals, TrainingInterrupted
 from boostjax.models import attention
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA, abstract_model, init_model
-from boostjax.observe import PROFILE, StepProfiler, TensorBoard, hardware_profile, mfu, parse_profile
+from boostjax.observe import PROFILE, StepProfiler, TensorBoard, hardware_profile, mfu
 from boostjax import placement
 from boostjax.runfolder import RunFolder
 from boostjax.step import StepFns, build_step_fns, checkpoint_parts, from_checkpoint
@@ -88,7 +88,7 @@ def _check_fits_host(cfg: Config) -> None:
 
 def stacked_layers(t: TrainConfig) -> bool:
     """Whether a run's training state keeps its layers stacked (pipeline stages, `stage` > 1)."""
-    return parse_mesh(t.mesh).get("stage", 1) > 1
+    return t.sizes.stage > 1
 
 
 def _check_layout(folder: RunFolder, old: Config, cfg: Config) -> bool:
@@ -177,13 +177,16 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
     checkpoint is saved, `NonFiniteLoss` when the loss diverges, `ConfigError` / `CheckpointError`
     for what cannot run (before anything is written or compiled where the configuration is at fault).
     """
-    cfg = validate(pretrained.resolve_config(cfg) if isinstance(cfg, Config) else cfg)
+    cfg = pretrained.resolve_config(cfg) if isinstance(cfg, Config) else cfg
+    if not is_validated(cfg):  # the CLI validated it already (once per job)
+        cfg = validate(cfg)
     placement.check(cfg)  # what the chosen layout (mesh, stages, offload plan) cannot run, before anything is written
     t = cfg.train
     if init is not None and t.init_from_hf:
         raise ConfigError("train.init: both init= params and init_from_hf are given; fix: pass one of them")
     hf_tokenizer = pretrained.source_tokenizer(cfg)  # the data's tokenizer, if any, must be the checkpoint's
-    multihost.setup(t)  # joins a multi-host job before JAX starts (a no-op for one process or if done)
+    if not multihost.is_set_up(t):  # the CLI joined already (once per job)
+        multihost.setup(t)  # joins a multi-host job before JAX starts (a no-op for one process)
     if hf_tokenizer is None and pretrained.has_tokenizer(t.init_from_hf) and not (t.data and is_token_folder(t.data)):
         _say(f"the data is read as bytes, so the run's tokenizer is byte level, not {t.init_from_hf}'s "
              f"(tokenize the data with it: boostjax tokenize --tokenizer {t.init_from_hf})")
@@ -262,7 +265,7 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
     compile_s = time.perf_counter() - t0
     tokens_per_step = t.batch * t.grad_accum * t.seq  # all micro-batches of one optimizer step
     fpt = flops_per_token(cfg.model, t.seq)
-    hw, devices = hardware_profile(t.hardware), mesh_devices(t.mesh)  # hw None: no MFU (a CPU, an unknown GPU)
+    hw, devices = hardware_profile(t.hardware), t.sizes.devices  # hw None: no MFU (a CPU, an unknown GPU)
     main = multihost.is_main_process()
     writer = open(folder.metrics_path, "a") if main else None
     board = TensorBoard(folder.path, start) if main and t.tensorboard else None

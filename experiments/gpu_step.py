@@ -5,7 +5,7 @@ step: `boostjax.step.build_step_fns` (jitted forward, backward, clipped AdamW up
 weights, bf16 compute), compiled ahead of time, `--warmup` untimed steps, then `--steps` timed steps,
 each ended by `block_until_ready`. Reports the median step time, tokens/s, MFU = model FLOPs per
 token (`boostjax.models.flops.flops_per_token`, PaLM convention, no remat recompute counted) x
-tokens/s / the device's dense bf16 peak (the `boostjax.offload.hardware` profile matching the device
+tokens/s / the device's dense bf16 peak (the `boostjax.hardware` profile matching the device
 name, or `--peak-tflops`), and `device.memory_stats()["peak_bytes_in_use"]`. Tokens are random ids:
 step time does not depend on the data.
 
@@ -43,7 +43,7 @@ PAPER_SPEEDUP = 0.85 / 0.59  # BOOST, 1B on one A100: full-rank / CoLA (BTP) ite
 
 def peak_flops_for(device_kind: str) -> float | None:
     """Dense bf16 peak of a GPU from its JAX `device_kind` via the hardware profiles (None: unknown)."""
-    from boostjax.offload.hardware import get_profile  # noqa: PLC0415
+    from boostjax.hardware import get_profile  # noqa: PLC0415
 
     k = device_kind.lower()
     for needle, name in (("h200", "h200"), ("h100", "h100"), ("h800", "h800"), ("3090", "3090")):

@@ -89,7 +89,7 @@ def cpu_memory_check() -> list[dict]:
 
     from boostjax.config import Config, TrainConfig, preset  # noqa: PLC0415
     from boostjax.offload import apply  # noqa: PLC0415
-    from boostjax.offload.hardware import HardwareProfile  # noqa: PLC0415
+    from boostjax.hardware import HardwareProfile  # noqa: PLC0415
     from boostjax.offload.planner import make_plan  # noqa: PLC0415
     from boostjax.placement import Offloaded, SingleDevice  # noqa: PLC0415
     from boostjax.step import TrainState, make_optimizer, train_step  # noqa: PLC0415

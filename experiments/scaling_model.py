@@ -57,8 +57,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from boostjax.config import ModelConfig, preset  # noqa: E402
+from boostjax.hardware import get_profile  # noqa: E402
 from boostjax.models.flops import flops_per_token, param_count  # noqa: E402
-from boostjax.offload.hardware import get_profile  # noqa: E402
 from boostjax.sharding import hlo  # noqa: E402
 from boostjax.sharding.comm import STRATEGIES  # noqa: E402
 
@@ -82,7 +82,7 @@ class Hardware:
     """Per-GPU rates the time model charges. Stated assumptions, not fitted (except eta, passed in)."""
 
     name: str
-    peak_flops: float  # dense bf16 tensor-core peak (boostjax.offload.hardware profiles)
+    peak_flops: float  # dense bf16 tensor-core peak (boostjax.hardware profiles)
     hbm_bytes_per_s: float  # nominal HBM bandwidth
     hbm_efficiency: float  # fraction of it streaming kernels reach
     bus_bytes_per_s: float  # NCCL bus bandwidth of an intra-node all-reduce (large messages)

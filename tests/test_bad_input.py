@@ -88,6 +88,9 @@ def _digest(path: pathlib.Path) -> str:
     (["--grad-accum", "0"], "train.grad_accum"), (["--grad-accum", "-2"], "train.grad_accum"),
     (["--grad-accum", "1048576", "--seq", "4096"], "train.grad_accum"),
     (["--zero", "2"], "train.zero"), (["--zero", "-1"], "train.zero"),
+    (["--strategy", "zero3"], "train.strategy"), (["--optimizer", "sgd"], "train.optimizer"),  # Literal choices
+    (["--remat", "some"], "train.remat"), (["--rot-source", "third"], "train.rot_source"),
+    (["--data-dtype", "int8"], "train.data_dtype"), (["--dtype", "float8"], "train.dtype"),
     (["--profile", "abc"], "train.profile"), (["--profile", "1:1"], "train.profile"),
     (["--profile", "0:3"], "train.profile"), (["--profile", "-1:2"], "train.profile"),
     (["--profile", "1:2:3"], "train.profile"), (["--profile", "1.5:2"], "train.profile"),

@@ -14,10 +14,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, preset, validate
+from boostjax.hardware import HardwareProfile
 from boostjax.models.llama import RematSegment
 from boostjax.offload import apply, check_plan_for
 from boostjax.offload.costmodel import build_instance
-from boostjax.offload.hardware import HardwareProfile
 from boostjax.offload.planner import Decisions, baseline_plan, make_plan
 from boostjax.placement import Offloaded, SingleDevice, host_mask, local_loss_fn
 from boostjax.step import TrainState, build_step_fns, make_optimizer, step_layout, train_step

@@ -52,9 +52,9 @@ from typing import Any, Callable
 import jax
 
 from boostjax.config import Config
+from boostjax.hardware import HardwareProfile
 from boostjax.models.llama import RematSegment
 from boostjax.offload.costmodel import PlanInstance, build_instance
-from boostjax.offload.hardware import HardwareProfile
 from boostjax.offload.planfile import Plan, simulate
 
 HOST, DEVICE = "pinned_host", "device"

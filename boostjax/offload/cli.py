@@ -32,9 +32,9 @@ from dataclasses import replace
 from typing import Any
 
 from boostjax.config import MODEL_KINDS, check_batch_seq, PRESETS, ConfigError, preset, validate_model
+from boostjax.hardware import PROFILES, get_profile
 from boostjax.offload.costmodel import ATTENTION, STRATEGY_DIMS, PlanInstance, build_instance, lazytrain_27b, mesh_sizes
 from boostjax.offload.fit import check_mesh_for
-from boostjax.offload.hardware import PROFILES, get_profile
 from boostjax.offload.planner import BASELINES, BOUNDARY_STATES, Plan, PlanInfeasible, baseline_plan, solve
 from boostjax.offload.planfile import is_plan_file
 

@@ -32,11 +32,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-import boostjax.config as _config
-from boostjax.config import ModelConfig, preset
+from boostjax.config import MeshShape, ModelConfig, preset
+from boostjax.hardware import HardwareProfile, get_profile
 from boostjax.offload.blockgraph import (ALL, ATTENTION, BOUNDARY, _bwd_needs, _saved_bytes, activation_names,
                                         block_graph, default_inner_options, recompute_cost)
-from boostjax.offload.hardware import HardwareProfile, get_profile
 from boostjax.sharding import rules
 
 MODES: tuple[str, ...] = ("device", "opt-host", "host")
@@ -80,9 +79,8 @@ def mesh_sizes(mesh: object, field: str = "train.mesh") -> MeshSizes:
     `.data`, `.stage`, `.model` (`boostjax.config.MeshShape`); `field` names a bad string in the ConfigError."""
     if mesh is None or mesh == "":
         return MeshSizes()
-    if isinstance(mesh, str):  # the typed `MeshShape.parse`, or the older `parse_mesh` dict
-        parse = getattr(_config, "MeshShape", None)
-        mesh = parse.parse(mesh, field=field) if parse is not None else _config.parse_mesh(mesh, field)
+    if isinstance(mesh, str):
+        mesh = MeshShape.parse(mesh, field=field)
         if mesh is None:
             return MeshSizes()
     if isinstance(mesh, dict):

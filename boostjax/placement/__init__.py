@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from boostjax.config import Config, ConfigError
+from boostjax.config import Config, ConfigError, mesh_text
 from boostjax.config import validate as validate_fields
 from boostjax.offload import check_plan_for
 from boostjax.offload.apply import schedule
@@ -32,11 +32,11 @@ def check(cfg: Config) -> None:
     """The placements' checks of `cfg`: the strategy and mesh against the model and batch, pipeline
     stages, a tied head, and an offload plan against the run (`check_plan_for`)."""
     t, m = cfg.train, cfg.model
-    check_mesh_for(m, t.strategy, t.sizes if t.mesh else None, t.batch, t.seq)
+    check_mesh_for(m, t.strategy, t.mesh, t.batch, t.seq)
     tp, stages = t.sizes.model, t.sizes.stage
     if m.tie_embeddings and (tp > 1 or t.strategy != "none"):
         raise ConfigError(f"model.tie_embeddings: a tied LM head (the embedding) is not implemented under tensor "
-                          f"parallelism (strategy={t.strategy}, mesh={str(t.mesh or '')!r}); fix: pass --strategy none "
+                          f"parallelism (strategy={t.strategy}, mesh={mesh_text(t.mesh)!r}); fix: pass --strategy none "
                           "and a data-only --mesh (e.g. data=8), or --no-tie-embeddings")
     if stages > 1:
         check_pipeline(cfg)

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from boostjax.config import (ATTENTION, LOW_RANK_KINDS, OPTIMIZERS, PIPELINE_SCHEDULES, PRESETS, REMAT, Config,
-                             ConfigError, ModelConfig, check_batch_seq, mesh_devices, parse_mesh, preset, validate)
+                             ConfigError, MeshShape, ModelConfig, as_mesh, check_batch_seq, preset, validate)
 from boostjax.config import STRATEGIES as CONFIG_STRATEGIES
 from boostjax.sharding import hlo, memory
 from boostjax.sharding.memory import GIB
@@ -78,13 +78,13 @@ def _cost(compiled) -> dict[str, float]:
 Train = tuple[tuple[str, Any], ...]  # further TrainConfig fields, hashable (the compiles are cached)
 
 
-def _build(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str, dtype: str, *,
+def _build(model: ModelConfig, mesh: MeshShape | None, batch: int, seq: int, strategy: str, remat: str, dtype: str, *,
            step: bool, with_residuals: bool, forward: bool = True, train: Train = ()) -> _Compiled:
     """Compile (abstractly) the training step exactly as `boostjax train` does
     (`memory.train_step_compiled`), the forward loss, and/or the residual-returning forward."""
     import jax  # noqa: PLC0415 (imported late: the CLI sets the simulated device count first)
 
-    if not parse_mesh(mesh):
+    if mesh is None:
         raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
     cfg = validate(Config(model, memory.train_config(batch, seq, strategy, mesh, remat, dtype, **dict(train))))
     abstract = memory.train_step_compiled(cfg)
@@ -106,7 +106,7 @@ def _build(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, r
     return out
 
 
-def _compile(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str, dtype: str,
+def _compile(model: ModelConfig, mesh: MeshShape, batch: int, seq: int, strategy: str, remat: str, dtype: str,
              with_residuals: bool = False, train: Train = ()) -> _Compiled:
     """Compile one training step and the forward loss on abstract, sharded inputs (cached).
 
@@ -119,7 +119,7 @@ def _compile(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str,
 
 
 @functools.lru_cache(maxsize=32)
-def _compile_residuals(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str,
+def _compile_residuals(model: ModelConfig, mesh: MeshShape, batch: int, seq: int, strategy: str, remat: str,
                        dtype: str, train: Train = ()) -> _Compiled:
     base = _compile_step(model, mesh, batch, seq, strategy, remat, dtype, train)
     res = _build(model, mesh, batch, seq, strategy, remat, dtype, step=False, with_residuals=True, train=train)
@@ -127,19 +127,19 @@ def _compile_residuals(model: ModelConfig, mesh: str, batch: int, seq: int, stra
 
 
 @functools.lru_cache(maxsize=32)
-def _compile_step(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str,
+def _compile_step(model: ModelConfig, mesh: MeshShape, batch: int, seq: int, strategy: str, remat: str,
                   dtype: str, train: Train = ()) -> _Compiled:
     return _build(model, mesh, batch, seq, strategy, remat, dtype, step=True, with_residuals=False, train=train)
 
 
 @functools.lru_cache(maxsize=64)
-def compiled_step(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str = "none",
-                  dtype: str = "bfloat16") -> _Compiled:
+def compiled_step(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int, strategy: str,
+                  remat: str = "none", dtype: str = "bfloat16") -> _Compiled:
     """One training step of `model` (its kind mapped by `model_for`), compiled abstractly (cached):
     `.step_text` (HLO), `.step_cost` (`cost_analysis()`: per-device `flops`, `bytes accessed`, ...) and
     `.step_memory`. The forward loss alone is not compiled (`.fwd_text` is empty)."""
-    return _build(model_for(model, strategy), mesh, batch, seq, strategy, remat, dtype, step=True,
-                  with_residuals=False, forward=False)
+    return _build(model_for(model, strategy), as_mesh(mesh, "comm.mesh"), batch, seq, strategy, remat, dtype,
+                  step=True, with_residuals=False, forward=False)
 
 
 def _axes(c: hlo.Collective, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> str:
@@ -262,7 +262,7 @@ def expected_per_layer(model: ModelConfig, strategy: str, tokens: int, dtype: st
             "forward_bytes": fwd, "step_bytes": fwd + tokens * per_token * item}
 
 
-def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str = "none",
+def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int, strategy: str, remat: str = "none",
                 dtype: str = "bfloat16", dump_hlo: str | None = None, **train_fields) -> dict[str, Any]:
     """All-reduce count and bytes of one training step and of the forward, whole model and per layer.
 
@@ -294,6 +294,9 @@ def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: s
     (the analytic volume, see `expected_per_layer`). With `dump_hlo=DIR`, writes
     `DIR/<strategy>.hlo.txt` (step) and `DIR/<strategy>.fwd.hlo.txt` (forward loss).
     """
+    mesh = as_mesh(mesh, "comm.mesh")  # a `--mesh` string is read here, once
+    if mesh is None:
+        raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
     if dtype not in _ITEMSIZE:
         raise ConfigError(f"comm.dtype: unknown dtype {dtype!r}; fix: use float32 or bfloat16")
     if remat not in REMAT:
@@ -302,8 +305,7 @@ def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: s
     if dump_hlo:
         check_dump_dir(dump_hlo, (strategy,))
     train = tuple(sorted(train_fields.items()))
-    sizes = parse_mesh(mesh)
-    unit = sizes.get("stage", 1)  # a pipeline: one layer more on every stage
+    unit = mesh.stage  # a pipeline: one layer more on every stage
     full = _compile(m, mesh, batch, seq, strategy, remat, dtype, True, train)
     two = _compile(replace(m, n_layers=2 * unit), mesh, batch, seq, strategy, remat, dtype, train=train)
     one = _compile(replace(m, n_layers=unit), mesh, batch, seq, strategy, remat, dtype, train=train)
@@ -319,15 +321,15 @@ def comm_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: s
     parsed = {t: hlo.parse_module(t) for t in set(texts.values())}
     mods = {k: parsed[t] for k, t in texts.items()}
     cs = {k: hlo.collectives(v) for k, v in mods.items()}
-    names = ("data", "stage", "model") if unit > 1 else ("data", "model")
-    shape = tuple(sizes.get(n, 1) for n in names)
+    names = mesh.axes
+    shape = tuple(getattr(mesh, n) for n in names)
     ar = {k: _allreduce_stats(v, shape, names) for k, v in cs.items()}
-    tokens = batch // sizes.get("data", 1) * seq  # tokens in one device's all-reduce
+    tokens = batch // mesh.data * seq  # tokens in one device's all-reduce
     exp = expected_per_layer(m, strategy, tokens, dtype)
     lay = lambda a, b, k: ar[a][k] - ar[b][k]  # noqa: E731
     fwd_layer, step_layer = lay("fwd2", "fwd1", "bytes"), lay("step2", "step1", "bytes")
     return {
-        "strategy": strategy, "kind": m.kind, "mesh": mesh, "tp": sizes.get("model", 1), "batch": batch,
+        "strategy": strategy, "kind": m.kind, "mesh": str(mesh), "tp": mesh.model, "batch": batch,
         "seq": seq, "dtype": dtype, "remat": remat, "n_layers": m.n_layers,
         "model": {k: getattr(m, k) for k in ("d_model", "n_layers", "n_heads", "kv_heads", "d_ff", "rank",
                                               "vocab_size")},
@@ -463,27 +465,28 @@ def _is_hlo_dump(path: str) -> bool:
         return False
 
 
-def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelConfig, dict[str, int]]:
-    """Every flag of `boostjax comm`, checked before JAX starts; returns the model and mesh sizes."""
+def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelConfig, MeshShape]:
+    """Every flag of `boostjax comm`, checked before JAX starts; returns the model and the mesh (`--mesh`
+    parsed here, once)."""
     check_batch_seq(args.batch, args.seq, "comm")
-    sizes = parse_mesh(args.mesh, "comm.mesh")
-    if not sizes:
+    mesh = MeshShape.parse(args.mesh, "comm.mesh")
+    if mesh is None:
         raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
-    if args.batch % sizes.get("data", 1):
-        raise ConfigError(f"comm.batch: {args.batch} is not divisible by data={sizes['data']}; "
-                          f"fix: pass --batch a multiple of {sizes['data']}")
+    if args.batch % mesh.data:
+        raise ConfigError(f"comm.batch: {args.batch} is not divisible by data={mesh.data}; "
+                          f"fix: pass --batch a multiple of {mesh.data}")
     base = preset(args.preset, kind=args.model)
     base = replace(base, max_seq_len=max(base.max_seq_len, args.seq),  # comm has no --max-seq-len
                    attention=args.attention)
     for s in names:
         try:
-            validate(Config(model_for(base, s), memory.train_config(args.batch, args.seq, s, args.mesh, args.remat,
+            validate(Config(model_for(base, s), memory.train_config(args.batch, args.seq, s, mesh, args.remat,
                                                                     args.dtype, **_train_fields(args))))
         except ConfigError as e:
             raise _comm_error(e) from None
     if args.dump_hlo is not None:
         check_dump_dir(args.dump_hlo, names)
-    return base, sizes
+    return base, mesh
 
 
 def _train_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -494,31 +497,31 @@ def _train_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_comm(args: argparse.Namespace) -> int:
     names = STRATEGIES if args.strategy == "all" else (args.strategy,)
-    base, sizes = _check_args(args, names)
+    base, mesh = _check_args(args, names)
     from boostjax.devices import exact_low_precision, simulate_for_mesh  # noqa: PLC0415
 
     exact_low_precision()
     try:
-        simulate_for_mesh(args.mesh, "comm.mesh")
+        simulate_for_mesh(mesh, "comm.mesh")
     except RuntimeError as e:  # JAX already started with fewer devices
         raise ConfigError(f"comm.mesh: {e}") from e
     import jax  # noqa: PLC0415 (after the device count is set)
 
     from boostjax.sharding.rules import check_strategy  # noqa: PLC0415
 
-    devices, visible = mesh_devices(args.mesh, "comm.mesh"), jax.device_count()
+    devices, visible = mesh.devices, jax.device_count()
     if devices > visible:  # e.g. an accelerator with fewer devices than the mesh (nothing simulated)
-        raise ConfigError(f"comm.mesh: {args.mesh} needs {devices} devices but {visible} are visible; "
+        raise ConfigError(f"comm.mesh: {mesh} needs {devices} devices but {visible} are visible; "
                           f"fix: pick sizes whose product is at most {visible}")
 
     for s in names:  # every strategy's shapes before the first (possibly long) compile
         try:
-            check_strategy(model_for(base, s), s, sizes.get("model", 1))
+            check_strategy(model_for(base, s), s, mesh.model)
         except ConfigError as e:
             what = str(e).split("; fix:")[0]
             raise ConfigError(f"comm.mesh: {what}; fix: pass a --mesh model size that divides the {args.preset} "
                               "preset's shapes, or another --preset") from None
-    reports = {s: comm_report(base, args.mesh, args.batch, args.seq, s, args.remat, args.dtype, args.dump_hlo,
+    reports = {s: comm_report(base, mesh, args.batch, args.seq, s, args.remat, args.dtype, args.dump_hlo,
                               **_train_fields(args)) for s in names}
     print(json.dumps(reports, indent=1) if args.json else _table(reports))
     return 0

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, mesh_devices, validate
+from boostjax.config import Config, ConfigError, MeshShape, ModelConfig, TrainConfig, mesh_text, validate
 
 GIB = float(2**30)
 # never executed: on CPU skip LLVM's expensive passes (the optimised HLO and its buffers are unchanged)
@@ -65,7 +65,8 @@ def memory_fields(compiled) -> dict[str, int]:
     return {f"{n}_bytes": int(getattr(ma, f"{n}_size_in_bytes", 0) or 0) for n in MEMORY_FIELDS}
 
 
-def train_config(batch: int, seq: int, strategy: str, mesh: str, remat: str, dtype: str, **train_fields) -> TrainConfig:
+def train_config(batch: int, seq: int, strategy: str, mesh: MeshShape | str | None, remat: str, dtype: str,
+                 **train_fields) -> TrainConfig:
     names = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(train_fields) - names)
     if unknown:
@@ -90,7 +91,7 @@ def train_step_compiled(cfg: Config, compiler_options: dict | None = None) -> Ab
     if t.offload_plan:
         raise ConfigError("train.offload_plan: an offload plan places state in host memory, which this report "
                           "does not model; fix: read the plan's memory from `boostjax plan`, or drop --offload-plan")
-    need, visible = mesh_devices(t.mesh) if t.mesh else 1, jax.device_count()
+    need, visible = t.sizes.devices, jax.device_count()
     if need > visible:
         raise ConfigError(f"train.mesh: {t.mesh} needs {need} devices but {visible} are visible; "
                           f"fix: pick sizes whose product is at most {visible}")
@@ -120,12 +121,12 @@ def memory_parts(step: AbstractStep) -> dict[str, int]:
             "gradient_bytes_estimate": weights, **mem}
 
 
-def memory_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy: str, remat: str = "none",
-                  dtype: str = "bfloat16", **train_fields) -> dict[str, Any]:
+def memory_report(model: ModelConfig, mesh: MeshShape | str | None, batch: int, seq: int, strategy: str,
+                  remat: str = "none", dtype: str = "bfloat16", **train_fields) -> dict[str, Any]:
     """Per-device peak memory of the training step `boostjax train` compiles for this configuration.
 
-    `model` is compiled as given (its kind is not changed); `mesh` is a `--mesh` string ('' = one
-    device, strategy "none"); `train_fields` are further `TrainConfig` fields (`optimizer`,
+    `model` is compiled as given (its kind is not changed); `mesh` is a MeshShape or a `--mesh` string
+    ('' or None = one device, strategy "none"); `train_fields` are further `TrainConfig` fields (`optimizer`,
     `microbatches`, `pipeline_delay`, ...). Checked by `config.validate` first (ConfigError). JAX
     must see the mesh's devices (`boostjax.devices.simulate_for_mesh` before JAX starts on CPU).
 
@@ -139,6 +140,6 @@ def memory_report(model: ModelConfig, mesh: str, batch: int, seq: int, strategy:
     t = train_config(batch, seq, strategy, mesh, remat, dtype, **train_fields)
     cfg = validate(Config(model, t))
     parts = memory_parts(train_step_compiled(cfg))
-    return {"kind": model.kind, "strategy": strategy, "mesh": mesh, "batch": batch, "seq": seq, "remat": remat,
-            "dtype": dtype, "train": dict(train_fields), "backend": jax.default_backend(), **parts,
+    return {"kind": model.kind, "strategy": strategy, "mesh": mesh_text(t.mesh), "batch": batch, "seq": seq,
+            "remat": remat, "dtype": dtype, "train": dict(train_fields), "backend": jax.default_backend(), **parts,
             "peak_gib": parts["peak_bytes_per_device"] / GIB}

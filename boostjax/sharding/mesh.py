@@ -8,18 +8,16 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import ConfigError, parse_mesh
+from boostjax.config import ConfigError, MeshShape
 
 DATA, STAGE, MODEL = "data", "stage", "model"
 
 
-def make_mesh(spec) -> Mesh | None:
-    """The mesh of a `--mesh` value over the first devices (no mesh -> None: one device)."""
-    sizes = parse_mesh(spec) if isinstance(spec, str) else ({} if spec is None else
-                                                            {"data": spec.data, "stage": spec.stage, "model": spec.model})
-    if not sizes:
+def make_mesh(shape: MeshShape | None) -> Mesh | None:
+    """The mesh of `train.mesh` over the first devices (None -> None: one device)."""
+    if shape is None:
         return None
-    d, p, t = sizes.get(DATA, 1), sizes.get(STAGE, 1), sizes.get(MODEL, 1)
+    d, p, t = shape.data, shape.stage, shape.model
     n = jax.device_count()
     if d * p * t > n or (jax.process_count() > 1 and d * p * t != n):
         shown = f"data={d} x stage={p} x model={t}" if p > 1 else f"data={d} x model={t}"

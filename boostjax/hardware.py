@@ -1,4 +1,5 @@
-"""Named hardware profiles for offload planning, and `measure()` for the device JAX runs on.
+"""Named hardware profiles (the offload planner's costs, the MFU of `boostjax.observe`, `--hardware`), and
+`measure()` for the device JAX runs on. A leaf module: it imports nothing of boostjax.
 
 Numbers are per GPU. Sources and assumptions:
 - `device_bytes`: the total that `nvidia-smi` reports (H100/H800 80GB 81559 MiB, H200 143771 MiB,
