@@ -184,7 +184,7 @@ def test_check_plan_for(tmp_path):
     check_plan_for(str(path), validate(_cfg(offload_plan=str(path))))
     dense = Config(replace(MICRO, kind="llama"), TrainConfig(batch=B, seq=T, offload_plan=str(path)))
     graphdef, params = init_model(dense)
-    with pytest.raises(ConfigError, match="same model kind"):
+    with pytest.raises(ConfigError, match="planned for model.kind='cola' but this run has model.kind='llama'"):
         build_step_fns(dense, graphdef, params)
     (tmp_path / "bad.json").write_text(json.dumps({"x": 1}))
     with pytest.raises(ConfigError, match="not a plan file"):
