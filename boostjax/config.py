@@ -12,7 +12,7 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 ModelKind = Literal["llama", "cola", "svd", "lax"]
 Attention = Literal["auto", "xla", "cudnn", "chunked"]
@@ -24,7 +24,9 @@ LOW_RANK_KINDS: tuple[str, ...] = ("cola", "svd", "lax")
 STRATEGIES: tuple[str, ...] = ("none", "fullrank-tp", "vanilla-tp", "btp")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 REMAT: tuple[str, ...] = ("none", "full", "lowrank")
-OPTIMIZERS: tuple[str, ...] = ("adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit")
+# the keys of boostjax.optim.registry.OPTIMIZERS (a test asserts it; config sits below optim)
+Optimizer = Literal["adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit"]
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 MESH_AXES: tuple[str, ...] = ("data", "stage", "model")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 3)
 PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
@@ -122,7 +124,7 @@ class TrainConfig:
     zero: int = 0  # data-parallel state sharding: 0 replicated, 1 optimizer state over data, 3 params too
     pipeline_schedule: str = "gpipe"  # stage > 1: "gpipe" or "1f1b" (activation memory ~2P micro-batches, not M+P-1)
     remat: str = "none"
-    optimizer: str = "adamw"
+    optimizer: Optimizer = "adamw"
     pipeline_delay: int = 1  # S: emulate an asynchronous pipeline of S stages (1 = no delay)
     rot_source: str = "second"  # rotation basis from the 2nd moment (G Gᵀ) or the 1st (momentum)
     rot_geometry: str = "bilateral"  # rotate both sides, or only the smaller one ("unilateral")

@@ -10,7 +10,8 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from boostjax.optim.rotation import RotatedAdamState, orthonormality_error, rotated_adam
+from boostjax.optim.rotation import (RotatedAdamState, orthonormality_error, rotated_adam, rotated_state,
+                                      scale_by_rotated_adam)
 
 B1, B2, EPS, WD = 0.9, 0.999, 1e-8, 0.01
 
@@ -63,7 +64,7 @@ def test_identity_bases_equal_optax_adamw_step_for_step():
     ref = _train(optax.adamw(sched, B1, B2, EPS, weight_decay=WD), _tree(), 20)
     for kw in (dict(rotate=False), dict(max_dim=2), dict(mask=lambda p: jax.tree.map(lambda _: False, p))):
         got = _train(rotated_adam(sched, B1, B2, EPS, WD, **kw), _tree(), 20)
-        assert all(x.shape == (1,) for x in jax.tree.leaves((got[-1][1].basis_l, got[-1][1].basis_r)))
+        assert all(x.shape == (1,) for x in jax.tree.leaves((rotated_state(got[-1][1]).basis_l, rotated_state(got[-1][1]).basis_r)))
         # same elementwise formula, other op order and fusion: each of the 20 steps may round |p| <= 2.4
         # differently (1 ulp = 2.4e-7), so 5e-6; measured 1.2e-7 (ISA, BLAS kernels, gradient noise).
         # Dropping the weight decay alone gives 7e-3 (1.5e-4 after the second step).
@@ -150,7 +151,7 @@ def test_bases_stay_orthonormal_and_refresh_on_schedule(source):
     hist = _train(opt, _tree(), 9)
     for _, s in hist:
         assert float(orthonormality_error(s)) < 1e-4
-    u = [np.asarray(s.basis_l["a"]) for _, s in hist]
+    u = [np.asarray(rotated_state(s).basis_l["a"]) for _, s in hist]
     assert not np.allclose(u[0], np.eye(6), atol=1e-3)  # exact refresh at step 1
     for t in range(1, 9):  # steps t+1 = 2..9: refresh at 3, 5, 7, 9 only
         changed = not np.array_equal(u[t], u[t - 1])
@@ -159,8 +160,9 @@ def test_bases_stay_orthonormal_and_refresh_on_schedule(source):
 
 def test_side_selection_unilateral_max_dim_and_first_source():
     p = _tree()
-    shapes = lambda s: {k: (s.basis_l[k].shape, s.basis_r[k].shape, s.stat_l[k].shape, s.stat_r[k].shape)  # noqa: E731
-                        for k in p}
+    def shapes(opt_state):
+        s = rotated_state(opt_state)
+        return {k: (s.basis_l[k].shape, s.basis_r[k].shape, s.stat_l[k].shape, s.stat_r[k].shape) for k in p}
     uni = shapes(rotated_adam(1e-2, geometry="unilateral").init(p))
     assert uni == {"a": ((1,), (4, 4), (1,), (4, 4)), "b": ((3, 3), (1,), (3, 3), (1,)),
                    "bias": ((1,), (1,), (1,), (1,))}
@@ -173,7 +175,7 @@ def test_side_selection_unilateral_max_dim_and_first_source():
     a, sa = _train(rotated_adam(1e-2, max_dim=4, refresh_every=2), p, 4)[-1]
     b, _ = _train(rotated_adam(1e-2, geometry="unilateral", refresh_every=2), p, 4)[-1]
     _close(a, b, atol=1e-7)
-    assert not np.allclose(np.abs(np.asarray(sa.basis_r["a"])), np.eye(4), atol=1e-2)
+    assert not np.allclose(np.abs(np.asarray(rotated_state(sa).basis_r["a"])), np.eye(4), atol=1e-2)
 
 
 # ----------------------------------------------------------------------------- v permutation
@@ -191,7 +193,7 @@ def test_refresh_sorts_bases_and_permutes_v_second_order():
     qu, qv = _orth(rng, 4), _orth(rng, 3)
     lam_u, lam_v = np.array([1.0, 4.0, 2.0, 3.0]), np.array([0.5, 0.2, 0.9])
     nu0 = rng.uniform(0.1, 1.0, size=(4, 3))
-    opt = rotated_adam(1e-2, weight_decay=0.0, refresh_every=3)
+    opt = scale_by_rotated_adam(B1, B2, EPS, refresh_every=3)  # the direction: G = 0 gives 0
     w = jnp.zeros((4, 3))
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     s = opt.init(w)._replace(count=jnp.asarray(3, jnp.int32), nu=f(nu0), basis_l=f(qu), basis_r=f(qv),
@@ -208,7 +210,7 @@ def test_refresh_sorts_bases_and_permutes_v_first_order():
     rng = np.random.default_rng(1)
     qu, qv, sig = _orth(rng, 4), _orth(rng, 4), np.array([0.3, 2.0, 1.0, 0.7])
     nu0 = rng.uniform(0.1, 1.0, size=(4, 4))
-    opt = rotated_adam(1e-2, weight_decay=0.0, source="first", refresh_every=2)
+    opt = scale_by_rotated_adam(B1, B2, EPS, source="first", refresh_every=2)
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     s = opt.init(jnp.zeros((4, 4)))._replace(count=jnp.asarray(2, jnp.int32), mu=f((qu * sig) @ qv.T),
                                              nu=f(nu0), basis_l=f(qu), basis_r=f(qv))
@@ -240,7 +242,7 @@ def test_permutation_bases_reduce_to_adam_while_eigen_order_changes():
         d = d - lr * (mu / (1 - B1**t)) / (np.sqrt(nu / (1 - B2 ** max(t - 1, 1))) + eps)
         nu = nu if t > 1 else np.zeros(4)
         w, s = step(w, s)
-        orders.add(tuple(np.argmax(np.abs(np.asarray(s.basis_l)), axis=0)))
+        orders.add(tuple(np.argmax(np.abs(np.asarray(rotated_state(s).basis_l)), axis=0)))
         # fp32 against float64 after up to 30 steps: 1.7e-5 under every perturbation tried; 2e-4 (5e-5 of
         # max |tgt|) leaves 10x, while a v left unpermuted at a refresh is off by 0.33
         np.testing.assert_allclose(np.diagonal(np.asarray(w)), d, rtol=0, atol=2e-4)
@@ -326,7 +328,7 @@ def test_sharded_params_match_unsharded():
             q, s = step(q, s)
         runs.append((q, s))
     assert runs[1][0]["a"].sharding.spec == P("x", None)
-    assert runs[1][1].basis_r["a"].shape == (4, 4) and runs[1][1].basis_l["c"].shape == (4, 4)
+    assert rotated_state(runs[1][1]).basis_r["a"].shape == (4, 4) and rotated_state(runs[1][1]).basis_l["c"].shape == (4, 4)
     # Norm-relative per leaf (Gram statistics reach ~5e2, their entries differ by ~1e-4 absolute).
     # Emulating other machines (1- and 4-ulp relative noise on every gradient, 60 draws; other ISAs and
     # OpenBLAS kernels) gave at most 4.4e-6 in the state (bases, moments, statistics) and 1.3e-5 in the
@@ -347,7 +349,7 @@ def test_grouped_3d_leaf_equals_its_matrices_as_separate_leaves():
         separate = rotated_adam(1e-2, refresh_every=2, source=source)
         pg, ps = {"w": w}, {f"w{i}": take(w, i) for i in range(3)}
         sg, ss = grouped.init(pg), separate.init(ps)
-        assert sg.basis_l["w"].shape == (3, 6, 6) and sg.basis_r["w"].shape == (3, 4, 4)
+        assert rotated_state(sg).basis_l["w"].shape == (3, 6, 6) and rotated_state(sg).basis_r["w"].shape == (3, 4, 4)
         for t in range(5):
             g = jax.random.normal(jax.random.PRNGKey(10 + t), w.shape)
             ug, sg = jax.jit(grouped.update)({"w": g}, sg, pg)
@@ -382,4 +384,34 @@ def test_bad_arguments_raise_value_errors():
     opt = rotated_adam(1e-3)
     with pytest.raises(ValueError, match="params"):
         opt.update(_tree(), opt.init(_tree()))
-    assert isinstance(opt.init(_tree()), RotatedAdamState)
+    assert isinstance(scale_by_rotated_adam().init(_tree()), RotatedAdamState)
+    assert isinstance(rotated_state(opt.init(_tree())), RotatedAdamState)
+
+
+def test_stacked_layers_with_two_group_axes_equal_per_layer_leaves_exactly():
+    """A pipeline's stacked `a_qkv [L, d, 3, r]` with group axes (0, 2) rotates its L*3 matrices
+    independently: bit for bit the per-layer leaves `[d, 3, r]` with group axis 1 (the same ops per
+    matrix), with per-layer refresh periods (a tuple along axis 0) as stage-aware refresh gives."""
+    n_layers = 2
+    w = jax.random.normal(jax.random.PRNGKey(3), (n_layers, 5, 3, 4))
+    stacked = rotated_adam(1e-2, refresh_every={"q": (1, 3)}, mask={"q": (0, 2)})
+    per_layer = rotated_adam(1e-2, refresh_every={"q0": 1, "q1": 3}, mask={"q0": 1, "q1": 1})
+    ps, pl = {"q": w}, {f"q{i}": w[i] for i in range(n_layers)}
+    ss, sl = stacked.init(ps), per_layer.init(pl)
+    assert rotated_state(ss).basis_l["q"].shape == (n_layers, 3, 5, 5)
+    upd_s, upd_l = jax.jit(stacked.update), jax.jit(per_layer.update)
+    for t in range(5):
+        g = jax.random.normal(jax.random.PRNGKey(20 + t), w.shape)
+        us, ss = upd_s({"q": g}, ss, ps)
+        ul, sl = upd_l({f"q{i}": g[i] for i in range(n_layers)}, sl, pl)
+        ps, pl = optax.apply_updates(ps, us), optax.apply_updates(pl, ul)
+    np.testing.assert_array_equal(np.asarray(ps["q"]), np.stack([pl[f"q{i}"] for i in range(n_layers)]))
+    rs, rl = rotated_state(ss), rotated_state(sl)
+    for field in ("basis_l", "basis_r", "stat_l", "nu"):
+        np.testing.assert_array_equal(np.asarray(getattr(rs, field)["q"]),
+                                      np.stack([getattr(rl, field)[f"q{i}"] for i in range(n_layers)]))
+    assert float(orthonormality_error(ss)) < 1e-4
+    with pytest.raises(ValueError, match="group axis"):
+        rotated_adam(1e-2, mask={"q": (0, 1, 2)}).init(ps)
+    with pytest.raises(ValueError, match="per-index periods"):
+        rotated_adam(1e-2, refresh_every={"q": (1, 2)}, mask={"q": 2}).init({"q": w[0]})
