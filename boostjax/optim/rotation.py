@@ -303,8 +303,9 @@ def scale_by_rotated_adam(
         for p, on, period in zip(flat, flags, periods):
             shape = jnp.shape(p)
             groups = _group_axes(on, shape) if rotate else None
-            _check_stacked_period(period, groups, shape)
             on = (groups is not None or bool(on)) and rotate  # group axis 0 is an int, not "off"
+            if on:  # an unrotated leaf ignores its period (a stacked norm may carry per-layer ones)
+                _check_stacked_period(period, groups, shape)
             if groups is not None:
                 shape = tuple(d for i, d in enumerate(shape) if i not in groups)
             elif on and len(shape) != 2:
