@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from boostjax.config import OPTIMIZERS as CONFIG_OPTIMIZERS
 from boostjax.config import TrainConfig
-from boostjax.optim import (OPTIMIZERS, build_optimizer, current_lr, delay_init, lr_schedule, make_optimizer,
-                            state_specs)
+from boostjax.optim import (OPTIMIZERS, assign_stages, build_optimizer, current_lr, delay_init, lr_schedule,
+                            make_optimizer, state_specs)
 from boostjax.optim.registry import hyper, make
 
 
@@ -43,7 +43,7 @@ def _config(name: str, clip: float) -> TrainConfig:
     return TrainConfig(optimizer=name, steps=20, warmup=2, lr=0.05, clip=clip, rot_refresh=2)
 
 
-def _run(tx: optax.GradientTransformation, grads_of, steps: int = 3):
+def _run(tx: optax.GradientTransformation, grads_of, steps: int = 3, jit_init: bool = True):
     """[(params, state, update, loss before the step)] after init and each of `steps` jitted steps."""
     @jax.jit
     def step(p, s):
@@ -51,7 +51,7 @@ def _run(tx: optax.GradientTransformation, grads_of, steps: int = 3):
         return optax.apply_updates(p, u), s, u, _loss(p)
 
     p = _params()
-    s = jax.jit(tx.init)(p)
+    s = (jax.jit(tx.init) if jit_init else tx.init)(p)
     out = [(p, s, None, None)]
     for _ in range(steps):
         p, s, u, loss = step(p, s)
@@ -84,7 +84,7 @@ def test_optimizer_conforms(name):
     # clipping first: the clipped optimizer on the raw gradient = the unclipped one on the clipped
     # gradient; bit for bit when clipping is the chain's first link, to rounding where adam8bit folds
     # the scale into its update (measured <= 1e-7 relative)
-    ref = _run(build_optimizer(_config(name, 0.0), params, rotation_mask=MASK), _clipped_grad)
+    ref = _run(build_optimizer(_config(name, 0.0), params, rotation_mask=MASK), _clipped_grad, jit_init=False)
     for x, y in zip(jax.tree.leaves(run[-1][0]), jax.tree.leaves(ref[-1][0])):
         if OPTIMIZERS[name].fused_clip:
             assert np.linalg.norm(x - y) <= 1e-5 * np.linalg.norm(y), name
@@ -146,3 +146,11 @@ def test_state_specs_follow_params_and_each_optimizers_replicated_fields():
         assert sum(f".{fields[0]}" in k for k in flat), name  # the replicated fields are there (a 4x4 basis too)
     assert flat["[0].inner_state.mu['sq']"] == P("model", None) and flat["[0].inner_state.mu['big'].codes"] == P()
     assert flat["[1].history['sq']"] == P(None, "model", None) and flat["[0].hyperparams['learning_rate']"] == P()
+    # a pipeline's stacked layers: the ring stacks copies in front of [L, ...]; per-layer delays replicated
+    stacked, st_specs = {"layers": {"w": jnp.zeros((2, 4, 4))}}, {"layers": {"w": P("stage", "model", None)}}
+    t = replace(_config("adamw", 1.0), pipeline_delay=2)
+    stages = assign_stages(stacked, 2, 2)
+    opt_like = jax.eval_shape(lambda p: (build_optimizer(t, p).init(p), delay_init(p, stages, 2)), stacked)
+    got = state_specs(t, opt_like, stacked, st_specs)
+    assert got[1].history["layers"]["w"] == P(None, "stage", "model", None) and got[1].lags["layers"]["w"] == P()
+    assert got[0].inner_state[1][0].mu["layers"]["w"] == P("stage", "model", None)  # (clip, adamw(adam, ...))

@@ -340,29 +340,59 @@ def test_sharded_params_match_unsharded():
     _norm_close(q_got, q_ref, 2e-4)
 
 
-def test_grouped_3d_leaf_equals_its_matrices_as_separate_leaves():
-    """A mask entry int g rotates each matrix of a 3-D leaf stacked on axis g like separate 2-D
-    leaves, to rounding (both sources; group axis in the middle and in front)."""
-    for source, axis in (("second", 1), ("first", 0)):
-        w = jax.random.normal(jax.random.PRNGKey(axis), (6, 3, 4) if axis == 1 else (3, 6, 4))
-        take = lambda x, i: jnp.take(x, i, axis=axis)  # noqa: E731
-        grouped = rotated_adam(1e-2, refresh_every=2, source=source, mask={"w": axis})
-        separate = rotated_adam(1e-2, refresh_every=2, source=source)
-        pg, ps = {"w": w}, {f"w{i}": take(w, i) for i in range(3)}
+def test_grouped_and_stacked_leaves_equal_their_matrices_as_separate_leaves():
+    """A mask entry int g (or a tuple of axes) rotates each matrix of a leaf stacked along them
+    independently. A grouped `[G, m, n]` leaf (axis 0, first-order source) equals its G matrices as
+    separate 2-D leaves to rounding (other fusion); a pipeline's stacked `[L, m, G, n]` leaf (axes
+    (0, 2), second order, per-layer refresh periods as stage-aware refresh gives them, a stacked norm
+    beside it) equals its L per-layer leaves `[m, G, n]` (axis 1) bit for bit."""
+    def take(x, groups, ix):
+        key = [slice(None)] * x.ndim
+        for a, i in zip(groups, ix):
+            key[a] = i
+        return x[tuple(key)]
+
+    w = jax.random.normal(jax.random.PRNGKey(3), (3, 6, 4))  # grouped, axis 0, vs 2-D leaves
+    ws = jax.random.normal(jax.random.PRNGKey(4), (2, 5, 2, 4))  # stacked, axes (0, 2), vs per-layer [5, 2, 4]
+    cases = [
+        (rotated_adam(1e-2, source="first", refresh_every=2, mask={"w": 0}), {"w": w},
+         rotated_adam(1e-2, source="first", refresh_every=2), {f"w{i}": w[i] for i in range(3)}, (0,), [(i,) for i in range(3)]),
+        (rotated_adam(1e-2, refresh_every={"w": (1, 3), "n": (1, 3)}, mask={"w": (0, 2), "n": False}),
+         {"w": ws, "n": jnp.ones((2, 5))},
+         rotated_adam(1e-2, refresh_every={"w0": 1, "w1": 3}, mask={"w0": 1, "w1": 1}), {f"w{i}": ws[i] for i in range(2)},
+         (0,), [(i,) for i in range(2)]),
+    ]
+    finals = []
+    for exact, (grouped, pg, separate, ps, groups, idx) in enumerate(cases):
         sg, ss = grouped.init(pg), separate.init(ps)
-        assert rotated_state(sg).basis_l["w"].shape == (3, 6, 6) and rotated_state(sg).basis_r["w"].shape == (3, 4, 4)
+        upd_g, upd_s = jax.jit(grouped.update), jax.jit(separate.update)
         for t in range(5):
-            g = jax.random.normal(jax.random.PRNGKey(10 + t), w.shape)
-            ug, sg = jax.jit(grouped.update)({"w": g}, sg, pg)
-            us, ss = jax.jit(separate.update)({f"w{i}": take(g, i) for i in range(3)}, ss, ps)
+            g = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(10 + t), x.shape), pg)
+            ug, sg = upd_g(g, sg, pg)
+            us, ss = upd_s({f"w{ix[0]}": take(g["w"], groups, ix) for ix in idx}, ss, ps)
             pg, ps = optax.apply_updates(pg, ug), optax.apply_updates(ps, us)
-        np.testing.assert_allclose(np.stack([ps[f"w{i}"] for i in range(3)], axis=axis), pg["w"], rtol=1e-5, atol=1e-7)
-        assert not np.allclose(pg["w"], _train_adamw_like(w, axis))  # the rotation did act
+        rg, rs = rotated_state(sg), rotated_state(ss)
+        for ix in idx:
+            pairs = [(take(pg["w"], groups, ix), ps[f"w{ix[0]}"]), (take(rg.nu["w"], groups, ix), rs.nu[f"w{ix[0]}"])]
+            pairs += [(getattr(rg, f)["w"][ix], getattr(rs, f)[f"w{ix[0]}"]) for f in ("basis_l", "basis_r", "stat_r")]
+            for got, want in pairs:
+                if exact:
+                    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+                else:
+                    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        assert rg.basis_l["w"].shape == ((3, 6, 6) if not exact else (2, 2, 5, 5))
+        assert float(orthonormality_error(sg)) < 1e-4
+        finals.append(pg["w"])
+    assert not np.allclose(finals[0], _train_adamw_like(w))  # the rotation did act
     with pytest.raises(ValueError, match="group axis"):
         rotated_adam(1e-2, mask={"w": 1}).init({"w": jnp.zeros((4, 4))})
+    with pytest.raises(ValueError, match="group axis"):
+        rotated_adam(1e-2, mask={"q": (0, 1, 2)}).init({"q": jnp.zeros((2, 5, 2, 4))})
+    with pytest.raises(ValueError, match="per-index periods"):
+        rotated_adam(1e-2, refresh_every={"q": (1, 2)}, mask={"q": 2}).init({"q": jnp.zeros((5, 2, 4))})
 
 
-def _train_adamw_like(w, axis):
+def _train_adamw_like(w):
     opt = optax.adamw(1e-2, B1, B2, EPS, weight_decay=WD)
     p, s = {"w": w}, opt.init({"w": w})
     for t in range(5):
@@ -387,32 +417,3 @@ def test_bad_arguments_raise_value_errors():
         opt.update(_tree(), opt.init(_tree()))
     assert isinstance(scale_by_rotated_adam().init(_tree()), RotatedAdamState)
     assert isinstance(rotated_state(opt.init(_tree())), RotatedAdamState)
-
-
-def test_stacked_layers_with_two_group_axes_equal_per_layer_leaves_exactly():
-    """A pipeline's stacked `b [L, d, G, r]` with group axes (0, 2) rotates its L*G matrices
-    independently: bit for bit the per-layer leaves `[d, G, r]` with group axis 1 (the same ops per
-    matrix), with per-layer refresh periods (a tuple along axis 0) as stage-aware refresh gives."""
-    n_layers = 2
-    w = jax.random.normal(jax.random.PRNGKey(3), (n_layers, 5, 2, 4))
-    stacked = rotated_adam(1e-2, refresh_every={"q": (1, 3), "n": (1, 3)}, mask={"q": (0, 2), "n": False})
-    per_layer = rotated_adam(1e-2, refresh_every={"q0": 1, "q1": 3}, mask={"q0": 1, "q1": 1})
-    ps, pl = {"q": w, "n": jnp.ones((n_layers, 5))}, {f"q{i}": w[i] for i in range(n_layers)}  # n: a stacked norm
-    ss, sl = stacked.init(ps), per_layer.init(pl)
-    assert rotated_state(ss).basis_l["q"].shape == (n_layers, 2, 5, 5)
-    upd_s, upd_l = jax.jit(stacked.update), jax.jit(per_layer.update)
-    for t in range(5):
-        g = jax.random.normal(jax.random.PRNGKey(20 + t), w.shape)
-        us, ss = upd_s({"q": g, "n": g[:, :, 0, 0]}, ss, ps)
-        ul, sl = upd_l({f"q{i}": g[i] for i in range(n_layers)}, sl, pl)
-        ps, pl = optax.apply_updates(ps, us), optax.apply_updates(pl, ul)
-    np.testing.assert_array_equal(np.asarray(ps["q"]), np.stack([pl[f"q{i}"] for i in range(n_layers)]))
-    rs, rl = rotated_state(ss), rotated_state(sl)
-    for field in ("basis_l", "basis_r", "stat_l", "nu"):
-        np.testing.assert_array_equal(np.asarray(getattr(rs, field)["q"]),
-                                      np.stack([getattr(rl, field)[f"q{i}"] for i in range(n_layers)]))
-    assert float(orthonormality_error(ss)) < 1e-4
-    with pytest.raises(ValueError, match="group axis"):
-        rotated_adam(1e-2, mask={"q": (0, 1, 2)}).init({"q": w})
-    with pytest.raises(ValueError, match="per-index periods"):
-        rotated_adam(1e-2, refresh_every={"q": (1, 2)}, mask={"q": 2}).init({"q": w[0]})
