@@ -29,8 +29,9 @@ def _params() -> dict:
     return {"embed": jax.random.normal(next(ks), (8, 4)), "layers": {0: layer}, "head": jax.random.normal(next(ks), (4, 8))}
 
 
-# one rotated matrix keeps the suite cheap (grouped leaves: test_rotation)
-MASK = {"embed": False, "layers": {0: {"w": True, "a_qkv": False, "norm": False}}, "head": False}
+# one rotated matrix keeps the suite cheap (grouped leaves: test_rotation); `()` is how
+# boostjax.sharding.rules.rotation_mask names a plain matrix
+MASK = {"embed": False, "layers": {0: {"w": (), "a_qkv": False, "norm": False}}, "head": False}  # () = True
 TARGET = jax.tree.map(lambda p: 3.0 + jnp.zeros_like(p), _params())
 
 

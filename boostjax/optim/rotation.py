@@ -205,11 +205,11 @@ def _keep(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
 
 # ----------------------------------------------------------------------------- validation
 def _group_axes(flag: Any, shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The stacking axes of a grouped leaf (mask entry an int or a tuple of ints), else None.
+    """The stacking axes of a grouped leaf (mask entry an int or a non-empty tuple of ints), else None.
 
-    A bool (True / False) is a plain leaf; `g` is `(g,)`; `(0, 2)` on `[L, d, 3, r]` stacks the
-    L*3 matrices `[d, r]` (a pipeline's stacked layer axis 0 plus a_qkv's group axis)."""
-    if isinstance(flag, bool) or flag is None:
+    A bool (True / False) or `()` (a plain matrix) is not grouped; `g` is `(g,)`; `(0, 2)` on
+    `[L, d, 3, r]` stacks the L*3 matrices `[d, r]` (a pipeline's layer axis 0 plus a_qkv's group axis)."""
+    if isinstance(flag, bool) or flag is None or flag == ():
         return None
     axes = (flag,) if isinstance(flag, numbers.Integral) else flag
     ok = isinstance(axes, tuple) and all(isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in axes)
@@ -220,6 +220,12 @@ def _group_axes(flag: Any, shape: tuple[int, ...]) -> tuple[int, ...] | None:
         raise ValueError(f"rotated_adam: mask entry {flag!r} (group axis / axes) for a leaf of shape {shape}; "
                          "fix: int or tuple group axes, distinct, in range, leaving exactly 2 matrix axes")
     return tuple(sorted(axes))
+
+
+def _rotates(flag: Any) -> bool:
+    """Mask entry -> rotated at all: True, an int group axis (0 included) or a tuple (`()` included)."""
+    return isinstance(flag, tuple) or (flag is not None and not isinstance(flag, bool) and
+                                       isinstance(flag, numbers.Integral)) or flag is True
 
 
 def _leaves_like(tree: Any, treedef: Any, what: str, fix: str) -> list[Any]:
@@ -284,8 +290,8 @@ def scale_by_rotated_adam(
     `refresh_every`: int or a pytree of ints shaped like the params (stage-aware periods); a
     stacked leaf (mask with group axis 0) may take a tuple with one period per index of axis 0.
     `mask`: pytree (or a `params -> pytree` callable) of False / True / int / tuple of ints;
-    default: leaves with ndim == 2. True rotates a 2-D leaf; an int `g` or a tuple of axes rotates
-    each matrix of a leaf stacked along those axes (independent bases per matrix).
+    default: leaves with ndim == 2. True or `()` rotates a 2-D leaf; an int `g` or a tuple of axes
+    rotates each matrix of a leaf stacked along those axes (independent bases per matrix).
     `rotate=False` gives exactly `optax.scale_by_adam(b1, b2, eps)`.
     """
     _check_args(b1, b2, eps, source, geometry, refresh_every, basis_beta, max_dim)
@@ -303,7 +309,7 @@ def scale_by_rotated_adam(
         for p, on, period in zip(flat, flags, periods):
             shape = jnp.shape(p)
             groups = _group_axes(on, shape) if rotate else None
-            on = (groups is not None or bool(on)) and rotate  # group axis 0 is an int, not "off"
+            on = _rotates(on) and rotate  # group axis 0 is an int and () a plain matrix, not "off"
             if on:  # an unrotated leaf ignores its period (a stacked norm may carry per-layer ones)
                 _check_stacked_period(period, groups, shape)
             if groups is not None:
