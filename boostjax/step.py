@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from boostjax.config import Config, ConfigError
-from boostjax.optim import baselines, delay, rotation, schedule
+from boostjax.optim import delay, registry, rotation, schedule
 from boostjax.sharding.specs import data_sharded
 
 
@@ -77,7 +77,7 @@ def make_optimizer(cfg: Config, params_like: Any) -> tuple[optax.GradientTransfo
 
         return adam8bit(lr_fn, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, clip=t.clip), lr_fn
     stages = delay.assign_stages(params_like, cfg.model.n_layers, t.pipeline_delay)
-    tx = baselines.make_optimizer(
+    tx = registry.make_optimizer(
         t.optimizer, lr=lr_fn, weight_decay=t.weight_decay, b1=t.b1, b2=t.b2, clip=t.clip,
         stages_tree=stages, n_stages=t.pipeline_delay, t_c=t.delay_lr_tc, source=t.rot_source,
         geometry=t.rot_geometry, refresh_every=t.rot_refresh, stage_aware_refresh=t.stage_aware_refresh,
