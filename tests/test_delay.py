@@ -13,6 +13,7 @@ from boostjax.optim.baselines import (OPTIMIZERS, delay_lr_factor, make_optimize
                                       stage_refresh_periods)
 from boostjax.optim.delay import (DelayState, assign_stages, delay_init, delay_push, delayed_params,
                                   delayed_train_step, stage_delays)
+from helpers import assert_trees_allclose
 
 N_LAYERS, D = 12, 3
 
@@ -42,8 +43,7 @@ def _batches(n: int) -> list:
 
 
 def _close(t1, t2, atol: float = 1e-6, rtol: float = 1e-6) -> None:
-    for x, y in zip(jax.tree.leaves(t1), jax.tree.leaves(t2), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
+    assert_trees_allclose(t1, t2, atol=atol, rtol=rtol)
 
 
 # ----------------------------------------------------------------------------- stages

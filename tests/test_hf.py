@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 from boostjax import hf
 from boostjax.config import ModelConfig
 from boostjax.models.llama import LLaMA
+from helpers import random_tokens
 
 torch.set_num_threads(1)
 
@@ -30,7 +31,7 @@ B, T = 2, 16
 
 
 def _tokens(cfg: ModelConfig, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+    return random_tokens(cfg.vocab_size, (B, T), seed)
 
 
 def _random_model(cfg: ModelConfig, seed: int = 0) -> LLaMA:
