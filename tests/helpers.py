@@ -1,9 +1,11 @@
 """Shared test helpers: one version of each thing several test files need.
 
+- `FAST_CPU` compiler options;
 - comparisons: `rel` (‖a - b‖ / ‖b‖ over arrays or whole trees), `rel_by_path`, `assert_rel_close`
   (per leaf, relative to the leaf's norm), `assert_trees_allclose` (element-wise, for exact paths);
 - inputs: `seed_of` (a seed fixed by a test's parameters), `random_tokens`, `random_params`;
-- the CLI: `MICRO` (the tiny model of the CLI tests), `model_flags`, `cli_command`, `cli_env`;
+- the CLI: `MICRO` (the tiny model of the CLI tests), `model_flags`, `one_error_line`, `cli_command`,
+  `cli_env`;
 - `load_experiment` (`experiments/` is not a package).
 
 Tolerances follow the arithmetic: a norm-relative error is what rounding bounds (a reordered fp32 sum
@@ -70,6 +72,12 @@ def assert_trees_allclose(got, want, *, atol: float, rtol: float = 0.0) -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
 
 
+# XLA's cheap CPU codegen (LLVM at -O0, no expensive passes) as compiler options: the optimised HLO is the
+# same (the collectives and buffers a test reads from it too), a test's tiny program compiles in ~60 % of
+# the time and runs a little slower
+FAST_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
 # ----------------------------------------------------------------------------- inputs
 
 def seed_of(*names: str) -> int:
@@ -101,6 +109,18 @@ SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "d_ff", "rank")
 def model_flags(cfg: ModelConfig = MICRO, fields: tuple[str, ...] = SHAPE_FIELDS) -> list[str]:
     """`cfg`'s shape as CLI flags: ["--d-model", "32", "--n-layers", "2", ...] (the fields in order)."""
     return [x for f in fields for x in (f"--{f.replace('_', '-')}", str(getattr(cfg, f)))]
+
+
+def one_error_line(err: str, *needles) -> str:
+    """A refusal as the CLI prints it: stderr is ONE line `boostjax: error: field: what is wrong; fix: what
+    to pass` holding every needle; returns that line."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith("boostjax: error: ") and "; fix: " in line, line
+    for n in needles:
+        assert str(n) in line, (n, line)
+    return line
 
 
 def cli_command(*args) -> list[str]:
