@@ -19,14 +19,10 @@ from boostjax.config import ModelConfig
 from boostjax.generate import sample
 from boostjax.models import kvcache
 from boostjax.models.llama import LLaMA
-from helpers import rel
+from helpers import FAST_CPU, rel
 
 SHAPE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, rank=8, init_std=0.1,
              max_seq_len=64)
-
-
-# the test programs are tiny: LLVM's expensive passes would cost more than they save
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _model(kind: str, seed: int = 0, **kw) -> LLaMA:
@@ -78,7 +74,7 @@ def test_cached_logits_equal_full_forward(kind, extra):
 
     graphdef, state = nnx.split(_model(kind, n_layers=1, **extra))
     fn = jax.jit(lambda state, tokens: run(nnx.merge(graphdef, state), tokens))
-    full, cached, alone, pos = fn.lower(state, tokens).compile(FAST_COMPILE)(state, tokens)
+    full, cached, alone, pos = fn.lower(state, tokens).compile(FAST_CPU)(state, tokens)  # tiny: cheap codegen
     assert int(pos) == 12
     err = rel(cached, full)
     assert err < 1e-5, err
