@@ -7,8 +7,6 @@ the number of simulated CPU devices before JAX starts.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -24,13 +22,13 @@ _EXPORTS: dict[str, str] = {
     # data
     "ByteTokenizer": "boostjax.data", "load_corpus": "boostjax.data", "BatchIterator": "boostjax.data",
     # tokenised data folders and held-out evaluation (issue 13, items 1 and 5)
-    "tokenize_corpus": "boostjax.tokenize", "evaluate": "boostjax.evaluate",
+    "tokenize_corpus": "boostjax.tokenize", "evaluate": "boostjax.evaluation",
     "DocumentIterator": "boostjax.data", "batch_iterator": "boostjax.data",  # item 2: packed documents
     # training
-    "train": "boostjax.train", "TrainResult": "boostjax.train", "NonFiniteLoss": "boostjax.train",
-    "init_model": "boostjax.train", "load_run": "boostjax.run", "simulate_devices": "boostjax.devices",
+    "train": "boostjax.trainer", "TrainResult": "boostjax.trainer", "NonFiniteLoss": "boostjax.trainer",
+    "init_model": "boostjax.models.llama", "load_run": "boostjax.run", "simulate_devices": "boostjax.devices",
     # generation (KV cache; greedy, top-k, top-p)
-    "generate": "boostjax.generate",
+    "generate": "boostjax.generation",
     # interop
     "from_hf": "boostjax.hf", "to_hf": "boostjax.hf", "read_hf": "boostjax.hf",  # item 3: read_hf
     # starting from pretrained weights (train --init-from-hf, train(cfg, init=...))
@@ -64,16 +62,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
-
-class _Package(types.ModuleType):
-    """The package module. When a submodule shares an exported name (`boostjax.train`, the module
-    that defines `train`), the import system would record the submodule on the package the first
-    time it is imported, hiding the function; this keeps `boostjax.train` the function."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}":
-            return  # still importable as `boostjax.train` through sys.modules / `from boostjax.train import`
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

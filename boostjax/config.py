@@ -10,7 +10,6 @@ import dataclasses
 import json
 import math
 import os
-import pathlib
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
@@ -361,8 +360,6 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _validate_tied(t, m)
     _validate_observe(t)
     _validate_doc_mask(t, m)
-    if t.offload_plan:
-        _validate_offload_plan(t, m)
 
 
 def _validate_tied(t: TrainConfig, m: ModelConfig) -> None:
@@ -442,32 +439,6 @@ def _validate_pipeline(t: TrainConfig, m: ModelConfig) -> None:
                                  "other; fix: drop --pipeline-delay or the stage= axis of --mesh")
     _need(t.optimizer != "rotation", "train.optimizer: basis rotation is not implemented for stage-stacked "
                                      "layers; fix: use --optimizer adamw (or drop stage= from --mesh)")
-
-
-def _validate_offload_plan(t: TrainConfig, m: ModelConfig) -> None:
-    """The plan file is a plan made for this model, batch, seq, dtype and optimizer, and runs on one device."""
-    from boostjax.offload.costmodel import build_instance  # noqa: PLC0415 (offload imports this module)
-    from boostjax.offload.decisions import check_decisions  # noqa: PLC0415
-    from boostjax.offload.plans import check_planned_for, read_plan  # noqa: PLC0415
-
-    _need(t.strategy == "none" and not parse_mesh(t.mesh),
-          "train.offload_plan: an offload plan runs on one device; fix: drop --strategy and --mesh")
-    _need(t.remat == "none", "train.offload_plan: the plan sets the remat policy; fix: drop --remat")
-    path = pathlib.Path(t.offload_plan)
-    plan = read_plan(path)
-    n = len(plan.decisions.boundary)
-    _need(n == m.n_layers, f"train.offload_plan: the plan has {n} layers but n_layers={m.n_layers} ({path}); "
-                           f"fix: re-run boostjax plan with --n-layers {m.n_layers} (and this run's other flags) "
-                           f"--out {path}")
-    check_planned_for(plan, m, t, path)
-    inst = build_instance(m, t.batch, t.seq, "H800-80GB", dtype_bytes=4 if t.dtype == "float32" else 2,
-                          eight_bit=t.optimizer == "adam8bit")
-    try:
-        check_decisions(inst, plan.decisions)
-    except ValueError as e:
-        why = str(e).split("; fix:")[0]
-        raise ConfigError(f"train.offload_plan: {path} holds decisions this model does not allow ({why}); "
-                          f"fix: re-run boostjax plan --out {path}") from None
 
 
 def validate_processes(coordinator: str, num_processes: int, process_id: int, mesh: str,

@@ -37,7 +37,7 @@ def register(sub) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from boostjax.config import ConfigError  # noqa: PLC0415
-    from boostjax.generate import check_prompt, check_sampling, generate  # noqa: PLC0415
+    from boostjax.generation import check_prompt, check_sampling, generate  # noqa: PLC0415
     from boostjax.run import load_run, read_config  # noqa: PLC0415
     from boostjax.text import load_tokenizer  # noqa: PLC0415
 

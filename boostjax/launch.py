@@ -104,7 +104,7 @@ MULTIHOST_FLAGS = ("--coordinator", "--num-processes", "--process-id")
 def check_launch(args: argparse.Namespace) -> list[str]:
     """Every launch flag and the train command line, checked once here before any process starts
     (`ConfigError`, one line); returns the train command line."""
-    from boostjax.cli import _config, build_parser  # noqa: PLC0415 (the CLI imports this module)
+    from boostjax.commands import add_train_command, train_config  # noqa: PLC0415
     from boostjax.config import ConfigError, mesh_devices, one_line_parse_errors  # noqa: PLC0415
     from boostjax.devices import simulated_device_cap  # noqa: PLC0415
     from boostjax.multihost import port_in_use  # noqa: PLC0415
@@ -134,10 +134,12 @@ def check_launch(args: argparse.Namespace) -> list[str]:
     for flag in MULTIHOST_FLAGS:
         if any(a == flag or a.startswith(flag + "=") for a in rest[1:]):
             raise ConfigError(f"launch: {flag} is set by launch for each process; fix: drop it from the train command")
-    parser = one_line_parse_errors(build_parser())
+    parser = argparse.ArgumentParser(prog="boostjax")
+    add_train_command(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    parser = one_line_parse_errors(parser)
     train_args = parser.parse_args([*rest, "--coordinator", f"127.0.0.1:{args.port or 1}",
                                     "--num-processes", str(n), "--process-id", "0"])
-    cfg = _config(train_args)  # the whole train configuration, as each process will check it
+    cfg = train_config(train_args)  # the whole train configuration, as each process will check it
     devices = mesh_devices(cfg.train.mesh)
     cpu_only = os.environ.get("JAX_PLATFORMS", "cpu").strip().lower() == "cpu"
     if cpu_only and devices > cap:

@@ -29,7 +29,10 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from boostjax.config import Config, ConfigError, ModelConfig
+from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
+from boostjax.runfolder import RunFolder
+from boostjax.text import TOKENIZER_FILE, load_tokenizer, tokenizer_kind
+from boostjax.tokenize import data_tokenizer, same_tokenizer
 
 SOURCE_FIELD = "train.init_from_hf"
 REPORT_FILE = "init_report.json"
@@ -96,8 +99,6 @@ def _source_or_stored(path: str, out: str) -> ModelConfig:
     try:
         return source_config(path)
     except ConfigError:
-        from boostjax.runfolder import RunFolder  # noqa: PLC0415
-
         try:
             stored = RunFolder(out).stored_config() if isinstance(out, str) and out.strip() else None
         except (OSError, ValueError):
@@ -122,8 +123,6 @@ def resolve_config(cfg: Config, explicit: Iterable[str] | None = None) -> Config
     A shape field set to something else than the checkpoint's is refused: with `explicit` (the CLI's
     given flags) a field named there; without it (the Python API) a field that differs from the
     `ModelConfig` default. `kind`, `rank` and the attention kernel are the caller's."""
-    from boostjax.config import TrainConfig  # noqa: PLC0415
-
     if not (isinstance(cfg.model, ModelConfig) and isinstance(cfg.train, TrainConfig)):
         return cfg  # validate names what is wrong
     path = cfg.train.init_from_hf
@@ -149,8 +148,6 @@ def resolve_config(cfg: Config, explicit: Iterable[str] | None = None) -> Config
 def config_from_flags(given: Mapping[str, Any], preset_given: bool) -> Config:
     """The CLI's config of `train --init-from-hf`: the checkpoint's shapes, `--model` (default: the dense
     llama), `--rank`, and the training flags."""
-    from boostjax.config import TrainConfig  # noqa: PLC0415
-
     if preset_given:
         raise _err("--preset sets the model shapes, and with --init-from-hf they are the checkpoint's; "
                    "fix: drop --preset")
@@ -211,7 +208,7 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from boostjax.train import abstract_model  # noqa: PLC0415
+    from boostjax.models.llama import abstract_model  # noqa: PLC0415 (imports JAX)
 
     if not isinstance(cfg, ModelConfig) or not cfg.low_rank:
         raise ConfigError(f"lowrank_from_dense: need a ModelConfig of kind svd, cola or lax, got "
@@ -256,7 +253,7 @@ def _leaves(tree: Any) -> dict[str, tuple[int, ...]]:
 
 def check_params(m: ModelConfig, params: Any, what: str) -> None:
     """ConfigError unless `params` is a pure params dict with the names and shapes of the model `m`."""
-    from boostjax.train import abstract_model  # noqa: PLC0415
+    from boostjax.models.llama import abstract_model  # noqa: PLC0415 (imports JAX)
 
     if not isinstance(params, Mapping):
         raise ConfigError(f"{what}: need a pure params dict (nnx.to_pure_dict), got {type(params).__name__}; "
@@ -348,7 +345,6 @@ def write_report(folder: pathlib.Path, report: Mapping[str, Any]) -> pathlib.Pat
 
 
 def has_tokenizer(folder: str) -> bool:
-    from boostjax.text import TOKENIZER_FILE  # noqa: PLC0415
 
     return bool(folder) and (pathlib.Path(folder) / TOKENIZER_FILE).is_file()
 
@@ -358,9 +354,6 @@ def source_tokenizer(cfg: Config) -> pathlib.Path | None:
     ids (a `.bin` file, or a tokenised folder, whose tokenizer must then be the same: ConfigError
     otherwise, the ids would mean other text). None when the checkpoint has none or the data is read
     as bytes (the built-in corpus, text files): the run is then byte level."""
-    from boostjax.text import TOKENIZER_FILE, load_tokenizer, tokenizer_kind  # noqa: PLC0415
-    from boostjax.tokenize import data_tokenizer, same_tokenizer  # noqa: PLC0415
-
     t = cfg.train
     if not has_tokenizer(t.init_from_hf):
         return None
@@ -382,8 +375,6 @@ def source_tokenizer(cfg: Config) -> pathlib.Path | None:
 
 def copy_tokenizer(src: pathlib.Path | None, run_dir: pathlib.Path) -> None:
     """Copy the checkpoint's tokenizer into the run folder (atomically)."""
-    from boostjax.text import TOKENIZER_FILE  # noqa: PLC0415
-
     if src is None:
         return
     tmp = run_dir / (TOKENIZER_FILE + ".tmp")

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from boostjax.config import Config, ModelConfig, TrainConfig  # noqa: E402
 from boostjax.data import BatchIterator  # noqa: E402
 from boostjax.step import build_step_fns  # noqa: E402
-from boostjax.train import init_model  # noqa: E402
+from boostjax.models.llama import init_model  # noqa: E402
 
 OUT = pathlib.Path(__file__).parent / "results"
 TOKENS = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)

@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 from boostjax.config import Config, TrainConfig, preset  # noqa: E402
 from boostjax.models import ops  # noqa: E402
 from boostjax.step import local_loss_fn  # noqa: E402
-from boostjax.train import abstract_model  # noqa: E402
+from boostjax.models.llama import abstract_model  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]+)\]")

@@ -72,7 +72,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
     from boostjax.models.flops import flops_per_token, param_count  # noqa: PLC0415
     from boostjax.offload.apply import compiled_memory  # noqa: PLC0415
     from boostjax.step import build_step_fns  # noqa: PLC0415
-    from boostjax.train import init_model  # noqa: PLC0415
+    from boostjax.models.llama import init_model  # noqa: PLC0415
 
     dev = jax.devices()[0]
     overrides = {"kind": kind, "max_seq_len": max(args.seq, 1)}

@@ -30,7 +30,7 @@ from boostjax import hf, pretrained  # noqa: E402
 from boostjax.config import Config, ModelConfig, TrainConfig  # noqa: E402
 from boostjax.data import batch_iterator, load_corpus  # noqa: E402
 from boostjax.models.llama import LLaMA  # noqa: E402
-from boostjax.train import train  # noqa: E402
+from boostjax.trainer import train  # noqa: E402
 
 DENSE = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                     init_std=0.2)  # logits of O(1): a misplaced shard changes the loss visibly

@@ -117,7 +117,7 @@ def build(kind: str, shape: str, args: argparse.Namespace):
     from boostjax.config import Config, TrainConfig, preset, validate  # noqa: PLC0415
     from boostjax.models import llama  # noqa: PLC0415
     from boostjax.step import build_step_fns  # noqa: PLC0415
-    from boostjax.train import init_model  # noqa: PLC0415
+    from boostjax.models.llama import init_model  # noqa: PLC0415
 
     if kind == "cola-btgr":
         fast = llama.grouped_up

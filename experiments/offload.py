@@ -89,7 +89,7 @@ def cpu_memory_check() -> list[dict]:
     from boostjax.offload.hardware import HardwareProfile  # noqa: PLC0415
     from boostjax.offload.planner import make_plan  # noqa: PLC0415
     from boostjax.step import make_optimizer, make_train_step  # noqa: PLC0415
-    from boostjax.train import init_model  # noqa: PLC0415
+    from boostjax.models.llama import init_model  # noqa: PLC0415
 
     # a slow device so that recompute and transfers cost whole microseconds for these tiny shapes
     hw = HardwareProfile("cpu-scale", 64 << 30, 2e11, 2e10, 2e10, 256 << 30)

@@ -80,7 +80,7 @@ def worker(args: argparse.Namespace) -> dict:
     from boostjax.offload.hardware import get_profile, measure  # noqa: PLC0415
     from boostjax.offload.planner import PlanInfeasible, baseline_plan, solve  # noqa: PLC0415
     from boostjax.step import build_step_fns  # noqa: PLC0415
-    from boostjax.train import init_model  # noqa: PLC0415
+    from boostjax.models.llama import init_model  # noqa: PLC0415
 
     dev = jax.devices()[0]
     if dev.platform != "gpu" and not (args.allow_cpu and args.preset == "tiny"):

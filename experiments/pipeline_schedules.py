@@ -87,7 +87,7 @@ def measure_speed() -> dict:
     host's cores, M = 16): medians of interleaved rounds, run on real (random) inputs."""
     import numpy as np  # noqa: PLC0415
 
-    from boostjax.train import init_model  # noqa: PLC0415
+    from boostjax.models.llama import init_model  # noqa: PLC0415
 
     calls = {}
     for schedule in SCHEDULES:

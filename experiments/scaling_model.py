@@ -60,9 +60,9 @@ from boostjax.config import ModelConfig, preset  # noqa: E402
 from boostjax.models.flops import flops_per_token, param_count  # noqa: E402
 from boostjax.offload.hardware import get_profile  # noqa: E402
 from boostjax.sharding import hlo  # noqa: E402
+from boostjax.sharding.comm import STRATEGIES  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-STRATEGIES = ("fullrank-tp", "vanilla-tp", "btp")
 NAMES = {"fullrank-tp": "full-rank", "vanilla-tp": "vanilla TP", "btp": "BTP"}
 BATCH, SEQ, VOCAB = 4, 4096, 32000  # micro-batch and sequence: BOOST's 7B configuration; LLaMA-2 vocabulary
 PAPER = {  # BOOST iteration seconds (full / vanilla / BTP), A100 clusters

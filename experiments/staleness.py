@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from boostjax.config import Config, ModelConfig, TrainConfig, validate  # noqa: E402
 from boostjax.data import BatchIterator, eval_batches, load_corpus  # noqa: E402
 from boostjax.step import build_step_fns, local_loss_fn  # noqa: E402
-from boostjax.train import init_model  # noqa: E402
+from boostjax.models.llama import init_model  # noqa: E402
 
 # name -> (label, TrainConfig overrides)
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -80,8 +80,9 @@ class Settings:
     def config(self, opt: str, n_stages: int) -> Config:
         model = ModelConfig(kind="llama", d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
                             d_ff=self.d_ff, max_seq_len=self.seq)
-        # DESIGN reference: lr, warmup (5 %) + cosine to 0.1 lr, betas (0.9, 0.999), wd 0.01, clip 1,
-        # refresh 10, bilateral 2nd-order. PipeDream-LR's rescaling fades out over the first half.
+        # the basis-rotation paper's settings (https://arxiv.org/abs/2602.03515): lr, warmup (5 %) +
+        # cosine to 0.1 lr, betas (0.9, 0.999), wd 0.01, clip 1, refresh 10, bilateral 2nd-order.
+        # PipeDream-LR's rescaling fades out over the first half.
         train = TrainConfig(steps=self.steps, batch=self.batch, seq=self.seq, seed=self.seed, lr=self.lr,
                             b1=0.9, b2=0.999, weight_decay=0.01, clip=1.0, min_lr_ratio=0.1, warmup=-1,
                             rot_refresh=10, rot_source="second", rot_geometry="bilateral",

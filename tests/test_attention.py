@@ -17,7 +17,7 @@ from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, valid
 from boostjax.models import attention, ops
 from boostjax.runfolder import RunFolder
 from boostjax.step import local_loss_fn
-from boostjax.train import abstract_model
+from boostjax.models.llama import abstract_model
 
 BF16_EPS = 2.0**-8  # bfloat16's spacing at 1 (8 significand bits)
 

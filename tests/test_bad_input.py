@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 import boostjax.data
-import boostjax.generate  # noqa: F401 (its jitted function is made at import, before jax.jit is disabled)
+import boostjax.generation  # noqa: F401 (its jitted function is made at import, before jax.jit is disabled)
 import boostjax.launch
 import boostjax.offload.apply  # noqa: F401 (imported before jax.jit is disabled)
 import boostjax.sharding.strategies  # noqa: F401
 import boostjax.step  # noqa: F401
-import boostjax.train  # noqa: F401
+import boostjax.trainer  # noqa: F401
 from boostjax import hf
 from boostjax.cli import main
 from boostjax.config import ModelConfig
@@ -152,6 +152,15 @@ def test_huge_mesh_in_a_fresh_process_is_refused_before_jax(tmp_path):
     (["--batch", "0"], "plan.batch"), (["--seq", "-1"], "plan.seq"), (["--seq", "100000000"], "plan.seq"),
     (["--batch", "1000000000000"], "plan.batch"), (["--n-layers", "5000"], "plan.n_layers"),
     (["--d-model", "-1"], "model.d_model"), (["--preset", "huge"], "preset"),
+    # --strategy / --mesh: one device's share of a mesh, refused as the trainer refuses the run
+    (["--strategy", "tp9", "--mesh", "model=2"], "plan.strategy"), (["--mesh", "data=2,pipe=2"], "plan.mesh"),
+    (["--strategy", "btp"], "plan.mesh"), (["--mesh", "data=1,model=2"], "plan.mesh"),
+    (["--strategy", "fullrank-tp", "--mesh", "model=2"], "plan.strategy"),
+    (["--strategy", "btp", "--mesh", "model=3"], "model.d_model"),
+    (["--strategy", "vanilla-tp", "--mesh", "model=16"], "model.rank"),
+    (["--mesh", "data=3"], "plan.batch"), (["--mesh", "data=1,stage=3"], "model.n_layers"),
+    (["--mesh", "stage=2", "--batch", "1", "--seq", "3"], "plan.seq"),
+    (["--instance", "lazytrain-27b", "--mesh", "data=2"], "plan.instance"),
 ])
 def test_plan_flags(capsys, tmp_path, flags, field):
     _refused(capsys, [*PLAN, "--out", tmp_path / "plan.json", *flags], field)
@@ -210,6 +219,8 @@ def plan_file(tmp_path_factory):
     (["--dtype", "bfloat16"], ["train.dtype='float32'", "train.dtype='bfloat16'"]),
     (["--optimizer", "adam8bit"], ["train.optimizer='adamw'", "train.optimizer='adam8bit'"]),
     (["--n-layers", "4"], ["the plan has 2 layers", "n_layers=4"]),
+    (["--strategy", "btp", "--mesh", "data=1,model=2"], ["train.strategy='none'", "train.strategy='btp'"]),
+    (["--mesh", "data=2"], ["train.mesh=''", "train.mesh='data=2,model=1'"]),
 ])
 def test_offload_plan_for_another_run(capsys, tmp_path, plan_file, flags, needles):
     line = _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--offload-plan", plan_file, *flags],
@@ -622,7 +633,7 @@ INIT_CFG = ModelConfig(kind="llama", vocab_size=256, d_model=16, n_layers=1, n_h
 def init_folder(tmp_path):
     """A complete small Hugging Face folder (numpy weights: nothing is traced)."""
     from boostjax.config import Config  # noqa: PLC0415
-    from boostjax.train import abstract_model  # noqa: PLC0415
+    from boostjax.models.llama import abstract_model  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(np.float32), abstract_model(Config(INIT_CFG))[1])
@@ -668,7 +679,7 @@ def test_init_from_hf_refused(capsys, tmp_path, init_folder, case, flags, field,
 def test_init_params_refused(tmp_path, init_folder):
     """The Python API: `init=` params that fit neither the model nor its dense twin, and two sources."""
     from boostjax.config import Config, ConfigError, TrainConfig  # noqa: PLC0415
-    from boostjax.train import train  # noqa: PLC0415
+    from boostjax.trainer import train  # noqa: PLC0415
 
     t = TrainConfig(steps=1, batch=2, seq=16, progress=False, out=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"^train.init: the params fit neither this svd model"):

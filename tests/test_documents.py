@@ -23,7 +23,8 @@ from boostjax.models import ops
 from boostjax.sharding.strategies import placement
 from boostjax.step import local_loss_fn
 from boostjax.interrupt import TrainingInterrupted
-from boostjax.train import abstract_model, train
+from boostjax.models.llama import abstract_model
+from boostjax.trainer import train
 
 EOS = 0
 SMALL = ModelConfig(kind="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, rank=8,

@@ -14,7 +14,7 @@ from flax import nnx
 from boostjax.cli import main
 from boostjax.config import ConfigError, ModelConfig
 from boostjax.data import ByteTokenizer
-from boostjax.evaluate import eval_stream, evaluate
+from boostjax.evaluation import eval_stream, evaluate
 from boostjax.models.llama import LLaMA
 from boostjax.text import load_tokenizer
 from boostjax.tokenize import check_run_tokenizer, tokenize_corpus

@@ -24,7 +24,7 @@ from boostjax.checkpoint import ASIDE, MANIFEST, CheckpointError, Checkpointer
 from boostjax.cli import main
 from boostjax.config import Config, TrainConfig
 from boostjax.run import load_run, read_metrics
-from boostjax.train import NonFiniteLoss, train
+from boostjax.trainer import NonFiniteLoss, train
 from helpers import MICRO, cli_command, cli_env, model_flags, one_error_line
 
 pytestmark = pytest.mark.xdist_group("faults")  # one worker: the subprocess tests share a reference run

@@ -11,7 +11,7 @@ import pytest
 from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.data import BatchIterator
 from boostjax.step import build_step_fns, train_state_shapes
-from boostjax.train import init_model
+from boostjax.models.llama import init_model
 from helpers import rel as _rel
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)

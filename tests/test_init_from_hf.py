@@ -17,10 +17,11 @@ from boostjax.cli import main
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
 from boostjax.data import batch_iterator, load_corpus
 from boostjax.models import ops
-from boostjax.sharding.collectives import LOCAL
+from boostjax.models.collectives import LOCAL
 from boostjax.text import TOKENIZER_FILE, train_tokenizer
 from boostjax.tokenize import tokenize_corpus
-from boostjax.train import abstract_model, train
+from boostjax.models.llama import abstract_model
+from boostjax.trainer import train
 from helpers import random_params, random_tokens, rel
 
 DENSE = ModelConfig(kind="llama", vocab_size=288, d_model=32, n_layers=2, n_heads=4, d_ff=64, norm_eps=1e-5)

@@ -12,7 +12,7 @@ from boostjax.config import ModelConfig
 from boostjax.models import ops
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA
-from boostjax.sharding.collectives import LOCAL
+from boostjax.models.collectives import LOCAL
 from helpers import rel
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, rank=8, vocab_size=64)
@@ -36,7 +36,7 @@ def test_shapes_and_param_count(kind):
     assert flops_per_token(model.cfg, 128) > 6 * (n - SMALL.vocab_size * SMALL.d_model)
 
 
-def test_low_rank_is_smaller_and_presets_match_design():
+def test_low_rank_is_smaller_and_the_7b_preset_is_llama_7b():
     from boostjax.config import preset
 
     assert param_count(preset("7b", kind="cola")) < 0.5 * param_count(preset("7b", kind="llama"))

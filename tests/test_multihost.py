@@ -13,7 +13,7 @@ from boostjax.config import Config, ConfigError, TrainConfig, validate
 from boostjax.launch import launch_local
 from boostjax.multihost import ProcessGroup, resolve
 from boostjax.run import read_metrics
-from boostjax.train import train
+from boostjax.trainer import train
 import helpers
 from helpers import cli_command, cli_env, model_flags
 

@@ -8,7 +8,6 @@ import importlib.util
 import os
 import pathlib
 import sys
-import types
 
 import nbformat
 import pytest
@@ -74,7 +73,7 @@ def violations(src: str) -> list[str]:
 def test_checker_catches_private_use():
     bad = {
         "from boostjax.sharding.comm import comm_report": "private submodule",
-        "import boostjax.train": "private submodule",
+        "import boostjax.trainer": "private submodule",
         "import boostjax as bj\nbj.devices.simulate(4)": "not in boostjax.__all__",
         "from boostjax import STRATEGIES": "not in boostjax.__all__",
         "!boostjax train --steps 2": "shell or subprocess",
@@ -105,16 +104,6 @@ def test_notebook_is_committed_without_outputs():
     for c in nb.cells:
         if c.cell_type == "code":
             assert c.outputs == [] and c.execution_count is None, "strip outputs before committing"
-
-
-def test_exported_train_is_the_function_even_after_its_module_is_imported():
-    import importlib  # noqa: PLC0415
-
-    mod = importlib.import_module("boostjax.train")
-    from boostjax import train  # noqa: PLC0415
-
-    assert boostjax.train is mod.train and train is mod.train
-    assert not isinstance(boostjax.train, types.ModuleType)
 
 
 def _figure_cell(src: str) -> bool:

@@ -13,12 +13,13 @@ import pytest
 
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, preset, validate
 from boostjax.models.llama import RematSegment
-from boostjax.offload import apply
+from boostjax.offload import apply, check_plan_for
 from boostjax.offload.costmodel import build_instance
 from boostjax.offload.hardware import HardwareProfile
 from boostjax.offload.planner import Decisions, baseline_plan, make_plan
 from boostjax.step import build_step_fns, local_loss_fn, make_optimizer, make_train_step
-from boostjax.train import init_model, train
+from boostjax.models.llama import init_model
+from boostjax.trainer import train
 from helpers import assert_rel_close
 
 MICRO = ModelConfig(d_model=32, n_layers=4, n_heads=2, d_ff=64, rank=8)
@@ -148,24 +149,26 @@ def test_step_with_host_state_matches_plan_free(model, tmp_path):
                                out["ref"][4].eval_loss(out["ref"][0], batch), rtol=1e-6)
 
 
-def test_config_checks_the_plan(tmp_path):
+def test_check_plan_for(tmp_path):
+    """`check_plan_for` (the one check that a plan fits a run; `validate` no longer reads plans)."""
     with pytest.raises(ConfigError, match="does not exist"):
-        validate(_cfg(offload_plan=str(tmp_path / "missing.json")))
+        check_plan_for(str(tmp_path / "missing.json"), _cfg())
     path = tmp_path / "plan.json"
     path.write_text(PLANS["single"].to_json())
     with pytest.raises(ConfigError, match="the plan has 4 layers but n_layers=2"):
-        validate(Config(replace(MICRO, n_layers=2), TrainConfig(batch=B, seq=T, offload_plan=str(path))))
-    with pytest.raises(ConfigError, match="one device"):
-        validate(_cfg(offload_plan=str(path), strategy="btp", mesh="data=1,model=2"))
+        check_plan_for(str(path), Config(replace(MICRO, n_layers=2), TrainConfig(batch=B, seq=T)))
+    with pytest.raises(ConfigError, match="planned for train.strategy='none' but this run has train.strategy='btp'"):
+        check_plan_for(str(path), _cfg(offload_plan=str(path), strategy="btp", mesh="data=1,model=2"))
     with pytest.raises(ConfigError, match="remat"):
-        validate(_cfg(offload_plan=str(path), remat="full"))
+        check_plan_for(str(path), _cfg(offload_plan=str(path), remat="full"))
+    check_plan_for(str(path), validate(_cfg(offload_plan=str(path))))
     dense = Config(replace(MICRO, kind="llama"), TrainConfig(batch=B, seq=T, offload_plan=str(path)))
     graphdef, params = init_model(dense)
     with pytest.raises(ConfigError, match="same model kind"):
         build_step_fns(dense, graphdef, params)
     (tmp_path / "bad.json").write_text(json.dumps({"x": 1}))
     with pytest.raises(ConfigError, match="not a plan file"):
-        validate(_cfg(offload_plan=str(tmp_path / "bad.json")))
+        check_plan_for(str(tmp_path / "bad.json"), _cfg())
 
 
 def test_train_with_offload_plan_loss_falls(tmp_path):

@@ -17,7 +17,8 @@ from boostjax.config import Config, ConfigError, TrainConfig, validate
 from boostjax.run import load_run
 from boostjax.sharding.pipeline import bubble_fraction, microbatches, pipeline_info
 from boostjax.sharding.strategies import placement
-from boostjax.train import init_model, train
+from boostjax.models.llama import init_model
+from boostjax.trainer import train
 
 
 # P = 4 with DP (model axis 1: replicated blocks), and the full data x stage x model mesh with BTP

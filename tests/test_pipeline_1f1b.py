@@ -17,7 +17,7 @@ from boostjax.runfolder import RunFolder
 from boostjax.sharding.pipeline import pipeline_info
 from boostjax.sharding.strategies import placement
 from boostjax.step import build_step_fns, local_loss_fn
-from boostjax.train import init_model
+from boostjax.models.llama import init_model
 
 TOL = 1e-5  # norm-relative, fp32; measured <= 1e-6 on these cases
 

@@ -17,7 +17,7 @@ import pytest
 from boostjax import hf
 from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.run import load_run
-from boostjax.train import train
+from boostjax.trainer import train
 
 MODEL = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64, rank=8)
 MESHES = {"2x2": dict(mesh="data=2,model=2", strategy="fullrank-tp", zero=1),
@@ -29,7 +29,7 @@ READER = textwrap.dedent("""
     import jax, numpy as np
     from boostjax.cli import main
     from boostjax.run import load_run, read_config
-    from boostjax.train import train
+    from boostjax.trainer import train
     out = pathlib.Path(sys.argv[1])
     report = {"devices": jax.device_count()}
     for name in sys.argv[2:]:
@@ -123,7 +123,7 @@ def test_layout_change_refused_where_the_optimizer_state_is_not_elementwise(opti
     """Stacked <-> per-layer conversion is exact for elementwise optimizer state only (boostjax.relayout)."""
     from boostjax.config import ConfigError
     from boostjax.relayout import check
-    from boostjax.train import abstract_model
+    from boostjax.models.llama import abstract_model
 
     cfg = Config(MODEL, TrainConfig(optimizer=optimizer))
     with pytest.raises(ConfigError, match=f"train.mesh: .*stacked layers.*{optimizer}.*fix: resume with stage > 1"):

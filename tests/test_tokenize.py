@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 
 import pytest
 
-import boostjax.train  # noqa: F401 (the module, for monkeypatching)
+import boostjax.trainer  # the module, for monkeypatching
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
 from boostjax.data import load_corpus, read_token_meta
 from boostjax.text import EOS_TOKEN, load_tokenizer
@@ -103,7 +102,7 @@ def test_replacing_an_earlier_output_and_a_crash(text_dir, tmp_path, monkeypatch
 def test_python_api_refuses_a_vocabulary_smaller_than_the_tokenizers(text_dir, tmp_path, monkeypatch):
     tok_dir = tmp_path / "tok"
     meta = tokenize_corpus(text_dir, tok_dir, "train:300", val_every=3, progress=False)
-    tr = sys.modules["boostjax.train"]  # the module (boostjax.train is the function)
+    tr = boostjax.trainer
     monkeypatch.setattr(tr, "build_step_fns", lambda *a, **k: pytest.fail("compiled before refusing"))
     cfg = Config(ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=8),
                  TrainConfig(data=str(tok_dir), out=str(tmp_path / "run"), batch=2, seq=16, steps=2))

@@ -10,7 +10,7 @@ import pytest
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
 from boostjax.sharding.strategies import placement
 from boostjax.step import local_loss_fn
-from boostjax.train import init_model
+from boostjax.models.llama import init_model
 from helpers import rel as _rel, rel_by_path, seed_of
 
 CASES = [("fullrank-tp", "llama"), ("vanilla-tp", "cola"), ("vanilla-tp", "svd"), ("vanilla-tp", "lax"),

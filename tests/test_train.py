@@ -11,7 +11,7 @@ import pytest
 from boostjax.cli import main
 from boostjax.config import Config, TrainConfig
 from boostjax.run import load_run, read_metrics
-from boostjax.train import train
+from boostjax.trainer import train
 from helpers import MICRO, cli_command, cli_env, model_flags
 
 FAST = TrainConfig(steps=40, batch=8, seq=32, lr=3e-3, log_every=5, eval_every=20, eval_batches=2,

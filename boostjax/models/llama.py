@@ -4,7 +4,10 @@ Parameters are stored `[in, out]`. Low-rank projections that share an input are 
 attention's q/k/v down-projections are one `a_qkv: [d, 3, r]` tensor (one GEMM, one collective),
 the MLP's gate/up are `a_gate_up: [d, 2, r]`; up-projections with distinct inputs and equal shapes
 (`b_kv`, `b_gate_up`) run as one batched GEMM. A TP strategy only changes how these tensors are
-sliced (`boostjax.sharding.specs`) and which `Collectives` hook communicates.
+sliced and which `Collectives` hook communicates.
+
+Every parameter declares its logical axes where it is created (`out_sharding` metadata, `AXES`);
+`boostjax.sharding.rules` maps them to mesh axes per strategy and derives the rotation mask from them.
 
 Activations tagged with `checkpoint_name` (remat and offload policies select them by name):
 `boundary` (block input), `qkv_latent`/`qkv`, `attn_out`, `o_latent`, `mid`,
@@ -22,10 +25,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from boostjax.config import ModelConfig
+from boostjax.config import Config, ModelConfig
 from boostjax.models import kvcache, ops
 from boostjax.models.remat import tied_checkpoint
-from boostjax.sharding.collectives import LOCAL, Collectives, vocab_parallel_cross_entropy
+from boostjax.models.collectives import LOCAL, Collectives, vocab_parallel_cross_entropy
 
 LATENT_NAMES = ("qkv_latent", "o_latent", "gate_up_latent", "down_latent")
 REMAT_POLICIES: dict[str, Callable | None] = {
@@ -52,8 +55,32 @@ class RematSegment(NamedTuple):
 RematSchedule = Sequence["Callable | None | RematSegment"]
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+# the logical axes a parameter's dimensions may carry (MaxText-style names; `boostjax.sharding.rules`)
+AXES: dict[str, str] = {
+    "embed": "d_model of the residual stream (block norms, the A's input, the B's output, the embedding's columns)",
+    "heads": "query heads x head_dim",
+    "kv": "kv heads x head_dim",
+    "ff": "d_ff",
+    "rank": "r, the low-rank latent",
+    "group": "independent matrices stacked in one grouped tensor (a_qkv [d, 3, r], b_kv [2, r, k·e], ...)",
+    "vocab": "the LM head's vocabulary (vocab-parallel logits)",
+    "embed_vocab": "the embedding table's rows (looked up by token id)",
+    "features": "d_model of the final-normed features (full width: gathered before the head)",
+    "cross": "LaX's latent-crossing gates",
+    "layers": "the leading layer axis of stacked layers (a pipeline's state)",
+}
+
+
+def _declared(value: Array, axes: tuple[str, ...]) -> nnx.Param:
+    """A parameter with its logical axes (flax's `out_sharding` metadata; never sharded eagerly:
+    the names are logical, a placement maps them to mesh axes)."""
+    if value.ndim != len(axes) or any(a not in AXES for a in axes):
+        raise ValueError(f"logical axes {axes} do not fit a parameter of shape {value.shape}; fix: one name of AXES per dim")
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, axes: tuple[str, ...]) -> nnx.Param:
+    return _declared(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes)
 
 
 def _sigma(kind: str) -> Callable[[Array], Array]:
@@ -79,20 +106,20 @@ class Attention(nnx.Module):
         d, r, std = cfg.d_model, cfg.rank, cfg.init_std
         he, ke = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         self.cfg = cfg
-        self.norm = nnx.Param(jnp.ones((d,), jnp.float32))
+        self.norm = _declared(jnp.ones((d,), jnp.float32), ("embed",))
         if cfg.low_rank:
-            self.a_qkv = _param(rngs, (d, 3, r), d**-0.5)
-            self.b_q = _param(rngs, (r, he), std)
-            self.b_kv = _param(rngs, (2, r, ke), std)
-            self.a_o = _param(rngs, (he, r), he**-0.5)
-            self.b_o = _param(rngs, (r, d), std)
+            self.a_qkv = _param(rngs, (d, 3, r), d**-0.5, ("embed", "group", "rank"))
+            self.b_q = _param(rngs, (r, he), std, ("rank", "heads"))
+            self.b_kv = _param(rngs, (2, r, ke), std, ("group", "rank", "kv"))
+            self.a_o = _param(rngs, (he, r), he**-0.5, ("heads", "rank"))
+            self.b_o = _param(rngs, (r, d), std, ("rank", "embed"))
             if cfg.kind == "lax":  # latent crossing gates: k <- q, v <- k, o <- v
-                self.cross = nnx.Param(jnp.zeros((3,), jnp.float32))
+                self.cross = _declared(jnp.zeros((3,), jnp.float32), ("cross",))
         else:
-            self.w_q = _param(rngs, (d, he), std)
-            self.w_k = _param(rngs, (d, ke), std)
-            self.w_v = _param(rngs, (d, ke), std)
-            self.w_o = _param(rngs, (he, d), std)
+            self.w_q = _param(rngs, (d, he), std, ("embed", "heads"))
+            self.w_k = _param(rngs, (d, ke), std, ("embed", "kv"))
+            self.w_v = _param(rngs, (d, ke), std, ("embed", "kv"))
+            self.w_o = _param(rngs, (he, d), std, ("heads", "embed"))
 
     def __call__(self, x_btd, cos_te, sin_te, coll: Collectives, segments_bt=None, *,
                  cache=None) -> Float[Array, "b t d"]:
@@ -140,18 +167,18 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, r, std = cfg.d_model, cfg.d_ff, cfg.rank, cfg.init_std
         self.cfg = cfg
-        self.norm = nnx.Param(jnp.ones((d,), jnp.float32))
+        self.norm = _declared(jnp.ones((d,), jnp.float32), ("embed",))
         if cfg.low_rank:
-            self.a_gate_up = _param(rngs, (d, 2, r), d**-0.5)
-            self.b_gate_up = _param(rngs, (2, r, f), std)
-            self.a_down = _param(rngs, (f, r), f**-0.5)
-            self.b_down = _param(rngs, (r, d), std)
+            self.a_gate_up = _param(rngs, (d, 2, r), d**-0.5, ("embed", "group", "rank"))
+            self.b_gate_up = _param(rngs, (2, r, f), std, ("group", "rank", "ff"))
+            self.a_down = _param(rngs, (f, r), f**-0.5, ("ff", "rank"))
+            self.b_down = _param(rngs, (r, d), std, ("rank", "embed"))
             if cfg.kind == "lax":  # up <- gate, down <- up
-                self.cross = nnx.Param(jnp.zeros((2,), jnp.float32))
+                self.cross = _declared(jnp.zeros((2,), jnp.float32), ("cross",))
         else:
-            self.w_gate = _param(rngs, (d, f), std)
-            self.w_up = _param(rngs, (d, f), std)
-            self.w_down = _param(rngs, (f, d), std)
+            self.w_gate = _param(rngs, (d, f), std, ("embed", "ff"))
+            self.w_up = _param(rngs, (d, f), std, ("embed", "ff"))
+            self.w_down = _param(rngs, (f, d), std, ("ff", "embed"))
 
     def __call__(self, x_btd, coll: Collectives) -> Float[Array, "b t d"]:
         cfg = self.cfg
@@ -201,11 +228,11 @@ class LLaMA(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("embed_vocab", "embed"))
         self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.norm = nnx.Param(jnp.ones((cfg.d_model,), jnp.float32))
+        self.norm = _declared(jnp.ones((cfg.d_model,), jnp.float32), ("features",))
         if not cfg.tie_embeddings:  # tied: the head is `embed` transposed (`logits`)
-            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
+            self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("features", "vocab"))
 
     def features(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
                  remat: str | Callable | None | RematSchedule = "none", *,
@@ -301,3 +328,16 @@ def _check_schedule(schedule: RematSchedule, n_layers: int) -> RematSchedule:
         raise ValueError(f"remat: the schedule covers {n} layers but the model has {n_layers}; "
                          "fix: one entry per layer (a RematSegment counts len(inner) layers)")
     return schedule
+
+
+def init_model(cfg: Config) -> tuple[Any, dict]:
+    """(graphdef, fp32 parameter dict) of a freshly initialised model."""
+    model = LLaMA(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
+    graphdef, state = nnx.split(model)
+    return graphdef, state.to_pure_dict()
+
+
+def abstract_model(cfg: Config) -> tuple[Any, dict]:
+    """(graphdef, parameter shapes) of the model, without allocating it."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))))
+    return graphdef, state.to_pure_dict()

@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int
 
 from boostjax.config import ModelConfig
 from boostjax.models import attention
-from boostjax.sharding.collectives import Collectives
+from boostjax.models.collectives import Collectives
 
 
 def rms_norm(x_btd: Float[Array, "b t d"], g_d: Float[Array, "d"], eps: float) -> Float[Array, "b t d"]:

@@ -5,9 +5,16 @@ and compare it with the baseline policies (no offload, full remat, MegaTrain-sty
     boostjax plan --instance lazytrain-27b --json
     boostjax plan --preset tiny --batch 4 --seq 32 --dtype float32 --optimizer adamw --memory-cap 0.01 --out plan.json
     boostjax train --preset tiny --batch 4 --seq 32 --offload-plan plan.json
+    boostjax plan --preset 7b --strategy btp --mesh data=2,stage=2,model=2 --batch 16 --out plan.json
+
+`--strategy` and `--mesh` plan ONE device's share of a mesh, as `boostjax train` with the same flags
+lays it out: batch / data rows, one stage's n_layers / stage layers (the same plan serves every
+stage; with stages, all layers share one parameter placement) and the device's shard of every layer
+and activation under the TP strategy (BTP: the d/TP residual stream and replicated r-dim latents;
+vanilla TP: r/TP latents beside replicated [b, t, d] residuals; fullrank-tp: heads and d_ff / TP).
 
 `--out` writes the plan (`Plan.to_json`) that `boostjax train --offload-plan` applies; the file records
-the model shapes, batch, seq, dtype and optimizer it was planned for, and train refuses a run that
+the model shapes, batch, seq, dtype, optimizer, strategy and mesh it was planned for, and train refuses a run that
 differs. `--out` never replaces a file that is not a boostjax plan. A budget no plan fits exits with
 status 2 and one line giving the smallest budget that works.
 """
@@ -25,10 +32,11 @@ from dataclasses import replace
 from typing import Any
 
 from boostjax.config import MODEL_KINDS, check_batch_seq, PRESETS, ConfigError, preset, validate_model
-from boostjax.offload.costmodel import ATTENTION, PlanInstance, build_instance, lazytrain_27b
+from boostjax.offload.costmodel import ATTENTION, STRATEGY_DIMS, PlanInstance, build_instance, lazytrain_27b, mesh_sizes
+from boostjax.offload.fit import check_mesh_for
 from boostjax.offload.hardware import PROFILES, get_profile
 from boostjax.offload.planner import BASELINES, BOUNDARY_STATES, Plan, PlanInfeasible, baseline_plan, solve
-from boostjax.offload.plans import is_plan_file
+from boostjax.offload.planfile import is_plan_file
 
 GB = 1e9
 INSTANCES = ("lazytrain-27b",)
@@ -64,6 +72,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="attention memory in the cost model: materialized (boostjax's model keeps the fp32 "
                         "softmax probabilities) or flash (a fused kernel keeping only the log-sum-exp) "
                         "(default: materialized)")
+    p.add_argument("--strategy", default="none",
+                   help=f"TP strategy the run uses: one of {', '.join(STRATEGY_DIMS)} (default: none); the plan "
+                        "sizes one device's shard")
+    p.add_argument("--mesh", default="", metavar="data=D,stage=P,model=T",
+                   help="the run's device mesh (default: one device); the plan covers one device: batch/D rows, "
+                        "n_layers/P layers, a 1/T shard by --strategy")
     p.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT time limit in seconds (default: 60)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     p.add_argument("--out", default=None, metavar="PLAN_JSON", help="write the plan for boostjax train --offload-plan")
@@ -93,6 +107,9 @@ def instance_from_args(args: argparse.Namespace) -> PlanInstance:
         raise ConfigError(f"plan.hardware: unknown profile {args.hardware!r}; fix: pass one of {', '.join(PROFILES)} "
                           "(or an alias: h800, h100, h200, a100, a100-40gb, 3090)") from None
     if args.instance == "lazytrain-27b":
+        if args.strategy != "none" or args.mesh:
+            raise ConfigError("plan.instance: lazytrain-27b is a fixed one-device instance; fix: drop --strategy and "
+                              "--mesh, or plan a model (--preset ...) instead of --instance")
         inst = lazytrain_27b(hw)
         return inst if cap is None else inst.with_budget(cap)
     check_batch_seq(args.batch, args.seq, "plan")
@@ -105,9 +122,11 @@ def instance_from_args(args: argparse.Namespace) -> PlanInstance:
     model = preset(args.preset, **over)
     model = replace(model, max_seq_len=max(model.max_seq_len, args.seq))
     validate_model(model)
+    check_mesh_for(model, args.strategy, args.mesh, args.batch, args.seq, "plan")
+    mesh = mesh_sizes(args.mesh, "plan.mesh")
     return build_instance(model, args.batch, args.seq, hw, budget_bytes=cap,
                           dtype_bytes=4 if args.dtype == "float32" else 2, eight_bit=args.optimizer == "adam8bit",
-                          attention=args.attention)
+                          attention=args.attention, strategy=args.strategy, mesh=mesh)
 
 
 def layer_runs(plan: Plan) -> list[dict[str, Any]]:

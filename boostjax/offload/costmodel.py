@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterable
 
+import boostjax.config as _config
 from boostjax.config import ModelConfig, preset
 from boostjax.offload.blockgraph import (ALL, ATTENTION, BOUNDARY, _bwd_needs, _saved_bytes, activation_names,
                                         block_graph, default_inner_options, recompute_cost)
@@ -42,11 +43,81 @@ MODES: tuple[str, ...] = ("device", "opt-host", "host")
 on the host with a compute-dtype copy resident on device; both on the host (MegaTrain streaming)."""
 
 
+# ----------------------------------------------------------------------------- one device of a mesh
+
+# The block dimensions each TP strategy divides by the `model` axis size (`boostjax.sharding.specs`):
+# BTP shards the residual stream (d) with the heads and d_ff and keeps the r-dim latents whole
+# (replicated after their psum); vanilla TP splits every low-rank pair along r (the [b, t, d]
+# residuals and all heads replicated); Megatron (fullrank-tp) splits heads and d_ff (the [b, t, d]
+# residual replicated). A block of the model with these dimensions divided is one device's block:
+# its parameter shapes are the device's shards and its tensor widths the device's activations.
+STRATEGY_DIMS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "fullrank-tp": ("n_heads", "n_kv_heads", "d_ff"),
+    "vanilla-tp": ("rank",),
+    "btp": ("d_model", "n_heads", "n_kv_heads", "d_ff"),
+}
+
+
+@dataclass(frozen=True)
+class MeshSizes:
+    """Sizes of the `data`, `stage` and `model` mesh axes (all 1: one device, no mesh)."""
+
+    data: int = 1
+    stage: int = 1
+    model: int = 1
+
+    def __str__(self) -> str:
+        """Canonical text, '' for one device: `data=2,model=4`, `data=2,stage=2,model=2`."""
+        if (self.data, self.stage, self.model) == (1, 1, 1):
+            return ""
+        return f"data={self.data}" + (f",stage={self.stage}" if self.stage > 1 else "") + f",model={self.model}"
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.stage * self.model
+
+
+def mesh_sizes(mesh: object, field: str = "train.mesh") -> MeshSizes:
+    """`MeshSizes` of None / '' (one device), a `--mesh` string, a dict of axis sizes or an object with
+    `.data`, `.stage`, `.model` (`boostjax.config.MeshShape`); `field` names a bad string in the ConfigError."""
+    if mesh is None or mesh == "":
+        return MeshSizes()
+    if isinstance(mesh, str):  # the typed `MeshShape.parse`, or the older `parse_mesh` dict
+        parse = getattr(_config, "MeshShape", None)
+        mesh = parse.parse(mesh, field=field) if parse is not None else _config.parse_mesh(mesh, field)
+        if mesh is None:
+            return MeshSizes()
+    if isinstance(mesh, dict):
+        return MeshSizes(int(mesh.get("data", 1)), int(mesh.get("stage", 1)), int(mesh.get("model", 1)))
+    return MeshSizes(int(getattr(mesh, "data", 1)), int(getattr(mesh, "stage", 1)), int(getattr(mesh, "model", 1)))
+
+
+def local_model(cfg: ModelConfig, strategy: str = "none", tp: int = 1) -> ModelConfig:
+    """One device's block under `strategy` on a `model` axis of size `tp`: the dimensions the strategy
+    shards divided by tp (ValueError when one does not divide); the head width is kept."""
+    if strategy not in STRATEGY_DIMS:
+        raise ValueError(f"strategy: unknown strategy {strategy!r}; fix: one of {', '.join(STRATEGY_DIMS)}")
+    if tp == 1 or not STRATEGY_DIMS[strategy]:
+        return cfg
+    values = {"d_model": cfg.d_model, "n_heads": cfg.n_heads, "n_kv_heads": cfg.kv_heads, "d_ff": cfg.d_ff,
+              "rank": cfg.rank}
+    over = {}
+    for dim in STRATEGY_DIMS[strategy]:
+        if values[dim] % tp:
+            raise ValueError(f"model.{dim}: {values[dim]} is not divisible by the TP size {tp} ({strategy}); "
+                             f"fix: choose --{dim.replace('_', '-')} a multiple of {tp} or a smaller model axis")
+        over[dim] = values[dim] // tp
+    return replace(cfg, attn_head_dim=cfg.head_dim, **over)
+
+
 # ----------------------------------------------------------------------------- parameters
 
 
 def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Weight shapes of one block: dense `q..down` or low-rank `q_A, q_B, ...`, plus the two norms."""
+    """Weight shapes of one block: dense `q..down` or low-rank `q_A, q_B, ...`, plus the two norms
+    (and LaX's latent crossing weights: 3 in attention, 2 in the MLP). One device's shards:
+    `layer_param_shapes(local_model(cfg, strategy, tp))`."""
     d, hd = cfg.d_model, cfg.head_dim
     outs = {"q": cfg.n_heads * hd, "k": cfg.kv_heads * hd, "v": cfg.kv_heads * hd, "o": d,
             "gate": cfg.d_ff, "up": cfg.d_ff, "down": d}
@@ -58,6 +129,8 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}_B"] = (cfg.rank, outs[p])
         else:
             shapes[p] = (ins[p], outs[p])
+    if cfg.kind == "lax":
+        shapes |= {"attn_cross": (3,), "mlp_cross": (2,)}
     return shapes
 
 
@@ -134,12 +207,14 @@ class LayerCost:
 
 def layer_cost(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile, dtype_bytes: int = 2,
                eight_bit: bool = False, options: dict[str, tuple[str, ...]] | None = None,
-               attention: str = "materialized") -> LayerCost:
-    """Bytes and seconds of one block. Working sets: the forward of a layer holds what its backward
-    will read (`full`) and its output; its backward holds `full`, the output's cotangent and two
-    cotangents of the largest tensor (the one arriving and the one passed on)."""
+               attention: str = "materialized", strategy: str = "none", tp: int = 1) -> LayerCost:
+    """Bytes and seconds of one block on one device (`batch` = that device's rows; `strategy` and the
+    TP size `tp` pick its shard of the block: `local_model`). Working sets: the forward of a layer
+    holds what its backward will read (`full`) and its output; its backward holds `full`, the
+    output's cotangent and two cotangents of the largest tensor (the one arriving and the one passed on)."""
     if batch <= 0 or seq <= 0:
         raise ValueError(f"batch/seq: must be positive, got batch={batch} seq={seq}; fix: pass positive sizes")
+    cfg = local_model(cfg, strategy, tp)
     tokens = batch * seq
     g = block_graph(cfg, seq, attention)
     rate = hw.flops_per_s
@@ -216,6 +291,9 @@ class PlanInstance:
     # what the instance models, as (field, value) pairs (`planned_for`): a plan applies only to a
     # run with these values (empty for hand-built instances)
     planned_for: tuple[tuple[str, object], ...] = ()
+    # every layer in the same parameter mode: a pipeline stacks a stage's layers into one array per
+    # parameter, which lives either on the host or on the device
+    uniform_modes: bool = False
 
     def __post_init__(self) -> None:
         L = len(self.boundary_bytes)
@@ -264,27 +342,45 @@ def build_instance(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile |
                    budget_bytes: float | None = None, dtype_bytes: int = 2, eight_bit: bool = True,
                    param_modes: tuple[str, ...] = MODES, options: dict[str, tuple[str, ...]] | None = None,
                    logits_chunk: int | None = None, max_segment: int = 8, h2d_lead: int = 2, d2h_lag: int = 2,
-                   attention: str = "materialized", name: str | None = None) -> PlanInstance:
-    """A plan instance from model shapes. The embedding, LM head and final norm (weights, gradients
-    and optimizer states) stay on device in `fixed_bytes`, with the embedding lookup's rows (kept for
-    the whole step). The LM head's window holds the fp32 logits, their `exp` (the cross-entropy's
-    residual) and their gradient for `logits_chunk` tokens (None: all tokens at once, as
-    `vocab_parallel_cross_entropy` does) plus the final features and their norm. `attention`: see
-    `block_graph`. Default budget: 90 % of device memory."""
+                   attention: str = "materialized", name: str | None = None, strategy: str = "none",
+                   mesh: object = None) -> PlanInstance:
+    """A plan instance from model shapes for ONE device of `mesh` (None: one device; see `mesh_sizes`)
+    under the TP `strategy`: its batch rows (`batch / data`), its stage's layers (`n_layers / stage`;
+    the plan of one stage is applied to every stage's layers, and with stage > 1 all layers share one
+    parameter mode) and its shard of each layer and activation (`local_model`). The embedding, LM head
+    and final norm (weights, gradients and optimizer states, the head split by vocabulary under TP and
+    the embedding by d under BTP; replicated over stages) stay on device in `fixed_bytes`, with the
+    embedding lookup's rows (kept for the whole step). The LM head's window holds the fp32 logits,
+    their `exp` (the cross-entropy's residual) and their gradient for `logits_chunk` tokens (None: all
+    of its tokens at once, as `vocab_parallel_cross_entropy` does; a pipeline splits the head's tokens
+    over the stages) plus the final features and their norm. `attention`: see `block_graph`. Default
+    budget: 90 % of device memory. ValueError when the mesh does not divide the batch or layers."""
     hw = get_profile(hw) if isinstance(hw, str) else hw
-    lc = layer_cost(cfg, batch, seq, hw, dtype_bytes, eight_bit, options, attention)
-    L, tokens = cfg.n_layers, batch * seq
+    sizes = mesh_sizes(mesh)
+    if batch % sizes.data or cfg.n_layers % sizes.stage:
+        raise ValueError(f"mesh: data={sizes.data} must divide batch={batch} and stage={sizes.stage} n_layers="
+                         f"{cfg.n_layers}; fix: pick mesh sizes that divide them")
+    tp = sizes.model
+    if tp > 1 and (strategy == "none" or cfg.vocab_size % tp):
+        raise ValueError(f"mesh: model={tp} needs a TP strategy whose vocabulary-parallel head divides vocab_size="
+                         f"{cfg.vocab_size} (strategy={strategy}); fix: pass a TP strategy and a dividing model size")
+    lc = layer_cost(cfg, batch // sizes.data, seq, hw, dtype_bytes, eight_bit, options, attention, strategy, tp)
+    L, tokens = cfg.n_layers // sizes.stage, batch // sizes.data * seq
     names = tuple(lc.options)
-    emb_shapes = [(cfg.vocab_size, cfg.d_model), (cfg.d_model, cfg.vocab_size), (cfg.d_model,)]
+    d_emb = local_model(cfg, strategy, tp).d_model  # BTP's embedding holds d/TP columns
+    vocab = cfg.vocab_size // tp if strategy != "none" else cfg.vocab_size  # the vocabulary-parallel head
+    emb_shapes = [(cfg.vocab_size, d_emb), (cfg.d_model, vocab), (cfg.d_model,)]
     fixed = sum(8 * _numel(s) for s in emb_shapes) + adam_state_bytes(emb_shapes[:1], eight_bit=False) \
         + adam_state_bytes(emb_shapes[1:], eight_bit)  # the embedding keeps fp32 moments (adam8bit default)
-    fixed += tokens * cfg.d_model * dtype_bytes  # the gathered embedding rows
-    chunk = tokens if logits_chunk is None else min(tokens, logits_chunk)
-    head_flops = 2.0 * cfg.d_model * cfg.vocab_size * tokens
+    fixed += tokens * d_emb * dtype_bytes  # the gathered embedding rows
+    head_tokens = tokens // sizes.stage
+    chunk = head_tokens if logits_chunk is None else min(head_tokens, logits_chunk)
+    head_flops = 2.0 * cfg.d_model * vocab * head_tokens
     per_mode_dev = (lc.param_bytes + lc.opt_bytes, lc.stream_bytes, 0.0)  # + the gradient from B_k to E
     per_mode_host = (0.0, lc.param_bytes + lc.opt_bytes + lc.stream_bytes, lc.param_bytes + lc.opt_bytes + lc.stream_bytes)
+    where = "" if strategy == "none" and not str(sizes) else f"-{strategy}" + (f"[{sizes}]" if str(sizes) else "")
     return PlanInstance(
-        name=name or f"{cfg.kind}-d{cfg.d_model}-L{L}-b{batch}-s{seq}@{hw.name}",
+        name=name or f"{cfg.kind}-d{cfg.d_model}-L{cfg.n_layers}-b{batch}-s{seq}{where}@{hw.name}",
         boundary_bytes=(lc.boundary_bytes,) * L, fwd_s=(lc.fwd_s,) * L, bwd_s=(lc.bwd_s,) * L,
         work_fwd_bytes=(lc.work_fwd_bytes,) * L, work_bwd_bytes=(lc.work_bwd_bytes,) * L,
         option_names=names, option_saves=tuple(lc.options[n][0] for n in names),
@@ -296,27 +392,34 @@ def build_instance(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile |
         budget_bytes=float(budget_bytes if budget_bytes is not None else 0.9 * hw.device_bytes),
         h2d_bytes_per_s=hw.h2d_bytes_per_s, d2h_bytes_per_s=hw.d2h_bytes_per_s, param_modes=param_modes,
         head_s=3.0 * head_flops / hw.flops_per_s,
-        head_work_bytes=3.0 * 4 * chunk * cfg.vocab_size + 2.0 * tokens * cfg.d_model * dtype_bytes,
+        head_work_bytes=3.0 * 4 * chunk * vocab + 2.0 * head_tokens * cfg.d_model * dtype_bytes,
         fixed_bytes=float(fixed), host_budget_bytes=float(hw.host_bytes), max_segment=max_segment,
         h2d_lead=h2d_lead, d2h_lag=d2h_lag, activation_names=activation_names(cfg), tokens=tokens,
-        model_flops=6.0 * total_param_count(cfg) * tokens,
-        planned_for=planned_for(cfg, batch, seq, dtype_bytes, eight_bit, attention))
+        model_flops=6.0 * total_param_count(cfg) * tokens / (sizes.stage * tp), uniform_modes=sizes.stage > 1,
+        planned_for=planned_for(cfg, batch, seq, dtype_bytes, eight_bit, attention, strategy, sizes))
 
 
 PLAN_DTYPES: dict[int, str] = {4: "float32", 2: "bfloat16"}  # activation bytes -> compute dtype
 
 
 def planned_for(cfg: ModelConfig, batch: int, seq: int, dtype_bytes: int, eight_bit: bool,
-                attention: str) -> tuple[tuple[str, object], ...]:
+                attention: str, strategy: str = "none", mesh: object = None) -> tuple[tuple[str, object], ...]:
     """The run a plan of these inputs is valid for, as (field, value) pairs named like the config
-    fields: the model shapes the cost model reads, batch, seq, compute dtype, optimizer-state sizes
-    (`adam8bit` or fp32 `adamw`) and the attention memory model."""
+    fields: the model shapes the cost model reads, batch (global), seq, compute dtype, optimizer-state
+    sizes (`adam8bit` or fp32 `adamw`), the attention memory model, the TP strategy and the mesh
+    (canonical text, '' for one device). Records without the last two are plans for one device
+    (`PLANNED_FOR_DEFAULTS`)."""
     return (("model.kind", cfg.kind), ("model.vocab_size", cfg.vocab_size), ("model.d_model", cfg.d_model),
             ("model.n_layers", cfg.n_layers), ("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.kv_heads),
             ("model.d_ff", cfg.d_ff), ("model.rank", cfg.rank if cfg.low_rank else 0),
             ("train.batch", batch), ("train.seq", seq),
             ("train.dtype", PLAN_DTYPES.get(dtype_bytes, f"{dtype_bytes}-byte")),
-            ("train.optimizer", "adam8bit" if eight_bit else "adamw"), ("attention", attention))
+            ("train.optimizer", "adam8bit" if eight_bit else "adamw"), ("attention", attention),
+            ("train.strategy", strategy), ("train.mesh", str(mesh_sizes(mesh))))
+
+
+PLANNED_FOR_DEFAULTS: dict[str, object] = {"train.strategy": "none", "train.mesh": ""}
+"""What a `planned_for` record that predates a key means (plan files written before meshes)."""
 
 
 # 27B LLaMA-like shape (assumption): d 5120, 64 layers, 40 heads with 8 KV heads (GQA), d_ff 22016,
@@ -357,7 +460,8 @@ def instance_family(hw: HardwareProfile | str = "H800-80GB", seq: int = 1024, ba
 
 
 __all__ = [
-    "ALL", "ATTENTION", "BOUNDARY", "MODES", "LAZYTRAIN_27B", "LayerCost", "PlanInstance", "activation_names",
+    "ALL", "ATTENTION", "BOUNDARY", "MODES", "LAZYTRAIN_27B", "PLANNED_FOR_DEFAULTS", "STRATEGY_DIMS", "LayerCost",
+    "MeshSizes", "PlanInstance", "activation_names", "local_model", "mesh_sizes",
     "adam_state_bytes", "block_graph", "build_instance", "default_inner_options", "embedding_param_count",
     "grad_bytes_per_layer", "head_param_count", "instance_family", "layer_cost", "layer_param_shapes",
     "lazytrain_27b", "opt_state_bytes_per_layer", "param_bytes_per_layer", "param_count_per_layer",

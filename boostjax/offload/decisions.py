@@ -107,6 +107,9 @@ def check_decisions(inst: PlanInstance, d: Decisions) -> None:
                   "param_bwd_lead", "grad_lag", "flat"):
         if len(getattr(d, fname)) != L:
             raise ValueError(f"decisions.{fname}: needs {L} entries; fix: one per layer")
+    if inst.uniform_modes and len(set(d.mode)) > 1:
+        raise ValueError(f"decisions.mode: {sorted(set(d.mode))} differ between layers, and a pipeline stage keeps "
+                         "its layers' parameters in one stacked array; fix: give every layer the same mode")
     if d.boundary[0] == "recompute":
         raise ValueError("decisions.boundary[0]: the first boundary cannot be recomputed; fix: device or host")
     for (s, e) in d.segments():

@@ -92,6 +92,10 @@ class _Model:
                 d2h[B + lg].append((t_g, v))
                 hold(B, B + lg, sm, v)
             self.pf.append(pf), self.pb.append(pb), self.gs.append(gs)
+        if inst.uniform_modes:  # one mode for all layers (a pipeline's stacked parameters)
+            for k in range(1, L):
+                for md in inst.param_modes:
+                    m.Add(self.mode[k][md] == self.mode[0][md])
         static_var = m.NewIntVar(0, sum(c for c, _ in static), "static")
         m.Add(static_var == sum(c * v for c, v in static))
 

@@ -20,14 +20,14 @@ B_k [2L+1-k] (backward of layer k, in the order k = L-1..0), E [2L+2]. Decisions
 - the window of every transfer: offload of boundary k in F_{k+lag}; fetches `lead` windows before
   the window that needs them; gradient sends `lag` windows after B_k.
 
-Cost model (`simulate` in `boostjax.offload.plans`, shared by the CP-SAT model, baselines and the
+Cost model (`simulate` in `boostjax.offload.planfile`, shared by the CP-SAT model, baselines and the
 brute force): each window lasts max(compute + recompute, H2D time, D2H time); step = Σ windows.
 Objective = recompute + exposed transfer seconds. Device memory is checked in every window against
 `budget_bytes`, host bytes against `host_budget_bytes`. Not modelled: the CPU optimizer's own time
 (assumed to overlap), a step-to-step overlap of the epilogue with the next prologue, NVMe.
 
-Modules: `decisions` (windows, `Decisions`, checks), `plans` (`simulate`, `Plan`, result types),
-`baselines` (named policies, brute force), `formulation` (the CP-SAT model), this one (`solve`,
+Modules: `decisions` (windows, `Decisions`, checks), `planfile` (`simulate`, `Plan`, result types, plan files and `check_plan_for`),
+`reference_policies` (the named baseline policies, brute force), `formulation` (the CP-SAT model), this one (`solve`,
 `min_budget`; it re-exports the public names of the others).
 
 Solving (`solve`): CP-SAT on integer microseconds and power-of-two byte units (memory rounded up,
@@ -50,12 +50,12 @@ import time
 
 from ortools.sat.python import cp_model
 
-from boostjax.offload.baselines import BASELINES, baseline_decisions, baseline_plan, brute_force
+from boostjax.offload.reference_policies import BASELINES, baseline_decisions, baseline_plan, brute_force
 from boostjax.offload.costmodel import PlanInstance
 from boostjax.offload.decisions import (BOUNDARY_STATES, Decisions, base_durations, check_decisions,
                                         flat_allowed, window_label)
 from boostjax.offload.formulation import _Model
-from boostjax.offload.plans import Evaluation, Plan, PlanInfeasible, evaluate, make_plan, simulate, transfers_of
+from boostjax.offload.planfile import Evaluation, Plan, PlanInfeasible, evaluate, make_plan, simulate, transfers_of
 
 
 def _solver(time_limit_s: float, workers: int | None, seed: int) -> cp_model.CpSolver:

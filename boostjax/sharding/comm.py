@@ -32,10 +32,12 @@ import numpy as np
 
 from boostjax.config import (ATTENTION, LOW_RANK_KINDS, OPTIMIZERS, PIPELINE_SCHEDULES, PRESETS, REMAT, Config,
                              ConfigError, ModelConfig, check_batch_seq, mesh_devices, parse_mesh, preset, validate)
+from boostjax.config import STRATEGIES as CONFIG_STRATEGIES
 from boostjax.sharding import hlo, memory
 from boostjax.sharding.memory import GIB
 
-STRATEGIES = ("fullrank-tp", "vanilla-tp", "btp")
+# the TP strategies (config's names are `boostjax.sharding.rules.STRATEGIES`' keys; no JAX imported here)
+STRATEGIES = tuple(s for s in CONFIG_STRATEGIES if s != "none")
 MEMORY_KEYS = ("peak_bytes_per_device", "weight_bytes", "optimizer_bytes", "activation_bytes", "batch_bytes",
                "gradient_bytes_estimate")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2}
@@ -247,8 +249,8 @@ def expected_per_layer(model: ModelConfig, strategy: str, tokens: int, dtype: st
 
     Forward elements per token: full-rank `2d`; vanilla `he + 2·ke + 2d + 2f` (= `5d + 2f` without
     GQA); BTP `7r` plus two fp32 norm statistics (`Σx²` of each pre-norm, `[b, s, 1]`, riding in the
-    qkv and gate_up all-reduces). The paper's step figure doubles the forward (BTP's statistics need
-    no backward collective: their cotangent is replicated).
+    qkv and gate_up all-reduces). BOOST's step figure (https://arxiv.org/abs/2512.12131) doubles the
+    forward (BTP's statistics need no backward collective: their cotangent is replicated).
     """
     d, f, r = model.d_model, model.d_ff, model.rank
     he, ke = model.n_heads * model.head_dim, model.kv_heads * model.head_dim
@@ -524,10 +526,12 @@ def _cmd_comm(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`boostjax comm ...` as a standalone entry point: `python -m boostjax.sharding.comm --preset 1b`."""
-    from boostjax.cli import main as cli_main  # noqa: PLC0415 (the CLI imports this module lazily)
+    from boostjax.commands import run  # noqa: PLC0415
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    return cli_main(argv if argv[:1] == ["comm"] else ["comm", *argv])
+    parser = argparse.ArgumentParser(prog="boostjax")
+    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    return run(parser, argv if argv[:1] == ["comm"] else ["comm", *argv])
 
 
 if __name__ == "__main__":

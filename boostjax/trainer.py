@@ -37,8 +37,9 @@ from boostjax.data import BatchIterator, batch_iterator, eval_batches, is_token_
 from boostjax.interrupt import StopSignals, TrainingInterrupted
 from boostjax.models import attention
 from boostjax.models.flops import flops_per_token, param_count
-from boostjax.models.llama import LLaMA
+from boostjax.models.llama import LLaMA, abstract_model, init_model
 from boostjax.observe import PROFILE, StepProfiler, TensorBoard, hardware_profile, mfu, parse_profile
+from boostjax.offload import check_plan_for
 from boostjax.runfolder import RunFolder
 from boostjax.step import StepFns, build_step_fns
 from boostjax.tokenize import check_run_tokenizer, install_run_tokenizer
@@ -68,19 +69,6 @@ class TrainResult:
     @property
     def losses(self) -> list[float]:
         return [m["loss"] for m in self.metrics if "loss" in m]
-
-
-def init_model(cfg: Config) -> tuple[Any, dict]:
-    """(graphdef, fp32 parameter dict) of a freshly initialised model."""
-    model = LLaMA(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))
-    graphdef, state = nnx.split(model)
-    return graphdef, state.to_pure_dict()
-
-
-def abstract_model(cfg: Config) -> tuple[Any, dict]:
-    """(graphdef, parameter shapes) of the model, without allocating it."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))))
-    return graphdef, state.to_pure_dict()
 
 
 STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients and two Adam moments
@@ -191,6 +179,8 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
     """
     cfg = validate(pretrained.resolve_config(cfg) if isinstance(cfg, Config) else cfg)
     t = cfg.train
+    if t.offload_plan:  # the plan is checked before anything is written (the placement layer owns this call)
+        check_plan_for(t.offload_plan, cfg)
     if init is not None and t.init_from_hf:
         raise ConfigError("train.init: both init= params and init_from_hf are given; fix: pass one of them")
     hf_tokenizer = pretrained.source_tokenizer(cfg)  # the data's tokenizer, if any, must be the checkpoint's

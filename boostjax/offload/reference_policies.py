@@ -10,7 +10,7 @@ from typing import Sequence
 
 from boostjax.offload.costmodel import ALL, BOUNDARY, PlanInstance
 from boostjax.offload.decisions import Decisions, flat_allowed, fwd_window
-from boostjax.offload.plans import Plan, PlanInfeasible, make_plan, simulate
+from boostjax.offload.planfile import Plan, PlanInfeasible, make_plan, simulate
 
 BASELINES: tuple[str, ...] = ("no-offload", "full-remat", "megatrain")
 

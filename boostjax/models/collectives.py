@@ -1,0 +1,129 @@
+"""Where a tensor-parallel strategy puts its collectives.
+
+The LLaMA block (`boostjax.models.llama`) is written once. It calls the hooks below at the three
+places a TP strategy may need a collective; `psum_at` names the one a strategy uses:
+
+- `"latent"` after every low-rank down-projection `A` (d -> r): BTP's psum of `[b, t, r]`, carrying
+             the Online-RMSNorm sum of squares in the same collective; the residual stream is then
+             sharded along d (`features_sharded`), gathered once before the LM head;
+- `"up"`     after every low-rank up-projection `B` (r -> d_out): vanilla low-rank TP;
+- `"row"`    after the row-parallel dense projections `o` and `down`: Megatron full-rank TP;
+- `"none"`   no psum in the block (one device, or no TP).
+
+Which parameters a strategy shards is not here: `boostjax.sharding.rules` maps the logical axes the
+model declares to mesh axes.
+
+On one device (`LOCAL`) every hook is the identity, so the same code is the single-device
+reference. Outputs of the hooks are tagged with `checkpoint_name`, so remat policies can save
+exactly what crossed a collective and recompute the rest without communicating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+
+PsumAt = Literal["none", "latent", "up", "row"]
+PSUM_AT: tuple[str, ...] = get_args(PsumAt)
+
+
+@dataclass(frozen=True)
+class Collectives:
+    axis: str | None = None  # the tensor-parallel mesh axis inside shard_map; None on one device
+    psum_at: PsumAt = "none"  # where the block's psum sits (module docstring)
+
+    def __post_init__(self):
+        if self.psum_at not in PSUM_AT:
+            raise ValueError(f"Collectives.psum_at: {self.psum_at!r}; fix: use one of {', '.join(PSUM_AT)}")
+
+    @property
+    def features_sharded(self) -> bool:
+        """The residual stream is sharded along d (BTP: a psum of the latents implies a d-split input)."""
+        return self.psum_at == "latent"
+
+    def _psum(self, at: PsumAt, *xs):
+        if self.psum_at == at and self.axis is not None:
+            return jax.lax.psum(xs, self.axis)
+        return xs
+
+    def reduce_latent(self, z, ss=None, *, name: str):
+        """Sum partial down-projections and the norm's Σx² (`[..., 1]`, fp32) in one collective.
+
+        fp32 latents: `z` (flattened per token) and `ss` are concatenated into one buffer, summed
+        by one all-reduce and split: one collective on every backend, the same sums. bf16 latents:
+        `psum((z, ss))`, which JAX emits as two all-reduces (one per element type; XLA's CPU backend
+        widens bf16 to f32 and combines them, a GPU backend may keep two): the statistics are not
+        narrowed to bf16 (its 8-bit mantissa would change the norm) and the latents are not widened
+        to f32 (twice the bytes of BTP's dominant collective).
+        """
+        if ss is None:
+            (z,) = self._psum("latent", z)
+            return checkpoint_name(z, name)
+        if self.psum_at == "latent" and self.axis is not None and z.dtype == ss.dtype:
+            lead = z.shape[: ss.ndim - 1]
+            both = jnp.concatenate([z.reshape(*lead, -1), ss], axis=-1)
+            both = jax.lax.psum(both, self.axis)
+            z, ss = both[..., :-1].reshape(z.shape), both[..., -1:]
+        else:
+            z, ss = self._psum("latent", z, ss)
+        return checkpoint_name(z, name), checkpoint_name(ss, name + "_stats")
+
+    def reduce_up(self, y):
+        (y,) = self._psum("up", y)
+        return y
+
+    def to_column_parallel(self, x):
+        """Megatron TP: mark the replicated normed input varying once, before the column-parallel
+        GEMMs (q, k, v / gate, up) use it, so the backward sums their input gradients in one
+        all-reduce instead of one per GEMM."""
+        if self.psum_at == "row" and self.axis is not None:
+            return jax.lax.pcast(x, self.axis, to="varying")
+        return x
+
+    def reduce_row(self, y):
+        (y,) = self._psum("row", y)
+        return y
+
+    def gather_features(self, x_btd):
+        """Gather the d-sharded residual stream once, before the LM head."""
+        if self.features_sharded and self.axis is not None:
+            return jax.lax.all_gather(x_btd, self.axis, axis=x_btd.ndim - 1, tiled=True)
+        return x_btd
+
+    # -- vocabulary-parallel cross-entropy --------------------------------------------------------
+    def vocab_offset(self, v_local: int):
+        if self.axis is None:
+            return 0
+        return jax.lax.axis_index(self.axis) * v_local
+
+    def vocab_max(self, x):
+        return jax.lax.pmax(x, self.axis) if self.axis is not None else x
+
+    def vocab_sum(self, x):
+        return jax.lax.psum(x, self.axis) if self.axis is not None else x
+
+
+LOCAL = Collectives()
+
+
+def vocab_parallel_cross_entropy(logits_btv, targets_bt, coll: Collectives = LOCAL):
+    """Mean token cross-entropy when each device holds a slice of the vocabulary.
+
+    No device ever materialises the full `[b, t, vocab]` logits: max, log-sum-exp and the target
+    logit are each reduced over the model axis as `[b, t]` tensors.
+    """
+    logits_btv = logits_btv.astype(jnp.float32)
+    v_local = logits_btv.shape[-1]
+    m_bt = coll.vocab_max(jax.lax.stop_gradient(jnp.max(logits_btv, axis=-1)))
+    sumexp_bt = coll.vocab_sum(jnp.sum(jnp.exp(logits_btv - m_bt[..., None]), axis=-1))
+    lse_bt = jnp.log(sumexp_bt) + m_bt
+    local_t = targets_bt - coll.vocab_offset(v_local)
+    mine = (local_t >= 0) & (local_t < v_local)
+    picked = jnp.take_along_axis(logits_btv, jnp.clip(local_t, 0, v_local - 1)[..., None], axis=-1)[..., 0]
+    target_bt = coll.vocab_sum(jnp.where(mine, picked, 0.0))
+    return jnp.mean(lse_bt - target_bt)

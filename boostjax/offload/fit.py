@@ -1,0 +1,134 @@
+"""Whether an offload plan fits a training run: `check_plan_for(plan, cfg)` is the one check (the
+placement layer calls it before anything is compiled or written). A plan describes ONE device's
+share of the run's mesh (`boostjax.offload.costmodel.build_instance`): that device's batch rows, its
+stage's layers and its shard of each layer under the TP strategy. `check_mesh_for` holds the mesh
+checks the planner shares with the trainer (strategy serving the model kind, sizes dividing)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from boostjax.config import Config, ConfigError, ModelConfig
+from boostjax.models.attention import memory_kind
+from boostjax.offload.costmodel import (PLANNED_FOR_DEFAULTS, STRATEGY_DIMS, MeshSizes, activation_names,
+                                        build_instance, mesh_sizes, planned_for)
+from boostjax.offload.decisions import check_decisions
+from boostjax.offload.planfile import Plan, read_plan
+from boostjax.sharding.specs import KINDS
+
+_PLAN_FLAGS = {"model.kind": "--model", "train.optimizer": "--optimizer", "attention": "--attention"}
+
+
+def check_mesh_for(model: ModelConfig, strategy: str, mesh: Any, batch: int, seq: int, where: str = "train") -> None:
+    """`ConfigError` (one line) when `strategy` on `mesh` (see `mesh_sizes`; None or '' = no mesh) cannot
+    run this model, batch and seq, as the trainer refuses it: an unknown strategy, a TP strategy
+    without a mesh, a model kind it does not serve, a model axis without a TP strategy, TP sizes not
+    dividing the sharded dimensions or the vocabulary, stages not dividing the layers, data not
+    dividing the batch, a pipeline's tokens not splitting over its stages. `where` prefixes the
+    batch/seq/strategy/mesh fields (`train` or `plan`)."""
+    s = mesh_sizes(mesh, f"{where}.mesh")
+    if strategy not in STRATEGY_DIMS:
+        raise ConfigError(f"{where}.strategy: unknown strategy {strategy!r}; fix: use one of {', '.join(STRATEGY_DIMS)}")
+    if strategy != "none" and (mesh is None or mesh == ""):
+        raise ConfigError(f"{where}.mesh: strategy {strategy} needs a mesh; fix: pass --mesh data=1,model=2")
+    if model.kind not in KINDS[strategy]:
+        raise ConfigError(f"{where}.strategy: {strategy} does not serve model kind {model.kind!r}; fix: use --model "
+                          f"{' or '.join(KINDS[strategy])} or another --strategy")
+    if strategy == "none" and s.model > 1:
+        raise ConfigError(f"{where}.mesh: a model axis > 1 needs a TP strategy; fix: pass --strategy btp, vanilla-tp "
+                          "or fullrank-tp")
+    if s.model > 1:
+        values = {"d_model": model.d_model, "n_heads": model.n_heads, "n_kv_heads": model.kv_heads,
+                  "d_ff": model.d_ff, "rank": model.rank}
+        needs = [(dim, values[dim]) for dim in ("d_model", "n_heads", "n_kv_heads", "d_ff", "rank")
+                 if dim in STRATEGY_DIMS[strategy]] + [("vocab_size", model.vocab_size)]
+        for name, value in needs:
+            if value % s.model:
+                raise ConfigError(f"model.{name}: {value} is not divisible by the TP size {s.model} ({strategy}); "
+                                  f"fix: choose --{name.replace('_', '-')} a multiple of {s.model} or a smaller "
+                                  "model axis")
+    if model.n_layers % s.stage:
+        raise ConfigError(f"model.n_layers: {model.n_layers} layers do not split into stage={s.stage} equal "
+                          f"contiguous stages; fix: pass --n-layers a multiple of {s.stage} or a stage count that "
+                          f"divides {model.n_layers}")
+    if batch % s.data:
+        raise ConfigError(f"{where}.batch: {batch} is not divisible by data={s.data}; fix: pass --batch a multiple "
+                          f"of {s.data}")
+    if s.stage > 1 and (batch // s.data) * seq % s.stage:
+        raise ConfigError(f"{where}.seq: the head and loss are split over the stages by tokens, and the "
+                          f"{batch // s.data}x{seq} tokens per data shard do not split into stage={s.stage} equal "
+                          f"parts; fix: pass --seq a multiple of {s.stage}")
+
+
+def check_planned_for(plan: Plan, model: ModelConfig, train: Any, path: Any = "the plan",
+                      name: str = "train.offload_plan", require: bool = True) -> None:
+    """`ConfigError` naming the first field where the run (`model`: ModelConfig, `train`: TrainConfig)
+    differs from what the plan was made for, both values and the fix. `require`: refuse a plan that
+    has no record (plan files of version 1). A record without strategy/mesh is a one-device plan."""
+    redo = f"re-run boostjax plan with this run's shape, --batch, --seq, --dtype and --optimizer flags --out {path}"
+    rec = plan.planned_for
+    if not rec:
+        if require:
+            raise ConfigError(f"{name}: {path} does not record the model, batch, seq and dtype it was planned for "
+                              f"(written by an older boostjax); fix: {redo}")
+        return
+    dtype_bytes = 4 if train.dtype == "float32" else 2
+    attention = memory_kind(model, train.seq, train.dtype)
+    want = dict(planned_for(model, train.batch, train.seq, dtype_bytes, train.optimizer == "adam8bit", attention,
+                            train.strategy, mesh_sizes(train.mesh)))
+    for key, value in want.items():
+        got = rec.get(key, PLANNED_FOR_DEFAULTS.get(key))
+        if got != value:
+            flag = _PLAN_FLAGS.get(key, "--" + key.split(".")[-1].replace("_", "-"))
+            if key == "attention":
+                fix = (f"this run's attention (--attention {model.attention}, seq {train.seq}, block "
+                       f"{model.attention_block}) is {value}; re-run boostjax plan with --attention {value} --out {path}")
+            elif key == "train.mesh" and not value:
+                fix = f"re-run boostjax plan without --mesh (and this run's other flags) --out {path}"
+            else:
+                fix = f"re-run boostjax plan with {flag} {value} (and this run's other flags) --out {path}"
+            raise ConfigError(f"{name}: {path} was planned for {key}={got!r} but this run has {key}={value!r}; "
+                              f"fix: {fix}")
+
+
+def check_plan_for(plan: Plan | str | os.PathLike, cfg: Config, *, require_record: bool = True) -> Plan:
+    """THE check that an offload plan (a `Plan`, or the path of a plan.json) fits the training config
+    `cfg`: no `--remat` beside it, the strategy and mesh runnable (`check_mesh_for`), the plan made for
+    this run (`planned_for`: model shapes, batch, seq, dtype, optimizer, attention, strategy, mesh),
+    one decision per layer of a stage, the block's activation names, and decisions the per-device
+    instance allows (with stages: one parameter mode for all layers). Returns the plan; raises a
+    one-line `ConfigError` naming `train.offload_plan`. `require_record=False` accepts a plan object
+    without a `planned_for` record (built in Python)."""
+    t, m = cfg.train, cfg.model
+    path = t.offload_plan or "the plan"
+    if not isinstance(plan, Plan):
+        path, plan = plan, read_plan(plan)
+    if t.remat != "none":
+        raise ConfigError("train.offload_plan: the plan sets the remat policy; fix: drop --remat")
+    sizes: MeshSizes = mesh_sizes(t.mesh)
+    check_mesh_for(m, t.strategy, t.mesh, t.batch, t.seq)
+    n, local = len(plan.decisions.boundary), m.n_layers // sizes.stage
+    if n != local:
+        held = f"n_layers={m.n_layers}" if sizes.stage == 1 else \
+            f"a stage holds n_layers/stage = {m.n_layers}/{sizes.stage} = {local} layers"
+        raise ConfigError(f"train.offload_plan: the plan has {n} layers but {held} ({path}); fix: re-run boostjax "
+                          f"plan with --n-layers {m.n_layers} (and this run's other flags, --mesh included) --out {path}")
+    check_planned_for(plan, m, t, path, require=require_record)
+    names = activation_names(m)
+    if tuple(plan.activation_names) != names:
+        raise ConfigError(f"train.offload_plan: {path} tags {list(plan.activation_names)} but a {m.kind} block has "
+                          f"{list(names)}; fix: re-run boostjax plan --model {m.kind} (and this run's other flags) "
+                          f"--out {path}")
+    inst = build_instance(m, t.batch, t.seq, "H800-80GB", dtype_bytes=4 if t.dtype == "float32" else 2,
+                          eight_bit=t.optimizer == "adam8bit", strategy=t.strategy, mesh=sizes)
+    try:
+        check_decisions(inst, plan.decisions)
+    except ValueError as e:
+        why = str(e).split("; fix:")[0]
+        raise ConfigError(f"train.offload_plan: {path} holds decisions this model does not allow ({why}); "
+                          f"fix: re-run boostjax plan --out {path}") from None
+    return plan
+
+
+__all__ = ["check_mesh_for", "check_plan_for", "check_planned_for"]
