@@ -15,6 +15,7 @@ from boostjax.optim.registry import make_optimizer
 from boostjax.optim.rotation import rotated_state
 from boostjax.optim.delay import (DelayState, assign_stages, delay_init, delay_push, delayed_params,
                                   delayed_train_step, stage_delays)
+from helpers import assert_trees_allclose
 
 N_LAYERS, D = 12, 3
 
@@ -44,8 +45,7 @@ def _batches(n: int) -> list:
 
 
 def _close(t1, t2, atol: float = 1e-6, rtol: float = 1e-6) -> None:
-    for x, y in zip(jax.tree.leaves(t1), jax.tree.leaves(t2), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
+    assert_trees_allclose(t1, t2, atol=atol, rtol=rtol)
 
 
 # ----------------------------------------------------------------------------- stages

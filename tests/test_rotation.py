@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from boostjax.optim.rotation import (RotatedAdamState, orthonormality_error, rotated_adam, rotated_state,
                                       scale_by_rotated_adam)
+from helpers import assert_rel_close, assert_trees_allclose
 
 B1, B2, EPS, WD = 0.9, 0.999, 1e-8, 0.01
 
@@ -43,21 +44,6 @@ def _train(opt: optax.GradientTransformation, params: dict, steps: int):
     return out
 
 
-def _close(t1, t2, atol: float, rtol: float = 0.0) -> None:
-    for x, y in zip(jax.tree.leaves(t1), jax.tree.leaves(t2), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
-
-
-def _norm_close(got, want, tol: float) -> None:
-    """Per leaf, ‖got - want‖ <= tol ‖want‖ (Frobenius): an error bound on the scale of each quantity,
-    not per element (reordered fp32 sums leave no relative guarantee on entries near zero)."""
-    flat = jax.tree_util.tree_flatten_with_path(want)[0]
-    for x, (path, y) in zip(jax.tree.leaves(got), flat, strict=True):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        err, scale = float(np.linalg.norm(x - y)), float(np.linalg.norm(y))
-        assert err <= tol * scale, (jax.tree_util.keystr(path), err / max(scale, 1e-30), tol)
-
-
 # ----------------------------------------------------------------------------- identity == adamw
 def test_identity_bases_equal_optax_adamw_step_for_step():
     sched = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 5, 20, 3e-3)
@@ -69,7 +55,7 @@ def test_identity_bases_equal_optax_adamw_step_for_step():
         # differently (1 ulp = 2.4e-7), so 5e-6; measured 1.2e-7 (ISA, BLAS kernels, gradient noise).
         # Dropping the weight decay alone gives 7e-3 (1.5e-4 after the second step).
         for (p_ref, _), (p_got, _) in zip(ref, got):
-            _close(p_ref, p_got, atol=5e-6)
+            assert_trees_allclose(p_ref, p_got, atol=5e-6)
 
 
 # ----------------------------------------------------------------------------- NumPy reference
@@ -174,7 +160,7 @@ def test_side_selection_unilateral_max_dim_and_first_source():
     # bilateral capped by max_dim is numerically the unilateral optimizer on these shapes
     a, sa = _train(rotated_adam(1e-2, max_dim=4, refresh_every=2), p, 4)[-1]
     b, _ = _train(rotated_adam(1e-2, geometry="unilateral", refresh_every=2), p, 4)[-1]
-    _close(a, b, atol=1e-7)
+    assert_trees_allclose(a, b, atol=1e-7)
     assert not np.allclose(np.abs(np.asarray(rotated_state(sa).basis_r["a"])), np.eye(4), atol=1e-2)
 
 
@@ -336,8 +322,8 @@ def test_sharded_params_match_unsharded():
     # parameters: bounds 5e-5 and 2e-4 leave >= 10x. A 1.001 scale on one gradient shard or leaf moves
     # some state leaf by >= 7e-4; a negated or a lost shard moves the state by O(1), the parameters by >= 2e-2.
     (q_ref, s_ref), (q_got, s_got) = runs
-    _norm_close(s_got, s_ref, 5e-5)
-    _norm_close(q_got, q_ref, 2e-4)
+    assert_rel_close(s_got, s_ref, 5e-5)
+    assert_rel_close(q_got, q_ref, 2e-4)
 
 
 def test_grouped_and_stacked_leaves_equal_their_matrices_as_separate_leaves():
