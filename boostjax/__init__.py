@@ -39,7 +39,7 @@ _EXPORTS: dict[str, str] = {
     "bubble_fraction": "boostjax.sharding.pipeline", "pipeline_info": "boostjax.sharding.pipeline",
     # optimizers
     "rotated_adam": "boostjax.optim.rotation", "adam8bit": "boostjax.optim.adam8bit",
-    "make_optimizer": "boostjax.optim.baselines",
+    "make_optimizer": "boostjax.optim.registry", "build_optimizer": "boostjax.optim.registry",
     # offload planning
     "solve_plan": "boostjax.offload.planner", "build_instance": "boostjax.offload.costmodel",
     "get_profile": "boostjax.hardware",

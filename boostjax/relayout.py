@@ -19,7 +19,8 @@ import numpy as np
 from boostjax.checkpoint import Checkpointer, Restored
 from boostjax.config import Config, ConfigError
 from boostjax.models.stacking import stack_layers, unstack_layers
-from boostjax.step import make_optimizer
+from boostjax.optim import build_optimizer, delay
+from boostjax.sharding import rules
 
 ELEMENTWISE = ("adamw", "nesterov", "pipedream-lr")  # optimizer state: one value per parameter element
 
@@ -37,7 +38,10 @@ def convert(tree: Any, to_stacked: bool) -> Any:
 def layout_shapes(cfg: Config, params_like: Any, stacked: bool) -> tuple[Any, Any]:
     """(parameters, optimizer state) as `ShapeDtypeStruct`s in one layout (no mesh, nothing allocated)."""
     state_like = jax.eval_shape(stack_layers if stacked else unstack_layers, params_like)
-    tx, _ = make_optimizer(cfg, state_like)
+    axes = rules.logical_axes(cfg.model)
+    mask = rules.rotation_mask(rules.stack_axes(axes) if stacked else axes)
+    stages = delay.assign_stages(state_like, cfg.model.n_layers, cfg.train.pipeline_delay)
+    tx = build_optimizer(cfg.train, state_like, rotation_mask=mask, stages=stages)
     return state_like, jax.eval_shape(tx.init, state_like)
 
 

@@ -19,9 +19,10 @@ from jax.sharding import PartitionSpec as P
 
 from boostjax.config import Config, ConfigError
 from boostjax.multihost import batch_share, put_global_batch
-from boostjax.optim import baselines, delay, rotation, schedule
+from boostjax.optim import build_optimizer, current_lr, delay, state_specs
+from boostjax.optim.registry import has_lr
 from boostjax.placement import Placement, choose, on_host, to_device, to_home
-from boostjax.placement.base import is_spec
+from boostjax.sharding import rules
 
 
 class TrainState(NamedTuple):
@@ -46,62 +47,12 @@ class StepFns:
     info: dict = field(default_factory=dict)  # the placement's facts (pipeline schedule, bubble fraction)
 
 
-# grouped low-rank tensors: the axis that stacks independent matrices (a_qkv [d, 3, r], b_kv [2, r, k·e], ...)
-GROUP_AXIS: dict[str, int] = {"a_qkv": 1, "a_gate_up": 1, "b_kv": 0, "b_gate_up": 0}
-
-
-def rotation_mask(params: Any) -> Any:
-    """What the rotation optimizer rotates: every 2-D weight matrix (True) and each matrix of the
-    grouped 3-D low-rank tensors (their group axis, an int); embeddings, head and norms use AdamW."""
-    def rotate(path, p):
-        name = str(getattr(path[-1], "key", path[-1]))
-        if str(getattr(path[0], "key", path[0])) in ("embed", "head"):
-            return False
-        return GROUP_AXIS[name] if p.ndim == 3 and name in GROUP_AXIS else p.ndim == 2
-
-    return jax.tree_util.tree_map_with_path(rotate, params)
-
-
-def make_optimizer(cfg: Config, params_like: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The configured optimizer (with clipping) and its learning-rate schedule."""
+def make_optimizer(cfg: Config, pl: Placement, state_like: Any) -> optax.GradientTransformation:
+    """The configured optimizer on the placement's training layout: the rotation mask from the
+    parameters' logical axes, each leaf's pipeline stage for the delay emulation."""
     t = cfg.train
-    lr_fn = schedule.lr_schedule(t)
-    if t.optimizer == "adam8bit":
-        from boostjax.optim.adam8bit import adam8bit  # noqa: PLC0415
-
-        return adam8bit(lr_fn, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, clip=t.clip), lr_fn
-    stages = delay.assign_stages(params_like, cfg.model.n_layers, t.pipeline_delay)
-    tx = baselines.make_optimizer(
-        t.optimizer, lr=lr_fn, weight_decay=t.weight_decay, b1=t.b1, b2=t.b2, clip=t.clip,
-        stages_tree=stages, n_stages=t.pipeline_delay, t_c=t.delay_lr_tc, source=t.rot_source,
-        geometry=t.rot_geometry, refresh_every=t.rot_refresh, stage_aware_refresh=t.stage_aware_refresh,
-        basis_beta=t.rot_beta, max_dim=t.rot_max_dim, rotation_mask=rotation_mask(params_like),
-    )
-    return tx, lr_fn
-
-
-def state_specs(opt_like: Any, params_like: Any, param_specs: Any) -> Any:
-    """PartitionSpecs of optimizer (and delay) state: a leaf whose key path ends with a parameter's
-    path takes that parameter's spec when the shapes agree (Adam moments), or the spec behind
-    leading replicated axes when it stacks copies of the parameter (delay histories); everything
-    else (counters, rotation bases and Gram statistics, 8-bit blocks and scales) is replicated."""
-    by_path = {tuple(map(str, path)): (leaf.shape, spec) for (path, leaf), spec in zip(
-        jax.tree_util.tree_flatten_with_path(params_like)[0], jax.tree.leaves(param_specs, is_leaf=is_spec))}
-
-    def spec_of(path, leaf):
-        keys = tuple(map(str, path))
-        if any(k.lstrip(".") in rotation.REPLICATED_FIELDS for k in keys):
-            return P()
-        for n in range(len(keys), 0, -1):
-            hit = by_path.get(keys[-n:])
-            if hit is not None:
-                shape, spec = hit
-                extra = len(leaf.shape) - len(shape)
-                if extra >= 0 and tuple(leaf.shape[extra:]) == tuple(shape):
-                    return P(*([None] * extra), *spec)
-        return P()
-
-    return jax.tree_util.tree_map_with_path(spec_of, opt_like)
+    stages = delay.assign_stages(state_like, cfg.model.n_layers, t.pipeline_delay)
+    return build_optimizer(t, state_like, rotation_mask=rules.rotation_mask(pl.axes), stages=stages)
 
 
 def micro_batches(batch: dict, n: int, sharding: Any = None) -> dict:
@@ -115,7 +66,7 @@ def micro_batches(batch: dict, n: int, sharding: Any = None) -> dict:
     return jax.tree.map(split, batch)
 
 
-def train_step(loss_fn, tx: optax.GradientTransformation, lr_fn: optax.Schedule, *, accum: int = 1,
+def train_step(loss_fn, tx: optax.GradientTransformation, *, accum: int = 1,
                micro_sharding: Any = None, accum_sharding: Any = None, homes: TrainState | None = None):
     """`step(state, batch) -> (state, metrics)`, the one step every placement trains with.
 
@@ -146,12 +97,13 @@ def train_step(loss_fn, tx: optax.GradientTransformation, lr_fn: optax.Schedule,
     def step(state: TrainState, batch):
         if homes is not None:
             state = to_device(state, homes)
-        lr = lr_fn(state.step)
         at = state.params if state.delay is None else delay.delayed_params(state.delay)
         loss, grads = value_and_grad(at, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        if has_lr(opt_state):  # `build_optimizer` injects it (optax.inject_hyperparams)
+            metrics["lr"] = current_lr(opt_state)
         history = None if state.delay is None else delay.delay_push(state.delay, params)
         state = TrainState(state.step + 1, params, opt_state, history)
         return (state if homes is None else to_home(state, homes)), metrics
@@ -166,7 +118,6 @@ class Layout:
 
     placement: Placement
     tx: optax.GradientTransformation
-    lr_fn: optax.Schedule
     init_state: Callable[[Any], TrainState]  # training-layout params -> the whole state
     like: TrainState  # the state's shapes
     homes: TrainState  # the state's shardings (memory kinds included)
@@ -184,7 +135,7 @@ def step_layout(cfg: Config, graphdef, params_like: Any) -> Layout:
     t = cfg.train
     pl = choose(cfg, graphdef, params_like)
     state_like = jax.eval_shape(pl.to_state, params_like)
-    tx, lr_fn = make_optimizer(cfg, state_like)
+    tx = make_optimizer(cfg, pl, state_like)
     pspecs = pl.param_specs(state_like)
     p_homes = pl.place("params", pspecs, state_like)
 
@@ -198,9 +149,9 @@ def step_layout(cfg: Config, graphdef, params_like: Any) -> Layout:
 
     like = jax.eval_shape(init_state, state_like)
     rest = (like.step, like.opt_state, like.delay)
-    step_h, opt_h, delay_h = pl.place("opt_state", state_specs(rest, state_like, pspecs), rest)
+    step_h, opt_h, delay_h = pl.place("opt_state", state_specs(t, rest, state_like, pspecs), rest)
     homes = TrainState(step_h, p_homes, opt_h, delay_h)
-    return Layout(pl, tx, lr_fn, init_state, like, homes, pl.batch_sharding, pl.place("grads", pspecs, state_like))
+    return Layout(pl, tx, init_state, like, homes, pl.batch_sharding, pl.place("grads", pspecs, state_like))
 
 
 def _shapes(tree: Any, shardings: Any) -> Any:
@@ -223,7 +174,7 @@ def layout_step(cfg: Config, lay: Layout) -> Callable:
     """The (unjitted) training step on `lay`'s placement, as `StepFns.compile` jits it: lower it with
     `train_state_shapes` to compile the step abstractly."""
     pl = lay.placement
-    return train_step(pl.loss_fn, lay.tx, lay.lr_fn, accum=cfg.train.grad_accum, micro_sharding=pl.micro_sharding,
+    return train_step(pl.loss_fn, lay.tx, accum=cfg.train.grad_accum, micro_sharding=pl.micro_sharding,
                       accum_sharding=lay.grads, homes=lay.homes if lay.hosted else None)
 
 

@@ -92,7 +92,8 @@ def cpu_memory_check() -> list[dict]:
     from boostjax.hardware import HardwareProfile  # noqa: PLC0415
     from boostjax.offload.planner import make_plan  # noqa: PLC0415
     from boostjax.placement import Offloaded, SingleDevice  # noqa: PLC0415
-    from boostjax.step import TrainState, make_optimizer, train_step  # noqa: PLC0415
+    from boostjax.optim import build_optimizer  # noqa: PLC0415
+    from boostjax.step import TrainState, train_step  # noqa: PLC0415
     from boostjax.models.llama import init_model  # noqa: PLC0415
 
     def placed_state(pl, tx, params):
@@ -111,7 +112,7 @@ def cpu_memory_check() -> list[dict]:
         cfg = Config(preset(name, kind=kind), TrainConfig(batch=batch, seq=seq, clip=clip, offload_plan="unused"))
         inst = apply.instance_for(cfg, hw, budget_bytes=1e12)
         graphdef, params = init_model(cfg)
-        tx, lr = make_optimizer(cfg, params)
+        tx = build_optimizer(cfg.train, params)
         toks = {k: np.zeros((batch, seq), np.int32) for k in ("inputs", "targets")}
         nob, fr = baseline_plan(inst, "no-offload"), baseline_plan(inst, "full-remat")
         plans = {"no-offload": nob, "full-remat": fr}
@@ -123,7 +124,7 @@ def cpu_memory_check() -> list[dict]:
             check_plan_for(plan, cfg, require_record=False)
             pl = Offloaded(SingleDevice(cfg, graphdef, remat=apply.schedule(plan)), plan)
             state, homes = placed_state(pl, tx, params)
-            step = train_step(pl.loss_fn, tx, lr, homes=homes)
+            step = train_step(pl.loss_fn, tx, homes=homes)
             compiled = jax.jit(step, donate_argnums=(0,)).lower(state, toks).compile(
                 compiler_options=pl.compiler_options)
             mem = apply.compiled_memory(compiled)

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_tp import TINY, _compare, _rel, assert_matches, seed_of
+from helpers import FAST_CPU, rel as _rel, seed_of
+from test_tp import TINY, _compare, assert_matches
 
 from boostjax import hf
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, validate, validate_model
@@ -101,7 +102,8 @@ def test_compiled_step_holds_no_sequence_squared_buffer(impl, remat):
     cfg = Config(model, TrainConfig(batch=1, seq=t, remat=remat))
     graphdef, params = abstract_model(cfg)
     batch = {k: jax.ShapeDtypeStruct((1, t), jnp.int32) for k in ("inputs", "targets")}
-    hlo = jax.jit(jax.value_and_grad(local_loss_fn(cfg, graphdef))).lower(params, batch).compile().as_text()
+    # FAST_CPU: the same optimised HLO (compared for these three cases) in ~60 % of the compile time
+    hlo = jax.jit(jax.value_and_grad(local_loss_fn(cfg, graphdef))).lower(params, batch).compile(FAST_CPU).as_text()
     square = _square_buffers(hlo, t)
     if impl == "xla":
         assert square, "the reference materialises [.., t, t] scores"

@@ -13,7 +13,6 @@ import os
 import pathlib
 import socket
 import subprocess
-import sys
 import time
 
 import jax
@@ -30,9 +29,9 @@ import boostjax.trainer  # noqa: F401
 from boostjax import hf
 from boostjax.cli import main
 from boostjax.config import ModelConfig
+from helpers import cli_command, cli_env, model_flags, one_error_line
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHAPE = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--rank", "8"]
+SHAPE = model_flags()  # --d-model 32 --n-layers 2 --n-heads 2 --d-ff 64 --rank 8
 TRAIN = ["train", *SHAPE, "--batch", "4", "--seq", "32", "--steps", "2", "--no-progress"]
 PLAN = ["plan", *SHAPE, "--batch", "4", "--seq", "32", "--dtype", "float32", "--optimizer", "adamw",
         "--memory-cap", "0.1", "--time-limit", "5"]
@@ -51,15 +50,9 @@ def no_compile(monkeypatch):
 def _refused(capsys, argv, *needles) -> str:
     rc = main([str(a) for a in argv])
     err = capsys.readouterr().err
-    lines = err.strip().splitlines()
     assert rc == 2, (rc, err)
-    assert len(lines) == 1, err
-    line = lines[0]
-    assert line.startswith("boostjax: error: ") and "; fix: " in line, line
     assert "Traceback" not in err
-    for n in needles:
-        assert str(n) in line, (n, line)
-    return line
+    return one_error_line(err, *needles)
 
 
 def _digest(path: pathlib.Path) -> str:
@@ -139,11 +132,9 @@ def test_mesh_over_the_simulated_device_cap(capsys, tmp_path, monkeypatch):
 
 def test_huge_mesh_in_a_fresh_process_is_refused_before_jax(tmp_path):
     """The CLI would otherwise ask XLA for 100000 CPU devices (tens of GB) before any message."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "boostjax.cli", "train", "--mesh", "data=100000", "--out",
-                             str(tmp_path / "run")], env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cli_command("train", "--mesh", "data=100000", "--out", tmp_path / "run"),
+                            env=cli_env(XLA_FLAGS=None), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     err = proc.stderr.read().decode()
     assert os.waitstatus_to_exitcode(status) == 2, err
@@ -371,11 +362,11 @@ def test_multihost_peer_that_never_starts(tmp_path):
     """Process 0 of a 2-process job alone: one line naming the coordinator and the process count after
     --init-timeout seconds (jax 0.10.2 would abort from C++ with a stack trace, after 300 s)."""
     port = boostjax.launch.free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "boostjax.cli", *TRAIN, "--mesh", "data=2", "--coordinator",
-                        f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0", "--init-timeout", "2",
-                        "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cli_command(*TRAIN, "--mesh", "data=2", "--coordinator", f"127.0.0.1:{port}",
+                                   "--num-processes", "2", "--process-id", "0", "--init-timeout", "2",
+                                   "--out", tmp_path / "run"), env=cli_env(), capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("boostjax: error: train.coordinator: "), r.stderr

@@ -1,5 +1,6 @@
 """Pipeline delay emulation against an explicit list-of-versions reference, stage assignment,
-and the delay baselines (PipeDream-LR scaling, Nesterov, stage-aware refresh, the factory)."""
+and the delay baselines (PipeDream-LR scaling, Nesterov, stage-aware refresh); names, clipping
+and the registry are in test_optimizers."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import numpy as np
 import optax
 import pytest
 
-from boostjax.optim.baselines import (OPTIMIZERS, delay_lr_factor, make_optimizer, scale_by_stage_delay,
-                                      stage_refresh_periods)
-from boostjax.optim.delay import DelayState, assign_stages, delay_init, delay_push, delayed_params, stage_delays
+from boostjax.optim.pipedream import delay_lr_factor, scale_by_stage_delay, stage_refresh_periods
+from boostjax.optim.registry import make_optimizer
+from boostjax.optim.rotation import rotated_state
+from boostjax.optim.delay import (DelayState, assign_stages, delay_init, delay_push, delayed_params,
+                                  stage_delays)
+from helpers import assert_trees_allclose
 from boostjax.step import TrainState, train_step
 
 N_LAYERS, D = 12, 3
@@ -42,8 +46,7 @@ def _batches(n: int) -> list:
 
 
 def _close(t1, t2, atol: float = 1e-6, rtol: float = 1e-6) -> None:
-    for x, y in zip(jax.tree.leaves(t1), jax.tree.leaves(t2), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
+    assert_trees_allclose(t1, t2, atol=atol, rtol=rtol)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -85,6 +88,51 @@ def test_assign_stages_on_an_nnx_state():
     _close(delayed_params(hist), state)
 
 
+def test_stacked_layers_delayed_training_equals_per_layer_exactly():
+    """A pipeline's stacked layers (`layers` one tree of `[L, ...]` leaves): per-layer stages as a
+    tuple, a ring of max delay + 1, layer l reading its own version. N delayed steps on the stacked
+    tree (PipeDream-LR: AdamW, then a per-layer scale) equal N steps on the per-layer tree, then stacked, bit for bit
+    (one jitted gradient for both layouts: a differently fused loss may differ by an ulp)."""
+    n_layers, n_stages = 4, 2
+    per_layer = _params(n_layers=n_layers)
+    per_layer = {**per_layer, "layers": dict(enumerate(per_layer["layers"]))}
+    stack = lambda p: {**p, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *p["layers"].values())}  # noqa: E731
+    stacked = stack(per_layer)
+    stages_s = assign_stages(stacked, n_layers, n_stages)
+    assert stages_s["layers"]["w"] == (0, 0, 1, 1) and stages_s["embed"] == 0 and stages_s["head"] == 1
+    assert stage_refresh_periods(stages_s, n_stages, base=10)["layers"]["w"] == (8, 8, 15, 15)
+
+    def loss_stacked(p, batch):
+        return _loss({**p, "layers": [jax.tree.map(lambda x: x[i], p["layers"]) for i in range(n_layers)]}, batch)
+
+    unstack = lambda p: {**p, "layers": {i: jax.tree.map(lambda x: x[i], p["layers"]) for i in range(n_layers)}}  # noqa: E731
+    grad = jax.jit(jax.grad(loss_stacked))  # one gradient program for both layouts
+    pick, push = jax.jit(delayed_params), jax.jit(delay_push)
+    for name in ("pipedream-lr",):  # AdamW, then the per-layer delay scale
+        runs = []
+        for params, to_s, from_s in ((stacked, lambda p: p, lambda p: p), (per_layer, stack, unstack)):
+            stages = assign_stages(params, n_layers, n_stages)
+            opt = make_optimizer(name, lr=3e-2, stages_tree=stages, n_stages=n_stages, t_c=3)
+            update = jax.jit(opt.update)
+            p, s, ds = params, opt.init(params), delay_init(params, stages, n_stages)
+            for batch in _batches(5):
+                at = pick(ds)
+                u, s = update(from_s(grad(to_s(at), batch)), s, p)
+                p = optax.apply_updates(p, u)
+                ds = push(ds, p)
+            runs.append((p, ds, at))
+        (p_s, ds_s, at_s), (p_l, ds_l, at_l) = runs
+        assert ds_s.history["layers"]["w"].shape == (2, n_layers, D, D) and ds_s.lags["layers"]["w"].tolist() == [1, 1, 0, 0]
+        for x, y in zip(jax.tree.leaves((p_s, at_s, pick(ds_s))), jax.tree.leaves((stack(p_l), stack(at_l), stack(pick(ds_l)))),
+                        strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        now = pick(ds_s)["layers"]["w"]  # what the next step reads: layer 0 (stage 0) one version old, layer 3 current
+        assert not np.array_equal(np.asarray(now[0]), np.asarray(p_s["layers"]["w"][0]))
+        np.testing.assert_array_equal(np.asarray(now[3]), np.asarray(p_s["layers"]["w"][3]))
+    with pytest.raises(ValueError, match="axis 0 of size n_layers"):
+        assign_stages(stacked, 8, 2)
+
+
 def test_assign_stages_errors():
     with pytest.raises(ValueError, match="not divisible"):
         assign_stages(_params(), N_LAYERS, 5)
@@ -95,7 +143,7 @@ def test_assign_stages_errors():
 # ----------------------------------------------------------------------------- emulation vs reference
 def _delayed_step(opt: optax.GradientTransformation):
     """The training step (`boostjax.step.train_step`) on a `TrainState` holding a `DelayState`."""
-    return jax.jit(train_step(_loss, opt, optax.constant_schedule(0.0)))
+    return jax.jit(train_step(_loss, opt))
 
 
 def _delayed_state(params, opt: optax.GradientTransformation, stages, n_stages: int) -> TrainState:
@@ -215,24 +263,6 @@ def test_stage_refresh_periods_rule():
         stage_refresh_periods(stages, 4, base=0)
 
 
-def test_make_optimizer_names_clipping_and_errors():
-    with pytest.raises(ValueError, match="adamw, pipedream, rotation, pipedream-lr, nesterov"):
-        make_optimizer("sgd")
-    with pytest.raises(ValueError, match="stages_tree"):
-        make_optimizer("pipedream-lr")
-    with pytest.raises(ValueError, match="stages_tree"):
-        make_optimizer("rotation", stage_aware_refresh=True)
-    assert set(OPTIMIZERS) >= {"adamw", "rotation", "pipedream-lr", "nesterov"}
-    # clip > 0 prepends global-norm clipping: a huge gradient behaves like its clipped version
-    w = jnp.ones((2, 2))
-    g = 1e3 * jnp.arange(4.0).reshape(2, 2)
-    clipped = make_optimizer("adamw", lr=1e-2, b1=0.0, clip=1.0)
-    plain = make_optimizer("adamw", lr=1e-2, b1=0.0)
-    u_c, _ = clipped.update(g, clipped.init(w), w)
-    u_p, _ = plain.update(g / jnp.linalg.norm(g), plain.init(w), w)
-    _close(u_c, u_p, atol=1e-7)
-
-
 def test_rotation_with_stage_aware_refresh_in_delayed_training():
     params, batches = _params(n_layers=2), _batches(5)
     stages = assign_stages(params, 2, 2)
@@ -245,4 +275,4 @@ def test_rotation_with_stage_aware_refresh_in_delayed_training():
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     assert np.all(np.isfinite(losses)) and int(state.delay.step) == 5
-    assert state.opt_state[1].basis_l["layers"][0]["w"].shape == (D, D)
+    assert rotated_state(state.opt_state).basis_l["layers"][0]["w"].shape == (D, D)

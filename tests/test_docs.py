@@ -26,7 +26,7 @@ def _expand(path: str) -> list[str]:
 
 
 def _exists(path: str) -> bool:
-    return any(ROOT.glob(p)) if "*" in path else (ROOT / path).exists()
+    return any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()
 
 
 @functools.cache

@@ -17,6 +17,7 @@ from flax import nnx
 from test_tp import put_params
 
 from boostjax import data
+from helpers import random_params, rel
 from boostjax.config import Config, ModelConfig, TrainConfig, validate
 from boostjax.data import DocumentIterator, batch_iterator, eval_batches, load_corpus
 from boostjax.models import ops
@@ -38,11 +39,6 @@ def _docs_corpus(n_docs: int = 40, seed: int = 0, lo: int = 3, hi: int = 24) -> 
     return np.concatenate(docs).astype(np.uint16), starts
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
-
-
 def _ce(logits_tv: np.ndarray, targets_t: np.ndarray) -> np.ndarray:
     """Per-position cross-entropy in float64 (numpy: no per-shape compiles in the test)."""
     x = np.asarray(logits_tv, np.float64)
@@ -52,9 +48,8 @@ def _ce(logits_tv: np.ndarray, targets_t: np.ndarray) -> np.ndarray:
 
 def _random_params(cfg: Config, seed: int):
     graphdef, params = abstract_model(cfg)  # shapes only: no initialiser runs (or compiles)
-    rng = np.random.default_rng(seed)  # fresh values everywhere (norm scales around 1): a sharp model
-    return graphdef, jax.tree.map(
-        lambda p: jnp.asarray(rng.normal(size=p.shape) * 0.3 + (p.ndim == 1), jnp.float32), params)
+    # fresh values everywhere (norm scales around 1): a sharp model
+    return graphdef, random_params(params, np.random.default_rng(seed), 0.3)
 
 
 # ----------------------------------------------------------------------------- the sampler
@@ -170,7 +165,7 @@ def test_a_packed_row_equals_its_documents_alone():
     loss = _ce(logits, b["targets"]).mean()
     ce_sum = 0.0
     for n, (r, at) in enumerate(pieces):
-        assert _rel(logits[r][at], alone[n, : at.sum()]) < 1e-5
+        assert rel(logits[r][at], alone[n, : at.sum()]) < 1e-5
         ce_sum += _ce(alone[n, : at.sum()], b["targets"][r][at]).sum()
     assert len(pieces) > 3
     assert abs(float(loss) - ce_sum / b["inputs"].size) < 1e-5 * abs(float(loss))
@@ -193,7 +188,7 @@ def test_chunked_matches_the_reference_with_segments():
         return (o, *grads)
 
     with jax.default_matmul_precision("highest"):
-        errs = [_rel(a, b) for a, b in zip(run("chunked"), run("xla"))]
+        errs = [rel(a, b) for a, b in zip(run("chunked"), run("xla"))]
     assert max(errs) < 1e-5, errs
 
 
@@ -213,7 +208,7 @@ def test_chunked_tensor_parallel_matches_one_device_xla_with_segments():
         pl = choose(cfg, graphdef, params)
         loss, grads = jax.jit(jax.value_and_grad(pl.loss_fn))(put_params(pl, params),
                                                               jax.device_put(batch, pl.batch_sharding))
-    errs = [_rel(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))]
+    errs = [rel(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))]
     assert abs(float(loss - ref_loss)) < 1e-5 * abs(float(ref_loss)) and max(errs) < 2e-5, (loss, ref_loss, max(errs))
 
 

@@ -12,7 +12,6 @@ import pathlib
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import replace
 
@@ -23,19 +22,20 @@ from flax import nnx
 
 from boostjax.checkpoint import ASIDE, MANIFEST, CheckpointError, Checkpointer
 from boostjax.cli import main
-from boostjax.config import Config, ModelConfig, TrainConfig
+from boostjax.config import Config, TrainConfig
 from boostjax.run import load_run, read_metrics
 from boostjax.trainer import NonFiniteLoss, train
+from helpers import MICRO, cli_command, cli_env, model_flags, one_error_line
 
 pytestmark = pytest.mark.xdist_group("faults")  # one worker: the subprocess tests share a reference run
 
-FLAGS = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--rank", "8", "--seq", "32",
-         "--batch", "4", "--no-progress", "--log-every", "1", "--eval-every", "1000", "--ckpt-every", "25"]
+FLAGS = [*model_flags(MICRO), "--seq", "32", "--batch", "4", "--no-progress", "--log-every", "1", "--eval-every",
+         "1000", "--ckpt-every", "25"]
 STEPS = 300  # long enough (a few ms per step) that a signal sent after 5 steps lands mid-run
 
 
 def _cmd(out, steps=STEPS):
-    return [sys.executable, "-m", "boostjax.cli", "train", *FLAGS, "--steps", str(steps), "--out", str(out)]
+    return cli_command("train", *FLAGS, "--steps", steps, "--out", out)
 
 
 def _losses(out) -> dict[int, float]:
@@ -45,8 +45,9 @@ def _losses(out) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("jax-cache")  # later runs reuse the first one's compiled programs
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    # its own cache: these processes are killed mid-run, the session's cache stays out of their way
+    return cli_env(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +142,35 @@ def test_sigkill_during_a_checkpoint_save_loses_nothing(tmp_path, env, reference
 
 # ----------------------------------------------------------------------------- in-process faults
 
-MICRO = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=8)
 RUN = TrainConfig(steps=30, batch=4, seq=32, log_every=1, eval_every=1000, ckpt_every=10, progress=False)
 
 
 def _train(out, **kw):
     return train(Config(MICRO, replace(RUN, out=str(out), **kw)))
+
+
+def _trained(tmp_path_factory, steps: int):
+    """One run of `steps` steps (checkpoints every 10) and its losses, trained once per module: each test
+    damages its own copy (`_copy`), so the tests that share it stay independent."""
+    out = tmp_path_factory.mktemp("faults") / f"run{steps}"
+    return out, _losses(_train(out, steps=steps).out_dir)
+
+
+@pytest.fixture(scope="module")
+def run30(tmp_path_factory):
+    return _trained(tmp_path_factory, 30)
+
+
+@pytest.fixture(scope="module")
+def run20(tmp_path_factory):
+    return _trained(tmp_path_factory, 20)
+
+
+def _copy(run, tmp_path, name: str = "run") -> tuple[pathlib.Path, dict[int, float]]:
+    """A fresh copy of a fixture's run folder (its `train.out` differs: ignored on resume) and its losses."""
+    src, losses = run
+    shutil.copytree(src, tmp_path / name)
+    return tmp_path / name, losses
 
 
 def _largest_file(step_dir: pathlib.Path) -> pathlib.Path:
@@ -169,9 +193,8 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("how", list(CORRUPTIONS))
-def test_damaged_latest_checkpoint_falls_back_and_resumes_exactly(tmp_path, capsys, how):
-    out = tmp_path / "run"
-    reference = _losses(_train(out).out_dir)
+def test_damaged_latest_checkpoint_falls_back_and_resumes_exactly(run30, tmp_path, capsys, how):
+    out, reference = _copy(run30, tmp_path)
     CORRUPTIONS[how](out / "checkpoints" / "30")
     capsys.readouterr()
     res = _train(out)  # the same command again: steps 21..30 are recomputed
@@ -182,11 +205,10 @@ def test_damaged_latest_checkpoint_falls_back_and_resumes_exactly(tmp_path, caps
     assert _losses(out) == reference
 
 
-def test_unverified_step_that_orbax_cannot_read_is_one_line(tmp_path, capfd):
+def test_unverified_step_that_orbax_cannot_read_is_one_line(run20, tmp_path, capfd):
     """No SHA256SUMS (a kill before they were written) and a damaged blob: Orbax's failure is the
     one line, without TensorStore's late callbacks printing tracebacks."""
-    out = tmp_path / "run"
-    reference = _losses(_train(out, steps=20).out_dir)
+    out, reference = _copy(run20, tmp_path)
     step = out / "checkpoints" / "20"
     (step / MANIFEST).unlink()
     os.truncate(_largest_file(step), 7)
@@ -200,24 +222,21 @@ def test_unverified_step_that_orbax_cannot_read_is_one_line(tmp_path, capfd):
         line for line in err.splitlines() if line.startswith("boostjax: checkpoint 20 "))]
 
 
-def test_no_restorable_checkpoint_is_one_line_and_moves_nothing(tmp_path, capsys):
-    out = tmp_path / "run"
-    _train(out, steps=20)
+def test_no_restorable_checkpoint_is_one_line_and_moves_nothing(run20, tmp_path, capsys):
+    out, _ = _copy(run20, tmp_path)
     for s in ("10", "20"):
         _flip(_largest_file(out / "checkpoints" / s))
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
     args = ["train", *FLAGS, "--steps", "30", "--out", str(out)]
     capsys.readouterr()
     assert main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("boostjax: error: checkpoints: no checkpoint in "), err
-    assert "fix: " in err[0]
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("boostjax: error: checkpoints: no checkpoint in "), line
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before and not (out / ASIDE).exists()
 
 
-def test_readers_fall_back_without_changing_the_folder(tmp_path, capsys):
-    out = tmp_path / "dense"
-    _train(out, steps=20, **{})  # cola: load_run is the reader under test
+def test_readers_fall_back_without_changing_the_folder(run20, tmp_path, capsys):
+    out, _ = _copy(run20, tmp_path, "dense")  # cola: load_run is the reader under test
     _flip(_largest_file(out / "checkpoints" / "20"))
     capsys.readouterr()
     _, _, step = load_run(out)

@@ -19,13 +19,10 @@ from boostjax.config import ModelConfig
 from boostjax.generation import sample
 from boostjax.models import kvcache
 from boostjax.models.llama import LLaMA
+from helpers import FAST_CPU, rel
 
 SHAPE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, rank=8, init_std=0.1,
              max_seq_len=64)
-
-
-# the test programs are tiny: LLVM's expensive passes would cost more than they save
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _model(kind: str, seed: int = 0, **kw) -> LLaMA:
@@ -47,10 +44,6 @@ def _model(kind: str, seed: int = 0, **kw) -> LLaMA:
         return jnp.asarray(std * z)
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(abstract)))
-
-
-def _rel(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
 @pytest.mark.parametrize("kind,extra", [
@@ -81,11 +74,11 @@ def test_cached_logits_equal_full_forward(kind, extra):
 
     graphdef, state = nnx.split(_model(kind, n_layers=1, **extra))
     fn = jax.jit(lambda state, tokens: run(nnx.merge(graphdef, state), tokens))
-    full, cached, alone, pos = fn.lower(state, tokens).compile(FAST_COMPILE)(state, tokens)
+    full, cached, alone, pos = fn.lower(state, tokens).compile(FAST_CPU)(state, tokens)  # tiny: cheap codegen
     assert int(pos) == 12
-    err = _rel(cached, full)
+    err = rel(cached, full)
     assert err < 1e-5, err
-    assert _rel(alone, full[:, 8:9]) > 1e-2  # the cache is what makes it right
+    assert rel(alone, full[:, 8:9]) > 1e-2  # the cache is what makes it right
 
 
 # the generation tests share two models and their shapes, so they share the compiled programs

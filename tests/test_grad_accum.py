@@ -12,14 +12,10 @@ from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.data import BatchIterator
 from boostjax.step import build_step_fns, train_state_shapes
 from boostjax.models.llama import init_model
+from helpers import rel as _rel
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)
 MODEL = ModelConfig(kind="cola", d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=16, vocab_size=256, max_seq_len=16)
-
-
-def _rel(a, b) -> float:
-    a, b = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)]) for t in (a, b))
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def run_steps(cfg: Config, batches: list[dict]) -> tuple[list[float], dict, str]:

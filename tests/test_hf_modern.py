@@ -23,6 +23,7 @@ from boostjax.config import ConfigError, ModelConfig, TrainConfig, validate_mode
 from boostjax.models import ops
 from boostjax.models.flops import param_count
 from boostjax.models.llama import LLaMA
+from helpers import random_tokens, rel
 
 torch.set_num_threads(1)
 
@@ -67,16 +68,12 @@ def _ours(model: LLaMA, tokens: np.ndarray) -> np.ndarray:
 
 
 def _tokens(t: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, BASE["vocab_size"], (2, t)).astype(np.int32)
-
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    return random_tokens(BASE["vocab_size"], (2, t), seed)
 
 
 def _close(ours: np.ndarray, theirs: np.ndarray) -> None:
     # fp32 on both sides; other kernels and reduction orders: measured ~1e-7 (see test_hf.py)
-    assert ours.shape == theirs.shape and _rel(ours, theirs) < 1e-5, _rel(ours, theirs)
+    assert ours.shape == theirs.shape and rel(ours, theirs) < 1e-5, rel(ours, theirs)
 
 
 def _reload(folder) -> transformers.PreTrainedModel:
@@ -95,7 +92,7 @@ def test_import_export_matches_transformers(shape, tmp_path):
     if shape == "llama3":  # the scaling matters: plain RoPE (rope_scaling null) is far off
         plain = hf.build_model(dataclasses.replace(model.cfg, rope_type="default", rope_factor=1.0),
                                nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        assert _rel(_ours(plain, tokens), theirs) > 1e-2
+        assert rel(_ours(plain, tokens), theirs) > 1e-2
     if shape == "tied":
         assert model.cfg.tie_embeddings and not hasattr(model, "head")
         assert param_count(model.cfg) == sum(p.numel() for p in ref.parameters())

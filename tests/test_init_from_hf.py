@@ -22,6 +22,7 @@ from boostjax.text import TOKENIZER_FILE, train_tokenizer
 from boostjax.tokenize import tokenize_corpus
 from boostjax.models.llama import abstract_model
 from boostjax.trainer import train
+from helpers import random_params, random_tokens, rel
 
 DENSE = ModelConfig(kind="llama", vocab_size=288, d_model=32, n_layers=2, n_heads=4, d_ff=64, norm_eps=1e-5)
 # the training runs: one layer (half the program to compile) and logits of O(1), far from uniform, so a
@@ -31,15 +32,9 @@ SMALL = replace(DENSE, n_layers=1, init_std=0.2)
 RUN = ["--batch", "2", "--seq", "16", "--eval-batches", "1", "--no-progress", "--no-tensorboard"]
 
 
-def _rel(a, b) -> float:
-    return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(jnp.ravel(b)))
-
-
 def _dense(cfg: ModelConfig, folder: pathlib.Path):
     """(dense params, Hugging Face folder with a tokenizer): random weights, norms away from 1."""
-    rng = np.random.default_rng(0)
-    draw = lambda a: 1 + 0.2 * rng.normal(size=a.shape) if a.ndim == 1 else cfg.init_std * rng.normal(size=a.shape)  # noqa: E731
-    params = jax.tree.map(lambda a: jnp.asarray(draw(a), jnp.float32), abstract_model(Config(cfg))[1])
+    params = random_params(abstract_model(Config(cfg))[1], np.random.default_rng(0), cfg.init_std, norm_scale=0.2)
     folder = hf.to_hf((cfg, params), folder)
     train_tokenizer(["def f(x):\n    return x + 1\n", "import os\n"] * 8, 288).save(folder)
     return params, folder
@@ -57,7 +52,7 @@ def small(tmp_path_factory):
 
 
 def _tokens(seed: int = 0):
-    return jnp.asarray(np.random.default_rng(seed).integers(0, DENSE.vocab_size, (2, 16)), jnp.int32)
+    return jnp.asarray(random_tokens(DENSE.vocab_size, (2, 16), seed))
 
 
 def _logits(cfg: ModelConfig, params):
@@ -69,14 +64,14 @@ def test_online_norm_down_is_norm_then_matmul():
     x, g, a = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((2, 5, 32), (32,), (32, 3, 8)))
     ours = ops.online_norm_down(x, g, a, LOCAL, d_model=32, eps=1e-5, name="t")
     ref = jnp.einsum("btd,dgr->btgr", ops.rms_norm(x, g, 1e-5), a, precision="highest")
-    assert _rel(ours, ref) < 1e-6
+    assert rel(ours, ref) < 1e-6
 
 
 def test_svd_full_rank_reproduces_the_dense_logits(source):
     params, _ = source
     svd = replace(DENSE, kind="svd", rank=32)  # = min(in, out) of every projection
     lr_params, report = pretrained.lowrank_from_dense(svd, params)
-    assert _rel(_logits(svd, lr_params), _logits(DENSE, params)) < 1e-5
+    assert rel(_logits(svd, lr_params), _logits(DENSE, params)) < 1e-5
     assert report["max"] < 1e-6 and len(report["matrices"]) == 7 * DENSE.n_layers
     for k in ("embed", "head", "norm"):  # copied as they are
         np.testing.assert_array_equal(lr_params[k], params[k])
@@ -93,7 +88,7 @@ def test_svd_full_rank_tied_gqa_head_dim():
     assert "head" not in dense
     svd = replace(cfg, kind="svd", rank=32)
     lr_params, report = pretrained.lowrank_from_dense(svd, dense)
-    assert _rel(_logits(svd, lr_params), _logits(cfg, dense)) < 1e-5 and report["max"] < 1e-6
+    assert rel(_logits(svd, lr_params), _logits(cfg, dense)) < 1e-5 and report["max"] < 1e-6
 
 
 def test_error_falls_as_the_rank_grows(source):
@@ -103,12 +98,12 @@ def test_error_falls_as_the_rank_grows(source):
     for r in (4, 8, 16):
         cfg = replace(DENSE, kind="svd", rank=r)
         lr_params, report = pretrained.lowrank_from_dense(cfg, params)
-        logit_errs.append(_rel(_logits(cfg, lr_params), ref))
+        logit_errs.append(rel(_logits(cfg, lr_params), ref))
         reports.append(report)
         if r == 8:  # the reported error is ||W - A B|| / ||W|| of the stored factors
             attn = lr_params["layers"][1]["attn"]
             ab = attn["a_qkv"][:, 1] @ attn["b_kv"][0]
-            direct = _rel(ab, params["layers"][1]["attn"]["w_k"])
+            direct = rel(ab, params["layers"][1]["attn"]["w_k"])
             assert abs(report["matrices"]["layers.1.attn.k"] - direct) < 1e-5
     assert all(a > b for a, b in zip(logit_errs, logit_errs[1:])), logit_errs
     for small, big in zip(reports, reports[1:]):
@@ -126,7 +121,7 @@ def test_cola_and_lax_pairs_are_exact_through_silu(source):
     for kind, r in (("cola", 8), ("lax", 8), ("cola", 9)):
         cfg = replace(DENSE, kind=kind, rank=r)
         lr_params, report = pretrained.lowrank_from_dense(cfg, params)
-        assert _rel(_logits(cfg, lr_params), ref) < 1e-5, (kind, r)
+        assert rel(_logits(cfg, lr_params), ref) < 1e-5, (kind, r)
         assert report["kind"] == kind and report["rank"] == r
         assert report["matrices"] == pytest.approx(svd_report["matrices"], abs=1e-6)
         if kind == "lax":

@@ -10,6 +10,7 @@ from boostjax.config import Config, TrainConfig, preset, validate
 from boostjax.models.llama import LLaMA
 from boostjax.sharding import memory
 from boostjax.step import build_step_fns
+from helpers import random_params
 
 TINY = preset("tiny", n_layers=2)
 
@@ -21,16 +22,19 @@ def test_report_is_the_train_step(mesh, strategy, extra):
     r = memory.memory_report(TINY, mesh, 4, 16, strategy, remat="lowrank", dtype="float32", **extra)
     cfg = validate(Config(TINY, TrainConfig(batch=4, seq=16, strategy=strategy, mesh=mesh, remat="lowrank",
                                             dtype="float32", **extra)))
-    graphdef, state = nnx.split(LLaMA(TINY, rngs=nnx.Rngs(0)))
-    fns = build_step_fns(cfg, graphdef, state.to_pure_dict())
-    train_state = fns.init(state.to_pure_dict())
+    # weights drawn on the host (memory_analysis() reads shapes, dtypes and layouts, never values): an eager
+    # init would compile a program per op and shape
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: LLaMA(TINY, rngs=nnx.Rngs(0))))
+    host = random_params(abstract.to_pure_dict(), np.random.default_rng(0), 0.02)
+    fns = build_step_fns(cfg, graphdef, host)
+    train_state = fns.init(host)
     rows = np.zeros((4 * extra.get("grad_accum", 1), 16), np.int32)
     real = memory.memory_fields(fns.compile(train_state, {"inputs": rows, "targets": rows}))
     assert {k: r[k] for k in real} == real
     assert r["argument_bytes"] == r["weight_bytes"] + r["optimizer_bytes"] + r["batch_bytes"]
     assert r["peak_bytes_per_device"] == r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]
     assert r["peak_bytes_per_device"] == r["weight_bytes"] + r["optimizer_bytes"] + r["activation_bytes"]
-    n_params = sum(int(np.prod(a.shape)) for a in __import__("jax").tree.leaves(state.to_pure_dict()))
+    n_params = sum(int(np.prod(a.shape)) for a in __import__("jax").tree.leaves(host))
     tp = 2 if mesh else 1
     assert n_params * 4 / tp <= r["weight_bytes"] <= n_params * 4  # fp32 masters, this device's TP shard
     if extra.get("zero"):  # ZeRO-1: Adam's two moments split over data=2 -> about one weight's worth

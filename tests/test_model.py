@@ -13,6 +13,7 @@ from boostjax.models import ops
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA
 from boostjax.models.collectives import LOCAL
+from helpers import rel
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, rank=8, vocab_size=64)
 
@@ -129,10 +130,6 @@ def _stacked_grouped_up(hs, b_grk, coll):
     return tuple(y_btgk[:, :, i] for i in range(len(hs)))
 
 
-def _rel(a, b):
-    return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
-
-
 @pytest.mark.parametrize("kind", ["cola", "svd", "lax"])
 def test_group_major_up_projection_equals_stacked_reference(kind, monkeypatch):
     from boostjax.models import llama
@@ -150,7 +147,7 @@ def test_group_major_up_projection_equals_stacked_reference(kind, monkeypatch):
     ref_loss, ref_grads = loss_and_grads()
     assert abs(float(loss - ref_loss)) < 1e-5 * abs(float(ref_loss))
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        assert _rel(g, r) < 1e-5
+        assert rel(g, r) < 1e-5
 
 
 def test_rope_tables_are_host_constants_equal_to_traced_ones():

@@ -9,18 +9,19 @@ from dataclasses import replace
 
 import pytest
 
-from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, validate
+from boostjax.config import Config, ConfigError, TrainConfig, validate
 from boostjax.launch import launch_local
 from boostjax.multihost import ProcessGroup, resolve
 from boostjax.run import read_metrics
 from boostjax.trainer import train
+import helpers
+from helpers import cli_command, cli_env, model_flags
 
-MICRO = ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, rank=8)
+MICRO = replace(helpers.MICRO, n_layers=1)  # the CLI tests' model, one layer
 JOB = TrainConfig(steps=8, batch=8, seq=32, log_every=1, ckpt_every=4, eval_every=100, eval_batches=1,
                   strategy="btp", mesh="data=2,model=2", progress=False)
-FLAGS = ["train", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-ff", "64", "--rank", "8",
-         "--steps", "8", "--batch", "8", "--seq", "32", "--log-every", "1", "--ckpt-every", "4",
-         "--eval-every", "100", "--eval-batches", "1", "--strategy", "btp", "--mesh", "data=2,model=2",
+FLAGS = ["train", *model_flags(MICRO), "--steps", "8", "--batch", "8", "--seq", "32", "--log-every", "1",
+         "--ckpt-every", "4", "--eval-every", "100", "--eval-batches", "1", "--strategy", "btp", "--mesh", "data=2,model=2",
          "--no-progress"]
 # Both runs execute the same partitioned program on the same 2 x 2 device grid; each all-reduce
 # adds the same two fp32 operands (in-process, or over gloo between the processes), so the losses
@@ -131,7 +132,6 @@ def test_a_signal_to_one_process_stops_the_whole_job_at_one_step(tmp_path):
     the same step, the checkpoint of that step is saved by both, and both exit 143."""
     import signal
     import subprocess
-    import sys
     import time
 
     from boostjax.checkpoint import Checkpointer
@@ -139,8 +139,8 @@ def test_a_signal_to_one_process_stops_the_whole_job_at_one_step(tmp_path):
 
     out, port = tmp_path / "job", free_port()
     flags = [*FLAGS, "--steps", "1000", "--ckpt-every", "500", "--out", str(out)]  # the last --steps wins
-    procs = [subprocess.Popen([sys.executable, "-m", "boostjax.cli", *flags, "--coordinator", f"127.0.0.1:{port}",
-                               "--num-processes", "2", "--process-id", str(i)],
+    procs = [subprocess.Popen(cli_command(*flags, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                                          "--process-id", i), env=cli_env(),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
         deadline = time.monotonic() + 240

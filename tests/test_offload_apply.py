@@ -20,9 +20,11 @@ from boostjax.offload import apply, check_plan_for
 from boostjax.offload.costmodel import build_instance
 from boostjax.offload.planner import Decisions, baseline_plan, make_plan
 from boostjax.placement import Offloaded, SingleDevice, host_mask, local_loss_fn
-from boostjax.step import TrainState, build_step_fns, make_optimizer, step_layout, train_step
+from boostjax.optim import build_optimizer
+from boostjax.step import TrainState, build_step_fns, step_layout, train_step
 from boostjax.models.llama import init_model
 from boostjax.trainer import train
+from helpers import assert_rel_close
 
 MICRO = ModelConfig(d_model=32, n_layers=4, n_heads=2, d_ff=64, rank=8)
 B, T = 2, 16
@@ -62,9 +64,7 @@ def _close_on_scale(got, want, rel: float = 1e-5) -> None:
     """Per leaf, max|got - want| <= rel * max|want|. A fixed atol is no bound for Adam's v: after two
     steps 95 % of its entries lie below 1e-7. Both sides run the same arithmetic here (bit-identical on
     CPU); a reordered fp32 sum would give ~1e-7 of the scale, so rel = 1e-5 leaves ~100x."""
-    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        np.testing.assert_allclose(x, y, rtol=0, atol=rel * float(np.abs(y).max()))
+    assert_rel_close(got, want, rel, ord=np.inf)
 
 
 def _offloaded(cfg: Config, graphdef, plan) -> Offloaded:
@@ -162,7 +162,7 @@ def test_step_with_host_state_matches_plan_free(model, tmp_path):
     # CUDA lowering of the same step: host<->device moves of that state and the 2 offloaded boundaries
     lay = step_layout(cfg, graphdef, params)
     gpu = apply.host_memory_report(apply.lower_for_gpu(
-        train_step(lay.placement.loss_fn, lay.tx, lay.lr_fn, homes=lay.homes), state, fns.put_batch(batch)))
+        train_step(lay.placement.loss_fn, lay.tx, homes=lay.homes), state, fns.put_batch(batch)))
     assert gpu["annotate_pinned_host"] == n_host + 2 and gpu["annotate_device"] == n_host + 2
     # eval on host-resident parameters
     np.testing.assert_allclose(fns.eval_loss(p, fns.put_batch(batch)),
@@ -225,12 +225,12 @@ def test_memory_prediction_against_compiled_step(kind, batch, seq, mixed, baseli
     inst = apply.instance_for(cfg, HardwareProfile("slow", 64 << 30, 2e11, 2e10, 2e10, 256 << 30), budget_bytes=1e12)
     graphdef, params = init_model(cfg)
     batch_ = {k: np.zeros((batch, seq), np.int32) for k in ("inputs", "targets")}
-    tx, lr = make_optimizer(cfg, params)
+    tx = build_optimizer(cfg.train, params)
     ratios, measured = [], []
     for plan in (make_plan(inst, mixed, "manual"), *(baseline_plan(inst, b) for b in baselines)):
         pl = _offloaded(cfg, graphdef, plan)
         state, homes = _placed_state(pl, tx, params)
-        c = jax.jit(train_step(pl.loss_fn, tx, lr, homes=homes), donate_argnums=(0,)) \
+        c = jax.jit(train_step(pl.loss_fn, tx, homes=homes), donate_argnums=(0,)) \
             .lower(state, batch_).compile(compiler_options=pl.compiler_options)
         measured.append(apply.compiled_memory(c)["total_bytes"])
         ratios.append(measured[-1] / apply.cpu_equivalent(inst, plan)[0])
@@ -243,7 +243,6 @@ def test_adam8bit_short_run_close_to_adamw(tmp_path):
     """Same model, data and schedule: the final training and validation losses of hybrid 8-bit Adam
     lie within 2 % of AdamW's, and the 8-bit path really quantises this model's large tensors."""
     from boostjax.optim.adam8bit import QTensor
-    from boostjax.step import make_optimizer
 
     model = preset("tiny", n_layers=1)
     runs = {}
@@ -251,7 +250,7 @@ def test_adam8bit_short_run_close_to_adamw(tmp_path):
         cfg = Config(model, TrainConfig(steps=20, batch=8, seq=32, log_every=5, eval_every=20, eval_batches=2,
                                         ckpt_every=20, progress=False, optimizer=opt, out=str(tmp_path / opt)))
         runs[opt] = train(cfg)
-    tx, _ = make_optimizer(cfg, runs["adam8bit"].params)
+    tx = build_optimizer(cfg.train, runs["adam8bit"].params)
     leaves = jax.tree.leaves(tx.init(runs["adam8bit"].params), is_leaf=lambda x: isinstance(x, QTensor))
     assert sum(isinstance(x, QTensor) for x in leaves) >= 4
     a, b = runs["adamw"], runs["adam8bit"]

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 from boostjax.cli import main
 from boostjax.offload.planfile import read_plan
 from boostjax.run import read_metrics
+from helpers import MICRO, model_flags
 
-SHAPE = ["--d-model", "32", "--n-layers", "4", "--n-heads", "2", "--d-ff", "64", "--rank", "8"]
+SHAPE = model_flags(replace(MICRO, n_layers=4))
 PLAN = ["plan", "--preset", "tiny", *SHAPE, "--batch", "4", "--seq", "32", "--dtype", "float32",
         "--optimizer", "adamw", "--time-limit", "10"]
 

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from test_tp import TINY, _compare, assert_matches, put_params, seed_of
+from helpers import seed_of
+from test_tp import TINY, _compare, assert_matches, put_params
 
 from boostjax.config import Config, ConfigError, TrainConfig, validate
 from boostjax.placement import choose

@@ -10,7 +10,9 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from boostjax.optim.rotation import RotatedAdamState, orthonormality_error, rotated_adam
+from boostjax.optim.rotation import (RotatedAdamState, orthonormality_error, rotated_adam, rotated_state,
+                                      scale_by_rotated_adam)
+from helpers import assert_rel_close, assert_trees_allclose
 
 B1, B2, EPS, WD = 0.9, 0.999, 1e-8, 0.01
 
@@ -42,33 +44,18 @@ def _train(opt: optax.GradientTransformation, params: dict, steps: int):
     return out
 
 
-def _close(t1, t2, atol: float, rtol: float = 0.0) -> None:
-    for x, y in zip(jax.tree.leaves(t1), jax.tree.leaves(t2), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
-
-
-def _norm_close(got, want, tol: float) -> None:
-    """Per leaf, ‖got - want‖ <= tol ‖want‖ (Frobenius): an error bound on the scale of each quantity,
-    not per element (reordered fp32 sums leave no relative guarantee on entries near zero)."""
-    flat = jax.tree_util.tree_flatten_with_path(want)[0]
-    for x, (path, y) in zip(jax.tree.leaves(got), flat, strict=True):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        err, scale = float(np.linalg.norm(x - y)), float(np.linalg.norm(y))
-        assert err <= tol * scale, (jax.tree_util.keystr(path), err / max(scale, 1e-30), tol)
-
-
 # ----------------------------------------------------------------------------- identity == adamw
 def test_identity_bases_equal_optax_adamw_step_for_step():
     sched = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 5, 20, 3e-3)
     ref = _train(optax.adamw(sched, B1, B2, EPS, weight_decay=WD), _tree(), 20)
     for kw in (dict(rotate=False), dict(max_dim=2), dict(mask=lambda p: jax.tree.map(lambda _: False, p))):
         got = _train(rotated_adam(sched, B1, B2, EPS, WD, **kw), _tree(), 20)
-        assert all(x.shape == (1,) for x in jax.tree.leaves((got[-1][1].basis_l, got[-1][1].basis_r)))
+        assert all(x.shape == (1,) for x in jax.tree.leaves((rotated_state(got[-1][1]).basis_l, rotated_state(got[-1][1]).basis_r)))
         # same elementwise formula, other op order and fusion: each of the 20 steps may round |p| <= 2.4
         # differently (1 ulp = 2.4e-7), so 5e-6; measured 1.2e-7 (ISA, BLAS kernels, gradient noise).
         # Dropping the weight decay alone gives 7e-3 (1.5e-4 after the second step).
         for (p_ref, _), (p_got, _) in zip(ref, got):
-            _close(p_ref, p_got, atol=5e-6)
+            assert_trees_allclose(p_ref, p_got, atol=5e-6)
 
 
 # ----------------------------------------------------------------------------- NumPy reference
@@ -150,7 +137,7 @@ def test_bases_stay_orthonormal_and_refresh_on_schedule(source):
     hist = _train(opt, _tree(), 9)
     for _, s in hist:
         assert float(orthonormality_error(s)) < 1e-4
-    u = [np.asarray(s.basis_l["a"]) for _, s in hist]
+    u = [np.asarray(rotated_state(s).basis_l["a"]) for _, s in hist]
     assert not np.allclose(u[0], np.eye(6), atol=1e-3)  # exact refresh at step 1
     for t in range(1, 9):  # steps t+1 = 2..9: refresh at 3, 5, 7, 9 only
         changed = not np.array_equal(u[t], u[t - 1])
@@ -159,8 +146,9 @@ def test_bases_stay_orthonormal_and_refresh_on_schedule(source):
 
 def test_side_selection_unilateral_max_dim_and_first_source():
     p = _tree()
-    shapes = lambda s: {k: (s.basis_l[k].shape, s.basis_r[k].shape, s.stat_l[k].shape, s.stat_r[k].shape)  # noqa: E731
-                        for k in p}
+    def shapes(opt_state):
+        s = rotated_state(opt_state)
+        return {k: (s.basis_l[k].shape, s.basis_r[k].shape, s.stat_l[k].shape, s.stat_r[k].shape) for k in p}
     uni = shapes(rotated_adam(1e-2, geometry="unilateral").init(p))
     assert uni == {"a": ((1,), (4, 4), (1,), (4, 4)), "b": ((3, 3), (1,), (3, 3), (1,)),
                    "bias": ((1,), (1,), (1,), (1,))}
@@ -172,8 +160,8 @@ def test_side_selection_unilateral_max_dim_and_first_source():
     # bilateral capped by max_dim is numerically the unilateral optimizer on these shapes
     a, sa = _train(rotated_adam(1e-2, max_dim=4, refresh_every=2), p, 4)[-1]
     b, _ = _train(rotated_adam(1e-2, geometry="unilateral", refresh_every=2), p, 4)[-1]
-    _close(a, b, atol=1e-7)
-    assert not np.allclose(np.abs(np.asarray(sa.basis_r["a"])), np.eye(4), atol=1e-2)
+    assert_trees_allclose(a, b, atol=1e-7)
+    assert not np.allclose(np.abs(np.asarray(rotated_state(sa).basis_r["a"])), np.eye(4), atol=1e-2)
 
 
 # ----------------------------------------------------------------------------- v permutation
@@ -191,7 +179,7 @@ def test_refresh_sorts_bases_and_permutes_v_second_order():
     qu, qv = _orth(rng, 4), _orth(rng, 3)
     lam_u, lam_v = np.array([1.0, 4.0, 2.0, 3.0]), np.array([0.5, 0.2, 0.9])
     nu0 = rng.uniform(0.1, 1.0, size=(4, 3))
-    opt = rotated_adam(1e-2, weight_decay=0.0, refresh_every=3)
+    opt = scale_by_rotated_adam(B1, B2, EPS, refresh_every=3)  # the direction: G = 0 gives 0
     w = jnp.zeros((4, 3))
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     s = opt.init(w)._replace(count=jnp.asarray(3, jnp.int32), nu=f(nu0), basis_l=f(qu), basis_r=f(qv),
@@ -208,7 +196,7 @@ def test_refresh_sorts_bases_and_permutes_v_first_order():
     rng = np.random.default_rng(1)
     qu, qv, sig = _orth(rng, 4), _orth(rng, 4), np.array([0.3, 2.0, 1.0, 0.7])
     nu0 = rng.uniform(0.1, 1.0, size=(4, 4))
-    opt = rotated_adam(1e-2, weight_decay=0.0, source="first", refresh_every=2)
+    opt = scale_by_rotated_adam(B1, B2, EPS, source="first", refresh_every=2)
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     s = opt.init(jnp.zeros((4, 4)))._replace(count=jnp.asarray(2, jnp.int32), mu=f((qu * sig) @ qv.T),
                                              nu=f(nu0), basis_l=f(qu), basis_r=f(qv))
@@ -240,7 +228,7 @@ def test_permutation_bases_reduce_to_adam_while_eigen_order_changes():
         d = d - lr * (mu / (1 - B1**t)) / (np.sqrt(nu / (1 - B2 ** max(t - 1, 1))) + eps)
         nu = nu if t > 1 else np.zeros(4)
         w, s = step(w, s)
-        orders.add(tuple(np.argmax(np.abs(np.asarray(s.basis_l)), axis=0)))
+        orders.add(tuple(np.argmax(np.abs(np.asarray(rotated_state(s).basis_l)), axis=0)))
         # fp32 against float64 after up to 30 steps: 1.7e-5 under every perturbation tried; 2e-4 (5e-5 of
         # max |tgt|) leaves 10x, while a v left unpermuted at a refresh is off by 0.33
         np.testing.assert_allclose(np.diagonal(np.asarray(w)), d, rtol=0, atol=2e-4)
@@ -285,14 +273,15 @@ def test_kronecker_quadratic_rotation_beats_adamw():
 
 
 # ----------------------------------------------------------------------------- jit / chain / sharding
-def test_every_option_combination_runs_under_jit_and_chain():
+def test_option_combinations_run_under_jit_and_chain():
     p = _tree()
     stage_periods = {"a": 1, "b": 3, "bias": 2}
     sched = optax.linear_schedule(1e-2, 1e-3, 10)
-    combos = [dict(source="second", geometry="bilateral"), dict(source="first", geometry="unilateral"),
-              dict(source="second", geometry="unilateral", refresh_every=stage_periods, max_dim=4),
-              dict(source="first", geometry="bilateral", refresh_every=stage_periods, max_dim=5),
-              dict(mask={"a": True, "b": False, "bias": False}, basis_beta=0.5)]
+    # source x geometry: the NumPy reference; jit / chain / finite / decreasing for the default: the
+    # conformance suite (test_optimizers); here the per-leaf periods with a side cap, both sources
+    combos = [dict(source="second", geometry="unilateral", refresh_every=stage_periods, max_dim=4),
+              dict(source="first", geometry="bilateral", refresh_every=stage_periods, max_dim=5,
+                   mask={"a": True, "b": True, "bias": False}, basis_beta=0.5)]
     l0 = float(_loss(p))
     for kw in combos:
         opt = optax.chain(optax.clip_by_global_norm(1.0), rotated_adam(sched, refresh_every=kw.pop("refresh_every", 2), **kw))
@@ -326,40 +315,70 @@ def test_sharded_params_match_unsharded():
             q, s = step(q, s)
         runs.append((q, s))
     assert runs[1][0]["a"].sharding.spec == P("x", None)
-    assert runs[1][1].basis_r["a"].shape == (4, 4) and runs[1][1].basis_l["c"].shape == (4, 4)
+    assert rotated_state(runs[1][1]).basis_r["a"].shape == (4, 4) and rotated_state(runs[1][1]).basis_l["c"].shape == (4, 4)
     # Norm-relative per leaf (Gram statistics reach ~5e2, their entries differ by ~1e-4 absolute).
     # Emulating other machines (1- and 4-ulp relative noise on every gradient, 60 draws; other ISAs and
     # OpenBLAS kernels) gave at most 4.4e-6 in the state (bases, moments, statistics) and 1.3e-5 in the
     # parameters: bounds 5e-5 and 2e-4 leave >= 10x. A 1.001 scale on one gradient shard or leaf moves
     # some state leaf by >= 7e-4; a negated or a lost shard moves the state by O(1), the parameters by >= 2e-2.
     (q_ref, s_ref), (q_got, s_got) = runs
-    _norm_close(s_got, s_ref, 5e-5)
-    _norm_close(q_got, q_ref, 2e-4)
+    assert_rel_close(s_got, s_ref, 5e-5)
+    assert_rel_close(q_got, q_ref, 2e-4)
 
 
-def test_grouped_3d_leaf_equals_its_matrices_as_separate_leaves():
-    """A mask entry int g rotates each matrix of a 3-D leaf stacked on axis g like separate 2-D
-    leaves, to rounding (both sources; group axis in the middle and in front)."""
-    for source, axis in (("second", 1), ("first", 0)):
-        w = jax.random.normal(jax.random.PRNGKey(axis), (6, 3, 4) if axis == 1 else (3, 6, 4))
-        take = lambda x, i: jnp.take(x, i, axis=axis)  # noqa: E731
-        grouped = rotated_adam(1e-2, refresh_every=2, source=source, mask={"w": axis})
-        separate = rotated_adam(1e-2, refresh_every=2, source=source)
-        pg, ps = {"w": w}, {f"w{i}": take(w, i) for i in range(3)}
+def test_grouped_and_stacked_leaves_equal_their_matrices_as_separate_leaves():
+    """A mask entry int g (or a tuple of axes) rotates each matrix of a leaf stacked along them
+    independently. A grouped `[G, m, n]` leaf (axis 0, first-order source) equals its G matrices as
+    separate 2-D leaves to rounding (other fusion); a pipeline's stacked `[L, m, G, n]` leaf (axes
+    (0, 2), second order, per-layer refresh periods as stage-aware refresh gives them, a stacked norm
+    beside it) equals its L per-layer leaves `[m, G, n]` (axis 1) bit for bit."""
+    def take(x, groups, ix):
+        key = [slice(None)] * x.ndim
+        for a, i in zip(groups, ix):
+            key[a] = i
+        return x[tuple(key)]
+
+    w = jax.random.normal(jax.random.PRNGKey(3), (3, 6, 4))  # grouped, axis 0, vs 2-D leaves
+    ws = jax.random.normal(jax.random.PRNGKey(4), (2, 5, 2, 4))  # stacked, axes (0, 2), vs per-layer [5, 2, 4]
+    cases = [
+        (rotated_adam(1e-2, source="first", refresh_every=2, mask={"w": 0}), {"w": w},
+         rotated_adam(1e-2, source="first", refresh_every=2), {f"w{i}": w[i] for i in range(3)}, (0,), [(i,) for i in range(3)]),
+        (rotated_adam(1e-2, refresh_every={"w": (1, 3), "n": (1, 3)}, mask={"w": (0, 2), "n": False}),
+         {"w": ws, "n": jnp.ones((2, 5))},
+         rotated_adam(1e-2, refresh_every={"w0": 1, "w1": 3}, mask={"w0": 1, "w1": 1}), {f"w{i}": ws[i] for i in range(2)},
+         (0,), [(i,) for i in range(2)]),
+    ]
+    finals = []
+    for exact, (grouped, pg, separate, ps, groups, idx) in enumerate(cases):
         sg, ss = grouped.init(pg), separate.init(ps)
-        assert sg.basis_l["w"].shape == (3, 6, 6) and sg.basis_r["w"].shape == (3, 4, 4)
+        upd_g, upd_s = jax.jit(grouped.update), jax.jit(separate.update)
         for t in range(5):
-            g = jax.random.normal(jax.random.PRNGKey(10 + t), w.shape)
-            ug, sg = jax.jit(grouped.update)({"w": g}, sg, pg)
-            us, ss = jax.jit(separate.update)({f"w{i}": take(g, i) for i in range(3)}, ss, ps)
+            g = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(10 + t), x.shape), pg)
+            ug, sg = upd_g(g, sg, pg)
+            us, ss = upd_s({f"w{ix[0]}": take(g["w"], groups, ix) for ix in idx}, ss, ps)
             pg, ps = optax.apply_updates(pg, ug), optax.apply_updates(ps, us)
-        np.testing.assert_allclose(np.stack([ps[f"w{i}"] for i in range(3)], axis=axis), pg["w"], rtol=1e-5, atol=1e-7)
-        assert not np.allclose(pg["w"], _train_adamw_like(w, axis))  # the rotation did act
+        rg, rs = rotated_state(sg), rotated_state(ss)
+        for ix in idx:
+            pairs = [(take(pg["w"], groups, ix), ps[f"w{ix[0]}"]), (take(rg.nu["w"], groups, ix), rs.nu[f"w{ix[0]}"])]
+            pairs += [(getattr(rg, f)["w"][ix], getattr(rs, f)[f"w{ix[0]}"]) for f in ("basis_l", "basis_r", "stat_r")]
+            for got, want in pairs:
+                if exact:
+                    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+                else:
+                    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        assert rg.basis_l["w"].shape == ((3, 6, 6) if not exact else (2, 2, 5, 5))
+        assert float(orthonormality_error(sg)) < 1e-4
+        finals.append(pg["w"])
+    assert not np.allclose(finals[0], _train_adamw_like(w))  # the rotation did act
     with pytest.raises(ValueError, match="group axis"):
         rotated_adam(1e-2, mask={"w": 1}).init({"w": jnp.zeros((4, 4))})
+    with pytest.raises(ValueError, match="group axis"):
+        rotated_adam(1e-2, mask={"q": (0, 1, 2)}).init({"q": jnp.zeros((2, 5, 2, 4))})
+    with pytest.raises(ValueError, match="per-index periods"):
+        rotated_adam(1e-2, refresh_every={"q": (1, 2)}, mask={"q": 2}).init({"q": jnp.zeros((5, 2, 4))})
 
 
-def _train_adamw_like(w, axis):
+def _train_adamw_like(w):
     opt = optax.adamw(1e-2, B1, B2, EPS, weight_decay=WD)
     p, s = {"w": w}, opt.init({"w": w})
     for t in range(5):
@@ -382,4 +401,5 @@ def test_bad_arguments_raise_value_errors():
     opt = rotated_adam(1e-3)
     with pytest.raises(ValueError, match="params"):
         opt.update(_tree(), opt.init(_tree()))
-    assert isinstance(opt.init(_tree()), RotatedAdamState)
+    assert isinstance(scale_by_rotated_adam().init(_tree()), RotatedAdamState)
+    assert isinstance(rotated_state(opt.init(_tree())), RotatedAdamState)

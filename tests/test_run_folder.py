@@ -10,9 +10,10 @@ import pytest
 
 from boostjax.cli import main
 from boostjax.runfolder import RunFolder
+from helpers import model_flags, one_error_line
 
-FLAGS = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--rank", "8", "--seq", "32",
-         "--batch", "4", "--no-progress", "--log-every", "5", "--eval-every", "1000", "--ckpt-every", "5"]
+FLAGS = [*model_flags(), "--seq", "32", "--batch", "4", "--no-progress", "--log-every", "5", "--eval-every", "1000",
+         "--ckpt-every", "5"]
 
 
 def _train(out, *extra, steps=5) -> int:
@@ -24,10 +25,7 @@ def _snapshot(folder: pathlib.Path) -> dict[str, bytes]:
 
 
 def _one_error_line(capsys, needle: str) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("boostjax: error: "), err
-    assert needle in err[0] and "fix: " in err[0], err[0]
-    return err[0]
+    return one_error_line(capsys.readouterr().err, needle)
 
 
 @pytest.fixture(scope="module")

@@ -6,18 +6,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from dataclasses import replace
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
+from boostjax.config import preset
+from helpers import load_experiment
 
-import gpu_step as gs  # noqa: E402
-import scaling_model as sm  # noqa: E402
-
-from boostjax.config import preset  # noqa: E402
+gs = load_experiment("gpu_step")
+sm = load_experiment("scaling_model")
 
 TINY = preset("tiny")  # d=128, 4 layers, 4 heads, d_ff=352, r=32, vocab 256
 SETUP = sm.Setup("tiny", 4, pp=2, batch=4, seq=16, model=TINY)  # TP4 x PP2, one micro-batch

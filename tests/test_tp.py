@@ -1,6 +1,5 @@
 """Every TP strategy (and data parallelism) against the single-device reference: loss and gradients."""
 
-import zlib
 from dataclasses import replace
 
 import jax
@@ -11,19 +10,11 @@ import pytest
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
 from boostjax.placement import choose, local_loss_fn
 from boostjax.models.llama import init_model
+from helpers import rel as _rel, rel_by_path, seed_of
 
 CASES = [("fullrank-tp", "llama"), ("vanilla-tp", "cola"), ("vanilla-tp", "svd"), ("vanilla-tp", "lax"),
          ("btp", "cola"), ("btp", "svd"), ("btp", "lax")]
 TINY = ModelConfig(d_model=64, n_layers=1, n_heads=8, n_kv_heads=4, d_ff=96, rank=16)
-
-
-def _rel(a, b):
-    return float(jnp.linalg.norm((a - b).ravel()) / (jnp.linalg.norm(b.ravel()) + 1e-30))
-
-
-def seed_of(*names: str) -> int:
-    """A seed fixed by the test's parameters (``hash`` of a str changes with every interpreter)."""
-    return zlib.crc32("/".join(names).encode())
 
 
 # LaX's latent-crossing gates are scalars whose gradient is one full contraction over batch x seq x rank
@@ -65,8 +56,7 @@ def _compare(cfg: Config, seed: int, ref: Config | None = None):
                                                               jax.device_put(batch, pl.batch_sharding))
     grads = pl.to_canonical(grads)  # a pipeline's stacked layers, back to per-layer gradients
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
-    errs = jax.tree_util.tree_flatten_with_path(jax.tree.map(_rel, grads, ref_grads))[0]
-    return abs(float(loss - ref_loss)) / abs(float(ref_loss)), {jax.tree_util.keystr(p): e for p, e in errs}
+    return abs(float(loss - ref_loss)) / abs(float(ref_loss)), rel_by_path(grads, ref_grads)
 
 
 @pytest.mark.parametrize("strategy,kind", CASES)

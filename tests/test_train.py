@@ -9,15 +9,14 @@ import numpy as np
 import pytest
 
 from boostjax.cli import main
-from boostjax.config import Config, ModelConfig, TrainConfig
+from boostjax.config import Config, TrainConfig
 from boostjax.run import load_run, read_metrics
 from boostjax.trainer import train
+from helpers import MICRO, cli_command, cli_env, model_flags
 
-MICRO = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=8)
 FAST = TrainConfig(steps=40, batch=8, seq=32, lr=3e-3, log_every=5, eval_every=20, eval_batches=2,
                    ckpt_every=20, progress=False)
-MICRO_FLAGS = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--d-ff", "64", "--rank", "8",
-               "--seq", "32", "--batch", "4", "--no-progress"]
+MICRO_FLAGS = [*model_flags(MICRO), "--seq", "32", "--batch", "4", "--no-progress"]
 
 
 def _run(tmp_path, name, model=MICRO, **train_kw) -> object:
@@ -61,17 +60,14 @@ def test_bf16_compute_trains(tmp_path):
 def test_export_hf_from_cli(tmp_path, capsys):
     """A run trained on a data=1,model=2 mesh exports from a process with one device (the restore
     takes this process's devices, not the saved topology); a low-rank run is refused before reading."""
-    import os
     import subprocess
-    import sys
 
     from boostjax.hf import from_hf
 
     _run(tmp_path, "dense", replace(MICRO, kind="llama"), steps=10, ckpt_every=10, strategy="fullrank-tp",
          mesh="data=1,model=2")
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "boostjax.cli", "export-hf", "--run", str(tmp_path / "dense"),
-                           "--out", str(tmp_path / "hf")], env=env, capture_output=True, text=True)
+    done = subprocess.run(cli_command("export-hf", "--run", tmp_path / "dense", "--out", tmp_path / "hf"),
+                          env=cli_env(XLA_FLAGS=""), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "config.json").exists()
     hf_model = from_hf(tmp_path / "hf")

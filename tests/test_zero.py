@@ -15,6 +15,7 @@ from boostjax.sharding.rules import data_sharded
 from boostjax.step import build_step_fns, train_state_shapes
 from boostjax.models.llama import init_model
 from boostjax.trainer import train
+from helpers import rel as _rel
 
 TOKENS = np.random.default_rng(1).integers(0, 256, 20_000).astype(np.uint16)
 MODEL = ModelConfig(kind="cola", d_model=32, n_layers=1, n_heads=2, d_ff=64, rank=16, vocab_size=256, max_seq_len=16)
@@ -49,11 +50,6 @@ def _steps(cfg: Config, steps: int, state=None, start: int = 0):
 
 def _flat(tree) -> np.ndarray:
     return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(jax.device_get(tree))])
-
-
-def _rel(a, b) -> float:
-    a, b = _flat(a), _flat(b)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _per_device(tree) -> int:

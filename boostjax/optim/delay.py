@@ -12,23 +12,31 @@ pipeline fill phase: a stage that has seen no update yet computes on the initial
 Storage: each leaf keeps a ring buffer of its last `τ + 1` versions (leading axis `τ + 1`), so the
 delay of a leaf is encoded in its buffer depth and the last stage stores a single copy. Version `u`
 of a leaf with depth D sits in slot `u mod D`. A "no stashing" variant is not implemented.
+
+Stacked layers (a pipeline's `layers` as one Block tree with leaves `[L, ...]`): such a leaf's stage
+is a tuple of per-layer stages; its ring is `max τ + 1` deep and `DelayState.lags` holds its
+per-layer delays (`int32[L]`), so layer l reads version `max(step - τ_l, 0)` of its own row.
+Paper (delays and weight stashing): https://arxiv.org/abs/2602.03515.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
+import numpy as np
 from jaxtyping import Array, Int
 
 
 class DelayState(NamedTuple):
-    """`history`: params-shaped tree, leaf `[τ+1, *shape]` ring buffer; `step`: versions pushed so far."""
+    """`history`: params-shaped tree, leaf `[τ+1, *shape]` ring buffer; `step`: versions pushed so far;
+    `lags`: None, or (stacked layers) a params-shaped tree with `int32[L]` per-layer delays at the
+    stacked leaves and None elsewhere."""
 
     history: Any
     step: Int[Array, ""]
+    lags: Any = None
 
 
 def _entry_name(entry: Any) -> Any:
@@ -49,12 +57,26 @@ def _layer_index(path: tuple) -> int | None:
     return None
 
 
+def _is_int_key(name: Any) -> bool:
+    return (isinstance(name, int) and not isinstance(name, bool)) or (isinstance(name, str) and name.isdigit())
+
+
+def _stacked(path: tuple) -> bool:
+    """A leaf of stacked layers: "layers" followed by a non-index key (or "layers" is the leaf)."""
+    names = [_entry_name(e) for e in path]
+    for i, a in enumerate(names):
+        if a == "layers":
+            return i + 1 == len(names) or not _is_int_key(names[i + 1])
+    return False
+
+
 def assign_stages(params: Any, n_layers: int, n_stages: int) -> Any:
     """Pytree of stage ids (python ints) shaped like `params`.
 
     Layer `i` (a path entry "layers" followed by the index) goes to stage `i // (n_layers / n_stages)`;
     outside the layers, paths whose top key contains "embed" go to stage 0, everything else (final
-    norm, LM head) to stage `n_stages - 1`.
+    norm, LM head) to stage `n_stages - 1`. A stacked leaf (under "layers" without an index, axis 0
+    = the layer, as a pipeline keeps them) gets the tuple of its L layers' stages.
     """
     if n_stages < 1 or n_layers < 1:
         raise ValueError(f"assign_stages: n_layers={n_layers}, n_stages={n_stages} must be >= 1")
@@ -63,13 +85,19 @@ def assign_stages(params: Any, n_layers: int, n_stages: int) -> Any:
                          "fix: choose a stage count that divides the layer count")
     per_stage = n_layers // n_stages
 
-    def stage(path: tuple, _: Any) -> int:
+    def stage(path: tuple, leaf: Any) -> Any:
         idx = _layer_index(path)
         if idx is not None:
             if not 0 <= idx < n_layers:
                 raise ValueError(f"assign_stages: layer index {idx} at {jax.tree_util.keystr(path)} is outside "
                                  f"[0, {n_layers}); fix: pass the model's real n_layers")
             return idx // per_stage
+        if _stacked(path):
+            shape = tuple(getattr(leaf, "shape", None) or np.shape(leaf))
+            if not shape or shape[0] != n_layers:
+                raise ValueError(f"assign_stages: stacked layer leaf {jax.tree_util.keystr(path)} has shape {shape}; "
+                                 f"fix: stacked layers need axis 0 of size n_layers={n_layers}")
+            return tuple(i // per_stage for i in range(n_layers))
         top = str(_entry_name(path[0])).lower() if path else ""
         return 0 if "embed" in top else n_stages - 1
 
@@ -77,7 +105,7 @@ def assign_stages(params: Any, n_layers: int, n_stages: int) -> Any:
 
 
 def stage_delays(stages_tree: Any, n_stages: int) -> Any:
-    """τ = n_stages - 1 - stage for every leaf (python ints)."""
+    """τ = n_stages - 1 - stage for every leaf (python ints; a tuple of them for a stacked leaf)."""
     def delay(s: Any) -> int:
         s = int(s)
         if not 0 <= s < n_stages:
@@ -87,19 +115,36 @@ def stage_delays(stages_tree: Any, n_stages: int) -> Any:
 
 
 def delay_init(params: Any, stages_tree: Any, n_stages: int) -> DelayState:
-    """Every leaf's ring buffer filled with `θ_0` (depth τ+1 from its stage)."""
-    delays = stage_delays(stages_tree, n_stages)
-    history = jax.tree.map(lambda p, d: jnp.repeat(jnp.asarray(p)[None], d + 1, axis=0), params, delays)
-    return DelayState(history=history, step=jnp.zeros([], jnp.int32))
+    """Every leaf's ring buffer filled with `θ_0` (depth τ+1 from its stage, max τ + 1 when stacked)."""
+    treedef = jax.tree.structure(params)
+    delays = treedef.flatten_up_to(stage_delays(stages_tree, n_stages))
+    depth = [max(d) + 1 if isinstance(d, tuple) else d + 1 for d in delays]
+    history = treedef.unflatten([jnp.repeat(jnp.asarray(p)[None], k, axis=0)
+                                 for p, k in zip(jax.tree.leaves(params), depth)])
+    lags = None
+    if any(isinstance(d, tuple) for d in delays):
+        for p, d in zip(jax.tree.leaves(params), delays):
+            if isinstance(d, tuple) and (jnp.ndim(p) < 1 or jnp.shape(p)[0] != len(d)):
+                raise ValueError(f"delay_init: {len(d)} per-layer stages for a leaf of shape {jnp.shape(p)}; "
+                                 "fix: a stacked leaf needs one stage per index of axis 0")
+        lags = treedef.unflatten([jnp.asarray(d, jnp.int32) if isinstance(d, tuple) else None for d in delays])
+    return DelayState(history=history, step=jnp.zeros([], jnp.int32), lags=lags)
 
 
 def delayed_params(state: DelayState) -> Any:
-    """The mixed vector: each leaf at version `max(step - τ, 0)` with τ = its buffer depth - 1."""
-    def pick(h: Array) -> Array:
+    """The mixed vector: each leaf at version `max(step - τ, 0)` with τ = its buffer depth - 1 (per
+    layer, from `state.lags`, for a stacked leaf)."""
+    def pick(h: Array, lag: Array | None = None) -> Array:
         depth = h.shape[0]
-        version = jnp.maximum(state.step - (depth - 1), 0)
-        return jax.lax.dynamic_index_in_dim(h, version % depth, axis=0, keepdims=False)
-    return jax.tree.map(pick, state.history)
+        if lag is None:
+            version = jnp.maximum(state.step - (depth - 1), 0)
+            return jax.lax.dynamic_index_in_dim(h, version % depth, axis=0, keepdims=False)
+        slot_l = jnp.maximum(state.step - lag, 0) % depth
+        return h[slot_l, jnp.arange(h.shape[1])]
+
+    if state.lags is None:
+        return jax.tree.map(pick, state.history)
+    return jax.tree.map(pick, state.history, state.lags)
 
 
 def delay_push(state: DelayState, new_params: Any) -> DelayState:
@@ -109,22 +154,4 @@ def delay_push(state: DelayState, new_params: Any) -> DelayState:
     def push(h: Array, p: Array) -> Array:
         return jax.lax.dynamic_update_index_in_dim(h, jnp.asarray(p, h.dtype), step % h.shape[0], axis=0)
 
-    return DelayState(history=jax.tree.map(push, state.history, new_params), step=step)
-
-
-def delayed_train_step(
-    loss_fn: Callable[[Any, Any], Array], optimizer: optax.GradientTransformation
-) -> Callable[[Any, Any, DelayState, Any], tuple[Any, Any, DelayState, Array]]:
-    """A pure step `(params, opt_state, delay_state, batch) -> (params, opt_state, delay_state, loss)`.
-
-    The gradient (and the returned loss) is taken at `delayed_params(delay_state)`; the update is
-    applied to `params`, which must be the newest version in `delay_state` (as after `delay_init`
-    with the same params). Wrap it in `jax.jit` (donating the states is safe).
-    """
-    def step(params: Any, opt_state: Any, delay_state: DelayState, batch: Any):
-        loss, grads = jax.value_and_grad(loss_fn)(delayed_params(delay_state), batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, delay_push(delay_state, params), loss
-
-    return step
+    return DelayState(history=jax.tree.map(push, state.history, new_params), step=step, lags=state.lags)

@@ -37,21 +37,28 @@ Unrotated sides (geometry "unilateral" keeps only the smaller side, ties -> left
 than `max_dim`; masked-out or non-2-D leaves) hold one-element placeholders `f32[1]` in the state.
 A leaf with no rotated side runs plain AdamW, the formula of `optax.adamw`.
 
-Grouped leaves: a mask entry that is an int `g` (not a bool) marks a 3-D leaf as a stack of
-independent matrices along axis `g` (e.g. a grouped `a_qkv [d, 3, r]` with g = 1); each matrix gets
-its own bases and statistics (stacked on a leading group axis in the state, `[G, m, m]`), exactly as
-if the G slices were separate 2-D leaves.
+Grouped leaves: a mask entry that is an int `g` or a tuple of ints (not a bool) marks a leaf as a
+stack of independent matrices along those axes (a grouped `a_qkv [d, 3, r]` with g = 1; a pipeline's
+stacked `a_qkv [L, d, 3, r]` with (0, 2)); each matrix gets its own bases and statistics (stacked on
+leading group axes in the state, `[G, m, m]` / `[L, 3, m, m]`), exactly as if the slices were
+separate 2-D leaves.
+
+`scale_by_rotated_adam` is the direction (no learning rate, no weight decay); `rotated_adam` chains
+it with `optax.add_decayed_weights` and `optax.scale_by_learning_rate`, as `optax.adamw` does.
+Paper: basis rotation, https://arxiv.org/abs/2602.03515.
 Rotation matmuls use `Precision.HIGHEST` so TF32/bf16 defaults on accelerators do not erode
 orthogonality.
 """
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from typing import Any, Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
@@ -63,7 +70,7 @@ MaskOrFn = Union[Any, Callable[[Any], Any], None]
 
 
 class RotatedAdamState(NamedTuple):
-    """State of `rotated_adam`; every field but `count` is a pytree shaped like the params.
+    """State of `scale_by_rotated_adam`; every field but `count` is a pytree shaped like the params.
 
     `basis_l`/`basis_r`: U (m, m) / V (n, n) or a `f32[1]` placeholder for an unrotated side.
     `stat_l`/`stat_r`: EMA of G Gᵀ / Gᵀ G (source "second" only), else placeholders.
@@ -197,14 +204,28 @@ def _keep(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
 
 
 # ----------------------------------------------------------------------------- validation
-def _group_axis(flag: Any, shape: tuple[int, ...]) -> int | None:
-    """The stacking axis of a grouped leaf (mask entry an int, not a bool), else None."""
-    if isinstance(flag, bool) or not isinstance(flag, numbers.Integral):
+def _group_axes(flag: Any, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The stacking axes of a grouped leaf (mask entry an int or a non-empty tuple of ints), else None.
+
+    A bool (True / False) or `()` (a plain matrix) is not grouped; `g` is `(g,)`; `(0, 2)` on
+    `[L, d, 3, r]` stacks the L*3 matrices `[d, r]` (a pipeline's layer axis 0 plus a_qkv's group axis)."""
+    if isinstance(flag, bool) or flag is None or flag == ():
         return None
-    if len(shape) != 3 or not 0 <= int(flag) < 3:
-        raise ValueError(f"rotated_adam: mask entry {flag!r} (a group axis) for a leaf of shape {shape}; "
-                         "fix: int group axes are for 3-D leaves, in [0, 3)")
-    return int(flag)
+    axes = (flag,) if isinstance(flag, numbers.Integral) else flag
+    ok = isinstance(axes, tuple) and all(isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in axes)
+    if ok:
+        axes = tuple(int(a) for a in axes)
+        ok = len(shape) - len(axes) == 2 and len(set(axes)) == len(axes) and all(0 <= a < len(shape) for a in axes)
+    if not ok:
+        raise ValueError(f"rotated_adam: mask entry {flag!r} (group axis / axes) for a leaf of shape {shape}; "
+                         "fix: int or tuple group axes, distinct, in range, leaving exactly 2 matrix axes")
+    return tuple(sorted(axes))
+
+
+def _rotates(flag: Any) -> bool:
+    """Mask entry -> rotated at all: True, an int group axis (0 included) or a tuple (`()` included)."""
+    return isinstance(flag, tuple) or (flag is not None and not isinstance(flag, bool) and
+                                       isinstance(flag, numbers.Integral)) or flag is True
 
 
 def _leaves_like(tree: Any, treedef: Any, what: str, fix: str) -> list[Any]:
@@ -214,20 +235,25 @@ def _leaves_like(tree: Any, treedef: Any, what: str, fix: str) -> list[Any]:
         raise ValueError(f"rotated_adam: {what} does not match the params tree ({err}); fix: {fix}") from None
 
 
-def _period_leaves(refresh_every: Any, treedef: Any) -> list[int]:
+def _check_period(t: Any) -> int:
+    if not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 1:
+        raise ValueError(f"rotated_adam: refresh_every entries must be ints >= 1, got {t!r}; "
+                         "fix: pass e.g. refresh_every=10")
+    return int(t)
+
+
+def _period_leaves(refresh_every: Any, treedef: Any) -> list[int | tuple[int, ...]]:
+    """Per leaf an int, or (a stacked leaf) a tuple with one int per index of its axis 0."""
     if isinstance(refresh_every, numbers.Integral):
         periods = [refresh_every] * treedef.num_leaves
     else:
         periods = _leaves_like(refresh_every, treedef, "refresh_every",
                                "pass an int or a pytree of ints shaped like the params")
-    for t in periods:
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 1:
-            raise ValueError(f"rotated_adam: refresh_every entries must be ints >= 1, got {t!r}; "
-                             "fix: pass e.g. refresh_every=10")
-    return [int(t) for t in periods]
+    return [tuple(_check_period(x) for x in t) if isinstance(t, (tuple, list)) else _check_period(t)
+            for t in periods]
 
 
-def _check_args(learning_rate, b1, b2, eps, weight_decay, source, geometry, refresh_every, basis_beta, max_dim):
+def _check_args(b1, b2, eps, source, geometry, refresh_every, basis_beta, max_dim):
     if source not in SOURCES:
         raise ValueError(f"rotated_adam: source={source!r}; fix: use one of {SOURCES}")
     if geometry not in GEOMETRIES:
@@ -236,23 +262,19 @@ def _check_args(learning_rate, b1, b2, eps, weight_decay, source, geometry, refr
         raise ValueError(f"rotated_adam: betas ({b1}, {b2}) must lie in [0, 1); fix: e.g. b1=0.9, b2=0.999")
     if not 0.0 <= basis_beta < 1.0:
         raise ValueError(f"rotated_adam: basis_beta={basis_beta} must lie in [0, 1); fix: e.g. 0.95")
-    if eps < 0 or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
-        raise ValueError("rotated_adam: eps and weight_decay must be non-negative floats; fix: e.g. 1e-8, 0.01")
+    if eps < 0:
+        raise ValueError("rotated_adam: eps must be a non-negative float; fix: e.g. 1e-8")
     if not isinstance(max_dim, int) or max_dim < 0:
         raise ValueError(f"rotated_adam: max_dim={max_dim!r} must be an int >= 0; fix: e.g. 4096")
     if isinstance(refresh_every, numbers.Integral) and (isinstance(refresh_every, bool) or refresh_every < 1):
         raise ValueError(f"rotated_adam: refresh_every={refresh_every!r} must be >= 1; fix: e.g. 10")
-    if not callable(learning_rate) and not isinstance(learning_rate, (int, float)):
-        raise ValueError("rotated_adam: learning_rate must be a float or an optax schedule")
 
 
-# ----------------------------------------------------------------------------- transform
-def rotated_adam(
-    learning_rate: optax.ScalarOrSchedule,
+# ----------------------------------------------------------------------------- transforms
+def scale_by_rotated_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 0.01,
     *,
     source: str = "second",
     geometry: str = "bilateral",
@@ -262,41 +284,48 @@ def rotated_adam(
     rotate: bool = True,
     mask: MaskOrFn = None,
 ) -> optax.GradientTransformation:
-    """AdamW in a Kronecker-factored rotated basis (see the module docstring).
+    """The direction of Adam in a Kronecker-factored rotated basis (no learning rate, no weight
+    decay: `rotated_adam` chains those, as `optax.adamw` does around `optax.scale_by_adam`).
 
-    `refresh_every`: int or a pytree of ints shaped like the params (stage-aware periods).
-    `mask`: pytree of python bools / ints or a `params -> pytree` callable; default: leaves with
-    ndim == 2. True rotates a 2-D leaf; an int `g` rotates each matrix of a 3-D leaf stacked on axis g.
-    `rotate=False` gives exactly `optax.adamw(learning_rate, b1, b2, eps, weight_decay=...)`.
+    `refresh_every`: int or a pytree of ints shaped like the params (stage-aware periods); a
+    stacked leaf (mask with group axis 0) may take a tuple with one period per index of axis 0.
+    `mask`: pytree (or a `params -> pytree` callable) of False / True / int / tuple of ints;
+    default: leaves with ndim == 2. True or `()` rotates a 2-D leaf; an int `g` or a tuple of axes
+    rotates each matrix of a leaf stacked along those axes (independent bases per matrix).
+    `rotate=False` gives exactly `optax.scale_by_adam(b1, b2, eps)`.
     """
-    _check_args(learning_rate, b1, b2, eps, weight_decay, source, geometry, refresh_every, basis_beta, max_dim)
+    _check_args(b1, b2, eps, source, geometry, refresh_every, basis_beta, max_dim)
 
     def _mask_leaves(tree: Any, treedef: Any) -> list[Any]:
         mask_tree = (mask(tree) if callable(mask) else mask) if mask is not None else default_rotation_mask(tree)
-        return _leaves_like(mask_tree, treedef, "mask", "pass a pytree of bools (or int group axes) like the params")
+        return _leaves_like(mask_tree, treedef, "mask",
+                            "pass a pytree of bools (or int / tuple group axes) like the params")
 
     def init_fn(params: Any) -> RotatedAdamState:
         flat, treedef = jax.tree.flatten(params)
-        _period_leaves(refresh_every, treedef)
+        periods = _period_leaves(refresh_every, treedef)
         flags = _mask_leaves(params, treedef)
         u, v, sl, sr = [], [], [], []
-        for p, on in zip(flat, flags):
-            group = _group_axis(on, jnp.shape(p)) if rotate else None
-            on = (group is not None or bool(on)) and rotate  # group axis 0 is an int, not "off"
+        for p, on, period in zip(flat, flags, periods):
             shape = jnp.shape(p)
-            if group is not None:
-                shape = tuple(d for i, d in enumerate(shape) if i != group)
+            groups = _group_axes(on, shape) if rotate else None
+            on = _rotates(on) and rotate  # group axis 0 is an int and () a plain matrix, not "off"
+            if on:  # an unrotated leaf ignores its period (a stacked norm may carry per-layer ones)
+                _check_stacked_period(period, groups, shape)
+            if groups is not None:
+                shape = tuple(d for i, d in enumerate(shape) if i not in groups)
             elif on and len(shape) != 2:
                 raise ValueError(f"rotated_adam: mask selects a leaf of shape {jnp.shape(p)}; only 2-D leaves "
-                                 "can be rotated (or 3-D ones with an int group axis); fix: mask it out")
+                                 "can be rotated (or stacks of them with int group axes); fix: mask it out")
             left, right = _sides(shape, on, geometry, max_dim)
             m, n = shape if on else (0, 0)
             slots = (jnp.eye(m, dtype=jnp.float32) if left else _placeholder(),
                      jnp.eye(n, dtype=jnp.float32) if right else _placeholder(),
                      jnp.zeros((m, m), jnp.float32) if left and source == "second" else _placeholder(),
                      jnp.zeros((n, n), jnp.float32) if right and source == "second" else _placeholder())
-            if group is not None:  # one set of bases per matrix, stacked on a leading axis
-                slots = tuple(jnp.broadcast_to(x, (jnp.shape(p)[group], *x.shape)) for x in slots)
+            if groups is not None:  # one set of bases per matrix, stacked on leading axes
+                lead = tuple(jnp.shape(p)[a] for a in groups)
+                slots = tuple(jnp.broadcast_to(x, (*lead, *x.shape)) for x in slots)
             for store, x in zip((u, v, sl, sr), slots):
                 store.append(x)
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
@@ -308,49 +337,60 @@ def rotated_adam(
         )
 
     def update_fn(updates: Any, state: RotatedAdamState, params: Any = None):
-        if weight_decay != 0 and params is None:
-            raise ValueError("rotated_adam: weight decay needs params; fix: call update(grads, state, params)")
+        del params
         g_flat, treedef = jax.tree.flatten(updates)
         periods = _period_leaves(refresh_every, treedef)
-        p_flat = treedef.flatten_up_to(params) if params is not None else [None] * len(g_flat)
         fields = [treedef.flatten_up_to(x) for x in state[1:]]
         count_inc = optax.safe_increment(state.count)
-        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-        groups = [_group_axis(f, jnp.shape(g)) if rotate else None
+        groups = [_group_axes(f, jnp.shape(g)) if rotate else None
                   for f, g in zip(_mask_leaves(updates, treedef), g_flat)]
-        out = [_grouped_update(g, p, leaf, count_inc, period, lr, group)
-               for g, p, period, group, *leaf in zip(g_flat, p_flat, periods, groups, *fields)]
+        out = [_grouped_update(g, leaf, count_inc, period, group)
+               for g, period, group, *leaf in zip(g_flat, periods, groups, *fields)]
         new_updates = jax.tree.unflatten(treedef, [o[0] for o in out])
         new_fields = [jax.tree.unflatten(treedef, [o[1][i] for o in out]) for i in range(6)]
         return new_updates, RotatedAdamState(count_inc, *new_fields)
 
-    def _grouped_update(g, p, leaf, count_inc, period, lr, group):
-        """`_leaf_update` per matrix of a grouped leaf (bases stacked on axis 0), restacked.
+    def _grouped_update(g, leaf, count_inc, period, groups):
+        """`_leaf_update` per matrix of a grouped leaf (bases stacked on leading axes), restacked.
 
-        A Python loop over the G <= 3 matrices rather than `vmap`: each matrix then has its own
-        refresh conditional, exactly like a 2-D leaf (a vmapped conditional over a TP-sharded
-        stack made XLA's CPU collectives hang)."""
-        if group is None:
-            return _leaf_update(g, p, leaf, count_inc, period, lr)
+        A Python loop over the matrices rather than `vmap`: each matrix then has its own refresh
+        conditional (and period), exactly like a 2-D leaf (a vmapped conditional over a TP-sharded
+        stack made XLA's CPU collectives hang). A stack of L layers unrolls like L separate leaves."""
+        if groups is None:
+            return _leaf_update(g, leaf, count_inc, period)
         mu, nu, *bases = leaf
-        take = lambda x, i: jax.lax.index_in_dim(x, i, axis=group, keepdims=False)  # noqa: E731
-        outs = [_leaf_update(take(g, i), None if p is None else take(p, i),
-                             (take(mu, i), take(nu, i), *(b[i] for b in bases)), count_inc, period, lr)
-                for i in range(g.shape[group])]
-        upd = jnp.stack([o[0] for o in outs], axis=group)
-        mu, nu = (jnp.stack([o[1][k] for o in outs], axis=group) for k in (0, 1))
-        return upd, (mu, nu, *(jnp.stack([o[1][k] for o in outs]) for k in range(2, 6)))
+        lead = tuple(g.shape[a] for a in groups)
+        rest = [a for a in range(g.ndim) if a not in groups]
+        order = np.argsort([*groups, *rest])  # (group axes, matrix axes) -> the leaf's own order
 
-    def _leaf_update(g, p, leaf, count_inc, period, lr):
+        def take(x, idx):
+            key = [slice(None)] * x.ndim
+            for a, i in zip(groups, idx):
+                key[a] = i
+            return x[tuple(key)]
+
+        outs = []
+        for idx in itertools.product(*map(range, lead)):
+            t = period[idx[0]] if isinstance(period, tuple) else period
+            outs.append(_leaf_update(take(g, idx), (take(mu, idx), take(nu, idx), *(b[idx] for b in bases)),
+                                     count_inc, t))
+
+        def restack(xs, like_leaf: bool):
+            x = jnp.stack(xs).reshape(*lead, *xs[0].shape)
+            return jnp.transpose(x, order) if like_leaf else x
+
+        upd = restack([o[0] for o in outs], True)
+        mu, nu = (restack([o[1][k] for o in outs], True) for k in (0, 1))
+        return upd, (mu, nu, *(restack([o[1][k] for o in outs], False) for k in range(2, 6)))
+
+    def _leaf_update(g, leaf, count_inc, period):
         mu, nu, u_mm, v_nn, l_mm, r_nn = leaf
-        if not (_on(u_mm) or _on(v_nn)):  # plain AdamW, the formula of optax.adamw
+        if not (_on(u_mm) or _on(v_nn)):  # plain Adam, the formula of optax.scale_by_adam
             mu = (1 - b1) * g + b1 * mu
             nu = (1 - b2) * (g * g) + b2 * nu
             bc1, bc2 = 1 - b1**count_inc, 1 - b2**count_inc
             upd = (mu / bc1.astype(mu.dtype)) / (jnp.sqrt(nu / bc2.astype(nu.dtype)) + eps)
-            if weight_decay != 0:
-                upd = upd + weight_decay * p
-            return jnp.asarray(-lr, dtype=upd.dtype) * upd, (mu, nu, u_mm, v_nn, l_mm, r_nn)
+            return upd, (mu, nu, u_mm, v_nn, l_mm, r_nn)
 
         # 1) Adam step in the bases built from gradients up to t-1 (identity at t = 1).
         f32 = jnp.float32
@@ -365,9 +405,6 @@ def rotated_adam(
         mu = (1 - b1) * g + b1 * mu
         upd_r = (mr / bc1) / (jnp.sqrt(nu.astype(f32) / bc2) + eps)
         upd = _unproject(upd_r, u_mm, v_nn).astype(g.dtype)
-        if weight_decay != 0:
-            upd = upd + weight_decay * p
-        upd = jnp.asarray(-lr, dtype=upd.dtype) * upd
 
         # 2) statistics with G_t, then the refresh (if due) for the steps that follow.
         mt_mn = jnp.zeros((0,), f32)
@@ -387,8 +424,58 @@ def rotated_adam(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def orthonormality_error(state: RotatedAdamState) -> Float[Array, ""]:
-    """max over live bases of ‖QᵀQ − I‖_F (0 when nothing is rotated); a diagnostic."""
-    errs = [jnp.linalg.norm(_mm(q.T, q) - jnp.eye(q.shape[0], dtype=q.dtype))
-            for q in jax.tree.leaves((state.basis_l, state.basis_r)) if _on(q)]
-    return jnp.max(jnp.stack(errs)) if errs else jnp.zeros([], jnp.float32)
+def _check_stacked_period(period: Any, groups: tuple[int, ...] | None, shape: tuple[int, ...]) -> None:
+    if isinstance(period, tuple) and (groups is None or groups[0] != 0 or len(period) != shape[0]):
+        raise ValueError(f"rotated_adam: a tuple of refresh periods {period} for a leaf of shape {shape} "
+                         f"(group axes {groups}); fix: per-index periods need group axis 0 and one per index")
+
+
+def rotated_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    *,
+    source: str = "second",
+    geometry: str = "bilateral",
+    refresh_every: Any = 10,
+    basis_beta: float = 0.95,
+    max_dim: int = 4096,
+    rotate: bool = True,
+    mask: MaskOrFn = None,
+    weight_decay_mask: MaskOrFn = None,
+) -> optax.GradientTransformation:
+    """AdamW in a Kronecker-factored rotated basis: `scale_by_rotated_adam`, then
+    `add_decayed_weights(weight_decay, weight_decay_mask)` (left out when 0), then
+    `scale_by_learning_rate(learning_rate)`, composed like `optax.adamw`.
+
+    `rotate=False` gives exactly `optax.adamw(learning_rate, b1, b2, eps, weight_decay=...)`.
+    """
+    if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+        raise ValueError("rotated_adam: weight_decay must be a non-negative float; fix: e.g. 0.01")
+    if not callable(learning_rate) and not isinstance(learning_rate, (int, float, jax.Array, np.ndarray)):
+        raise ValueError("rotated_adam: learning_rate must be a float or an optax schedule")
+    direction = scale_by_rotated_adam(b1, b2, eps, source=source, geometry=geometry, refresh_every=refresh_every,
+                                      basis_beta=basis_beta, max_dim=max_dim, rotate=rotate, mask=mask)
+    decay = [optax.add_decayed_weights(weight_decay, weight_decay_mask)] if weight_decay != 0 else []
+    return optax.chain(direction, *decay, optax.scale_by_learning_rate(learning_rate))
+
+
+def rotated_state(opt_state: Any) -> RotatedAdamState:
+    """The (first) `RotatedAdamState` inside an optimizer state (a chain, `inject_hyperparams`, ...)."""
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, RotatedAdamState))
+             if isinstance(x, RotatedAdamState)]
+    if not found:
+        raise ValueError("rotated_state: no RotatedAdamState in this optimizer state; fix: pass a rotation state")
+    return found[0]
+
+
+def orthonormality_error(state: Any) -> Float[Array, ""]:
+    """max over live bases of ‖QᵀQ − I‖_F (0 when nothing is rotated); a diagnostic. `state`: a
+    `RotatedAdamState` or any optimizer state holding one; stacked bases count matrix by matrix."""
+    state = state if isinstance(state, RotatedAdamState) else rotated_state(state)
+    qs = [q.reshape(-1, *q.shape[-2:]) for q in jax.tree.leaves((state.basis_l, state.basis_r)) if q.ndim >= 2]
+    errs = [jnp.linalg.norm(_mm(jnp.swapaxes(q, -1, -2), q) - jnp.eye(q.shape[-1], dtype=q.dtype), axis=(-2, -1))
+            for q in qs]
+    return jnp.max(jnp.concatenate(errs)) if errs else jnp.zeros([], jnp.float32)
