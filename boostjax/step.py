@@ -47,7 +47,7 @@ class StepFns:
     info: dict = field(default_factory=dict)  # the placement's facts (pipeline schedule, bubble fraction)
 
 
-def make_optimizer(cfg: Config, pl: Placement, state_like: Any) -> optax.GradientTransformation:
+def optimizer_for(cfg: Config, pl: Placement, state_like: Any) -> optax.GradientTransformation:
     """The configured optimizer on the placement's training layout: the rotation mask from the
     parameters' logical axes, each leaf's pipeline stage for the delay emulation."""
     t = cfg.train
@@ -135,7 +135,7 @@ def step_layout(cfg: Config, graphdef, params_like: Any) -> Layout:
     t = cfg.train
     pl = choose(cfg, graphdef, params_like)
     state_like = jax.eval_shape(pl.to_state, params_like)
-    tx = make_optimizer(cfg, pl, state_like)
+    tx = optimizer_for(cfg, pl, state_like)
     pspecs = pl.param_specs(state_like)
     p_homes = pl.place("params", pspecs, state_like)
 
