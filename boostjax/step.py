@@ -211,7 +211,7 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any) -> StepFns:
 
     def compile_step(state: TrainState, batch):
         kw = {}
-        if pl.mesh is not None and not lay.hosted:  # every step returns the state in the layout it got it
+        if pl.mesh is not None:  # every step returns the state in the layout (and memory) it got it
             kw["out_shardings"] = (homes, NamedSharding(pl.mesh, P()))
         lowered = jax.jit(step, donate_argnums=(0,), **kw).lower(state, put_batch(batch))
         return lowered.compile(compiler_options=pl.compiler_options)

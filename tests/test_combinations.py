@@ -12,7 +12,7 @@ import pytest
 
 from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.data import BatchIterator, load_corpus
-from boostjax.offload.costmodel import build_instance
+from boostjax.offload import apply
 from boostjax.offload.planner import Decisions, make_plan
 from boostjax.placement import on_host
 from boostjax.step import build_step_fns
@@ -26,18 +26,19 @@ def _rel(a, b) -> float:
                  / max(np.linalg.norm(np.asarray(b, np.float64)), 1e-30))
 
 
-def _plan_file(tmp_path, layers: int, batch: int, seq: int):
-    """A plan for `layers` layers (one stage's share): the first layer's input offloaded, then one
-    nested recompute segment; with 4 layers the last one's parameters and optimizer state on host,
-    with 2 (a pipeline stage, placed alike) every layer's optimizer state on host."""
+def _plan_file(tmp_path, cfg: Config) -> str:
+    """A plan for one device of `cfg`'s mesh (`apply.instance_for`: its batch rows, its stage's layers,
+    its shard under the strategy): the first layer's input offloaded, then one nested recompute
+    segment; with 4 layers the last one's parameters and optimizer state on host, with 2 (a pipeline
+    stage, placed alike) every layer's optimizer state on host."""
+    inst = apply.instance_for(cfg, "H800-80GB", budget_bytes=1e12)
+    layers = inst.n_layers
     boundary = ("host",) + ("recompute",) * (layers - 1)
     mode = ("opt-host",) * layers if layers == 2 else ("device",) * (layers - 1) + ("host",)
     streams = tuple(int(m in ("opt-host", "host")) for m in mode)
     d = Decisions(boundary=boundary, inner=("latents",) + ("all",) * (layers - 1), mode=mode,
                   offload_lag=(0,) * layers, fetch_lead=tuple(int(b == "host") for b in boundary),
                   param_fwd_lead=streams, param_bwd_lead=tuple(int(m == "host") for m in mode), grad_lag=streams)
-    inst = build_instance(replace(MODEL, n_layers=layers), batch, seq, "H800-80GB", budget_bytes=1e12,
-                          dtype_bytes=4, eight_bit=False)
     path = tmp_path / "plan.json"
     path.write_text(make_plan(inst, d, "manual").to_json())
     return str(path)
@@ -63,8 +64,8 @@ def test_btp_with_an_offload_plan_matches_one_device(tmp_path):
     recompute segment, an offloaded boundary): the single-device AdamW losses and parameters."""
     train = TrainConfig(batch=4, seq=16, progress=False)
     ref = _steps(Config(MODEL, train), 3)
-    plan = _plan_file(tmp_path, MODEL.n_layers, train.batch, train.seq)
-    got = _steps(Config(MODEL, replace(train, strategy="btp", mesh="data=2,model=2", offload_plan=plan)), 3)
+    run = Config(MODEL, replace(train, strategy="btp", mesh="data=2,model=2"))
+    got = _steps(replace(run, train=replace(run.train, offload_plan=_plan_file(tmp_path, run))), 3)
     np.testing.assert_allclose(got[0], ref[0], rtol=5e-6)
     errs = jax.tree.map(_rel, got[1], ref[1])
     assert max(jax.tree.leaves(errs)) < 1e-6, errs
@@ -78,9 +79,8 @@ def test_btp_pipeline_rotation_delay_and_offload_in_one_mesh(tmp_path):
     (rel 5e-2: the bases are eigenvectors of near-degenerate Gram matrices, see test_tp)."""
     train = TrainConfig(batch=4, seq=16, optimizer="rotation", rot_refresh=2, pipeline_delay=4, progress=False)
     ref = _steps(Config(MODEL, train), 4)
-    plan = _plan_file(tmp_path, MODEL.n_layers // 2, train.batch, train.seq)
-    mesh = dict(strategy="btp", mesh="data=2,stage=2,model=2", offload_plan=plan)
-    got = _steps(Config(MODEL, replace(train, **mesh)), 4)
+    run = Config(MODEL, replace(train, strategy="btp", mesh="data=2,stage=2,model=2"))
+    got = _steps(replace(run, train=replace(run.train, offload_plan=_plan_file(tmp_path, run))), 4)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
     errs = jax.tree.map(_rel, got[1], ref[1])
     assert max(jax.tree.leaves(errs)) < 5e-2, errs
