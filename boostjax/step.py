@@ -213,7 +213,7 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any) -> StepFns:
         kw = {}
         if pl.mesh is not None:  # every step returns the state in the layout (and memory) it got it
             kw["out_shardings"] = (homes, NamedSharding(pl.mesh, P()))
-        lowered = jax.jit(step, donate_argnums=(0,), **kw).lower(state, put_batch(batch))
+        lowered = jax.jit(step, donate_argnums=(0,), keep_unused=True, **kw).lower(state, put_batch(batch))
         return lowered.compile(compiler_options=pl.compiler_options)
 
     def eval_loss(params, batch):

@@ -13,6 +13,7 @@ from flax import nnx
 from helpers import seed_of
 from test_tp import TINY, _compare, assert_matches, put_params
 
+import boostjax
 from boostjax.config import Config, ConfigError, TrainConfig, validate
 from boostjax.placement import choose
 from boostjax.run import load_run
@@ -75,13 +76,15 @@ def test_bubble_fraction_and_microbatches():
     (dict(n_layers=4), dict(mesh="data=2,stage=2", batch=8, microbatches=3), "train.microbatches"),
     (dict(n_layers=4), dict(mesh="data=2,stage=2", batch=7), "train.batch"),
     (dict(n_layers=4), dict(mesh="data=2", microbatches=2), "train.microbatches"),
-    (dict(n_layers=4), dict(mesh="stage=2", pipeline_delay=2), "train.pipeline_delay"),
+    (dict(n_layers=4), dict(pipeline_schedule="1f1b"), "train.pipeline_schedule"),
+    (dict(n_layers=4), dict(mesh="stage=2", doc_mask=True), "train.doc_mask"),
     (dict(n_layers=4), dict(mesh="stage=4", batch=1, seq=6, microbatches=1), "train.seq"),
 ])
 def test_bad_pipeline_configs_fail_before_compile(model_kw, train_kw, field):
+    """The placement's checks (`boostjax.validate`: the fields, then what the layout can run)."""
     cfg = Config(replace(TINY, **model_kw), TrainConfig(**train_kw))
     with pytest.raises(ConfigError, match=f"{field}: .*fix:"):
-        validate(cfg)
+        boostjax.validate(cfg)
 
 
 def test_placement_checks_split_without_validate():

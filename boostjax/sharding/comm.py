@@ -84,9 +84,11 @@ def _build(model: ModelConfig, mesh: MeshShape | None, batch: int, seq: int, str
     (`memory.train_step_compiled`), the forward loss, and/or the residual-returning forward."""
     import jax  # noqa: PLC0415 (imported late: the CLI sets the simulated device count first)
 
+    from boostjax.placement import validate as validate_run  # noqa: PLC0415 (JAX: after the device count is set)
+
     if mesh is None:
         raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
-    cfg = validate(Config(model, memory.train_config(batch, seq, strategy, mesh, remat, dtype, **dict(train))))
+    cfg = validate_run(Config(model, memory.train_config(batch, seq, strategy, mesh, remat, dtype, **dict(train))))
     abstract = memory.train_step_compiled(cfg)
     p_sds, b_sds = abstract.params, abstract.batch
     opts = memory.FAST_CPU if jax.default_backend() == "cpu" else None
@@ -507,6 +509,7 @@ def _cmd_comm(args: argparse.Namespace) -> int:
         raise ConfigError(f"comm.mesh: {e}") from e
     import jax  # noqa: PLC0415 (after the device count is set)
 
+    from boostjax.placement import check as check_run  # noqa: PLC0415
     from boostjax.sharding.rules import check_strategy  # noqa: PLC0415
 
     devices, visible = mesh.devices, jax.device_count()
@@ -521,6 +524,11 @@ def _cmd_comm(args: argparse.Namespace) -> int:
             what = str(e).split("; fix:")[0]
             raise ConfigError(f"comm.mesh: {what}; fix: pass a --mesh model size that divides the {args.preset} "
                               "preset's shapes, or another --preset") from None
+        try:  # what the placement needs of the configuration (pipeline micro-batches, ...)
+            check_run(Config(model_for(base, s), memory.train_config(args.batch, args.seq, s, mesh, args.remat,
+                                                                     args.dtype, **_train_fields(args))))
+        except ConfigError as e:
+            raise _comm_error(e) from None
     reports = {s: comm_report(base, mesh, args.batch, args.seq, s, args.remat, args.dtype, args.dump_hlo,
                               **_train_fields(args)) for s in names}
     print(json.dumps(reports, indent=1) if args.json else _table(reports))

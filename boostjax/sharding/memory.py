@@ -104,7 +104,7 @@ def train_step_compiled(cfg: Config, compiler_options: dict | None = None) -> Ab
     kw = {}
     if mesh is not None:  # as StepFns.compile: the state comes back in the layout it came in
         kw["out_shardings"] = (lay.homes, NamedSharding(mesh, P()))
-    lowered = jax.jit(layout_step(cfg, lay), donate_argnums=(0,), **kw).lower(state_sds, b_sds)
+    lowered = jax.jit(layout_step(cfg, lay), donate_argnums=(0,), keep_unused=True, **kw).lower(state_sds, b_sds)
     if compiler_options is None and jax.default_backend() == "cpu":
         compiler_options = FAST_CPU
     opt_sds = (state_sds.step, state_sds.opt_state, state_sds.delay)
