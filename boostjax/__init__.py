@@ -34,7 +34,7 @@ _EXPORTS: dict[str, str] = {
     # starting from pretrained weights (train --init-from-hf, train(cfg, init=...))
     "lowrank_from_dense": "boostjax.pretrained",
     # tensor parallelism and its communication, read from compiled HLO
-    "comm_report": "boostjax.sharding.comm",
+    "comm_report": "boostjax.analysis.comm",
     # pipeline parallelism (mesh axis `stage`)
     "bubble_fraction": "boostjax.sharding.pipeline", "pipeline_info": "boostjax.sharding.pipeline",
     # optimizers

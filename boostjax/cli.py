@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model.safetensors.index.json (0 = one model.safetensors)")
     p.set_defaults(func=_cmd_export_hf)
 
-    from boostjax.sharding import comm  # noqa: PLC0415 (imports no JAX at module level)
+    from boostjax.analysis import comm  # noqa: PLC0415 (imports no JAX at module level)
 
     comm.register(sub)
     from boostjax.offload import cli as plan_cli  # noqa: PLC0415 (imports no JAX at module level)

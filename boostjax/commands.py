@@ -1,6 +1,6 @@
 """What the `boostjax` commands share: the `train` command's flags and configuration (also parsed by
 `boostjax launch` before it starts any process), and the driver that runs a parsed command and turns
-its errors into one line and an exit status (`boostjax.cli.main`, `python -m boostjax.sharding.comm`).
+its errors into one line and an exit status (`boostjax.cli.main`, `python -m boostjax.analysis.comm`).
 
 Every `ModelConfig` / `TrainConfig` field is a flag (`--d-model`, `--lr`, ...); `--model` selects the
 model kind and `--preset` the shapes. This module imports no JAX.

@@ -30,7 +30,7 @@ simulate_devices(4)  # before JAX starts: the largest model axis below
 exact_low_precision()  # bf16 collectives stay bf16 in the HLO we count
 
 from boostjax.config import preset  # noqa: E402
-from boostjax.sharding.comm import GIB, STRATEGIES, comm_report  # noqa: E402
+from boostjax.analysis.comm import GIB, STRATEGIES, comm_report  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SETUPS = {"1b": 4, "3b": 2, "7b": 4, "13b": 4}  # preset -> TP size

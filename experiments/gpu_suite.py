@@ -152,12 +152,12 @@ def _numbers(d: dict) -> dict:
 def predict_worker(sh: Shapes, attention: str) -> dict:
     """(b) The CPU-compiled (abstract) per-device peak of each model's step, via `memory_report`."""
     try:
-        from boostjax.sharding.comm import memory_report  # noqa: PLC0415
+        from boostjax.analysis.comm import memory_report  # noqa: PLC0415
     except ImportError:
         try:
-            from boostjax.sharding.memory import memory_report  # noqa: PLC0415
+            from boostjax.analysis.memory import memory_report  # noqa: PLC0415
         except ImportError:
-            return {"status": "unavailable", "reason": "this boostjax has no memory_report (boostjax.sharding.comm "
+            return {"status": "unavailable", "reason": "this boostjax has no memory_report (boostjax.analysis.comm "
                                                        "or .memory); the CPU-compiled prediction is left out"}
     # cuDNN attention exists only on CUDA; its CPU stand-in without a [t, t] buffer is the chunked one
     cpu_attention = "chunked" if attention == "cudnn" else attention
@@ -224,7 +224,8 @@ def collectives_worker(sh: Shapes, attention: str) -> dict:
     """(d) The all-reduces one BTP layer adds to the step compiled for this process's device."""
     import jax  # noqa: PLC0415
 
-    from boostjax.sharding import comm, hlo  # noqa: PLC0415
+    from boostjax.analysis import comm  # noqa: PLC0415
+    from boostjax.sharding import hlo  # noqa: PLC0415
 
     model = _model("cola", sh, attention)
     mesh = "data=1,model=1"

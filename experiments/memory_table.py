@@ -1,6 +1,6 @@
 """Per-device memory of the compiled training step, per preset and TP strategy (no model is allocated).
 
-Every figure is `boostjax.sharding.memory.memory_report`: the step `boostjax train` compiles, compiled
+Every figure is `boostjax.analysis.memory.memory_report`: the step `boostjax train` compiles, compiled
 abstractly for simulated CPU devices, read from `memory_analysis()`: peak = arguments + outputs -
 aliases + temp per device, split into weights (fp32 parameter shards), optimizer state (AdamW moments)
 and activations (everything else: saved activations, recomputation, gradients, attention and logits
@@ -38,8 +38,8 @@ simulate_devices(8)  # before JAX starts: TP 4 x PP 2
 exact_low_precision()
 
 from boostjax.config import preset  # noqa: E402
-from boostjax.sharding import memory  # noqa: E402
-from boostjax.sharding.comm import STRATEGIES, model_for  # noqa: E402
+from boostjax.analysis import memory  # noqa: E402
+from boostjax.analysis.comm import STRATEGIES, model_for  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 GIB = memory.GIB
@@ -133,7 +133,7 @@ def markdown(res: dict) -> str:
         f"{s['optimizer']}, attention {s['attention']}, mesh `{s['mesh']}` (TP 4); CoLA for the low-rank "
         "strategies, the dense LLaMA of the same shapes for full-rank TP; the presets' vocabulary (256). "
         "Per device, GiB = 2^30, from `memory_analysis()` of the step `boostjax train` compiles "
-        "(`boostjax.sharding.memory.memory_report`), compiled abstractly for simulated CPU devices: "
+        "(`boostjax.analysis.memory.memory_report`), compiled abstractly for simulated CPU devices: "
         "**peak** = arguments + outputs − aliases + temp; **weights** = the fp32 parameter shards "
         "(arguments); **optimizer** = the optimizer-state shards (arguments: AdamW's two moments); "
         "**activations** = the rest of the peak (temporaries: saved activations and their recomputation, "

@@ -3,7 +3,7 @@
 For each configuration (1B on 1 GPU, 3B TP2, 7B TP4, 13B TP4 PP2; micro-batch 4, sequence 4096, bf16,
 CoLA for the low-rank strategies, LLaMA-2 vocabulary 32000) one training step (forward, backward, AdamW)
 is compiled ABSTRACTLY (`ShapeDtypeStruct`s with the strategy's shardings, simulated CPU devices) with
-1 and with 2 transformer layers (`boostjax.sharding.comm.compiled_step`); the 2-layer minus the
+1 and with 2 transformer layers (`boostjax.analysis.comm.compiled_step`); the 2-layer minus the
 1-layer program is one layer, the rest (embedding, LM head, cross-entropy, non-layer optimizer work)
 is the 1-layer program minus one layer, and an L-layer model is `rest + L x layer`. From each
 compiled program (per device):
@@ -60,7 +60,7 @@ from boostjax.config import ModelConfig, preset  # noqa: E402
 from boostjax.hardware import get_profile  # noqa: E402
 from boostjax.models.flops import flops_per_token, param_count  # noqa: E402
 from boostjax.sharding import hlo  # noqa: E402
-from boostjax.sharding.comm import STRATEGIES  # noqa: E402
+from boostjax.analysis.comm import STRATEGIES  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 NAMES = {"fullrank-tp": "full-rank", "vanilla-tp": "vanilla TP", "btp": "BTP"}
@@ -192,7 +192,7 @@ def program_time(cost: dict[str, Any], hw: Hardware, eta: float) -> dict[str, fl
 
 def layer_costs(setup: Setup, strategy: str, dtype: str = "bfloat16") -> dict[str, Any]:
     """Compile the 1- and 2-layer steps of `setup` (abstractly, cached by comm) and cost both programs."""
-    from boostjax.sharding import comm  # noqa: PLC0415
+    from boostjax.analysis import comm  # noqa: PLC0415
 
     mesh = f"data=1,model={setup.tp}"
     out = {}

@@ -1,4 +1,4 @@
-"""Communication accounting from compiled HLO (`boostjax.sharding.hlo`, `boostjax.sharding.comm`).
+"""Communication accounting from compiled HLO (`boostjax.sharding.hlo`, `boostjax.analysis.comm`).
 
 The per-layer figures of the three TP strategies are checked EXACTLY against the analytic volumes
 of BTP's analytic traffic, on tiny shapes compiled abstractly for simulated CPU devices.
@@ -14,7 +14,8 @@ import os
 import pytest
 
 from boostjax.config import preset
-from boostjax.sharding import comm, hlo
+from boostjax.analysis import comm
+from boostjax.sharding import hlo
 
 TINY = preset("tiny", n_layers=2)  # d=128, 4 heads, d_ff=352, r=32, vocab 256
 D, F, R = TINY.d_model, TINY.d_ff, TINY.rank

@@ -1,6 +1,6 @@
 """Every code reference in the README and docs/*.md points into the repository: file paths
 (`boostjax/step.py`, `tests/test_tp.py`, `boostjax/placement/`), dotted names
-(`boostjax.sharding.comm.compiled_step`: the module exists and defines the name) and relative links.
+(`boostjax.analysis.comm.compiled_step`: the module exists and defines the name) and relative links.
 Outputs that scripts write (`experiments/results/...`) are not checked."""
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def references() -> list[tuple[str, int, str, bool]]:
 
 def test_the_reference_reader_finds_paths_names_and_links():
     assert _expand("experiments/results/x.{json,md}") == ["experiments/results/x.json", "experiments/results/x.md"]
-    assert _dotted_ok("boostjax.sharding.comm.compiled_step") and _dotted_ok("boostjax.train")
-    assert not _dotted_ok("boostjax.sharding.comm.no_such_name") and not _dotted_ok("boostjax.no_such_module")
+    assert _dotted_ok("boostjax.analysis.comm.compiled_step") and _dotted_ok("boostjax.train")
+    assert not _dotted_ok("boostjax.analysis.comm.no_such_name") and not _dotted_ok("boostjax.no_such_module")
     assert _exists("boostjax/models/") and not _exists("boostjax/no_such_file.py")
     found = {ref for _, _, ref, _ in references()}
     assert {"boostjax/step.py", "tests/test_imports.py", "data.md"} <= found

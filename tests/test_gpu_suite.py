@@ -89,7 +89,7 @@ def test_smoke_runs_every_section(tmp_path, monkeypatch):
 
 def test_prediction_reads_memory_report_and_falls_back_to_a_one_device_tp_mesh(monkeypatch):
     from boostjax.config import ConfigError
-    from boostjax.sharding import comm
+    from boostjax.analysis import comm
 
     calls = []
 

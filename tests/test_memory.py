@@ -1,4 +1,4 @@
-"""Per-device memory of the compiled step (`boostjax.sharding.memory`) and the tied remat that keeps it flat."""
+"""Per-device memory of the compiled step (`boostjax.analysis.memory`) and the tied remat that keeps it flat."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from flax import nnx
 
 from boostjax.config import Config, TrainConfig, preset, validate
 from boostjax.models.llama import LLaMA
-from boostjax.sharding import memory
+from boostjax.analysis import memory
 from boostjax.step import build_step_fns
 from helpers import random_params
 

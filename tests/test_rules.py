@@ -130,6 +130,6 @@ def test_one_strategy_registry():
     assert rules.split_sizes("vanilla-tp", TINY) == {"rank": 8, "vocab_size": 64}
     with pytest.raises(ValueError, match="psum_at"):
         Collectives("model", "everywhere")
-    from boostjax.sharding import comm  # the TP strategies the comm/memory tools compare
+    from boostjax.analysis import comm  # the TP strategies the comm/memory tools compare
 
     assert comm.STRATEGIES == rules.TP_STRATEGIES

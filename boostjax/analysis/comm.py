@@ -33,8 +33,9 @@ import numpy as np
 from boostjax.config import (ATTENTION, LOW_RANK_KINDS, OPTIMIZERS, PIPELINE_SCHEDULES, PRESETS, REMAT, Config,
                              ConfigError, MeshShape, ModelConfig, as_mesh, check_batch_seq, preset, validate)
 from boostjax.config import STRATEGIES as CONFIG_STRATEGIES
-from boostjax.sharding import hlo, memory
-from boostjax.sharding.memory import GIB
+from boostjax.analysis import memory
+from boostjax.sharding import hlo
+from boostjax.analysis.memory import GIB
 
 # the TP strategies (config's names are `boostjax.sharding.rules.STRATEGIES`' keys; no JAX imported here)
 STRATEGIES = tuple(s for s in CONFIG_STRATEGIES if s != "none")
@@ -284,7 +285,7 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
     before any XLA pass: what a backend that combines nothing runs). `*_bytes` use the communicated element type (bf16 even where the CPU backend widens
     to f32, see `*_bytes_compiled`); single-device groups (a mesh axis of size 1) are not counted.
 
-    Memory (per device, `boostjax.sharding.memory`): `peak_bytes_per_device` = argument + output -
+    Memory (per device, `boostjax.analysis.memory`): `peak_bytes_per_device` = argument + output -
     alias + temp of the compiled step, and its parts `weight_bytes` (fp32 parameter shards),
     `optimizer_bytes` (optimizer-state shards), `activation_bytes` (the rest: temporaries, gradients,
     batch), with `batch_bytes` and `gradient_bytes_estimate`.
@@ -536,7 +537,7 @@ def _cmd_comm(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`boostjax comm ...` as a standalone entry point: `python -m boostjax.sharding.comm --preset 1b`."""
+    """`boostjax comm ...` as a standalone entry point: `python -m boostjax.analysis.comm --preset 1b`."""
     from boostjax.commands import run  # noqa: PLC0415
 
     argv = list(sys.argv[1:] if argv is None else argv)
