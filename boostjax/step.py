@@ -130,10 +130,11 @@ class Layout:
         return any(on_host(s) for s in jax.tree.leaves(self.homes))
 
 
-def step_layout(cfg: Config, graphdef, params_like: Any) -> Layout:
-    """The placement, optimizer and the sharding of every leaf of the state and the batch."""
+def step_layout(cfg: Config, graphdef, params_like: Any, placement: Placement | None = None) -> Layout:
+    """The placement (`placement`, or the one `cfg` asks for), optimizer and the sharding of every
+    leaf of the state and the batch."""
     t = cfg.train
-    pl = choose(cfg, graphdef, params_like)
+    pl = choose(cfg, graphdef, params_like) if placement is None else placement
     state_like = jax.eval_shape(pl.to_state, params_like)
     tx = optimizer_for(cfg, pl, state_like)
     pspecs = pl.param_specs(state_like)
@@ -178,9 +179,10 @@ def layout_step(cfg: Config, lay: Layout) -> Callable:
                       accum_sharding=lay.grads, homes=lay.homes if lay.hosted else None)
 
 
-def build_step_fns(cfg: Config, graphdef, params_like: Any) -> StepFns:
-    """Step functions for the placement `cfg` asks for (one device when no mesh is given)."""
-    lay = step_layout(cfg, graphdef, params_like)
+def build_step_fns(cfg: Config, graphdef, params_like: Any, placement: Placement | None = None) -> StepFns:
+    """Step functions for `placement`, or the placement `cfg` asks for (one device when no mesh is
+    given); a placement built by hand (e.g. `Offloaded` with a `Plan` object) must pass `check`."""
+    lay = step_layout(cfg, graphdef, params_like, placement)
     pl, t, homes = lay.placement, cfg.train, lay.homes
     step = layout_step(cfg, lay)
 

@@ -82,28 +82,15 @@ def cpu_memory_check() -> list[dict]:
     """Compile the training step of small models with plans applied; compare memory_analysis()
     with the planner. clip=0 except the last setup: with global-norm clipping XLA's CPU scheduler
     defers every weight gradient until the norm is known, keeping recomputed activations alive."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
-    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
     from boostjax.config import Config, TrainConfig, preset  # noqa: PLC0415
     from boostjax.offload import apply  # noqa: PLC0415
     from boostjax.hardware import HardwareProfile  # noqa: PLC0415
     from boostjax.offload.planner import make_plan  # noqa: PLC0415
     from boostjax.placement import Offloaded, SingleDevice  # noqa: PLC0415
-    from boostjax.optim import build_optimizer  # noqa: PLC0415
-    from boostjax.step import TrainState, train_step  # noqa: PLC0415
+    from boostjax.step import build_step_fns  # noqa: PLC0415
     from boostjax.models.llama import init_model  # noqa: PLC0415
-
-    def placed_state(pl, tx, params):
-        """(training state, its shardings) on the offload placement `pl`, as `step.step_layout` places them."""
-        like = jax.eval_shape(pl.to_state, params)
-        init = lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p))  # noqa: E731
-        rest = (lambda s: (s.step, s.opt_state))(jax.eval_shape(init, like))
-        step_home, opt_homes = pl.place("opt_state", jax.tree.map(lambda _: P(), rest), rest)
-        homes = TrainState(step_home, pl.place("params", pl.param_specs(like), like), opt_homes)
-        return jax.device_put(init(pl.to_state(params)), homes), homes
 
     # a slow device so that recompute and transfers cost whole microseconds for these tiny shapes
     hw = HardwareProfile("cpu-scale", 64 << 30, 2e11, 2e10, 2e10, 256 << 30)
@@ -112,7 +99,6 @@ def cpu_memory_check() -> list[dict]:
         cfg = Config(preset(name, kind=kind), TrainConfig(batch=batch, seq=seq, clip=clip, offload_plan="unused"))
         inst = apply.instance_for(cfg, hw, budget_bytes=1e12)
         graphdef, params = init_model(cfg)
-        tx = build_optimizer(cfg.train, params)
         toks = {k: np.zeros((batch, seq), np.int32) for k in ("inputs", "targets")}
         nob, fr = baseline_plan(inst, "no-offload"), baseline_plan(inst, "full-remat")
         plans = {"no-offload": nob, "full-remat": fr}
@@ -123,10 +109,8 @@ def cpu_memory_check() -> list[dict]:
         for pname, plan in plans.items():
             check_plan_for(plan, cfg, require_record=False)
             pl = Offloaded(SingleDevice(cfg, graphdef, remat=apply.schedule(plan)), plan)
-            state, homes = placed_state(pl, tx, params)
-            step = train_step(pl.loss_fn, tx, homes=homes)
-            compiled = jax.jit(step, donate_argnums=(0,)).lower(state, toks).compile(
-                compiler_options=pl.compiler_options)
+            fns = build_step_fns(cfg, graphdef, params, placement=pl)
+            compiled = fns.compile(fns.init(params), toks)
             mem = apply.compiled_memory(compiled)
             pred_cpu, _ = apply.cpu_equivalent(inst, plan)
             rows.append({"model": f"{name} {kind}", "batch": batch, "seq": seq, "clip": clip, "plan": pname,

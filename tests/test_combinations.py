@@ -59,13 +59,17 @@ def _steps(cfg: Config, steps: int):
     return losses, jax.device_get(fns.to_canonical(state.params)), state
 
 
+def _against_one_device(tmp_path, train: TrainConfig, mesh: str, steps: int):
+    """(one device's run, the BTP run on `mesh` under an offload plan made for it) of `steps` steps."""
+    run = Config(MODEL, replace(train, strategy="btp", mesh=mesh))
+    planned = replace(run, train=replace(run.train, offload_plan=_plan_file(tmp_path, run)))
+    return _steps(Config(MODEL, train), steps), _steps(planned, steps)
+
+
 def test_btp_with_an_offload_plan_matches_one_device(tmp_path):
     """BTP on data=2 x model=2 under an offload plan (host parameters and optimizer state, a nested
     recompute segment, an offloaded boundary): the single-device AdamW losses and parameters."""
-    train = TrainConfig(batch=4, seq=16, progress=False)
-    ref = _steps(Config(MODEL, train), 3)
-    run = Config(MODEL, replace(train, strategy="btp", mesh="data=2,model=2"))
-    got = _steps(replace(run, train=replace(run.train, offload_plan=_plan_file(tmp_path, run))), 3)
+    ref, got = _against_one_device(tmp_path, TrainConfig(batch=4, seq=16, progress=False), "data=2,model=2", 3)
     np.testing.assert_allclose(got[0], ref[0], rtol=5e-6)
     errs = jax.tree.map(_rel, got[1], ref[1])
     assert max(jax.tree.leaves(errs)) < 1e-6, errs
@@ -78,9 +82,7 @@ def test_btp_pipeline_rotation_delay_and_offload_in_one_mesh(tmp_path):
     --offload-plan`: the single-device losses of rotation with delay 4 (rel 1e-5) and its parameters
     (rel 5e-2: the bases are eigenvectors of near-degenerate Gram matrices, see test_tp)."""
     train = TrainConfig(batch=4, seq=16, optimizer="rotation", rot_refresh=2, pipeline_delay=4, progress=False)
-    ref = _steps(Config(MODEL, train), 4)
-    run = Config(MODEL, replace(train, strategy="btp", mesh="data=2,stage=2,model=2"))
-    got = _steps(replace(run, train=replace(run.train, offload_plan=_plan_file(tmp_path, run))), 4)
+    ref, got = _against_one_device(tmp_path, train, "data=2,stage=2,model=2", 4)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
     errs = jax.tree.map(_rel, got[1], ref[1])
     assert max(jax.tree.leaves(errs)) < 5e-2, errs

@@ -8,10 +8,8 @@ import json
 from dataclasses import replace
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, preset, validate
 from boostjax.hardware import HardwareProfile
@@ -21,7 +19,7 @@ from boostjax.offload.costmodel import build_instance
 from boostjax.offload.planner import Decisions, baseline_plan, make_plan
 from boostjax.placement import Offloaded, SingleDevice, host_mask, local_loss_fn
 from boostjax.optim import build_optimizer
-from boostjax.step import TrainState, build_step_fns, step_layout, train_step
+from boostjax.step import build_step_fns, step_layout, train_step
 from boostjax.models.llama import init_model
 from boostjax.trainer import train
 from helpers import assert_rel_close
@@ -71,17 +69,6 @@ def _offloaded(cfg: Config, graphdef, plan) -> Offloaded:
     """The placement `boostjax.placement.choose` gives `cfg` with `plan` (a `Plan` object, not a file)."""
     check_plan_for(plan, cfg, require_record=False)
     return Offloaded(SingleDevice(cfg, graphdef, remat=apply.schedule(plan)), plan)
-
-
-def _placed_state(pl: Offloaded, tx, params) -> tuple[TrainState, TrainState]:
-    """(the training state, its shardings) on `pl`, placed as `boostjax.step.step_layout` places them:
-    the layers the plan sends to host in pinned host memory, the rest on device."""
-    like = jax.eval_shape(pl.to_state, params)
-    init = lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p))  # noqa: E731
-    rest = (lambda s: (s.step, s.opt_state))(jax.eval_shape(init, like))
-    step_home, opt_homes = pl.place("opt_state", jax.tree.map(lambda _: P(), rest), rest)
-    homes = TrainState(step_home, pl.place("params", pl.param_specs(like), like), opt_homes)
-    return jax.device_put(init(pl.to_state(params)), homes), homes
 
 
 @pytest.fixture(scope="module")
@@ -225,13 +212,10 @@ def test_memory_prediction_against_compiled_step(kind, batch, seq, mixed, baseli
     inst = apply.instance_for(cfg, HardwareProfile("slow", 64 << 30, 2e11, 2e10, 2e10, 256 << 30), budget_bytes=1e12)
     graphdef, params = init_model(cfg)
     batch_ = {k: np.zeros((batch, seq), np.int32) for k in ("inputs", "targets")}
-    tx = build_optimizer(cfg.train, params)
     ratios, measured = [], []
     for plan in (make_plan(inst, mixed, "manual"), *(baseline_plan(inst, b) for b in baselines)):
-        pl = _offloaded(cfg, graphdef, plan)
-        state, homes = _placed_state(pl, tx, params)
-        c = jax.jit(train_step(pl.loss_fn, tx, homes=homes), donate_argnums=(0,)) \
-            .lower(state, batch_).compile(compiler_options=pl.compiler_options)
+        fns = build_step_fns(cfg, graphdef, params, placement=_offloaded(cfg, graphdef, plan))
+        c = fns.compile(fns.init(params), batch_)
         measured.append(apply.compiled_memory(c)["total_bytes"])
         ratios.append(measured[-1] / apply.cpu_equivalent(inst, plan)[0])
     if "no-offload" in baselines:

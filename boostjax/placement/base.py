@@ -8,6 +8,7 @@ memory kinds and remat schedule on top of any of them. `boostjax.placement.choos
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Literal, Protocol
 
 import jax
@@ -15,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
 from boostjax.offload.apply import DEVICE, HOST
+from boostjax.sharding import rules
 
 Role = Literal["params", "opt_state", "grads"]
 
@@ -46,6 +48,23 @@ class Placement(Protocol):
     def place(self, role: Role, specs: Any, like: Any) -> Any: ...  # sharding per leaf (None: unconstrained)
 
     def loss_fn(self, params: Any, batch: dict) -> jax.Array: ...  # mean loss; params in device memory
+
+
+class Canonical:
+    """Mixin of the placements that train the canonical per-layer layout (all but a pipeline's)."""
+
+    cfg: Any
+
+    def to_state(self, params: Any) -> Any:
+        return params
+
+    def to_canonical(self, params: Any) -> Any:
+        return params
+
+    @cached_property
+    def axes(self) -> Any:
+        """The logical axes of every parameter, as the model declares them."""
+        return rules.logical_axes(self.cfg.model)
 
 
 def is_spec(x: Any) -> bool:

@@ -12,7 +12,7 @@ from jax.sharding import SingleDeviceSharding
 
 from boostjax.config import Config
 from boostjax.models.ops import cast_params
-from boostjax.placement.base import Role
+from boostjax.placement.base import Canonical, Role
 from boostjax.sharding import rules
 
 
@@ -28,7 +28,7 @@ def local_loss_fn(cfg: Config, graphdef, remat: Any = None):
 
 
 @dataclass(frozen=True)
-class SingleDevice:
+class SingleDevice(Canonical):
     cfg: Config
     graphdef: Any
     remat: Any = None  # None: `cfg.train.remat`
@@ -40,16 +40,6 @@ class SingleDevice:
     @property
     def batch_sharding(self) -> SingleDeviceSharding:
         return SingleDeviceSharding(jax.devices()[0])
-
-    def to_state(self, params: Any) -> Any:
-        return params
-
-    def to_canonical(self, params: Any) -> Any:
-        return params
-
-    @cached_property
-    def axes(self) -> Any:
-        return rules.logical_axes(self.cfg.model)
 
     def param_specs(self, state_like: Any) -> Any:
         return rules.param_specs("none", self.axes)

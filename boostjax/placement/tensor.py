@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from boostjax.config import Config
 from boostjax.models.ops import cast_params
-from boostjax.placement.base import Role, is_spec
+from boostjax.placement.base import Canonical, Role, is_spec
 from boostjax.sharding.mesh import DATA, MODEL, loss_mesh
 from boostjax.sharding import rules
 
@@ -45,7 +45,7 @@ def shard_loss_fn(cfg: Config, graphdef, mesh: Mesh, specs: Any, remat: Any) -> 
 
 
 @dataclass(frozen=True)
-class TensorParallel:
+class TensorParallel(Canonical):
     """A `data x model` mesh (`model` may be 1: pure data parallelism)."""
 
     cfg: Config
@@ -69,17 +69,6 @@ class TensorParallel:
     @property
     def micro_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P(None, DATA))
-
-    def to_state(self, params: Any) -> Any:
-        return params
-
-    def to_canonical(self, params: Any) -> Any:
-        return params
-
-    @cached_property
-    def axes(self) -> Any:
-        """The logical axes of every parameter in the training layout."""
-        return rules.logical_axes(self.cfg.model)
 
     def param_specs(self, state_like: Any) -> Any:
         return rules.param_specs(self.cfg.train.strategy, self.axes)
