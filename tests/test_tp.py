@@ -50,7 +50,7 @@ def _compare(cfg: Config, seed: int, ref: Config | None = None):
     batch = {k: jnp.asarray(rng.integers(0, cfg.model.vocab_size, (cfg.train.batch, cfg.train.seq)), jnp.int32)
              for k in ("inputs", "targets")}
     with jax.default_matmul_precision("highest"):
-        ref_loss, ref_grads = jax.value_and_grad(local_loss_fn(ref or cfg, ref_graphdef))(params, batch)
+        ref_loss, ref_grads = jax.jit(jax.value_and_grad(local_loss_fn(ref or cfg, ref_graphdef)))(params, batch)
         pl = choose(cfg, graphdef, params)
         loss, grads = jax.jit(jax.value_and_grad(pl.loss_fn))(put_params(pl, params),
                                                               jax.device_put(batch, pl.batch_sharding))
@@ -60,7 +60,8 @@ def _compare(cfg: Config, seed: int, ref: Config | None = None):
 
 
 @pytest.mark.parametrize("strategy,kind", CASES)
-@pytest.mark.parametrize("mesh", ["data=1,model=2", "data=2,model=2", "data=1,model=4", "data=2,model=4"])
+# data=2 x model=2 is covered by data=2 x model=4 here and by the remat cases below (CI time)
+@pytest.mark.parametrize("mesh", ["data=1,model=2", "data=1,model=4", "data=2,model=4"])
 def test_strategy_matches_single_device(strategy, kind, mesh):
     cfg = Config(replace(TINY, kind=kind), TrainConfig(strategy=strategy, mesh=mesh, batch=4, seq=16))
     assert_matches(*_compare(cfg, seed=seed_of(strategy, kind, mesh)))
@@ -112,22 +113,6 @@ def test_bad_meshes():
         choose(cfg2, graphdef, params)
     with pytest.raises(ConfigError, match="train.mesh: cannot read"):
         choose(replace(cfg, train=replace(cfg.train, mesh="model:2")), graphdef, params)
-
-
-@pytest.mark.parametrize("strategy", ["btp"])  # vanilla-tp: the exact one-step test below covers its sharded update
-def test_rotation_optimizer_on_a_tp_mesh_matches_one_device(strategy):
-    """Basis-rotation Adam (grouped 3-D tensors rotated per matrix) on a model=2 mesh: the same
-    losses as on one device through the exact refresh and a power-step refresh (rel 1e-5).
-
-    Parameters agree to rel 5e-2 (measured <= 1.1e-2), not to rounding like AdamW's (2e-8 here): the bases are
-    eigenvectors of Gram matrices of a few tiny batches, whose close or zero eigenvalues make them
-    sensitive to the rounding of the sharded matmuls, and early Adam steps are nearly sign steps."""
-    model = ModelConfig(kind="cola", d_model=32, n_layers=1, n_heads=2, d_ff=64, rank=16, max_seq_len=16)
-    train = TrainConfig(batch=4, seq=16, optimizer="rotation", rot_refresh=2, progress=False)
-    ref, got = (_train_steps(model, t, 4) for t in (train, replace(train, strategy=strategy, mesh="data=1,model=2")))
-    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(ref[1]), jax.tree.leaves(got[1]), strict=True):
-        assert _rel(np.asarray(b), np.asarray(a)) < 5e-2
 
 
 def _train_steps(model: ModelConfig, train: TrainConfig, steps: int) -> tuple[list[float], dict]:
