@@ -65,6 +65,9 @@ _HELP = {
     "doc_mask": "mask attention at document boundaries: batches of packed documents carry a document id per "
                 "token, and a token attends only to its own document (needs data with documents: the "
                 "built-in corpus, a folder or a tokenised folder)",
+    "rot_order": "rotation: 'previous' projects G_t on bases built from earlier gradients (SOAP); 'current' updates "
+                 "the Gram EMA with G_t, refreshes if due (step 1, every rot_refresh steps), then projects (the "
+                 "basis-rotation reference code)",
     "init_from_hf": "start a new run from a Hugging Face LLaMA folder (its shapes; --model svd/cola/lax --rank r "
                     "factors each projection by truncated SVD; init_report.json holds the errors)",
 }

@@ -35,6 +35,7 @@ Optimizer = Literal["adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit"]
 ZeroStage = Literal[0, 1, 3]
 PipelineSchedule = Literal["gpipe", "1f1b"]
 RotSource = Literal["second", "first"]
+RotOrder = Literal["previous", "current"]
 RotGeometry = Literal["bilateral", "unilateral"]
 ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 ATTENTION: tuple[str, ...] = get_args(Attention)
@@ -49,6 +50,7 @@ MESH_AXES: tuple[str, ...] = ("data", "stage", "model")
 ZERO_STAGES: tuple[int, ...] = get_args(ZeroStage)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 ROT_SOURCES: tuple[str, ...] = get_args(RotSource)
+ROT_ORDERS: tuple[str, ...] = get_args(RotOrder)
 ROT_GEOMETRIES: tuple[str, ...] = get_args(RotGeometry)
 # Sizes past which a number is a typo, not a run: token positions and ids are int32 in the step, and a
 # materialised attention of a longer sequence has more than 2^40 scores per head and sequence.
@@ -205,6 +207,7 @@ class TrainConfig:
     rot_refresh: int = 10  # refresh the rotation basis every T steps
     rot_beta: float = 0.95  # EMA of G Gᵀ / Gᵀ G (SOAP's 0.95: the basis must follow the current curvature)
     rot_max_dim: int = 4096  # a side larger than this is not rotated
+    rot_order: RotOrder = "previous"  # project G_t on bases from G_<=t-1 (SOAP), or refresh with G_t first (the reference)
     stage_aware_refresh: bool = False  # stages with larger delay refresh their basis more often
     delay_lr_tc: int = 1000  # PipeDream-LR: steps until the delay-scaled learning rate reaches lr
     offload_plan: str = ""  # plan.json from `boostjax plan`: remat/offload policies and host placement
@@ -421,6 +424,10 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _need(t.rot_source in ROT_SOURCES, f"train.rot_source: {t.rot_source!r}; fix: use {' or '.join(ROT_SOURCES)}")
     _need(t.rot_geometry in ROT_GEOMETRIES,
           f"train.rot_geometry: {t.rot_geometry!r}; fix: use {' or '.join(ROT_GEOMETRIES)}")
+    _need(t.rot_order in ROT_ORDERS, f"train.rot_order: {t.rot_order!r}; fix: use {' or '.join(ROT_ORDERS)}")
+    _need(t.rot_order == "previous" or t.rot_source == "second",
+          f"train.rot_order: 'current' needs rot_source 'second' (got {t.rot_source!r}); "
+          "fix: pass --rot-source second or --rot-order previous")
     for name in ("rot_refresh", "rot_max_dim", "delay_lr_tc"):
         v = getattr(t, name)
         _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")

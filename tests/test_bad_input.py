@@ -83,6 +83,7 @@ def _digest(path: pathlib.Path) -> str:
     (["--zero", "2"], "train.zero"), (["--zero", "-1"], "train.zero"),
     (["--strategy", "zero3"], "train.strategy"), (["--optimizer", "sgd"], "train.optimizer"),  # Literal choices
     (["--remat", "some"], "train.remat"), (["--rot-source", "third"], "train.rot_source"),
+    (["--rot-order", "current", "--rot-source", "first"], "train.rot_order"),
     (["--data-dtype", "int8"], "train.data_dtype"), (["--dtype", "float8"], "train.dtype"),
     (["--profile", "abc"], "train.profile"), (["--profile", "1:1"], "train.profile"),
     (["--profile", "0:3"], "train.profile"), (["--profile", "-1:2"], "train.profile"),

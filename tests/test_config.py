@@ -53,6 +53,8 @@ def test_invalid_model_configs(model, field):
     (dict(pipeline_schedule="1F1B", mesh="stage=2"), "train.pipeline_schedule"),
     (dict(warmup=50, steps=50), "train.warmup"),
     (dict(rot_beta=1.0), "train.rot_beta"),
+    (dict(rot_order="next"), "train.rot_order"),
+    (dict(rot_order="current", rot_source="first"), "train.rot_order"),
     (dict(lr=float("inf")), "train.lr"),
     (dict(lr=float("nan")), "train.lr"),
     (dict(min_lr_ratio=float("nan")), "train.min_lr_ratio"),
@@ -130,7 +132,7 @@ def test_literal_fields_are_the_flags_choices():
     for name, names in (("strategy", config.STRATEGIES), ("dtype", config.DTYPES), ("remat", config.REMAT),
                         ("optimizer", config.OPTIMIZERS), ("zero", config.ZERO_STAGES),
                         ("pipeline_schedule", config.PIPELINE_SCHEDULES), ("rot_source", config.ROT_SOURCES),
-                        ("rot_geometry", config.ROT_GEOMETRIES), ("data_dtype", config.DATA_DTYPES)):
+                        ("rot_geometry", config.ROT_GEOMETRIES), ("rot_order", config.ROT_ORDERS), ("data_dtype", config.DATA_DTYPES)):
         assert typing.get_args(hints[name]) == names, name
     assert config.OPTIMIZERS == ("adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit")
     actions = {a.dest: a for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}

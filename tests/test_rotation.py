@@ -403,3 +403,57 @@ def test_bad_arguments_raise_value_errors():
         opt.update(_tree(), opt.init(_tree()))
     assert isinstance(scale_by_rotated_adam().init(_tree()), RotatedAdamState)
     assert isinstance(rotated_state(opt.init(_tree())), RotatedAdamState)
+
+
+# ----------------------------------------------------------------------------- reference order
+def _np_current_order(grads, period, beta, eps):
+    """float64 updates of order "current" (the reference `BasisRotation.step`): Gram EMA with G_t,
+    refresh if due (eigh at t = 1, else one power step + sort + v permutation), then project."""
+    m, n = grads[0].shape
+    u, v, lo, ro = np.eye(m), np.eye(n), np.zeros((m, m)), np.zeros((n, n))
+    mu, nu, out = np.zeros((m, n)), np.zeros((m, n)), []
+    for t, g in enumerate(grads, start=1):
+        lo, ro = beta * lo + (1 - beta) * g @ g.T, beta * ro + (1 - beta) * g.T @ g
+        if t == 1:
+            u, v = np.linalg.eigh(lo)[1][:, ::-1], np.linalg.eigh(ro)[1][:, ::-1]
+        elif t % period == 0:
+            for side, stat in (("l", lo), ("r", ro)):
+                q = np.linalg.qr(stat @ (u if side == "l" else v))[0]
+                perm = np.argsort(-np.sum(q * (stat @ q), axis=0), kind="stable")
+                if side == "l":
+                    u, nu = q[:, perm], nu[perm, :]
+                else:
+                    v, nu = q[:, perm], nu[:, perm]
+        mu = B1 * mu + (1 - B1) * g
+        nu = B2 * nu + (1 - B2) * (u.T @ g @ v) ** 2
+        out.append(u @ ((u.T @ mu @ v / (1 - B1**t)) / (np.sqrt(nu / (1 - B2**t)) + eps)) @ v.T)
+    return out
+
+
+def test_reference_order_refreshes_with_the_current_gradient_first():
+    """order="current": step 1 is Adam in the eigenbasis of G₁'s own Grams (U, V = its singular
+    vectors, so the step is U diag(σ/(σ+eps)) Vᵀ); refreshes at t = 1 and t % T == 0."""
+    rng = np.random.default_rng(5)
+    grads = [rng.normal(size=(5, 4)) * rng.uniform(0.5, 2.0) for _ in range(7)]
+    # eps 1: Uᵀ G₁ V is diagonal up to rounding (~1e-7 |G| in fp32), which a tiny eps blows up to
+    # O(1) off-diagonal steps (what the reference does at step 1); eps 0.1 leaves 1.3e-5 relative
+    eps = 1.0
+    ref = _np_current_order(grads, 3, 0.9, eps)
+    uf, sv, vh = np.linalg.svd(grads[0])
+    np.testing.assert_allclose(ref[0], uf[:, :4] @ np.diag(sv / (sv + eps)) @ vh, atol=1e-12)  # the hand form
+    opt = scale_by_rotated_adam(B1, B2, eps, refresh_every=3, basis_beta=0.9, order="current")
+    upd = jax.jit(opt.update)
+    s = opt.init(jnp.zeros((5, 4)))
+    bases = [np.asarray(s.basis_l)]
+    for t, (g, u_ref) in enumerate(zip(grads, ref), start=1):
+        u, s = upd(jnp.asarray(g, jnp.float32), s)
+        bases.append(np.asarray(s.basis_l))
+        # fp32 eigh / QR of Gram matrices (squared condition numbers): measured <= 5.9e-6 relative
+        err = np.linalg.norm(np.asarray(u) - u_ref) / np.linalg.norm(u_ref)
+        assert err < 3e-5, f"step {t}: {err}"
+        changed = not np.array_equal(bases[-1], bases[-2])
+        assert changed == (t in (1, 3, 6)), f"step {t}"
+    with pytest.raises(ValueError, match="order"):
+        scale_by_rotated_adam(order="current", source="first")
+    with pytest.raises(ValueError, match="order"):
+        scale_by_rotated_adam(order="next")

@@ -6,7 +6,8 @@
 
 A stacked leaf (a pipeline's layers `[L, ...]`) carries a tuple of per-layer stage ids (see
 `assign_stages`): its scale / period is per index of axis 0. PipeDream itself is plain AdamW under
-the delay emulation; Nesterov is `optax.nadamw` (both built by `boostjax.optim.registry`).
+the delay emulation; Nesterov is torch's NAdam (`boostjax.optim.nadam_torch`; all built by
+`boostjax.optim.registry`).
 """
 
 from __future__ import annotations

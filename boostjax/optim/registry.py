@@ -22,6 +22,7 @@ from boostjax.config import TrainConfig
 from boostjax.optim.adam8bit import QTensor, adam8bit
 from boostjax.optim import rotation
 from boostjax.optim.delay import stage_delays
+from boostjax.optim.nadam_torch import torch_nadamw
 from boostjax.optim.pipedream import scale_by_stage_delay, stage_refresh_periods
 from boostjax.optim.schedule import lr_schedule
 
@@ -42,10 +43,12 @@ class Hyper:
     n_stages: int = 1
     t_c: int = 1000
     nesterov_b1: float = 0.99
+    momentum_decay: float = 0.004
     source: str = "second"
     geometry: str = "bilateral"
     refresh_every: int = 10
     stage_aware_refresh: bool = False
+    order: str = "previous"
     basis_beta: float = 0.95
     max_dim: int = 4096
     rotation_mask: Any = None
@@ -60,7 +63,7 @@ def _pipedream_lr(lr: optax.ScalarOrSchedule, h: Hyper) -> optax.GradientTransfo
 
 
 def _nesterov(lr: optax.ScalarOrSchedule, h: Hyper) -> optax.GradientTransformation:
-    return optax.nadamw(lr, h.nesterov_b1, h.b2, h.eps, weight_decay=h.weight_decay)
+    return torch_nadamw(lr, h.nesterov_b1, h.b2, h.eps, weight_decay=h.weight_decay, momentum_decay=h.momentum_decay)
 
 
 def _rotation(lr: optax.ScalarOrSchedule, h: Hyper) -> optax.GradientTransformation:
@@ -68,7 +71,7 @@ def _rotation(lr: optax.ScalarOrSchedule, h: Hyper) -> optax.GradientTransformat
                else h.refresh_every)
     return rotation.rotated_adam(lr, h.b1, h.b2, h.eps, h.weight_decay, source=h.source, geometry=h.geometry,
                                  refresh_every=periods, basis_beta=h.basis_beta, max_dim=h.max_dim,
-                                 mask=h.rotation_mask)
+                                 mask=h.rotation_mask, order=h.order)
 
 
 def _adam8bit(lr: optax.ScalarOrSchedule, h: Hyper) -> optax.GradientTransformation:
@@ -94,7 +97,7 @@ OPTIMIZERS: dict[str, OptimizerDef] = {
                              needs_stages=lambda h: h.stage_aware_refresh, replicated=rotation.REPLICATED_FIELDS),
     "pipedream-lr": OptimizerDef("AdamW, update scaled down by the stage delay (PipeDream-LR)", _pipedream_lr,
                                  needs_stages=lambda h: True),
-    "nesterov": OptimizerDef("NAdamW with b1 = 0.99 (optax.nadamw)", _nesterov),
+    "nesterov": OptimizerDef("Nesterov (torch NAdam, mu_t schedule): b1 0.99, decoupled weight decay", _nesterov),
     "adam8bit": OptimizerDef("AdamW with block-wise 8-bit moments and fused clipping", _adam8bit, fused_clip=True,
                              replicated=frozenset(QTensor._fields)),
 }
@@ -124,10 +127,10 @@ def make(name: str, lr: optax.ScalarOrSchedule, h: Hyper, params_like: Any = Non
 
 
 def hyper(t: TrainConfig, *, rotation_mask: Any = None, stages: Any = None) -> Hyper:
-    """The hyperparameters of `t` (eps and Nesterov's b1 keep their defaults: not configurable)."""
+    """The hyperparameters of `t` (eps, Nesterov's b1 and momentum decay keep their defaults: not configurable)."""
     return Hyper(b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, clip=t.clip, stages=stages,
                  n_stages=t.pipeline_delay, t_c=t.delay_lr_tc, source=t.rot_source, geometry=t.rot_geometry,
-                 refresh_every=t.rot_refresh, stage_aware_refresh=t.stage_aware_refresh, basis_beta=t.rot_beta,
+                 refresh_every=t.rot_refresh, stage_aware_refresh=t.stage_aware_refresh, order=t.rot_order, basis_beta=t.rot_beta,
                  max_dim=t.rot_max_dim, rotation_mask=rotation_mask)
 
 
@@ -175,8 +178,8 @@ def make_optimizer(
     **kw: Any,
 ) -> optax.GradientTransformation:
     """A named optimizer from keyword hyperparameters (the fields of `Hyper`: b1, b2, eps,
-    weight_decay, clip, n_stages, t_c, nesterov_b1, source, geometry, refresh_every,
-    stage_aware_refresh, basis_beta, max_dim, rotation_mask), clipping first when `clip > 0`.
+    weight_decay, clip, n_stages, t_c, nesterov_b1, momentum_decay, source, geometry, refresh_every,
+    stage_aware_refresh, order, basis_beta, max_dim, rotation_mask), clipping first when `clip > 0`.
 
     The Python-API counterpart of `build_optimizer` (which reads a `TrainConfig` and injects the
     learning rate). Names: the registry's, and "pipedream" (= "adamw", delays come from the

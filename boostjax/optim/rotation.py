@@ -63,6 +63,7 @@ import optax
 from jaxtyping import Array, Float, Int
 
 SOURCES: tuple[str, ...] = ("second", "first")
+ORDERS: tuple[str, ...] = ("previous", "current")
 GEOMETRIES: tuple[str, ...] = ("bilateral", "unilateral")
 _HI = jax.lax.Precision.HIGHEST
 
@@ -253,9 +254,12 @@ def _period_leaves(refresh_every: Any, treedef: Any) -> list[int | tuple[int, ..
             for t in periods]
 
 
-def _check_args(b1, b2, eps, source, geometry, refresh_every, basis_beta, max_dim):
+def _check_args(b1, b2, eps, source, geometry, refresh_every, basis_beta, max_dim, order="previous"):
     if source not in SOURCES:
         raise ValueError(f"rotated_adam: source={source!r}; fix: use one of {SOURCES}")
+    if order not in ORDERS or (order == "current" and source != "second"):
+        raise ValueError(f"rotated_adam: order={order!r} with source={source!r}; "
+                         f"fix: order one of {ORDERS}, 'current' with source='second'")
     if geometry not in GEOMETRIES:
         raise ValueError(f"rotated_adam: geometry={geometry!r}; fix: use one of {GEOMETRIES}")
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
@@ -283,6 +287,7 @@ def scale_by_rotated_adam(
     max_dim: int = 4096,
     rotate: bool = True,
     mask: MaskOrFn = None,
+    order: str = "previous",
 ) -> optax.GradientTransformation:
     """The direction of Adam in a Kronecker-factored rotated basis (no learning rate, no weight
     decay: `rotated_adam` chains those, as `optax.adamw` does around `optax.scale_by_adam`).
@@ -293,8 +298,14 @@ def scale_by_rotated_adam(
     default: leaves with ndim == 2. True or `()` rotates a 2-D leaf; an int `g` or a tuple of axes
     rotates each matrix of a leaf stacked along those axes (independent bases per matrix).
     `rotate=False` gives exactly `optax.scale_by_adam(b1, b2, eps)`.
+    `order`: "previous" (module docstring: SOAP's order) or "current", the basis-rotation reference
+    code's (`BasisRotation.step`): Gram EMA with G_t, refresh if due (exact `eigh` at step 1, one
+    power-iteration step when `t % T == 0`), THEN the Adam step with the fresh bases; `v` is never
+    restarted (it is still zero at the exact refresh) and its bias correction counts t. Source
+    "second" only. At step 1 `Uᵀ G₁ V` is diagonal up to rounding, which Adam normalises to O(1)
+    off-diagonal updates unless eps is large: that is what the reference does.
     """
-    _check_args(b1, b2, eps, source, geometry, refresh_every, basis_beta, max_dim)
+    _check_args(b1, b2, eps, source, geometry, refresh_every, basis_beta, max_dim, order)
 
     def _mask_leaves(tree: Any, treedef: Any) -> list[Any]:
         mask_tree = (mask(tree) if callable(mask) else mask) if mask is not None else default_rotation_mask(tree)
@@ -392,6 +403,9 @@ def scale_by_rotated_adam(
             upd = (mu / bc1.astype(mu.dtype)) / (jnp.sqrt(nu / bc2.astype(nu.dtype)) + eps)
             return upd, (mu, nu, u_mm, v_nn, l_mm, r_nn)
 
+        if order == "current":
+            return _leaf_update_current(g, mu, nu, u_mm, v_nn, l_mm, r_nn, count_inc, period)
+
         # 1) Adam step in the bases built from gradients up to t-1 (identity at t = 1).
         f32 = jnp.float32
         first = count_inc == 1
@@ -421,6 +435,26 @@ def scale_by_rotated_adam(
         u_mm, v_nn, nu = jax.lax.switch(branch, branches, u_mm, v_nn, nu, l_mm, r_nn, mt_mn)
         return upd, (mu, nu, u_mm, v_nn, l_mm, r_nn)
 
+    def _leaf_update_current(g, mu, nu, u_mm, v_nn, l_mm, r_nn, count_inc, period):
+        """order "current": statistics with G_t, refresh if due, then the Adam step in those bases."""
+        f32 = jnp.float32
+        g32 = g.astype(f32)
+        if _on(l_mm):
+            l_mm = basis_beta * l_mm + (1 - basis_beta) * _mm(g32, g32.T)
+        if _on(r_nn):
+            r_nn = basis_beta * r_nn + (1 - basis_beta) * _mm(g32.T, g32)
+        branch = jnp.where(count_inc == 1, 2, jnp.where(count_inc % period == 0, 1, 0))
+        u_mm, v_nn, nu = jax.lax.switch(branch, (_keep, _power_second, _exact_second), u_mm, v_nn, nu, l_mm, r_nn,
+                                        jnp.zeros((0,), f32))
+        bc1 = (1 - b1**count_inc).astype(f32)
+        bc2 = (1 - b2**count_inc).astype(f32)
+        gr = _project(g32, u_mm, v_nn)
+        nu = (1 - b2) * (gr * gr).astype(nu.dtype) + b2 * nu
+        mr = (1 - b1) * gr + b1 * _project(mu.astype(f32), u_mm, v_nn)
+        mu = (1 - b1) * g + b1 * mu
+        upd_r = (mr / bc1) / (jnp.sqrt(nu.astype(f32) / bc2) + eps)
+        return _unproject(upd_r, u_mm, v_nn).astype(g.dtype), (mu, nu, u_mm, v_nn, l_mm, r_nn)
+
     return optax.GradientTransformation(init_fn, update_fn)
 
 
@@ -445,6 +479,7 @@ def rotated_adam(
     rotate: bool = True,
     mask: MaskOrFn = None,
     weight_decay_mask: MaskOrFn = None,
+    order: str = "previous",
 ) -> optax.GradientTransformation:
     """AdamW in a Kronecker-factored rotated basis: `scale_by_rotated_adam`, then
     `add_decayed_weights(weight_decay, weight_decay_mask)` (left out when 0), then
@@ -457,7 +492,7 @@ def rotated_adam(
     if not callable(learning_rate) and not isinstance(learning_rate, (int, float, jax.Array, np.ndarray)):
         raise ValueError("rotated_adam: learning_rate must be a float or an optax schedule")
     direction = scale_by_rotated_adam(b1, b2, eps, source=source, geometry=geometry, refresh_every=refresh_every,
-                                      basis_beta=basis_beta, max_dim=max_dim, rotate=rotate, mask=mask)
+                                      basis_beta=basis_beta, max_dim=max_dim, rotate=rotate, mask=mask, order=order)
     decay = [optax.add_decayed_weights(weight_decay, weight_decay_mask)] if weight_decay != 0 else []
     return optax.chain(direction, *decay, optax.scale_by_learning_rate(learning_rate))
 
