@@ -209,7 +209,7 @@ class TrainConfig:
     rot_max_dim: int = 4096  # a side larger than this is not rotated
     rot_order: RotOrder = "previous"  # project G_t on bases from G_<=t-1 (SOAP), or refresh with G_t first (the reference)
     stage_aware_refresh: bool = False  # stages with larger delay refresh their basis more often
-    delay_lr_tc: int = 1000  # PipeDream-LR: steps until the delay-scaled learning rate reaches lr
+    delay_lr_tc: int = 1000  # PipeDream-LR: steps until the delay-scaled lr reaches lr (reference: 7 of 250 epochs = 2.8 %)
     offload_plan: str = ""  # plan.json from `boostjax plan`: remat/offload policies and host placement
     progress: bool = True
     # multi-host (boostjax.multihost): all three, or none to read SLURM / Open MPI / BOOSTJAX_* variables
