@@ -1,6 +1,7 @@
 """BOOST's communication table, measured from compiled HLO (no model is allocated).
 
-For 1B (TP4), 3B (TP2), 7B (TP4) and 13B (TP4) — micro-batch 4, sequence 4096, bf16 — compiles one
+For 1B (TP4), 3B (TP2), 7B (TP4) and 13B (TP4) — micro-batch 4, sequence 4096, bf16, the LLaMA-2
+vocabulary of 32000 (BOOST's yamls; per-layer figures do not depend on it) — compiles one
 training step and the forward loss of full-rank Megatron TP (dense LLaMA), vanilla low-rank TP and
 BTP (CoLA) on simulated CPU devices, and writes
 
@@ -34,7 +35,8 @@ from boostjax.analysis.comm import GIB, STRATEGIES, comm_report  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SETUPS = {"1b": 4, "3b": 2, "7b": 4, "13b": 4}  # preset -> TP size
-BATCH, SEQ, DTYPE = 4, 4096, "bfloat16"
+BATCH, SEQ, DTYPE, VOCAB = 4, 4096, "bfloat16", 32000
+BYTE_VOCAB = 256  # what runs before the vocabulary was recorded used (the presets' byte-level default)
 PAPER_7B = {"fullrank-tp": 0.25, "vanilla-tp": 1.32, "btp": 0.22}  # GB per layer, forward, one direction
 NAMES = {"fullrank-tp": "full-rank TP", "vanilla-tp": "vanilla low-rank TP", "btp": "BTP"}
 
@@ -44,14 +46,15 @@ def _log(msg: str) -> None:
 
 
 def measure(presets: list[str]) -> dict:
-    out: dict = {"setup": {"batch": BATCH, "seq": SEQ, "dtype": DTYPE, "model": "cola"}, "runs": {}, "remat": {}}
+    out: dict = {"setup": {"batch": BATCH, "seq": SEQ, "dtype": DTYPE, "model": "cola", "vocab": VOCAB},
+                 "runs": {}, "remat": {}}
     for name in presets:
         tp = SETUPS[name]
         mesh = f"data=1,model={tp}"
         runs = {}
         for strategy in STRATEGIES:
             t0 = time.perf_counter()
-            runs[strategy] = comm_report(preset(name, kind="cola"), mesh, BATCH, SEQ, strategy, dtype=DTYPE)
+            runs[strategy] = comm_report(preset(name, kind="cola", vocab_size=VOCAB), mesh, BATCH, SEQ, strategy, dtype=DTYPE)
             r = runs[strategy]
             _log(f"{name} TP{tp} {strategy:<12} fwd {r['forward_allreduce_bytes_per_layer'] / GIB:.4f} GiB/layer, "
                  f"step {r['allreduce_bytes_per_layer'] / GIB:.4f} GiB/layer, "
@@ -60,7 +63,7 @@ def measure(presets: list[str]) -> dict:
     if "7b" in presets:  # communication-free low-rank checkpointing vs none / full recompute
         for remat in ("lowrank", "full"):
             t0 = time.perf_counter()
-            out["remat"][remat] = comm_report(preset("7b", kind="cola"), "data=1,model=4", BATCH, SEQ, "btp",
+            out["remat"][remat] = comm_report(preset("7b", kind="cola", vocab_size=VOCAB), "data=1,model=4", BATCH, SEQ, "btp",
                                               remat=remat, dtype=DTYPE)
             _log(f"7b btp remat={remat} ({time.perf_counter() - t0:.0f} s)")
         out["remat"]["none"] = out["runs"]["7b"]["btp"]
@@ -73,10 +76,13 @@ def _gib(x: float) -> str:
 
 def markdown(res: dict) -> str:
     s = res["setup"]
+    vocab = s.get("vocab", BYTE_VOCAB)
+    vname = "the LLaMA-2 vocabulary" if vocab == 32000 else ("the BYTE vocabulary" if vocab == BYTE_VOCAB else "vocabulary")
     lines = [
         "# Communication per transformer layer, from compiled HLO",
         "",
-        f"Micro-batch {s['batch']}, sequence {s['seq']}, {s['dtype']}, one data-parallel replica (`data=1`); "
+        f"Micro-batch {s['batch']}, sequence {s['seq']}, {s['dtype']}, {vname} ({vocab} tokens; the per-layer "
+        "figures do not depend on it, the whole-step rows do), one data-parallel replica (`data=1`); "
         "CoLA for the low-rank strategies, the dense LLaMA of the same shapes for full-rank TP. "
         "Bytes are per device and one direction (what each all-reduce carries), GiB = 2^30; bf16 "
         "collectives are counted at bf16 (the CPU backend widens them to f32 before the all-reduce: "
@@ -101,13 +107,13 @@ def markdown(res: dict) -> str:
         lines += ["", f"Check: BTP's 7r latents at 7B, 7·r·B·S·2 bytes = 7·{m.rank}·{BATCH}·{SEQ}·2 = "
                       f"{7 * m.rank * BATCH * SEQ * 2 / GIB:.4f} GiB (+ two fp32 norm statistics per token, "
                       f"{2 * 4 * BATCH * SEQ / GIB:.6f} GiB)."]
-    lines += ["", "## Whole step (all layers, embedding, LM head, cross-entropy, optimizer)", "",
+    lines += ["", f"## Whole step (all layers, embedding, LM head, cross-entropy, optimizer), vocabulary {vocab}", "",
               "| model | strategy | all-reduces | all-reduce GiB | fwd all-reduces | fwd GiB | other collectives | "
               "temp GiB (CPU) |", "|---|---|---|---|---|---|---|---|"]
     for name, runs in res["runs"].items():
         for strategy, r in runs.items():
             other = ", ".join(f"{k} ×{v['count']} ({_gib(v['bytes'])} GiB)" for k, v in r["other_collectives"].items())
-            lines.append(f"| {name} | {NAMES[strategy]} | {r['allreduce_count']} | {_gib(r['allreduce_bytes'])} | "
+            lines.append(f"| {name}, V={vocab} | {NAMES[strategy]} | {r['allreduce_count']} | {_gib(r['allreduce_bytes'])} | "
                          f"{r['forward_allreduce_count']} | {_gib(r['forward_allreduce_bytes'])} | {other or '-'} | "
                          f"{r['temp_bytes'] / GIB:.1f} |")
     lines += ["", "## Layer GEMMs (forward): reduction dimension K and arithmetic intensity", "",
@@ -136,7 +142,7 @@ def markdown(res: dict) -> str:
             fwd = r["expected_per_layer"]["forward_elements_per_token"]
             lines.append(f"| {name} | {NAMES[strategy]} | {bwd / unit:.3f} {sym} | {fwd / unit:.3f} {sym} |")
     if res["remat"]:
-        lines += ["", "## Remat at 7B (BTP, TP4)", "",
+        lines += ["", f"## Remat at 7B (BTP, TP4), whole step, vocabulary {vocab}", "",
                   "| remat | all-reduces | all-reduce GiB | all-reduces/layer | saved for backward GiB/device | "
                   "temp GiB (CPU) |", "|---|---|---|---|---|---|"]
         for remat in ("none", "lowrank", "full"):
