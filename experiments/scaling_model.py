@@ -459,6 +459,8 @@ def markdown(res: dict) -> str:
              f"= {a['calibration_target_s']} s on one A100, the only configuration without communication); everything "
              "else is stated below and in `experiments/scaling_model.py`. Seconds per iteration. "
              "`README s` = BOOST's README results table (https://github.com/Arcana-2236/BOOST).", "",
+             *([f"Run: `{res['command'].strip()}`, {res['wall_s']} s wall on a shared 2-core CPU (abstract compiles "
+                "only; no GPU)."] if res.get("command") else []), "",
              "## Assumptions", "", *assumption_lines(a), "",
              "## A100 80GB (NVLink), BOOST's configurations", "",
              "| config | strategy | model s | README s | model / README | GEMM s | other memory s | comm s | p2p s | "
@@ -475,6 +477,19 @@ def markdown(res: dict) -> str:
         gmean = float(np.exp(np.mean(np.log(ratios))))
         lines += ["", f"model / README over the {len(ratios)} points: {min(ratios):.2f} to {max(ratios):.2f}, "
                       f"geometric mean {gmean:.2f} (one of them, the calibration point, is 1.00 by construction)."]
+    piped = [r for r in rows if r["table"] == "paper" and r["bubble_fraction"] > 0 and r.get("paper_s")
+             and "fwd_bwd_s_per_slot" in r]
+    if piped:
+        lines += ["", "Pipelined rows: how many one-micro-batch slots the README time would hold at the model's per-slot "
+                      "time, `(README s - optimizer s - p2p s) / forward+backward s per slot` (the model charges "
+                      "M + P - 1):", "",
+                  "| config | strategy | forward+backward s / slot | slots charged | slots implied by README |",
+                  "|---|---|---|---|---|"]
+        for r in piped:
+            implied = (r["paper_s"] - r["optimizer_s"] - r["p2p_s"]) / r["fwd_bwd_s_per_slot"]
+            charged = round(r["microbatches"] / (1 - r["bubble_fraction"]))  # M + P - 1
+            lines.append(f"| {r['setup']} | {NAMES[r['strategy']]} | {r['fwd_bwd_s_per_slot']:.3f} | {charged} | "
+                         f"{implied:.1f} |")
     if res.get("sensitivity"):
         lines += ["", "Sensitivity: one stated A100 constant changed, eta refitted on the calibration point:", "",
                   "| variant | eta | model / README min | max | geometric mean |", "|---|---|---|---|---|"]
@@ -547,8 +562,10 @@ def main(argv: list[str] | None = None) -> int:
         simulate_devices(8)  # before JAX starts: TP8 for the 30B/40B projection
         exact_low_precision()  # bf16 collectives stay bf16 in the HLO
         setups = tuple(s for s in PAPER_SETUPS if not args.quick or s.name in ("1b", "7b"))
+        t0 = time.perf_counter()
         res = run(setups, () if args.quick else BIG_SETUPS)
-        res["quick"] = args.quick
+        res.update(quick=args.quick, command="python experiments/scaling_model.py " + " ".join(argv or sys.argv[1:]),
+                   wall_s=round(time.perf_counter() - t0))
         with open(os.path.join(args.out, "scaling_model.json"), "w") as fh:
             json.dump(res, fh, indent=1)
     md = markdown(res)
