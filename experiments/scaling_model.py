@@ -365,8 +365,8 @@ def run(setups: tuple[Setup, ...], big: tuple[Setup, ...], paper: dict = PAPER,
                 rows.append(r)
     sens = sensitivity(setups, costs, paper, calibration)
     return {"sensitivity": sens, "assumptions": {
-        "micro_batch": MICRO_BATCH, "microbatches": MICROBATCHES, "batch": MICRO_BATCH * MICROBATCHES, "seq": SEQ,
-        "vocab": VOCAB, "tie_embeddings": TIE, "schedule": "1f1b", "dtype": "bfloat16", "remat": "none",
+        "micro_batch": cal.micro_batch, "microbatches": cal.microbatches, "batch": cal.batch, "seq": cal.seq,
+        "vocab": cal.shape.vocab_size, "tie_embeddings": cal.shape.tie_embeddings, "schedule": cal.schedule, "dtype": "bfloat16", "remat": "none",
         "attention": "fused (FlashAttention): score FLOPs counted, score traffic not", "low_rank_kind": "cola",
         "overlap": "none: TP collectives and the pipeline fill/drain sends on the critical path",
         "calibration": f"{calibration[0]} {calibration[1]}", "calibration_target_s": target,

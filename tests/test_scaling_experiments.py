@@ -81,7 +81,9 @@ def test_calibration_recovers_eta_and_table_has_every_row(costs, rows):
             assert r["model_over_paper"] == pytest.approx(1.0, rel=1e-6)
     md = sm.markdown(res)
     for name in sm.NAMES.values():
-        assert md.count(f"| TINY TP4 PP2 | {name} |") == 2  # beside the paper (A100) and the H200 projection
+        # beside the paper (A100), in the implied-slots table of pipelined rows, and in the H200 projection
+        assert md.count(f"| TINY TP4 PP2 | {name} |") == 3
+    assert "M = 2 micro-batches of 4 sequence(s) of 16 tokens" in md  # the setups' own micro-batching
     h200 = {r["strategy"]: r["iteration_s"] for r in res["rows"] if r["table"] == "h200"}
     assert all(h200[s] < rows[s]["iteration_s"] for s in sm.STRATEGIES)  # faster hardware, same programs
 
