@@ -11,7 +11,8 @@ BTP (CoLA) on simulated CPU devices, and writes
                                         and the remat check (7B BTP)
   experiments/results/comm_table.png    bar chart
 
-Run: `python experiments/comm_table.py` (several minutes on a laptop; `--presets 1b` for one;
+Run: `python experiments/comm_table.py` (several minutes on a laptop; over an hour on a shared 2-core
+machine; `--presets 1b` for one; `--vocab 256` for the byte vocabulary of the committed results;
 `--from-json experiments/results/comm_table.json` re-renders the table and chart without compiling).
 """
 
@@ -45,8 +46,8 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def measure(presets: list[str]) -> dict:
-    out: dict = {"setup": {"batch": BATCH, "seq": SEQ, "dtype": DTYPE, "model": "cola", "vocab": VOCAB},
+def measure(presets: list[str], vocab: int = VOCAB) -> dict:
+    out: dict = {"setup": {"batch": BATCH, "seq": SEQ, "dtype": DTYPE, "model": "cola", "vocab": vocab},
                  "runs": {}, "remat": {}}
     for name in presets:
         tp = SETUPS[name]
@@ -54,7 +55,7 @@ def measure(presets: list[str]) -> dict:
         runs = {}
         for strategy in STRATEGIES:
             t0 = time.perf_counter()
-            runs[strategy] = comm_report(preset(name, kind="cola", vocab_size=VOCAB), mesh, BATCH, SEQ, strategy, dtype=DTYPE)
+            runs[strategy] = comm_report(preset(name, kind="cola", vocab_size=vocab), mesh, BATCH, SEQ, strategy, dtype=DTYPE)
             r = runs[strategy]
             _log(f"{name} TP{tp} {strategy:<12} fwd {r['forward_allreduce_bytes_per_layer'] / GIB:.4f} GiB/layer, "
                  f"step {r['allreduce_bytes_per_layer'] / GIB:.4f} GiB/layer, "
@@ -63,7 +64,7 @@ def measure(presets: list[str]) -> dict:
     if "7b" in presets:  # communication-free low-rank checkpointing vs none / full recompute
         for remat in ("lowrank", "full"):
             t0 = time.perf_counter()
-            out["remat"][remat] = comm_report(preset("7b", kind="cola", vocab_size=VOCAB), "data=1,model=4", BATCH, SEQ, "btp",
+            out["remat"][remat] = comm_report(preset("7b", kind="cola", vocab_size=vocab), "data=1,model=4", BATCH, SEQ, "btp",
                                               remat=remat, dtype=DTYPE)
             _log(f"7b btp remat={remat} ({time.perf_counter() - t0:.0f} s)")
         out["remat"]["none"] = out["runs"]["7b"]["btp"]
@@ -174,6 +175,8 @@ def chart(res: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="1b,3b,7b,13b", help="comma-separated subset of 1b,3b,7b,13b")
+    ap.add_argument("--vocab", type=int, default=VOCAB,
+                    help=f"vocabulary size (default {VOCAB}, BOOST's; the committed results used {BYTE_VOCAB})")
     ap.add_argument("--out", default=RESULTS, help="results folder")
     ap.add_argument("--from-json", default=None, metavar="PATH", help="re-render md/png from a comm_table.json")
     args = ap.parse_args(argv)
@@ -181,12 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in presets if p not in SETUPS]
     if bad:
         ap.error(f"--presets: unknown {bad}; use a subset of {','.join(SETUPS)}")
+    if args.vocab < 1:
+        ap.error(f"--vocab: must be >= 1, got {args.vocab}; fix: pass e.g. --vocab 32000")
     os.makedirs(args.out, exist_ok=True)
     if args.from_json:  # re-render the table and chart from an earlier run
         with open(args.from_json) as fh:
             res = json.load(fh)
     else:
-        res = measure(presets)
+        res = measure(presets, args.vocab)
         with open(os.path.join(args.out, "comm_table.json"), "w") as fh:
             json.dump(res, fh, indent=1)
     md = markdown(res)
