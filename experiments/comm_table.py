@@ -1,6 +1,7 @@
 """BOOST's communication table, measured from compiled HLO (no model is allocated).
 
-For 1B (TP4), 3B (TP2), 7B (TP4) and 13B (TP4) — micro-batch 4, sequence 4096, bf16 — compiles one
+For 1B (TP4), 3B (TP2), 7B (TP4) and 13B (TP4) — micro-batch 4, sequence 4096, bf16, the LLaMA-2
+vocabulary of 32000 (BOOST's yamls; per-layer figures do not depend on it) — compiles one
 training step and the forward loss of full-rank Megatron TP (dense LLaMA), vanilla low-rank TP and
 BTP (CoLA) on simulated CPU devices, and writes
 
@@ -10,7 +11,8 @@ BTP (CoLA) on simulated CPU devices, and writes
                                         and the remat check (7B BTP)
   experiments/results/comm_table.png    bar chart
 
-Run: `python experiments/comm_table.py` (several minutes on a laptop; `--presets 1b` for one;
+Run: `python experiments/comm_table.py` (several minutes on a laptop; over an hour on a shared 2-core
+machine; `--presets 1b` for one; `--vocab 256` for the byte vocabulary of the committed results;
 `--from-json experiments/results/comm_table.json` re-renders the table and chart without compiling).
 """
 
@@ -34,8 +36,9 @@ from boostjax.analysis.comm import GIB, STRATEGIES, comm_report  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SETUPS = {"1b": 4, "3b": 2, "7b": 4, "13b": 4}  # preset -> TP size
-BATCH, SEQ, DTYPE = 4, 4096, "bfloat16"
-PAPER_7B = {"fullrank-tp": 0.25, "vanilla-tp": 1.32, "btp": 0.22}  # GB per layer, forward, one direction
+BATCH, SEQ, DTYPE, VOCAB = 4, 4096, "bfloat16", 32000
+BYTE_VOCAB = 256  # what runs before the vocabulary was recorded used (the presets' byte-level default)
+PAPER_7B = {"fullrank-tp": 0.25, "vanilla-tp": 1.32, "btp": 0.22}  # BOOST's README, GB per layer, forward, one direction
 NAMES = {"fullrank-tp": "full-rank TP", "vanilla-tp": "vanilla low-rank TP", "btp": "BTP"}
 
 
@@ -43,15 +46,16 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def measure(presets: list[str]) -> dict:
-    out: dict = {"setup": {"batch": BATCH, "seq": SEQ, "dtype": DTYPE, "model": "cola"}, "runs": {}, "remat": {}}
+def measure(presets: list[str], vocab: int = VOCAB) -> dict:
+    out: dict = {"setup": {"batch": BATCH, "seq": SEQ, "dtype": DTYPE, "model": "cola", "vocab": vocab},
+                 "runs": {}, "remat": {}}
     for name in presets:
         tp = SETUPS[name]
         mesh = f"data=1,model={tp}"
         runs = {}
         for strategy in STRATEGIES:
             t0 = time.perf_counter()
-            runs[strategy] = comm_report(preset(name, kind="cola"), mesh, BATCH, SEQ, strategy, dtype=DTYPE)
+            runs[strategy] = comm_report(preset(name, kind="cola", vocab_size=vocab), mesh, BATCH, SEQ, strategy, dtype=DTYPE)
             r = runs[strategy]
             _log(f"{name} TP{tp} {strategy:<12} fwd {r['forward_allreduce_bytes_per_layer'] / GIB:.4f} GiB/layer, "
                  f"step {r['allreduce_bytes_per_layer'] / GIB:.4f} GiB/layer, "
@@ -60,7 +64,7 @@ def measure(presets: list[str]) -> dict:
     if "7b" in presets:  # communication-free low-rank checkpointing vs none / full recompute
         for remat in ("lowrank", "full"):
             t0 = time.perf_counter()
-            out["remat"][remat] = comm_report(preset("7b", kind="cola"), "data=1,model=4", BATCH, SEQ, "btp",
+            out["remat"][remat] = comm_report(preset("7b", kind="cola", vocab_size=vocab), "data=1,model=4", BATCH, SEQ, "btp",
                                               remat=remat, dtype=DTYPE)
             _log(f"7b btp remat={remat} ({time.perf_counter() - t0:.0f} s)")
         out["remat"]["none"] = out["runs"]["7b"]["btp"]
@@ -73,16 +77,21 @@ def _gib(x: float) -> str:
 
 def markdown(res: dict) -> str:
     s = res["setup"]
+    vocab = s.get("vocab", BYTE_VOCAB)
+    vname = "the LLaMA-2 vocabulary" if vocab == 32000 else ("the BYTE vocabulary" if vocab == BYTE_VOCAB else "vocabulary")
     lines = [
         "# Communication per transformer layer, from compiled HLO",
         "",
-        f"Micro-batch {s['batch']}, sequence {s['seq']}, {s['dtype']}, one data-parallel replica (`data=1`); "
+        f"Micro-batch {s['batch']}, sequence {s['seq']}, {s['dtype']}, {vname} ({vocab} tokens; the per-layer "
+        "figures do not depend on it, the whole-step rows do), one data-parallel replica (`data=1`); "
         "CoLA for the low-rank strategies, the dense LLaMA of the same shapes for full-rank TP. "
         "Bytes are per device and one direction (what each all-reduce carries), GiB = 2^30; bf16 "
         "collectives are counted at bf16 (the CPU backend widens them to f32 before the all-reduce: "
-        "`*_bytes_compiled` in the JSON). Per-layer = exact difference of the 2-layer and 1-layer programs.",
+        "`*_bytes_compiled` in the JSON). Per-layer = exact difference of the 2-layer and 1-layer programs. "
+        "BOOST's 7B column: the 'Communication Efficiency (LLaMA-7B, Batch Size = 4, Seq Length = 4096)' table of "
+        "BOOST's README (https://github.com/Arcana-2236/BOOST; ~0.25 / ~1.32 / ~0.22 GB), read as forward GB per layer.",
         "",
-        "| model | TP | strategy | fwd GiB/layer | BOOST 7B fwd 'GB'/layer | step GiB/layer | fwd × full | "
+        "| model | TP | strategy | fwd GiB/layer | BOOST README 7B fwd 'GB'/layer | step GiB/layer | fwd × full | "
         "step × full | vanilla ÷ this (fwd) | all-reduces/layer fwd | all-reduces/layer step | analytic fwd GiB/layer |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -101,13 +110,13 @@ def markdown(res: dict) -> str:
         lines += ["", f"Check: BTP's 7r latents at 7B, 7·r·B·S·2 bytes = 7·{m.rank}·{BATCH}·{SEQ}·2 = "
                       f"{7 * m.rank * BATCH * SEQ * 2 / GIB:.4f} GiB (+ two fp32 norm statistics per token, "
                       f"{2 * 4 * BATCH * SEQ / GIB:.6f} GiB)."]
-    lines += ["", "## Whole step (all layers, embedding, LM head, cross-entropy, optimizer)", "",
+    lines += ["", f"## Whole step (all layers, embedding, LM head, cross-entropy, optimizer), vocabulary {vocab}", "",
               "| model | strategy | all-reduces | all-reduce GiB | fwd all-reduces | fwd GiB | other collectives | "
               "temp GiB (CPU) |", "|---|---|---|---|---|---|---|---|"]
     for name, runs in res["runs"].items():
         for strategy, r in runs.items():
             other = ", ".join(f"{k} ×{v['count']} ({_gib(v['bytes'])} GiB)" for k, v in r["other_collectives"].items())
-            lines.append(f"| {name} | {NAMES[strategy]} | {r['allreduce_count']} | {_gib(r['allreduce_bytes'])} | "
+            lines.append(f"| {name}, V={vocab} | {NAMES[strategy]} | {r['allreduce_count']} | {_gib(r['allreduce_bytes'])} | "
                          f"{r['forward_allreduce_count']} | {_gib(r['forward_allreduce_bytes'])} | {other or '-'} | "
                          f"{r['temp_bytes'] / GIB:.1f} |")
     lines += ["", "## Layer GEMMs (forward): reduction dimension K and arithmetic intensity", "",
@@ -136,7 +145,7 @@ def markdown(res: dict) -> str:
             fwd = r["expected_per_layer"]["forward_elements_per_token"]
             lines.append(f"| {name} | {NAMES[strategy]} | {bwd / unit:.3f} {sym} | {fwd / unit:.3f} {sym} |")
     if res["remat"]:
-        lines += ["", "## Remat at 7B (BTP, TP4)", "",
+        lines += ["", f"## Remat at 7B (BTP, TP4), whole step, vocabulary {vocab}", "",
                   "| remat | all-reduces | all-reduce GiB | all-reduces/layer | saved for backward GiB/device | "
                   "temp GiB (CPU) |", "|---|---|---|---|---|---|"]
         for remat in ("none", "lowrank", "full"):
@@ -158,7 +167,7 @@ def chart(res: dict, path: str) -> None:
         bars = {s: [res["runs"][n][s][key] / GIB for n in names] for s in STRATEGIES}
         ticks = ({s: [PAPER_7B[s] if n == "7b" else None for n in names] for s in STRATEGIES}
                  if key.startswith("forward") else None)
-        strategy_bars(ax, labels, bars, NAMES, ticks=ticks, tick_label="BOOST 7B (paper)",
+        strategy_bars(ax, labels, bars, NAMES, ticks=ticks, tick_label="BOOST 7B (README)",
                       ylabel="all-reduce GiB per device", title=title)
     save(fig, path, f"All-reduce volume from compiled HLO (batch {BATCH}, seq {SEQ}, bf16)")
 
@@ -166,6 +175,8 @@ def chart(res: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="1b,3b,7b,13b", help="comma-separated subset of 1b,3b,7b,13b")
+    ap.add_argument("--vocab", type=int, default=VOCAB,
+                    help=f"vocabulary size (default {VOCAB}, BOOST's; the committed results used {BYTE_VOCAB})")
     ap.add_argument("--out", default=RESULTS, help="results folder")
     ap.add_argument("--from-json", default=None, metavar="PATH", help="re-render md/png from a comm_table.json")
     args = ap.parse_args(argv)
@@ -173,12 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in presets if p not in SETUPS]
     if bad:
         ap.error(f"--presets: unknown {bad}; use a subset of {','.join(SETUPS)}")
+    if args.vocab < 1:
+        ap.error(f"--vocab: must be >= 1, got {args.vocab}; fix: pass e.g. --vocab 32000")
     os.makedirs(args.out, exist_ok=True)
     if args.from_json:  # re-render the table and chart from an earlier run
         with open(args.from_json) as fh:
             res = json.load(fh)
     else:
-        res = measure(presets)
+        res = measure(presets, args.vocab)
         with open(os.path.join(args.out, "comm_table.json"), "w") as fh:
             json.dump(res, fh, indent=1)
     md = markdown(res)

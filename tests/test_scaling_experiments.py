@@ -16,8 +16,8 @@ from helpers import load_experiment
 gs = load_experiment("gpu_step")
 sm = load_experiment("scaling_model")
 
-TINY = preset("tiny")  # d=128, 4 layers, 4 heads, d_ff=352, r=32, vocab 256
-SETUP = sm.Setup("tiny", 4, pp=2, batch=4, seq=16, model=TINY)  # TP4 x PP2, one micro-batch
+TINY = preset("tiny", n_heads=8)  # d=128, 4 layers, 8 heads (2 per device: score arrays), d_ff=352, r=32, vocab 256
+SETUP = sm.Setup("tiny", 4, pp=2, microbatches=2, micro_batch=4, seq=16, model=TINY)  # TP4 x PP2, M = 2 of 4
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,8 @@ def test_predicted_times_are_positive_and_add_up(rows):
     for r in rows.values():
         assert r["iteration_s"] > 0 and r["gemm_s"] > 0 and r["memory_s"] > 0 and r["comm_s"] > 0 and r["p2p_s"] > 0
         assert r["iteration_s"] == pytest.approx(r["gemm_s"] + r["memory_s"] + r["comm_s"] + r["p2p_s"])
-        assert r["bubble_fraction"] == pytest.approx(0.5)  # GPipe (P-1)/(M+P-1), P=2, M=1
+        assert r["bubble_fraction"] == pytest.approx(1 / 3)  # 1F1B / GPipe (P-1)/(M+P-1), P=2, M=2
+        assert r["optimizer_s"] > 0 and r["optimizer_memory_s"] > 0 and r["fwd_bwd_s_per_slot"] > r["optimizer_s"]
         assert 0 < r["mfu"] < 1
         assert 0 < r["stage_gemm_flops"] <= r["xla_stage_flops"]  # HLO dots within cost_analysis()
 
@@ -49,8 +50,24 @@ def test_btp_moves_fewer_bytes_than_vanilla(costs, rows):
             < sm.predict(SETUP, "vanilla-tp", no_alpha, 0.5, costs["vanilla-tp"])["comm_s"])
     assert btp["p2p_s"] < full["p2p_s"]  # BTP's residual stream is sharded on d
     # Megatron: per layer, 2 all-reduces of [b, s, d] forward and 2 backward (bf16), + optimizer-norm scalars
-    megatron = 4 * 4 * 16 * TINY.d_model * 2
+    megatron = 4 * SETUP.micro_batch * 16 * TINY.d_model * 2  # one micro-batch's step
     assert megatron <= full["per_layer_comm_bytes"] < megatron + 1024
+
+
+def test_iteration_is_slots_of_forward_backward_plus_one_optimizer_step(costs, rows):
+    more = replace(SETUP, microbatches=5)  # same compiled programs (one micro-batch), 3 more slots
+    for s, r in rows.items():
+        r5 = sm.predict(more, s, sm.A100, 0.5, costs[s])
+        assert r5["bubble_fraction"] == pytest.approx(1 / 6)
+        assert r5["iteration_s"] - r["iteration_s"] == pytest.approx(3 * r["fwd_bwd_s_per_slot"], rel=1e-9)
+        assert r["iteration_s"] == pytest.approx(3 * r["fwd_bwd_s_per_slot"] + r["optimizer_s"] + r["p2p_s"])
+
+
+def test_score_arrays_are_told_from_activations_with_d_equal_to_seq():
+    arr = sm.hlo.parse_shapes
+    scores, resid = arr("bf16[1,8,4096,4096]"), arr("bf16[1,4096,4096]")  # 7B: d = s = 4096
+    assert sm._score_shaped(scores, 4096, 1) and not sm._score_shaped(resid, 4096, 1)
+    assert not sm._score_shaped(arr("f32[4,4096,4096]"), 4096, 4)
 
 
 def test_calibration_recovers_eta_and_table_has_every_row(costs, rows):
@@ -64,7 +81,9 @@ def test_calibration_recovers_eta_and_table_has_every_row(costs, rows):
             assert r["model_over_paper"] == pytest.approx(1.0, rel=1e-6)
     md = sm.markdown(res)
     for name in sm.NAMES.values():
-        assert md.count(f"| TINY TP4 PP2 | {name} |") == 2  # beside the paper (A100) and the H200 projection
+        # beside the paper (A100), in the implied-slots table of pipelined rows, and in the H200 projection
+        assert md.count(f"| TINY TP4 PP2 | {name} |") == 3
+    assert "M = 2 micro-batches of 4 sequence(s) of 16 tokens" in md  # the setups' own micro-batching
     h200 = {r["strategy"]: r["iteration_s"] for r in res["rows"] if r["table"] == "h200"}
     assert all(h200[s] < rows[s]["iteration_s"] for s in sm.STRATEGIES)  # faster hardware, same programs
 
