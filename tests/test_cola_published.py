@@ -5,6 +5,8 @@ the old MLP form (CoLA https://arxiv.org/abs/2502.10940, LaX https://arxiv.org/a
 import json
 from dataclasses import replace
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -66,11 +68,21 @@ def _hand_block(p, x, cfg, cross_attn=(0.0, 0.0, 0.0), cross_mlp=(0.0, 0.0), v_f
 
 
 def _block_and_params(cfg, seed=0):
-    blk = Block(cfg, rngs=nnx.Rngs(seed))
+    """A `Block` with random numpy parameters (norm scales around 1, LaX gates 0): shapes from
+    `nnx.eval_shape`, so no per-shape RNG program is compiled (the init has its own test)."""
     rng = np.random.default_rng(seed)
-    blk.attn.norm[...] = 1.0 + 0.3 * rng.standard_normal(cfg.d_model).astype(np.float32)  # not all ones
-    blk.mlp.norm[...] = 1.0 + 0.3 * rng.standard_normal(cfg.d_model).astype(np.float32)
-    params = nnx.state(blk, nnx.Param).to_pure_dict()
+
+    def fill(path, s):
+        name = str(path[-1].key) if hasattr(path[-1], "key") else str(path[-1])
+        if name == "norm":
+            return 1.0 + 0.3 * rng.standard_normal(s.shape).astype(np.float32)
+        if name == "cross":
+            return np.zeros(s.shape, np.float32)
+        return 0.3 * rng.standard_normal(s.shape).astype(np.float32)
+
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(seed))))
+    params = jax.tree_util.tree_map_with_path(fill, shapes.to_pure_dict())
+    blk = nnx.merge(graphdef, nnx.State(jax.tree.map(jnp.asarray, params)))
     return blk, {k: {n: np.asarray(v, np.float64) for n, v in d.items()} for k, d in params.items()}
 
 
