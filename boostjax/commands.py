@@ -16,12 +16,15 @@ from typing import Any, Callable, Sequence
 
 from boostjax.config import (PRESETS, Config, ConfigError, ModelConfig, TrainConfig, mesh_text,
                              one_line_parse_errors, preset, validate)
+from boostjax.runfolder import FOLLOW_STORED, RunFolder
 
 _RENAMED = {"kind": "model"}  # config field -> flag name where they differ
 _HELP = {
     "kind": "model kind: dense LLaMA or a low-rank variant (default with --init-from-hf: llama)",
     "n_kv_heads": "key/value heads for grouped-query attention (0 = n_heads)",
     "rank": "rank r of every low-rank projection",
+    "only_lr_act": "cola/lax MLP hidden = gate * up, SiLU only inside the factor pairs (CoLA's published form); "
+                   "--no-only-lr-act: silu(gate) * up (runs of boostjax before issue 15)",
     "attention": "attention kernel: auto (cudnn on a CUDA GPU in bf16, else chunked), xla (materialised scores), "
                  "cudnn (cuDNN flash attention), chunked (blockwise, no t x t buffer)",
     "attention_block": "query/key positions per tile of the chunked attention",
@@ -110,7 +113,20 @@ def train_config(args: argparse.Namespace) -> Config:
             given["vocab_size"] = vocab
     model = preset(args.preset or "tiny", **{k: v for k, v in given.items() if k in names(ModelConfig)})
     train = TrainConfig(**{k: v for k, v in given.items() if k in names(TrainConfig)})
-    return validate(Config(model, train))
+    return validate(Config(_follow_stored(model, given, train.out), train))
+
+
+def _follow_stored(model: ModelConfig, given: dict[str, Any], out: str) -> ModelConfig:
+    """A run folder's stored values of the model fields whose default changed (`FOLLOW_STORED`) when the
+    command line does not give them: the same command resumes a run of an older boostjax unchanged."""
+    try:
+        stored = RunFolder(out).stored_config() if isinstance(out, str) and out.strip() else None
+    except (OSError, ValueError):  # an unreadable folder or config: the trainer names the problem
+        stored = None
+    if stored is None:
+        return model
+    keep = {k: getattr(stored.model, k) for k in FOLLOW_STORED if k not in given}
+    return dataclasses.replace(model, **keep)
 
 
 def add_train_command(sub: Any) -> argparse.ArgumentParser:

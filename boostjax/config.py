@@ -149,6 +149,13 @@ class ModelConfig:
     bos_token_id: int = -1  # special token ids carried to exports and generation; -1 = none
     eos_token_ids: str = ""  # comma-separated end-of-sequence ids (Llama 3 has several); "" = none
     pad_token_id: int = -1
+    # The MLP's hidden state for the low-rank kinds with SiLU in the latents (cola, lax): True = CoLA's
+    # published form `gate * up` (CoLA's only_lr_act=True, BOOST's both_act=False; the nonlinearity is
+    # only the SiLU inside each factor pair); False = `silu(gate) * up` (CoLA's 60M/130M configs, and
+    # boostjax before issue 15: a run folder whose config.json lacks the field reads it as False).
+    # Dense llama and svd (linear latents: `gate * up` would make the MLP a pure quadratic) always use
+    # `silu(gate) * up`.
+    only_lr_act: bool = True
 
     @property
     def kv_heads(self) -> int:
@@ -166,6 +173,11 @@ class ModelConfig:
     @property
     def low_rank(self) -> bool:
         return self.kind in LOW_RANK_KINDS
+
+    @property
+    def gated_silu(self) -> bool:
+        """Whether the MLP's hidden state is `silu(gate) * up` (else `gate * up`; see `only_lr_act`)."""
+        return not (self.kind in ("cola", "lax") and self.only_lr_act)
 
 
 @dataclass(frozen=True)
@@ -259,10 +271,15 @@ class Config:
 
 
 def _shape(d: int, layers: int, heads: int, d_ff: int, r: int, **kw: Any) -> ModelConfig:
-    return ModelConfig(d_model=d, n_layers=layers, n_heads=heads, d_ff=d_ff, rank=r, **kw)
+    """A preset: RMSNorm eps 1e-6 (CoLA's json and BOOST's yaml both use it) and untied embeddings
+    (CoLA never ties; BOOST ties at 1B/7B: pass --tie-embeddings for that)."""
+    return ModelConfig(d_model=d, n_layers=layers, n_heads=heads, d_ff=d_ff, rank=r, norm_eps=1e-6,
+                       tie_embeddings=False, **kw)
 
 
-# CoLA's LLaMA shapes (r = d/4); vocabulary: the byte-level tokenizer unless overridden.
+# CoLA's LLaMA shapes and ranks (one rank for attention and MLP as in every CoLA/BOOST config); d_ff
+# 1376 at 60m is CoLA's (BOOST 1344), 5472 at 1b BOOST's (CoLA 5461); 3b/13b/30b have no reference
+# config (README, "Presets"). Vocabulary: the byte-level tokenizer unless overridden.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": _shape(128, 4, 4, 352, 32),
     "60m": _shape(512, 8, 8, 1376, 128),

@@ -14,6 +14,7 @@ gets its factors from a truncated SVD of each dense projection `W [in, out] = U 
   `A = [U_m √Σ_m, -U_m √Σ_m]`, `B = [√Σ_m V_mᵀ; -√Σ_m V_mᵀ]` with `m = r // 2`, and the projection
   computes `x U_m Σ_m V_mᵀ` exactly, through the nonlinearity (an odd r's last column gets a random
   `A` column and a zero `B` row: no effect at step 0, trainable). LaX's crossing gates start at zero.
+  The MLP keeps the checkpoint's `silu(gate) * up` (`only_lr_act=False`), not CoLA's `gate * up`.
 
 The report gives, per matrix, `‖W − W_eff‖_F / ‖W‖_F` where `W_eff` is the linear map the factored
 projection computes at initialisation (`A B` for svd, `U_m Σ_m V_mᵀ` for cola/lax), from the
@@ -108,6 +109,12 @@ def _source_or_stored(path: str, out: str) -> ModelConfig:
         return dataclasses.replace(stored.model, kind="llama")
 
 
+def _as_source(src: ModelConfig) -> ModelConfig:
+    """The model fields a run from checkpoint `src` takes: its shapes, and its MLP `silu(gate) * up`
+    (a cola/lax factorisation reproduces the dense SwiGLU only with `only_lr_act=False`)."""
+    return dataclasses.replace(src, only_lr_act=False)
+
+
 def _check_rank(m: ModelConfig) -> None:
     if not m.low_rank or not isinstance(m.rank, int):  # a rank of the wrong type: validate names it
         return
@@ -128,7 +135,7 @@ def resolve_config(cfg: Config, explicit: Iterable[str] | None = None) -> Config
     path = cfg.train.init_from_hf
     if not isinstance(path, str) or not path:
         return cfg
-    src = _source_or_stored(path, cfg.train.out)
+    src = _as_source(_source_or_stored(path, cfg.train.out))
     given = set(explicit) if explicit is not None else None
     default = ModelConfig()
     for f in dataclasses.fields(ModelConfig):
@@ -287,7 +294,7 @@ def initial_params(cfg: Config, init: Any = None) -> tuple[dict, dict]:
         except ValueError as e:
             raise _err(" ".join(str(e).split())) from None
         source: dict[str, Any] = {"source": str(path.resolve()), "format": "huggingface"}
-        if dataclasses.replace(src_cfg, **{k: getattr(m, k) for k in CHOSEN}) != m:
+        if dataclasses.replace(_as_source(src_cfg), **{k: getattr(m, k) for k in CHOSEN}) != m:
             raise _err(f"the weights of {path} have other shapes than its config.json says; fix: re-export "
                        "the checkpoint")
     else:

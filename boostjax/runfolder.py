@@ -50,6 +50,12 @@ MUTABLE: frozenset[str] = frozenset({
 # Model fields a resumed run may change: the attention kernel computes the same function; token ids are metadata.
 MUTABLE_MODEL: frozenset[str] = frozenset({"attention", "attention_block",
                                            "bos_token_id", "eos_token_ids", "pad_token_id"})  # item 3: metadata
+# Model fields added after runs existed, with the value a config.json without them means (issue 15:
+# the MLP was `silu(gate) * up` before `only_lr_act` existed).
+LEGACY_MODEL: dict[str, Any] = {"only_lr_act": False}
+# Model fields whose default or preset value changed: a CLI resume that does not give the flag keeps the
+# run's stored value (`boostjax.commands.train_config`); given, a differing value is refused as usual.
+FOLLOW_STORED: frozenset[str] = frozenset({"only_lr_act", "norm_eps"})
 EXPORT_MARK = "boostjax_export"  # key of an exported config.json (transformers keeps unknown keys)
 IGNORED: frozenset[str] = frozenset({"out", "progress", "coordinator", "num_processes", "process_id"})
 
@@ -58,8 +64,12 @@ class RunFolderBusy(ConfigError):
     """Another process trains in this run folder."""
 
 
-def _flag(name: str) -> str:
-    return "--" + ("model" if name == "kind" else name).replace("_", "-")
+def _flag(name: str, value: Any) -> str:
+    """The command-line flag that sets `name` to `value` (`--no-x` for a false boolean)."""
+    flag = ("model" if name == "kind" else name).replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag} {value}"
 
 
 def read_json_file(path: pathlib.Path, what: str) -> Any:
@@ -83,8 +93,9 @@ def read_run_config(path: pathlib.Path) -> Config:
             raise TypeError("needs 'model' and 'train' objects")
         known_m = {f.name for f in dataclasses.fields(ModelConfig)}
         known_t = {f.name for f in dataclasses.fields(TrainConfig)}
-        # fields of an older or newer boostjax that this version does not know are dropped
-        return Config(ModelConfig(**{k: v for k, v in d["model"].items() if k in known_m}),
+        # fields of an older or newer boostjax that this version does not know are dropped; a model field
+        # added later reads as the value that reproduces the older run (LEGACY_MODEL)
+        return Config(ModelConfig(**{**LEGACY_MODEL, **{k: v for k, v in d["model"].items() if k in known_m}}),
                       TrainConfig(**{k: v for k, v in d["train"].items() if k in known_t}))
     except TypeError as e:
         raise ConfigError(f"{path}: not a boostjax run configuration ({e}); fix: restore the file, or pass "
@@ -271,7 +282,7 @@ class RunFolder:
                     raise ConfigError(
                         f"{section}.{f.name}: the checkpoints in {self.path} were trained with {f.name}={va!r}, "
                         f"this command asks for {vb!r}, and a resumed run cannot change it; fix: pass "
-                        f"{_flag(f.name)} {va}, or another --out for a new run")
+                        f"{_flag(f.name, va)}, or another --out for a new run")
                 if isinstance(a, TrainConfig) and f.name == "mesh":  # compared as meshes, recorded as text
                     va, vb = mesh_text(va), mesh_text(vb)
                 changes[f"{section}.{f.name}"] = [va, vb]

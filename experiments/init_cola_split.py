@@ -38,7 +38,8 @@ def main() -> None:
 
     print("| rank | svd | cola ± pairs | cola linearised c=1 | c=0.3 | c=0.1 | c=0.01 |\n|---|---|---|---|---|---|---|")
     for r in (8, 16, 32):
-        svd, cola = replace(DENSE, kind="svd", rank=r), replace(DENSE, kind="cola", rank=r)
+        svd = replace(DENSE, kind="svd", rank=r)
+        cola = replace(DENSE, kind="cola", rank=r, only_lr_act=False)  # the dense SwiGLU, as --init-from-hf
         p_svd = pretrained.lowrank_from_dense(svd, dense)[0]
         row = [err(svd, p_svd), err(cola, pretrained.lowrank_from_dense(cola, dense)[0])]
         for c in (1.0, 0.3, 0.1, 0.01):

@@ -197,7 +197,8 @@ def _cpu_md(rows: list[dict]) -> list[str]:
     lines += ["", "The cost model's block (`costmodel.block_graph`) lists what the compiled step keeps, written "
               "from the model code: both SiLU companions (`sigmoid(z)` and `silu(z)`) beside each pre-activation, "
               "q and `rotate_half(q)` beside the roped k and v, the fp32 softmax probabilities [b, h, t, t], "
-              "both norm inputs, gate/up, sigmoid(gate), silu(gate) and their product; the head's fp32 logits, "
+              "both norm inputs, gate/up and their product (dense llama's SwiGLU also sigmoid(gate) and silu(gate); "
+              "CoLA's `gate * up` nothing more); the head's fp32 logits, "
               "`exp` and gradient; each layer's gradient from its backward to the optimizer.", "",
               "Where the ratio leaves 15 % (read from XLA's buffer assignment and live ranges, "
               "`--xla_dump_to` ... `*-live-range.txt`, at the peak instruction):",

@@ -159,7 +159,7 @@ def test_cli_generates_from_a_trained_run(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "--model", "lax", "--d-model", "32", "--n-layers", "1", "--n-heads", "4", "--n-kv-heads",
                  "2", "--d-ff", "64", "--rank", "8", "--batch", "2", "--seq", "16", "--steps", "2", "--max-seq-len",
-                 "64", "--init-std", "0.1", "--no-progress", "--out", str(run)]) == 0
+                 "64", "--init-std", "0.1", "--norm-eps", "1e-5", "--no-progress", "--out", str(run)]) == 0
     capsys.readouterr()
     argv = ["generate", "--run", str(run), "--prompt", "def f(x):", "--max-new-tokens", "12", "--temperature", "0.9",
             "--top-k", "40", "--top-p", "0.95", "--seed", "3", "--json"]  # the shapes of the sampling test

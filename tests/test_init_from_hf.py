@@ -119,7 +119,7 @@ def test_cola_and_lax_pairs_are_exact_through_silu(source):
     svd_params, svd_report = pretrained.lowrank_from_dense(svd, params)
     ref = _logits(svd, svd_params)
     for kind, r in (("cola", 8), ("lax", 8), ("cola", 9)):
-        cfg = replace(DENSE, kind=kind, rank=r)
+        cfg = replace(DENSE, kind=kind, rank=r, only_lr_act=False)  # the checkpoint's SwiGLU (resolve_config)
         lr_params, report = pretrained.lowrank_from_dense(cfg, params)
         assert rel(_logits(cfg, lr_params), ref) < 1e-5, (kind, r)
         assert report["kind"] == kind and report["rank"] == r
@@ -145,7 +145,8 @@ def test_train_from_hf_dense_then_resume(small, tmp_path, monkeypatch, capsys):
     assert main(["train", *args, "--steps", "1"]) == 0
     assert "initialised llama from" in capsys.readouterr().err
     cfg = Config.from_dict(json.loads((run / "config.json").read_text()))
-    assert cfg.model == SMALL and cfg.train.init_from_hf == str(folder)  # shapes and kind from the checkpoint
+    # shapes, kind and the SwiGLU MLP (only_lr_act False) from the checkpoint
+    assert cfg.model == replace(SMALL, only_lr_act=False) and cfg.train.init_from_hf == str(folder)
     assert json.loads((run / pretrained.REPORT_FILE).read_text())["source"] == str(folder.resolve())
     assert (run / TOKENIZER_FILE).read_bytes() == (folder / TOKENIZER_FILE).read_bytes()
     batch = _batch0(cfg.train)
@@ -192,7 +193,10 @@ def test_python_api_takes_the_checkpoint_shapes(source):
     _, folder = source
     cfg = pretrained.resolve_config(Config(ModelConfig(kind="cola", rank=6, attention="xla"),
                                            TrainConfig(init_from_hf=str(folder))))
-    assert cfg.model == replace(DENSE, kind="cola", rank=6, attention="xla")
+    assert cfg.model == replace(DENSE, kind="cola", rank=6, attention="xla", only_lr_act=False)  # SwiGLU kept
+    with pytest.raises(ConfigError, match=r"^model.only_lr_act: True contradicts the checkpoint"):
+        pretrained.resolve_config(Config(ModelConfig(kind="cola"), TrainConfig(init_from_hf=str(folder))),
+                                  explicit={"only_lr_act"})
     with pytest.raises(ConfigError, match=r"^model.d_ff: 96 contradicts the checkpoint .*; fix: drop --d-ff"):
         pretrained.resolve_config(Config(ModelConfig(d_ff=96), TrainConfig(init_from_hf=str(folder))))
 

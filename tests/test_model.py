@@ -95,7 +95,8 @@ def test_remat_changes_nothing(kind, remat):
 
 
 def test_svd_is_linear_in_the_bottleneck_and_cola_is_not():
-    """SVD-style pairs compose linearly (B(Ax)); CoLA puts SiLU between the factors."""
+    """SVD-style pairs compose linearly (B(Ax)) under SwiGLU; CoLA puts SiLU between the factors and
+    multiplies gate and up directly (only_lr_act)."""
     x = jax.random.normal(jax.random.key(4), (1, 3, SMALL.d_model))
     cos, sin = ops.rope_tables(3, SMALL.head_dim, SMALL.rope_theta)
     for kind, linear in (("svd", True), ("cola", False)):
@@ -105,7 +106,7 @@ def test_svd_is_linear_in_the_bottleneck_and_cola_is_not():
         sig = z if linear else jax.nn.silu(z)
         gate = sig[:, :, 0] @ bg[0]
         up = sig[:, :, 1] @ bg[1]
-        h = jax.nn.silu(gate) * up
+        h = jax.nn.silu(gate) * up if linear else gate * up  # svd keeps SwiGLU; cola: CoLA's gate * up
         hd = h @ mlp.a_down[...]
         out = (hd if linear else jax.nn.silu(hd)) @ mlp.b_down[...]
         # on the scale of the output: max|out| is 1.6e-4 (svd) and 1e-5 (cola), so the former atol 1e-6

@@ -106,13 +106,29 @@ def _declared(value: Array, axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, axes: tuple[str, ...]) -> nnx.Param:
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float | Array, axes: tuple[str, ...]) -> nnx.Param:
+    """Normal(0, std) (`std` a number, or an array broadcast against `shape`: per-slice stds)."""
     return _declared(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes)
+
+
+def cola_std(rank: int, d_in: int, d_out: int) -> float:
+    """CoLA's std for BOTH factors of a low-rank projection standing for a dense `[d_in, d_out]` layer:
+    `r^-1/4 (d_in + d_out)^-1/4`, so the product `A B` has the Xavier-like per-entry std
+    `(d_in + d_out)^-1/2` (CoLA https://arxiv.org/abs/2502.10940, `ColaLayer`; BOOST
+    https://arxiv.org/abs/2512.12131 `get_cola_std` is the same). Independent of `init_std`, which
+    initialises the dense kind, the embedding and the head."""
+    return rank ** -0.25 * (d_in + d_out) ** -0.25
 
 
 def _sigma(kind: str) -> Callable[[Array], Array]:
     """The nonlinearity between the factors: SiLU for CoLA and LaX, none for SVD-style."""
     return (lambda h: h) if kind == "svd" else jax.nn.silu
+
+
+def mlp_hidden(cfg: ModelConfig, gate: Array, up: Array) -> Array:
+    """The MLP's hidden state: `gate * up` for cola/lax with `only_lr_act` (CoLA's published form:
+    the SiLU inside each factor pair is the only nonlinearity), else `silu(gate) * up` (SwiGLU)."""
+    return jax.nn.silu(gate) * up if cfg.gated_silu else gate * up
 
 
 def grouped_up(hs: Sequence[Float[Array, "b t r"]], b_grk: Float[Array, "g r k"],
@@ -127,19 +143,27 @@ def grouped_up(hs: Sequence[Float[Array, "b t r"]], b_grk: Float[Array, "g r k"]
 
 
 class Attention(nnx.Module):
-    """Pre-norm causal self-attention (RoPE, optional grouped-query heads)."""
+    """Pre-norm causal self-attention (RoPE, optional grouped-query heads).
+
+    LaX (https://arxiv.org/abs/2505.21732, `kind="lax"`): zero-initialised scalar gates cross the
+    latents inside the block, `h_k += c0 h_q`, `h_v += c1 h_k`, `h_o += c2 h_v` (MLP: `h_up += c0 h_gate`,
+    `h_down += c1 h_up`), each adding its source's post-crossing latent, as the authors' code hands on
+    post-crossing latents. Their released code (ViT, K1seki221/Latent_Crossing) is inter-layer instead:
+    each projection crosses the same projection's latent of the previous block through an r x r gate
+    and a LayerNorm; this intra-layer, scalar-gated chain is our variant."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, r, std = cfg.d_model, cfg.rank, cfg.init_std
         he, ke = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         self.cfg = cfg
         self.norm = _declared(jnp.ones((d,), jnp.float32), ("embed",))
-        if cfg.low_rank:
-            self.a_qkv = _param(rngs, (d, 3, r), d**-0.5, ("embed", "group", "rank"))
-            self.b_q = _param(rngs, (r, he), std, ("rank", "heads"))
-            self.b_kv = _param(rngs, (2, r, ke), std, ("group", "rank", "kv"))
-            self.a_o = _param(rngs, (he, r), he**-0.5, ("heads", "rank"))
-            self.b_o = _param(rngs, (r, d), std, ("rank", "embed"))
+        if cfg.low_rank:  # CoLA's init (`cola_std`); k/v read as the dense [d, kv_heads*head_dim] projections
+            s_q, s_kv, s_o = cola_std(r, d, he), cola_std(r, d, ke), cola_std(r, he, d)
+            self.a_qkv = _param(rngs, (d, 3, r), jnp.array([s_q, s_kv, s_kv])[:, None], ("embed", "group", "rank"))
+            self.b_q = _param(rngs, (r, he), s_q, ("rank", "heads"))
+            self.b_kv = _param(rngs, (2, r, ke), s_kv, ("group", "rank", "kv"))
+            self.a_o = _param(rngs, (he, r), s_o, ("heads", "rank"))
+            self.b_o = _param(rngs, (r, d), s_o, ("rank", "embed"))
             if cfg.kind == "lax":  # latent crossing gates: k <- q, v <- k, o <- v
                 self.cross = _declared(jnp.zeros((3,), jnp.float32), ("cross",))
         else:
@@ -160,9 +184,10 @@ class Attention(nnx.Module):
             z_btgr = ops.online_norm_down(x_btd, self.norm[...], self.a_qkv[...], coll,
                                           d_model=cfg.d_model, eps=cfg.norm_eps, name="qkv_latent")
             hq, hk, hv = (sigma(z_btgr[:, :, i]) for i in range(3))
-            if cfg.kind == "lax":
+            if cfg.kind == "lax":  # each crossing adds its source's POST-crossing latent (see `Attention`)
                 c = self.cross[...].astype(x_btd.dtype)
-                hk, hv = hk + c[0] * hq, hv + c[1] * hk
+                hk = hk + c[0] * hq
+                hv = hv + c[1] * hk
             q = coll.reduce_up(hq @ self.b_q[...])
             k, v = grouped_up((hk, hv), self.b_kv[...], coll)
         else:
@@ -189,17 +214,19 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """Pre-norm SwiGLU MLP: `down(silu(gate(x)) * up(x))`."""
+    """Pre-norm gated MLP: `down(hidden)`, `hidden = mlp_hidden(cfg, gate(x), up(x))`: SwiGLU
+    `silu(gate) * up` for dense llama and svd, CoLA's `gate * up` for cola/lax (σ in the latents)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, r, std = cfg.d_model, cfg.d_ff, cfg.rank, cfg.init_std
         self.cfg = cfg
         self.norm = _declared(jnp.ones((d,), jnp.float32), ("embed",))
-        if cfg.low_rank:
-            self.a_gate_up = _param(rngs, (d, 2, r), d**-0.5, ("embed", "group", "rank"))
-            self.b_gate_up = _param(rngs, (2, r, f), std, ("group", "rank", "ff"))
-            self.a_down = _param(rngs, (f, r), f**-0.5, ("ff", "rank"))
-            self.b_down = _param(rngs, (r, d), std, ("rank", "embed"))
+        if cfg.low_rank:  # CoLA's init (`cola_std`) with the dense layers' (d_in, d_out)
+            s_gu, s_down = cola_std(r, d, f), cola_std(r, f, d)
+            self.a_gate_up = _param(rngs, (d, 2, r), s_gu, ("embed", "group", "rank"))
+            self.b_gate_up = _param(rngs, (2, r, f), s_gu, ("group", "rank", "ff"))
+            self.a_down = _param(rngs, (f, r), s_down, ("ff", "rank"))
+            self.b_down = _param(rngs, (r, d), s_down, ("rank", "embed"))
             if cfg.kind == "lax":  # up <- gate, down <- up
                 self.cross = _declared(jnp.zeros((2,), jnp.float32), ("cross",))
         else:
@@ -221,7 +248,7 @@ class MLP(nnx.Module):
             xn_btd = coll.to_column_parallel(ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps))
             gate = checkpoint_name(xn_btd @ self.w_gate[...], "gate_up")
             up = checkpoint_name(xn_btd @ self.w_up[...], "gate_up")
-        hidden_btf = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+        hidden_btf = checkpoint_name(mlp_hidden(cfg, gate, up), "mlp_hidden")
         if cfg.low_rank:
             h_btr = _sigma(cfg.kind)(coll.reduce_latent(hidden_btf @ self.a_down[...], name="down_latent"))
             if cfg.kind == "lax":

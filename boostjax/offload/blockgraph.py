@@ -53,7 +53,10 @@ def block_graph(cfg: ModelConfig, seq: int, attention: str = "materialized") -> 
     - attention (`ops.causal_attention`): the fp32 softmax probabilities `[b, h, t, t]` (h·t per
       token) with `attention="materialized"` (the model code); `"flash"` keeps only the fp32
       log-sum-exp (h per token), for instances that assume a fused attention kernel.
-    - SwiGLU: gate and up (2f), `sigmoid(gate)` and `silu(gate)` (2f), and the product (f).
+    - gated MLP (`llama.mlp_hidden`): gate and up (2f) and the product (f); SwiGLU (`silu(gate) * up`:
+      dense, svd, or `only_lr_act=False`) also `sigmoid(gate)` and `silu(gate)` (2f); CoLA's
+      `gate * up` one more f-wide buffer (measured, not derived: the compiled no-remat step of the
+      tiny CoLA model keeps one f-wide tensor per layer beside gate, up and the product).
     - LaX: the five latent crossing sums (`hk + c·hq`, ...) beside the SiLU outputs they mix.
     """
     if attention not in ATTENTION:
@@ -87,7 +90,7 @@ def block_graph(cfg: ModelConfig, seq: int, attention: str = "materialized") -> 
         g["mid"] = _Node(d, 2.0 * hq * d, ("boundary", "attn_out"), True)
         g["n2"] = _Node(d, 0.0, ("mid",), False, fp32=1)
         g["gate_up"] = _Node(2 * f, 2.0 * d * 2 * f, ("n2",), True)
-    g["mlp_hidden"] = _Node(f, 0.0, ("gate_up",), True, extra=2 * f)
+    g["mlp_hidden"] = _Node(f, 0.0, ("gate_up",), True, extra=2 * f if cfg.gated_silu else f)
     if cfg.low_rank:
         g["down_latent"] = _Node(r, 2.0 * f * r, ("mlp_hidden",), True)
         g["down_act"] = _Node(r * silu, 0.0, ("down_latent",), False, extra=r * silu + r * lax)
