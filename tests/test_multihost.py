@@ -20,7 +20,8 @@ from helpers import cli_command, cli_env, model_flags
 MICRO = replace(helpers.MICRO, n_layers=1)  # the CLI tests' model, one layer
 JOB = TrainConfig(steps=8, batch=8, seq=32, log_every=1, ckpt_every=4, eval_every=100, eval_batches=1,
                   strategy="btp", mesh="data=2,model=2", progress=False)
-FLAGS = ["train", *model_flags(MICRO), "--steps", "8", "--batch", "8", "--seq", "32", "--log-every", "1",
+FLAGS = ["train", *model_flags(MICRO), "--norm-eps", str(MICRO.norm_eps),  # the CLI's preset has CoLA's 1e-6
+         "--steps", "8", "--batch", "8", "--seq", "32", "--log-every", "1",
          "--ckpt-every", "4", "--eval-every", "100", "--eval-batches", "1", "--strategy", "btp", "--mesh", "data=2,model=2",
          "--no-progress"]
 # Both runs execute the same partitioned program on the same 2 x 2 device grid; each all-reduce
