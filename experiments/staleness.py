@@ -553,6 +553,22 @@ def render(path: pathlib.Path, out: pathlib.Path, command: str) -> dict:
                          platform=old["platform"], reused_from=old.get("reused_from"), rendered=command)
 
 
+def _check_settings(p: argparse.ArgumentParser, s: Settings) -> None:
+    """Refuse bad settings in one line (exit 2) before anything is written or compiled."""
+    bad = [f"--{flag}: {value} must lie in {span}" for flag, value, ok, span in (
+        ("warmup-frac", s.warmup_frac, 0 <= s.warmup_frac < 1, "[0, 1)"),
+        ("tc-frac", s.tc_frac, 0 < s.tc_frac <= 1, "(0, 1]"),
+        ("extra-fracs", s.extra_fracs, all(0 < f <= 1 for f in s.extra_fracs), "(0, 1]"),
+        ("steps", s.steps, s.steps >= 1, "[1, ...)")) if not ok]
+    unknown = [o for o in s.optimizers if o not in OPTIMIZERS]
+    if unknown:
+        bad.append(f"--optimizers: unknown {','.join(unknown)} (known: {','.join(OPTIMIZERS)})")
+    if 1 not in s.stages or any(n < 1 or s.n_layers % n for n in s.stages):
+        bad.append(f"--stages: {s.stages} must include 1 and divide --layers {s.n_layers}")
+    if bad:
+        p.error(bad[0] + "; fix: pass a value in range")
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="minutes-long smoke version (8 layers, S in 1,4,8, 120 steps)")
@@ -574,6 +590,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = p.parse_args(argv)
     command = " ".join(["python experiments/staleness.py", *(sys.argv[1:] if argv is None else argv)])
     log = functools.partial(print, flush=True)
+    for path in ("render", "reuse"):
+        if getattr(args, path) is not None and not getattr(args, path).is_file():
+            p.error(f"--{path}: {getattr(args, path)} is not a file; fix: pass a results JSON written by this script")
     if args.render is not None:
         result = render(args.render, pathlib.Path(args.out), command)
         print((pathlib.Path(args.out) / f"{args.render.stem}.md").read_text())
@@ -587,6 +606,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             over[k] = tuple(kind(x.strip()) for x in getattr(args, k).split(",") if x.strip())
     regime = {k: v for k, v in REGIMES[args.regime].items() if not (args.quick and k == "steps")}
     s = replace(QUICK if args.quick else Settings(), regime=args.regime, **{**regime, **over})
+    _check_settings(p, s)
     name = args.name or "_".join(["staleness", *([args.regime] if args.regime != "default" else []),
                                   *(["quick"] if args.quick else [])])
     rerun = tuple(x.strip() for x in args.rerun.split(",") if x.strip())
