@@ -15,24 +15,24 @@ _EXPORTS: dict[str, str] = {
     # configuration
     "Config": "boostjax.config", "ModelConfig": "boostjax.config", "TrainConfig": "boostjax.config",
     "ConfigError": "boostjax.config", "preset": "boostjax.config", "PRESETS": "boostjax.config",
-    "validate": "boostjax.placement",
+    "validate": "boostjax.training.checks",
     # models
     "LLaMA": "boostjax.models.llama", "param_count": "boostjax.models.flops",
     "flops_per_token": "boostjax.models.flops",
     # data
     "ByteTokenizer": "boostjax.data", "load_corpus": "boostjax.data", "BatchIterator": "boostjax.data",
     # tokenised data folders and held-out evaluation (issue 13, items 1 and 5)
-    "tokenize_corpus": "boostjax.tokenize", "evaluate": "boostjax.evaluation",
+    "tokenize_corpus": "boostjax.data.tokenize", "evaluate": "boostjax.inference.evaluation",
     "DocumentIterator": "boostjax.data", "batch_iterator": "boostjax.data",  # item 2: packed documents
     # training
-    "train": "boostjax.trainer", "TrainResult": "boostjax.trainer", "NonFiniteLoss": "boostjax.trainer",
-    "init_model": "boostjax.models.llama", "load_run": "boostjax.run", "simulate_devices": "boostjax.devices",
+    "train": "boostjax.training.trainer", "TrainResult": "boostjax.training.trainer", "NonFiniteLoss": "boostjax.training.trainer",
+    "init_model": "boostjax.models.llama", "load_run": "boostjax.runs.load", "simulate_devices": "boostjax.runtime.devices",
     # generation (KV cache; greedy, top-k, top-p)
-    "generate": "boostjax.generation",
+    "generate": "boostjax.inference.generation",
     # interop
-    "from_hf": "boostjax.hf", "to_hf": "boostjax.hf", "read_hf": "boostjax.hf",  # item 3: read_hf
+    "from_hf": "boostjax.interop.hf", "to_hf": "boostjax.interop.hf", "read_hf": "boostjax.interop.hf",  # item 3: read_hf
     # starting from pretrained weights (train --init-from-hf, train(cfg, init=...))
-    "lowrank_from_dense": "boostjax.pretrained",
+    "lowrank_from_dense": "boostjax.interop.pretrained",
     # tensor parallelism and its communication, read from compiled HLO
     "comm_report": "boostjax.analysis.comm",
     # pipeline parallelism (mesh axis `stage`)
@@ -42,9 +42,9 @@ _EXPORTS: dict[str, str] = {
     "make_optimizer": "boostjax.optim.registry", "build_optimizer": "boostjax.optim.registry",
     # offload planning
     "solve_plan": "boostjax.offload.planner", "build_instance": "boostjax.offload.costmodel",
-    "get_profile": "boostjax.hardware",
+    "get_profile": "boostjax.runtime.hardware",
     # the tokenizer of a run, tokenised data folder or Hugging Face folder (byte level when it has none)
-    "load_tokenizer": "boostjax.text",
+    "load_tokenizer": "boostjax.data.tokenizers",
 }
 
 __all__ = sorted(_EXPORTS)

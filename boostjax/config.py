@@ -5,8 +5,9 @@ are the flag's choices. The mesh is parsed once, into a `MeshShape`, when a `Tra
 `validate` runs before anything is compiled and raises `ConfigError` with one line naming the field
 and the fix; it marks the config it checked, so a job validates once (`is_validated`).
 
-This module imports only leaf modules of boostjax (`boostjax.data`, `boostjax.hardware`:
-modules that import nothing of boostjax), so every other module may import it.
+A leaf: this module imports nothing of boostjax, so every other module may import it. What needs more
+than the fields (the data, the hardware profiles, what a placement can run) is checked by
+`boostjax.training.checks.validate`, which marks the config it passed (`is_validated`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
-from boostjax.data import check_data
-from boostjax.hardware import _ALIASES as HARDWARE_ALIASES
-from boostjax.hardware import PROFILES, get_profile
 
 # Each set of names is written once, as a Literal (the field's type; the CLI's choices); the tuples follow.
 ModelKind = Literal["llama", "cola", "svd", "lax"]
@@ -42,6 +39,7 @@ ATTENTION: tuple[str, ...] = get_args(Attention)
 MODEL_KINDS: tuple[str, ...] = get_args(ModelKind)
 LOW_RANK_KINDS: tuple[str, ...] = ("cola", "svd", "lax")
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
+TP_STRATEGIES: tuple[str, ...] = tuple(s for s in STRATEGIES if s != "none")  # what `boostjax comm` compares
 DTYPES: tuple[str, ...] = get_args(Dtype)
 DATA_DTYPES: tuple[str, ...] = get_args(DataDtype)
 REMAT: tuple[str, ...] = get_args(Remat)
@@ -224,18 +222,18 @@ class TrainConfig:
     delay_lr_tc: int = 1000  # PipeDream-LR: steps until the delay-scaled lr reaches lr (reference: 7 of 250 epochs = 2.8 %)
     offload_plan: str = ""  # plan.json from `boostjax plan`: remat/offload policies and host placement
     progress: bool = True
-    # multi-host (boostjax.multihost): all three, or none to read SLURM / Open MPI / BOOSTJAX_* variables
+    # multi-host (boostjax.runtime.multihost): all three, or none to read SLURM / Open MPI / BOOSTJAX_* variables
     coordinator: str = ""  # HOST:PORT of process 0's coordination service
     num_processes: int = 0  # processes in the job; 0 = from the environment (1 process if none); 1 = force one
     process_id: int = -1  # this process's index in [0, num_processes); -1 = from the environment
     init_timeout: int = 300  # seconds a multi-host process waits for the whole job to join before it gives up
-    # observability (issue 13, item 7; boostjax.observe)
+    # observability (issue 13, item 7; boostjax.training.observe)
     tensorboard: bool = True  # TensorBoard event files in <out>/tensorboard/ (process 0)
     profile: str = ""  # "START:STOP": a jax.profiler trace of steps [START, STOP) into <out>/profile/
-    hardware: str = ""  # peak-FLOPs profile for MFU (boostjax.hardware); "" = detect from the device
+    hardware: str = ""  # peak-FLOPs profile for MFU (boostjax.runtime.hardware); "" = detect from the device
     # item 2 (documents): batches carry segment ids and attention never crosses a document boundary
     doc_mask: bool = False
-    # item 4 (boostjax.pretrained): a Hugging Face LLaMA folder a new run starts from ("" = random init)
+    # item 4 (boostjax.interop.pretrained): a Hugging Face LLaMA folder a new run starts from ("" = random init)
     init_from_hf: str = ""
 
     def __post_init__(self) -> None:
@@ -457,10 +455,9 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
 
 
 def _validate_observe(t: TrainConfig) -> None:
-    """--profile START:STOP within the run, --hardware a known profile name (`boostjax.observe`)."""
+    """--profile START:STOP within the run (`boostjax.training.observe`; --hardware names a profile:
+    `boostjax.runtime.hardware.check_hardware`)."""
     parse_profile(t.profile, t.steps)
-    if t.hardware:
-        check_hardware(t.hardware)
 
 
 def parse_profile(spec: str, steps: int) -> tuple[int, int] | None:
@@ -479,18 +476,8 @@ def parse_profile(spec: str, steps: int) -> tuple[int, int] | None:
     return a, b
 
 
-def check_hardware(name: str) -> None:
-    """--hardware names a known profile (or an alias); '' (detect the device) is checked where it runs."""
-    try:
-        get_profile(name)
-    except ValueError as e:
-        why = str(e).split("; fix:")[0].removeprefix("hardware: ")
-        raise ConfigError(f"train.hardware: {why}; fix: pass one of {', '.join(PROFILES)} (or an alias: "
-                          f"{', '.join(sorted(HARDWARE_ALIASES))}), or '' to detect the device") from None
-
-
 def _validate_accum_zero(t: TrainConfig) -> None:
-    """Gradient accumulation and ZeRO stages (`boostjax.step`)."""
+    """Gradient accumulation and ZeRO stages (`boostjax.training.step`)."""
     _need(t.grad_accum >= 1, f"train.grad_accum: must be >= 1 (1 = no accumulation), got {t.grad_accum}; "
                              "fix: pass --grad-accum N with N >= 1")
     _need(t.batch * t.grad_accum * t.seq <= MAX_TOKENS,
@@ -565,37 +552,28 @@ def validate_process_mesh(num_processes: int, mesh: MeshShape | None) -> None:
 
 
 def validate(cfg: Config) -> Config:
-    """Raise `ConfigError` on the first invalid field; return the config unchanged otherwise, marked
-    as checked (`is_validated`: a job's later steps do not check it again)."""
+    """Raise `ConfigError` on the first invalid field; return the config unchanged otherwise. The
+    fields only: `boostjax.training.checks.validate` checks the rest and marks the config."""
     _need(isinstance(cfg, Config), f"config: need a Config, got {type(cfg).__name__}; fix: pass Config(model, train)")
     validate_model(cfg.model)
     validate_train(cfg.train, cfg.model)
     t = cfg.train
     validate_processes(t.coordinator, t.num_processes, t.process_id, t.mesh)
-    _validate_data(t, cfg.model)  # last: it reads the data (a .bin file once, in chunks)
-    object.__setattr__(cfg, _VALIDATED, True)  # not a field: equality, to_dict and replace() ignore it
     return cfg
 
 
 _VALIDATED = "_validated"
 
 
+def mark_validated(cfg: Config) -> Config:
+    """Mark `cfg` as wholly checked (not a field: equality, to_dict and replace() ignore it)."""
+    object.__setattr__(cfg, _VALIDATED, True)
+    return cfg
+
+
 def is_validated(cfg: Config) -> bool:
-    """Whether `validate` passed on this very object (a changed copy, `dataclasses.replace`, is not)."""
+    """Whether `mark_validated` ran on this very object (a changed copy, `dataclasses.replace`, is not)."""
     return bool(getattr(cfg, _VALIDATED, False))
-
-
-def _validate_data(t: TrainConfig, m: ModelConfig) -> None:
-    """`train.data` exists, can be read, and holds no token id >= `model.vocab_size`."""
-    try:
-        check_data(t.data, t.data_dtype, m.vocab_size)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if t.doc_mask and os.path.isfile(t.data):  # a file is one stream: its document boundaries are unknown
-        raise ConfigError(f"train.doc_mask: {t.data} is one file with no document boundaries; fix: pass --data with "
-                          "a folder of text files (one document each) or a tokenised folder, or drop --doc-mask")
 
 
 def field_names(cls: type) -> list[str]:
@@ -609,45 +587,3 @@ def check_batch_seq(batch: int, seq: int, where: str) -> None:
     _need(seq <= MAX_SEQ_LEN, f"{where}.seq: {seq} exceeds {MAX_SEQ_LEN}; fix: pass --seq <= {MAX_SEQ_LEN}")
     _need(batch * seq <= MAX_TOKENS, f"{where}.batch: batch x seq = {batch} x {seq} tokens exceeds {MAX_TOKENS}; "
                                      "fix: lower --batch or --seq")
-
-
-def one_line_parse_errors(parser: Any) -> Any:
-    """Make an argparse parser (and its subcommands' parsers) report a bad command line as one line,
-    `boostjax: error: <field>: <what>; fix: see <prog> --help`, and exit with status 2 (argparse
-    prints its usage block and the message on separate lines). Returns the parser."""
-    import argparse  # noqa: PLC0415
-    import re  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    model_fields = set(field_names(ModelConfig))
-
-    def install(p: argparse.ArgumentParser, command: str | None) -> None:
-        def error(message: str) -> typing.NoReturn:
-            where = command or "boostjax"
-            m = re.match(r"argument (\S+?)(?:/\S+)?: (.*)$", message, re.S)
-            if m:
-                name = m.group(1)
-                action = next((a for a in p._actions  # noqa: SLF001
-                               if name in a.option_strings or name in (a.dest, a.metavar)), None)
-                dest = action.dest if action is not None else name.lstrip("-").replace("-", "_")
-                if command is None:
-                    where = dest
-                elif command == "train" and dest != "preset":
-                    where = f"{'model' if dest in model_fields else 'train'}.{dest}"
-                elif command == "train":
-                    where = dest
-                else:
-                    where = f"{command}.{dest}"
-                message = m.group(2)
-            text = " ".join(message.split())
-            sys.stderr.write(f"boostjax: error: {where}: {text}; fix: see {p.prog} --help\n")
-            sys.exit(2)
-
-        p.error = error  # type: ignore[method-assign]
-        for a in p._actions:  # noqa: SLF001
-            if isinstance(a, argparse._SubParsersAction):  # noqa: SLF001
-                for name, sub in a.choices.items():
-                    install(sub, name)
-
-    install(parser, None)
-    return parser

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 from boostjax.config import Config, ModelConfig, TrainConfig  # noqa: E402
 from boostjax.data import BatchIterator  # noqa: E402
-from boostjax.step import build_step_fns  # noqa: E402
+from boostjax.training.step import build_step_fns  # noqa: E402
 from boostjax.models.llama import init_model  # noqa: E402
 
 OUT = pathlib.Path(__file__).parent / "results"

@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from boostjax.devices import exact_low_precision, simulate_devices  # noqa: E402
+from boostjax.runtime.devices import exact_low_precision, simulate_devices  # noqa: E402
 
 simulate_devices(4)  # before JAX starts: the largest model axis below
 exact_low_precision()  # bf16 collectives stay bf16 in the HLO we count

@@ -54,7 +54,7 @@ def measure(preset: str, kind: str, prompt_len: int, new: int, full_steps: int, 
     from flax import nnx  # noqa: PLC0415
 
     from boostjax.config import preset as get_preset  # noqa: PLC0415
-    from boostjax.generation import _generate  # noqa: PLC0415
+    from boostjax.inference.generation import _generate  # noqa: PLC0415
     from boostjax.models.llama import LLaMA  # noqa: PLC0415
     from boostjax.models.flops import param_count  # noqa: PLC0415
 

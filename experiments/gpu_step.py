@@ -1,11 +1,11 @@
 """One-GPU training-step throughput of full-rank LLaMA vs CoLA (tokens/s, MFU, peak memory).
 
 Each model runs in its own process (so each peak is its own) through the package's real training
-step: `boostjax.step.build_step_fns` (jitted forward, backward, clipped AdamW update, fp32 master
+step: `boostjax.training.step.build_step_fns` (jitted forward, backward, clipped AdamW update, fp32 master
 weights, bf16 compute), compiled ahead of time, `--warmup` untimed steps, then `--steps` timed steps,
 each ended by `block_until_ready`. Reports the median step time, tokens/s, MFU = model FLOPs per
 token (`boostjax.models.flops.flops_per_token`, PaLM convention, no remat recompute counted) x
-tokens/s / the device's dense bf16 peak (the `boostjax.hardware` profile matching the device
+tokens/s / the device's dense bf16 peak (the `boostjax.runtime.hardware` profile matching the device
 name, or `--peak-tflops`), and `device.memory_stats()["peak_bytes_in_use"]`. Tokens are random ids:
 step time does not depend on the data.
 
@@ -43,7 +43,7 @@ PAPER_SPEEDUP = 0.85 / 0.59  # BOOST, 1B on one A100: full-rank / CoLA (BTP) ite
 
 def peak_flops_for(device_kind: str) -> float | None:
     """Dense bf16 peak of a GPU from its JAX `device_kind` via the hardware profiles (None: unknown)."""
-    from boostjax.hardware import get_profile  # noqa: PLC0415
+    from boostjax.runtime.hardware import get_profile  # noqa: PLC0415
 
     k = device_kind.lower()
     for needle, name in (("h200", "h200"), ("h100", "h100"), ("h800", "h800"), ("3090", "3090")):
@@ -68,10 +68,11 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    from boostjax.config import Config, TrainConfig, preset, validate  # noqa: PLC0415
+    from boostjax.config import Config, TrainConfig, preset  # noqa: PLC0415
+    from boostjax.training.checks import validate
     from boostjax.models.flops import flops_per_token, param_count  # noqa: PLC0415
     from boostjax.offload.apply import compiled_memory  # noqa: PLC0415
-    from boostjax.step import build_step_fns  # noqa: PLC0415
+    from boostjax.training.step import build_step_fns  # noqa: PLC0415
     from boostjax.models.llama import init_model  # noqa: PLC0415
 
     dev = jax.devices()[0]

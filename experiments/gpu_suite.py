@@ -225,7 +225,7 @@ def collectives_worker(sh: Shapes, attention: str) -> dict:
     import jax  # noqa: PLC0415
 
     from boostjax.analysis import comm  # noqa: PLC0415
-    from boostjax.sharding import hlo  # noqa: PLC0415
+    from boostjax.analysis import hlo  # noqa: PLC0415
 
     model = _model("cola", sh, attention)
     mesh = "data=1,model=1"

@@ -2,7 +2,7 @@
 
 On a random 2-layer LLaMA (d 32, d_ff 64, norms away from 1), the relative logits error against the
 dense model of: the svd kind (`x A B`, the rank-r truncation), CoLA with the exact ± pairs that
-`boostjax.pretrained` uses (rank r carries r/2 singular triplets), and CoLA with the SVD factors
+`boostjax.interop.pretrained` uses (rank r carries r/2 singular triplets), and CoLA with the SVD factors
 scaled into SiLU's near-linear range (`A·c`, `B·2/c`).
 
     python experiments/init_cola_split.py      # prints a table; about 30 s on a laptop CPU
@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from boostjax import hf, pretrained
+from boostjax.interop import hf
+from boostjax.interop import pretrained
 from boostjax.config import ModelConfig
 from boostjax.models.llama import LLaMA
 

@@ -26,11 +26,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from boostjax import hf, pretrained  # noqa: E402
+from boostjax.interop import hf  # noqa: E402
+from boostjax.interop import pretrained
 from boostjax.config import Config, ModelConfig, TrainConfig  # noqa: E402
 from boostjax.data import batch_iterator, load_corpus  # noqa: E402
 from boostjax.models.llama import LLaMA  # noqa: E402
-from boostjax.trainer import train  # noqa: E402
+from boostjax.training.trainer import train  # noqa: E402
 
 DENSE = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                     init_std=0.2)  # logits of O(1): a misplaced shard changes the loss visibly

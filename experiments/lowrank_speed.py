@@ -1,6 +1,6 @@
 """Single-device training-step speed of dense LLaMA vs CoLA, SVD and LaX, and where the time goes.
 
-Every model runs the package's real training step (`boostjax.step.build_step_fns`: forward,
+Every model runs the package's real training step (`boostjax.training.step.build_step_fns`: forward,
 backward, clipped AdamW, fp32 parameters, `--dtype` compute), compiled ahead of time. After
 `--warmup` untimed steps per model, `--rounds` interleaved rounds run one step of every model in
 turn (A, B, C, D, A, B, ...), each ended by `block_until_ready`; per model the median step time
@@ -114,9 +114,10 @@ def build(kind: str, shape: str, args: argparse.Namespace):
     """(compiled step, training state, batch, model config, compile seconds) for one model kind."""
     import numpy as np  # noqa: PLC0415
 
-    from boostjax.config import Config, TrainConfig, preset, validate  # noqa: PLC0415
+    from boostjax.config import Config, TrainConfig, preset  # noqa: PLC0415
+    from boostjax.training.checks import validate
     from boostjax.models import llama  # noqa: PLC0415
-    from boostjax.step import build_step_fns  # noqa: PLC0415
+    from boostjax.training.step import build_step_fns  # noqa: PLC0415
     from boostjax.models.llama import init_model  # noqa: PLC0415
 
     if kind == "cola-btgr":
@@ -330,7 +331,7 @@ def markdown(res: dict) -> str:
     a, mf = res["args"], res["machine"]
     lines = ["# Low-rank training-step speed on one device: dense vs CoLA, SVD, LaX", "",
              f"Command: `{res['command']}` (wall time {res['runtime_s']:.0f} s).", "",
-             f"Real training step (`boostjax.step.build_step_fns`: forward, backward, clip 1.0 + AdamW, fp32 "
+             f"Real training step (`boostjax.training.step.build_step_fns`: forward, backward, clip 1.0 + AdamW, fp32 "
              f"parameters, {a['dtype']} compute), batch {a['batch']} x sequence {a['seq']}, vocabulary {a['vocab']}, "
              f"compiled ahead of time; {a['warmup']} untimed warm-up step(s) per model, then interleaved rounds ("
              + ", ".join(f"{x['shape']}: {x['rounds']}" for x in res["shapes"]) + "; one step of every model per "

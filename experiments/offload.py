@@ -30,7 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from boostjax.offload import check_plan_for  # noqa: E402
-from boostjax.offload.cli import report  # noqa: E402
+from boostjax.cli.plan import report  # noqa: E402
 from boostjax.offload.costmodel import PlanInstance, instance_family, lazytrain_27b  # noqa: E402
 from boostjax.offload.planner import BASELINES, baseline_plan, solve  # noqa: E402
 
@@ -86,10 +86,10 @@ def cpu_memory_check() -> list[dict]:
 
     from boostjax.config import Config, TrainConfig, preset  # noqa: PLC0415
     from boostjax.offload import apply  # noqa: PLC0415
-    from boostjax.hardware import HardwareProfile  # noqa: PLC0415
+    from boostjax.runtime.hardware import HardwareProfile  # noqa: PLC0415
     from boostjax.offload.planner import make_plan  # noqa: PLC0415
     from boostjax.placement import Offloaded, SingleDevice  # noqa: PLC0415
-    from boostjax.step import build_step_fns  # noqa: PLC0415
+    from boostjax.training.step import build_step_fns  # noqa: PLC0415
     from boostjax.models.llama import init_model  # noqa: PLC0415
 
     # a slow device so that recompute and transfers cost whole microseconds for these tiny shapes

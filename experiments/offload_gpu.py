@@ -77,9 +77,9 @@ def worker(args: argparse.Namespace) -> dict:
 
     from boostjax.config import Config, TrainConfig, preset  # noqa: PLC0415
     from boostjax.offload import apply  # noqa: PLC0415
-    from boostjax.hardware import get_profile, measure  # noqa: PLC0415
+    from boostjax.runtime.hardware import get_profile, measure  # noqa: PLC0415
     from boostjax.offload.planner import PlanInfeasible, baseline_plan, solve  # noqa: PLC0415
-    from boostjax.step import build_step_fns  # noqa: PLC0415
+    from boostjax.training.step import build_step_fns  # noqa: PLC0415
     from boostjax.models.llama import init_model  # noqa: PLC0415
 
     dev = jax.devices()[0]

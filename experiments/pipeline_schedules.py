@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from boostjax.devices import simulate_devices  # noqa: E402
+from boostjax.runtime.devices import simulate_devices  # noqa: E402
 
 STAGES = 4
 simulate_devices(STAGES)  # before JAX starts
@@ -35,7 +35,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from boostjax.config import Config, ModelConfig, TrainConfig, validate  # noqa: E402
+from boostjax.config import Config, ModelConfig, TrainConfig  # noqa: E402
+from boostjax.training.checks import validate
 from boostjax.models.llama import LLaMA  # noqa: E402
 from boostjax.placement import choose  # noqa: E402
 from boostjax.sharding.pipeline import pipeline_info  # noqa: E402

@@ -68,9 +68,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from boostjax.config import Config, ModelConfig, preset  # noqa: E402
-from boostjax.hardware import get_profile  # noqa: E402
+from boostjax.runtime.hardware import get_profile  # noqa: E402
 from boostjax.models.flops import flops_per_token, param_count  # noqa: E402
-from boostjax.sharding import hlo  # noqa: E402
+from boostjax.analysis import hlo  # noqa: E402
 from boostjax.analysis.comm import STRATEGIES  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -99,7 +99,7 @@ class Hardware:
     """Per-GPU rates the time model charges. Stated assumptions, not fitted (except eta, passed in)."""
 
     name: str
-    peak_flops: float  # dense bf16 tensor-core peak (boostjax.hardware profiles)
+    peak_flops: float  # dense bf16 tensor-core peak (boostjax.runtime.hardware profiles)
     hbm_bytes_per_s: float  # nominal HBM bandwidth
     hbm_efficiency: float  # fraction of it streaming kernels reach
     bus_bytes_per_s: float  # NCCL bus bandwidth of an intra-node all-reduce (large messages)
@@ -229,8 +229,8 @@ def _compiled_pair(model: ModelConfig, tp: int, batch: int, seq: int, strategy: 
     from boostjax.analysis import memory  # noqa: PLC0415
     from boostjax.analysis.comm import as_mesh, model_for  # noqa: PLC0415
     from boostjax.models.llama import LLaMA  # noqa: PLC0415
-    from boostjax.placement import validate  # noqa: PLC0415
-    from boostjax.step import step_layout, train_state_shapes  # noqa: PLC0415
+    from boostjax.training.checks import validate  # noqa: PLC0415
+    from boostjax.training.step import step_layout, train_state_shapes  # noqa: PLC0415
 
     mesh = as_mesh(f"data=1,model={tp}", "scaling_model.mesh")
     cfg = validate(Config(model_for(model, strategy),
@@ -240,7 +240,7 @@ def _compiled_pair(model: ModelConfig, tp: int, batch: int, seq: int, strategy: 
     lay = step_layout(cfg, graphdef, state.to_pure_dict())
     sds, _ = train_state_shapes(cfg, graphdef, state.to_pure_dict())
 
-    def update(params, opt_state, grads):  # as `boostjax.step.train_step` after its value_and_grad
+    def update(params, opt_state, grads):  # as `boostjax.training.step.train_step` after its value_and_grad
         updates, opt_state = lay.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.from_json) as fh:
             res = json.load(fh)
     else:
-        from boostjax.devices import exact_low_precision, simulate_devices  # noqa: PLC0415
+        from boostjax.runtime.devices import exact_low_precision, simulate_devices  # noqa: PLC0415
 
         simulate_devices(8)  # before JAX starts: TP8 for the 30B/40B projection
         exact_low_precision()  # bf16 collectives stay bf16 in the HLO

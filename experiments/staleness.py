@@ -50,10 +50,11 @@ from typing import Any, Sequence  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from boostjax.config import Config, ModelConfig, TrainConfig, validate  # noqa: E402
+from boostjax.config import Config, ModelConfig, TrainConfig  # noqa: E402
+from boostjax.training.checks import validate
 from boostjax.data import BatchIterator, eval_batches, load_corpus  # noqa: E402
 from boostjax.placement import local_loss_fn  # noqa: E402
-from boostjax.step import build_step_fns  # noqa: E402
+from boostjax.training.step import build_step_fns  # noqa: E402
 from boostjax.models.llama import init_model  # noqa: E402
 
 # name -> (label, TrainConfig overrides)

@@ -12,11 +12,12 @@ import pytest
 from helpers import FAST_CPU, rel as _rel, seed_of
 from test_tp import TINY, _compare, assert_matches
 
-from boostjax import hf
-from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, validate, validate_model
+from boostjax.interop import hf
+from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, validate_model
+from boostjax.training.checks import validate
 from boostjax.models import attention, ops
 from boostjax.placement import local_loss_fn
-from boostjax.runfolder import RunFolder
+from boostjax.runs.folder import RunFolder
 from boostjax.models.llama import abstract_model
 
 BF16_EPS = 2.0**-8  # bfloat16's spacing at 1 (8 significand bits)

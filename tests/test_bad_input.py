@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 
 import boostjax.data
-import boostjax.generation  # noqa: F401 (its jitted function is made at import, before jax.jit is disabled)
-import boostjax.launch
+import boostjax.inference.generation  # noqa: F401 (its jitted function is made at import, before jax.jit is disabled)
+import boostjax.runtime.launch
 import boostjax.offload.apply  # noqa: F401 (imported before jax.jit is disabled)
 import boostjax.placement  # noqa: F401
-import boostjax.step  # noqa: F401
-import boostjax.trainer  # noqa: F401
-from boostjax import hf
+import boostjax.training.step  # noqa: F401
+import boostjax.training.trainer  # noqa: F401
+from boostjax.interop import hf
 from boostjax.cli import main
 from boostjax.config import ModelConfig
 from helpers import cli_command, cli_env, model_flags, one_error_line
@@ -124,7 +124,8 @@ def test_unknown_command_and_flag(capsys):
 # ------------------------------------------------------------------------------ device meshes
 
 def test_mesh_over_the_simulated_device_cap(capsys, tmp_path, monkeypatch):
-    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--mesh", "data=100000"], "train.mesh", "100000", "64")
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--mesh", "data=100000", "--batch", "100000"], "train.mesh",
+             "100000", "64")
     _refused(capsys, ["comm", "--preset", "tiny", "--mesh", "data=1,model=128"], "comm.mesh", "128")
     monkeypatch.setenv("BOOSTJAX_MAX_CPU_DEVICES", "many")
     _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--mesh", "data=2"], "BOOSTJAX_MAX_CPU_DEVICES")
@@ -134,7 +135,7 @@ def test_mesh_over_the_simulated_device_cap(capsys, tmp_path, monkeypatch):
 def test_huge_mesh_in_a_fresh_process_is_refused_before_jax(tmp_path):
     """The CLI would otherwise ask XLA for 100000 CPU devices (tens of GB) before any message."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(cli_command("train", "--mesh", "data=100000", "--out", tmp_path / "run"),
+    proc = subprocess.Popen(cli_command("train", "--mesh", "data=100000", "--batch", "100000", "--out", tmp_path / "run"),
                             env=cli_env(XLA_FLAGS=None), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     err = proc.stderr.read().decode()
@@ -172,7 +173,7 @@ def test_plan_flags(capsys, tmp_path, flags, field):
 
 
 def test_plan_out_is_checked_before_the_solve(capsys, tmp_path, monkeypatch):
-    import boostjax.offload.cli as plan_cli
+    import boostjax.cli.plan as plan_cli
 
     monkeypatch.setattr(plan_cli, "solve", lambda *a, **k: pytest.fail("solved before --out was checked"))
     _refused(capsys, [*PLAN, "--out", tmp_path / "missing" / "plan.json"], "plan.out", "does not exist")
@@ -307,17 +308,17 @@ def test_comm_dump_hlo_is_checked_before_compiling(capsys, tmp_path):
     (["launch", "--", "train", "--coordinator", "h:1"], "launch"),
     (["launch", "--", "train", "--process-id=1"], "launch"),
     (["launch", "-n", "3", "--", "train", "--mesh", "data=2"], "train.mesh"),
-    (["launch", "--", "train", "--mesh", "data=200"], "train.mesh"),
+    (["launch", "--", "train", "--mesh", "data=200", "--batch", "200"], "train.mesh"),
     (["launch", "--", "train", "--mesh", "data=2", "--lr", "nan"], "train.lr"),
     (["launch", "--", "train", "--mesh", "data=2", "--lr", "x"], "train.lr"),
 ])
 def test_launch_starts_nothing_on_bad_input(capsys, monkeypatch, argv, field):
-    monkeypatch.setattr(boostjax.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    monkeypatch.setattr(boostjax.runtime.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
     _refused(capsys, argv, field)
 
 
 def test_launch_port_in_use(capsys, monkeypatch):
-    monkeypatch.setattr(boostjax.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    monkeypatch.setattr(boostjax.runtime.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -362,7 +363,7 @@ def test_generate_without_a_run(capsys, tmp_path):
 def test_multihost_peer_that_never_starts(tmp_path):
     """Process 0 of a 2-process job alone: one line naming the coordinator and the process count after
     --init-timeout seconds (jax 0.10.2 would abort from C++ with a stack trace, after 300 s)."""
-    port = boostjax.launch.free_port()
+    port = boostjax.runtime.launch.free_port()
     t0 = time.monotonic()
     r = subprocess.run(cli_command(*TRAIN, "--mesh", "data=2", "--coordinator", f"127.0.0.1:{port}",
                                    "--num-processes", "2", "--process-id", "0", "--init-timeout", "2",
@@ -552,7 +553,7 @@ def texts(tmp_path):
 
 
 def _tokenized(texts, out, tokenizer="byte"):
-    from boostjax.tokenize import tokenize_corpus  # noqa: PLC0415
+    from boostjax.data.tokenize import tokenize_corpus  # noqa: PLC0415
 
     return tokenize_corpus(texts, out, tokenizer, val_every=2, progress=False)
 
@@ -667,8 +668,8 @@ def test_init_from_hf_refused(capsys, tmp_path, init_folder, case, flags, field,
         w.write_bytes(w.read_bytes()[:100])
     data = tmp_path / "data"
     if case == "tokenizers":  # the data was tokenised byte level, the checkpoint has a BPE tokenizer
-        from boostjax.text import train_tokenizer  # noqa: PLC0415
-        from boostjax.tokenize import tokenize_corpus  # noqa: PLC0415
+        from boostjax.data.tokenizers import train_tokenizer  # noqa: PLC0415
+        from boostjax.data.tokenize import tokenize_corpus  # noqa: PLC0415
 
         (tmp_path / "text").mkdir()
         for i in range(4):
@@ -683,7 +684,7 @@ def test_init_from_hf_refused(capsys, tmp_path, init_folder, case, flags, field,
 def test_init_params_refused(tmp_path, init_folder):
     """The Python API: `init=` params that fit neither the model nor its dense twin, and two sources."""
     from boostjax.config import Config, ConfigError, TrainConfig  # noqa: PLC0415
-    from boostjax.trainer import train  # noqa: PLC0415
+    from boostjax.training.trainer import train  # noqa: PLC0415
 
     t = TrainConfig(steps=1, batch=2, seq=16, progress=False, out=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"^train.init: the params fit neither this svd model"):

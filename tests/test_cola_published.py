@@ -156,8 +156,8 @@ def test_an_old_run_folder_reads_and_resumes_as_the_old_mlp(tmp_path):
     """A config.json written before `only_lr_act` existed means `silu(gate) * up`; the same command line
     (no --only-lr-act, a preset whose eps changed since) resumes it unchanged; flags given still win."""
     from boostjax.cli import build_parser
-    from boostjax.commands import train_config
-    from boostjax.runfolder import RunFolder
+    from boostjax.cli.train import train_config
+    from boostjax.runs.folder import RunFolder
 
     out = tmp_path / "run"
     out.mkdir()

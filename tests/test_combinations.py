@@ -15,7 +15,7 @@ from boostjax.data import BatchIterator, load_corpus
 from boostjax.offload import apply
 from boostjax.offload.planner import Decisions, make_plan
 from boostjax.placement import on_host
-from boostjax.step import build_step_fns
+from boostjax.training.step import build_step_fns
 from boostjax.models.llama import init_model
 
 MODEL = ModelConfig(kind="cola", d_model=32, n_layers=4, n_heads=2, d_ff=64, rank=16, max_seq_len=16)

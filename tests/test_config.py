@@ -5,7 +5,8 @@ from dataclasses import replace
 import pytest
 
 from boostjax.cli import build_parser, main
-from boostjax.config import PRESETS, Config, ConfigError, ModelConfig, TrainConfig, preset, validate
+from boostjax.config import PRESETS, Config, ConfigError, ModelConfig, TrainConfig, preset
+from boostjax.training.checks import validate
 
 
 def test_presets_follow_the_design_table():
@@ -144,8 +145,9 @@ def test_literal_fields_are_the_flags_choices():
 
 def test_cli_train_validates_and_joins_once(monkeypatch, tmp_path):
     """`boostjax train` checks its config and joins the job once (the CLI does; `train` sees it done)."""
-    from boostjax import commands, config, multihost
-    from boostjax import trainer as train_mod
+    from boostjax.training import checks
+    from boostjax.runtime import multihost
+    from boostjax.training import trainer as train_mod
     from boostjax.config import is_validated
 
     calls = {"validate": 0, "setup": 0}
@@ -156,8 +158,8 @@ def test_cli_train_validates_and_joins_once(monkeypatch, tmp_path):
             return real(*a, **k)
         return wrapped
 
-    validate_once = counting("validate", config.validate)
-    monkeypatch.setattr(commands, "validate", validate_once)
+    validate_once = counting("validate", checks.validate)
+    monkeypatch.setattr(checks, "validate", validate_once)
     monkeypatch.setattr(train_mod, "validate", validate_once)
     monkeypatch.setattr(multihost, "setup", counting("setup", multihost.setup))
 

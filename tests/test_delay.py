@@ -16,7 +16,7 @@ from boostjax.optim.rotation import rotated_state
 from boostjax.optim.delay import (DelayState, assign_stages, delay_init, delay_push, delayed_params,
                                   stage_delays)
 from helpers import assert_trees_allclose
-from boostjax.step import TrainState, train_step
+from boostjax.training.step import TrainState, train_step
 
 N_LAYERS, D = 12, 3
 
@@ -142,7 +142,7 @@ def test_assign_stages_errors():
 
 # ----------------------------------------------------------------------------- emulation vs reference
 def _delayed_step(opt: optax.GradientTransformation):
-    """The training step (`boostjax.step.train_step`) on a `TrainState` holding a `DelayState`."""
+    """The training step (`boostjax.training.step.train_step`) on a `TrainState` holding a `DelayState`."""
     return jax.jit(train_step(_loss, opt))
 
 

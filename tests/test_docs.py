@@ -1,5 +1,5 @@
 """Every code reference in the README and docs/*.md points into the repository: file paths
-(`boostjax/step.py`, `tests/test_tp.py`, `boostjax/placement/`), dotted names
+(`boostjax/training/step.py`, `tests/test_tp.py`, `boostjax/placement/`), dotted names
 (`boostjax.analysis.comm.compiled_step`: the module exists and defines the name) and relative links.
 Outputs that scripts write (`experiments/results/...`) are not checked."""
 
@@ -84,7 +84,7 @@ def test_the_reference_reader_finds_paths_names_and_links():
     assert not _dotted_ok("boostjax.analysis.comm.no_such_name") and not _dotted_ok("boostjax.no_such_module")
     assert _exists("boostjax/models/") and not _exists("boostjax/no_such_file.py")
     found = {ref for _, _, ref, _ in references()}
-    assert {"boostjax/step.py", "tests/test_imports.py", "data.md"} <= found
+    assert {"boostjax/training/step.py", "tests/test_imports.py", "data.md"} <= found
 
 
 def test_every_code_reference_in_the_docs_exists():

@@ -18,13 +18,14 @@ from test_tp import put_params
 
 from boostjax import data
 from helpers import random_params, rel
-from boostjax.config import Config, ModelConfig, TrainConfig, validate
+from boostjax.config import Config, ModelConfig, TrainConfig
+from boostjax.training.checks import validate
 from boostjax.data import DocumentIterator, batch_iterator, eval_batches, load_corpus
 from boostjax.models import ops
-from boostjax.interrupt import TrainingInterrupted
+from boostjax.runtime.interrupt import TrainingInterrupted
 from boostjax.placement import choose, local_loss_fn
 from boostjax.models.llama import abstract_model
-from boostjax.trainer import train
+from boostjax.training.trainer import train
 
 EOS = 0
 SMALL = ModelConfig(kind="llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, rank=8,

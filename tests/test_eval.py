@@ -14,10 +14,10 @@ from flax import nnx
 from boostjax.cli import main
 from boostjax.config import ConfigError, ModelConfig
 from boostjax.data import ByteTokenizer
-from boostjax.evaluation import eval_stream, evaluate
+from boostjax.inference.evaluation import eval_stream, evaluate
 from boostjax.models.llama import LLaMA
-from boostjax.text import load_tokenizer
-from boostjax.tokenize import check_run_tokenizer, tokenize_corpus
+from boostjax.data.tokenizers import load_tokenizer
+from boostjax.data.tokenize import check_run_tokenizer, tokenize_corpus
 
 TINY = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=2, d_ff=64)
 

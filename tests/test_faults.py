@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from boostjax.checkpoint import ASIDE, MANIFEST, CheckpointError, Checkpointer
+from boostjax.runs.checkpoint import ASIDE, MANIFEST, CheckpointError, Checkpointer
 from boostjax.cli import main
 from boostjax.config import Config, TrainConfig
-from boostjax.run import load_run, read_metrics
-from boostjax.trainer import NonFiniteLoss, train
+from boostjax.runs.load import load_run, read_metrics
+from boostjax.training.trainer import NonFiniteLoss, train
 from helpers import MICRO, cli_command, cli_env, model_flags, one_error_line
 
 pytestmark = pytest.mark.xdist_group("faults")  # one worker: the subprocess tests share a reference run

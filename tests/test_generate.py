@@ -16,7 +16,7 @@ from flax import nnx
 import boostjax
 from boostjax.cli import main
 from boostjax.config import ModelConfig
-from boostjax.generation import sample
+from boostjax.inference.generation import sample
 from boostjax.models import kvcache
 from boostjax.models.llama import LLaMA
 from helpers import FAST_CPU, rel
@@ -183,7 +183,7 @@ def test_cli_generates_from_a_trained_run(tmp_path, capsys):
     ([1], dict(eos_id=[3, True]), "eos_id"),
 ])
 def test_python_api_refuses_bad_arguments_before_compiling(prompt, kw, needle, monkeypatch):
-    monkeypatch.setattr(sys.modules["boostjax.generation"], "_generate", lambda *a, **k: pytest.fail("compiled"))
+    monkeypatch.setattr(sys.modules["boostjax.inference.generation"], "_generate", lambda *a, **k: pytest.fail("compiled"))
     kw = {"max_new_tokens": 4, **kw}
     with pytest.raises(boostjax.ConfigError, match="^generate: .*; fix: ") as e:
         boostjax.generate(_dense(), prompt, kw.pop("max_new_tokens"), **kw)

@@ -10,7 +10,7 @@ import pytest
 
 from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.data import BatchIterator
-from boostjax.step import build_step_fns, train_state_shapes
+from boostjax.training.step import build_step_fns, train_state_shapes
 from boostjax.models.llama import init_model
 from helpers import rel as _rel
 

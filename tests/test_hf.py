@@ -16,7 +16,7 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from boostjax import hf
+from boostjax.interop import hf
 from boostjax.config import ModelConfig
 from boostjax.models.llama import LLaMA
 from helpers import random_tokens

@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from boostjax import hf
+from boostjax.interop import hf
 from boostjax import placement
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, validate_model, validate_train
 from boostjax.models import ops
@@ -194,7 +194,7 @@ def test_sharded_and_bf16_export_round_trip(tmp_path):
 
 
 def test_tokenizer_and_generation_config_carried(tmp_path):
-    from boostjax.text import load_tokenizer, train_tokenizer
+    from boostjax.data.tokenizers import load_tokenizer, train_tokenizer
 
     tok = train_tokenizer(["hello world, the quick brown fox", "jumps over the lazy dog"] * 20, 300)
     ref = _ref(seed=6, vocab_size=320, bos_token_id=None, eos_token_id=[tok.eos_id, 5], pad_token_id=7)
@@ -243,7 +243,8 @@ def test_head_dim_and_rope_scaling_on_tp_and_pipeline(strategy, kind, mesh, sche
     gradients under TP and a pipeline (whose stages build their own RoPE tables)."""
     from test_tp import TINY, _compare, assert_matches
 
-    from boostjax.config import Config, validate
+    from boostjax.config import Config
+    from boostjax.training.checks import validate
 
     model = dataclasses.replace(TINY, kind=kind, n_layers=2, attn_head_dim=12, rope_type="llama3", rope_factor=8.0,
                                 rope_original_max_len=8)

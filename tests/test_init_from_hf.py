@@ -1,4 +1,4 @@
-"""Starting from pretrained weights (`boostjax.pretrained`): the dense import, the SVD factoring of
+"""Starting from pretrained weights (`boostjax.interop.pretrained`): the dense import, the SVD factoring of
 each projection for svd/cola/lax, the report, and `train --init-from-hf` on one device and under BTP."""
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from boostjax import hf, pretrained
+from boostjax.interop import hf
+from boostjax.interop import pretrained
 from boostjax.cli import main
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
 from boostjax.data import batch_iterator, load_corpus
 from boostjax.models import ops
 from boostjax.models.collectives import LOCAL
-from boostjax.text import TOKENIZER_FILE, train_tokenizer
-from boostjax.tokenize import tokenize_corpus
+from boostjax.data.tokenizers import TOKENIZER_FILE, train_tokenizer
+from boostjax.data.tokenize import tokenize_corpus
 from boostjax.models.llama import abstract_model
-from boostjax.trainer import train
+from boostjax.training.trainer import train
 from helpers import random_params, random_tokens, rel
 
 DENSE = ModelConfig(kind="llama", vocab_size=288, d_model=32, n_layers=2, n_heads=4, d_ff=64, norm_eps=1e-5)

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from boostjax.config import Config, TrainConfig, preset, validate
+from boostjax.config import Config, TrainConfig, preset
+from boostjax.training.checks import validate
 from boostjax.models.llama import LLaMA
 from boostjax.analysis import memory
-from boostjax.step import build_step_fns
+from boostjax.training.step import build_step_fns
 from helpers import random_params
 
 TINY = preset("tiny", n_layers=2)

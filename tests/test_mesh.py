@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from boostjax.config import Config, ConfigError, MeshShape, TrainConfig, mesh_text
-from boostjax.runfolder import RunFolder
+from boostjax.runs.folder import RunFolder
 
 
 @pytest.mark.parametrize("text,shape,canonical", [
@@ -72,7 +72,8 @@ def test_resume_compares_meshes_and_records_text(tmp_path):
 
 
 def test_a_mesh_shape_made_in_python_is_checked():
-    from boostjax.config import ModelConfig, validate
+    from boostjax.config import ModelConfig
+    from boostjax.training.checks import validate
 
     for bad in (MeshShape(data=0), MeshShape(model=2.0), MeshShape(stage=True)):
         with pytest.raises(ConfigError, match=r"^train\.mesh: .*fix: "):

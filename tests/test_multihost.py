@@ -9,11 +9,12 @@ from dataclasses import replace
 
 import pytest
 
-from boostjax.config import Config, ConfigError, TrainConfig, validate
-from boostjax.launch import launch_local
-from boostjax.multihost import ProcessGroup, resolve
-from boostjax.run import read_metrics
-from boostjax.trainer import train
+from boostjax.config import Config, ConfigError, TrainConfig
+from boostjax.training.checks import validate
+from boostjax.runtime.launch import launch_local
+from boostjax.runtime.multihost import ProcessGroup, resolve
+from boostjax.runs.load import read_metrics
+from boostjax.training.trainer import train
 import helpers
 from helpers import cli_command, cli_env, model_flags
 
@@ -135,8 +136,8 @@ def test_a_signal_to_one_process_stops_the_whole_job_at_one_step(tmp_path):
     import subprocess
     import time
 
-    from boostjax.checkpoint import Checkpointer
-    from boostjax.launch import free_port
+    from boostjax.runs.checkpoint import Checkpointer
+    from boostjax.runtime.launch import free_port
 
     out, port = tmp_path / "job", free_port()
     flags = [*FLAGS, "--steps", "1000", "--ckpt-every", "500", "--out", str(out)]  # the last --steps wins

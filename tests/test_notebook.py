@@ -73,7 +73,7 @@ def violations(src: str) -> list[str]:
 def test_checker_catches_private_use():
     bad = {
         "from boostjax.analysis.comm import comm_report": "private submodule",
-        "import boostjax.trainer": "private submodule",
+        "import boostjax.training.trainer": "private submodule",
         "import boostjax as bj\nbj.devices.simulate(4)": "not in boostjax.__all__",
         "from boostjax import STRATEGIES": "not in boostjax.__all__",
         "!boostjax train --steps 2": "shell or subprocess",

@@ -13,7 +13,7 @@ import pytest
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 
 from boostjax.cli import main
-from boostjax.hardware import PROFILES, profile_for_device
+from boostjax.runtime.hardware import PROFILES, profile_for_device
 
 D, L, F, V, SEQ, BATCH = 32, 2, 64, 256, 16, 4
 FLAGS = ["train", "--model", "llama", "--d-model", D, "--n-layers", L, "--n-heads", 2, "--d-ff", F, "--vocab-size", V,

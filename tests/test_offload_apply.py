@@ -11,17 +11,18 @@ import jax
 import numpy as np
 import pytest
 
-from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, preset, validate
-from boostjax.hardware import HardwareProfile
+from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, preset
+from boostjax.training.checks import validate
+from boostjax.runtime.hardware import HardwareProfile
 from boostjax.models.llama import RematSegment
 from boostjax.offload import apply, check_plan_for
 from boostjax.offload.costmodel import build_instance
 from boostjax.offload.planner import Decisions, baseline_plan, make_plan
 from boostjax.placement import Offloaded, SingleDevice, host_mask, local_loss_fn
 from boostjax.optim import build_optimizer
-from boostjax.step import build_step_fns, step_layout, train_step
+from boostjax.training.step import build_step_fns, step_layout, train_step
 from boostjax.models.llama import init_model
-from boostjax.trainer import train
+from boostjax.training.trainer import train
 from helpers import assert_rel_close
 
 MICRO = ModelConfig(d_model=32, n_layers=4, n_heads=2, d_ff=64, rank=8)

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from boostjax.cli import main
 from boostjax.offload.planfile import read_plan
-from boostjax.run import read_metrics
+from boostjax.runs.load import read_metrics
 from helpers import MICRO, model_flags
 
 SHAPE = model_flags(replace(MICRO, n_layers=4))

@@ -14,12 +14,13 @@ from helpers import seed_of
 from test_tp import TINY, _compare, assert_matches, put_params
 
 import boostjax
-from boostjax.config import Config, ConfigError, TrainConfig, validate
+from boostjax.config import Config, ConfigError, TrainConfig
+from boostjax.training.checks import validate
 from boostjax.placement import choose
-from boostjax.run import load_run
+from boostjax.runs.load import load_run
 from boostjax.sharding.pipeline import bubble_fraction, microbatches, pipeline_info
 from boostjax.models.llama import init_model
-from boostjax.trainer import train
+from boostjax.training.trainer import train
 
 
 # P = 4 with DP (model axis 1: replicated blocks), and the full data x stage x model mesh with BTP
@@ -117,7 +118,7 @@ def test_stage_mesh_trains_checkpoints_and_resumes(tmp_path):
     assert jax.tree.structure(canonical) == jax.tree.structure(resumed.params)
     for a, b in zip(jax.tree.leaves(canonical), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # resumed without a stage axis: the stacked parameters and Adam moments are unstacked (boostjax.relayout)
+    # resumed without a stage axis: the stacked parameters and Adam moments are unstacked (boostjax.runs.relayout)
     shutil.rmtree(tmp_path / "pp" / "checkpoints" / "6")
     flat = train(Config(model, replace(pipe_cfg, mesh="model=2", microbatches=0)))
     assert flat.resumed_from == 4

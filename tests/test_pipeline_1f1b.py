@@ -12,11 +12,12 @@ import pytest
 from helpers import FAST_CPU, rel as _rel, rel_by_path, seed_of  # FAST_CPU: ~40 % less compile
 from test_tp import TINY, put_params
 
-from boostjax.config import Config, TrainConfig, validate
-from boostjax.runfolder import RunFolder
+from boostjax.config import Config, TrainConfig
+from boostjax.training.checks import validate
+from boostjax.runs.folder import RunFolder
 from boostjax.sharding.pipeline import pipeline_info
 from boostjax.placement import choose, local_loss_fn
-from boostjax.step import build_step_fns
+from boostjax.training.step import build_step_fns
 from boostjax.models.llama import init_model
 
 TOL = 1e-5  # norm-relative, fp32; measured <= 1e-6 on these cases

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from boostjax.config import ModelConfig, preset
-from boostjax.hardware import PROFILES, HardwareProfile, get_profile, measure
+from boostjax.runtime.hardware import PROFILES, HardwareProfile, get_profile, measure
 from boostjax.offload import costmodel as cm
 from boostjax.offload.planner import (BASELINES, Decisions, Plan, PlanInfeasible, baseline_plan, brute_force,
                                       check_decisions, evaluate, min_budget, simulate, solve)

@@ -14,10 +14,10 @@ import jax
 import numpy as np
 import pytest
 
-from boostjax import hf
+from boostjax.interop import hf
 from boostjax.config import Config, ModelConfig, TrainConfig
-from boostjax.run import load_run
-from boostjax.trainer import train
+from boostjax.runs.load import load_run
+from boostjax.training.trainer import train
 
 MODEL = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64, rank=8)
 MESHES = {"2x2": dict(mesh="data=2,model=2", strategy="fullrank-tp", zero=1),
@@ -28,8 +28,8 @@ READER = textwrap.dedent("""
     import json, pathlib, shutil, sys
     import jax, numpy as np
     from boostjax.cli import main
-    from boostjax.run import load_run, read_config
-    from boostjax.trainer import train
+    from boostjax.runs.load import load_run, read_config
+    from boostjax.training.trainer import train
     out = pathlib.Path(sys.argv[1])
     report = {"devices": jax.device_count()}
     for name in sys.argv[2:]:
@@ -120,9 +120,9 @@ def test_resume_on_one_device_continues_the_mesh_run(runs):
 
 @pytest.mark.parametrize("optimizer", ["adam8bit", "rotation"])
 def test_layout_change_refused_where_the_optimizer_state_is_not_elementwise(optimizer):
-    """Stacked <-> per-layer conversion is exact for elementwise optimizer state only (boostjax.relayout)."""
+    """Stacked <-> per-layer conversion is exact for elementwise optimizer state only (boostjax.runs.relayout)."""
     from boostjax.config import ConfigError
-    from boostjax.relayout import check
+    from boostjax.runs.relayout import check
     from boostjax.models.llama import abstract_model
 
     cfg = Config(MODEL, TrainConfig(optimizer=optimizer))

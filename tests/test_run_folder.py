@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 from boostjax.cli import main
-from boostjax.runfolder import RunFolder
+from boostjax.runs.folder import RunFolder
 from helpers import model_flags, one_error_line
 
 FLAGS = [*model_flags(), "--seq", "32", "--batch", "4", "--no-progress", "--log-every", "5", "--eval-every", "1000",
@@ -81,12 +81,12 @@ def test_lock_is_exclusive_between_processes(tmp_path):
     import sys
 
     folder = tmp_path / "f"
-    code = ("import sys, time; from boostjax.runfolder import RunFolder\n"
+    code = ("import sys, time; from boostjax.runs.folder import RunFolder\n"
             "with RunFolder(sys.argv[1]).lock():\n    print('locked', flush=True); time.sleep(30)\n")
     holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        from boostjax.runfolder import RunFolderBusy
+        from boostjax.runs.folder import RunFolderBusy
 
         with pytest.raises(RunFolderBusy, match=f"PID {holder.pid}"):
             with RunFolder(folder).lock():

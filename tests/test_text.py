@@ -1,4 +1,4 @@
-"""boostjax.text: byte level and Hugging Face tokenizers behind one interface."""
+"""boostjax.data.tokenizers: byte level and Hugging Face tokenizers behind one interface."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import transformers
 
 from boostjax.config import ConfigError
 from boostjax.data import ByteTokenizer
-from boostjax.text import EOS_TOKEN, HFTokenizer, load_tokenizer, train_tokenizer
+from boostjax.data.tokenizers import EOS_TOKEN, HFTokenizer, load_tokenizer, train_tokenizer
 
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 8, "déjà vu, naïve café — 北京 🚀\n" * 4,
          "def f(x):\n    return x * 2\n" * 6]

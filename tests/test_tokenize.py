@@ -9,11 +9,11 @@ import pathlib
 
 import pytest
 
-import boostjax.trainer  # the module, for monkeypatching
+import boostjax.training.trainer  # the module, for monkeypatching
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
 from boostjax.data import load_corpus, read_token_meta
-from boostjax.text import EOS_TOKEN, load_tokenizer
-from boostjax.tokenize import split_documents, tokenize_corpus
+from boostjax.data.tokenizers import EOS_TOKEN, load_tokenizer
+from boostjax.data.tokenize import split_documents, tokenize_corpus
 
 TEXTS = [f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 3 + 1) + "\nÉté " * (i % 2)
          for i in range(7)]
@@ -83,7 +83,7 @@ def test_replacing_an_earlier_output_and_a_crash(text_dir, tmp_path, monkeypatch
     out = tmp_path / "tok"
     tokenize_corpus(text_dir, out, "train:300", val_every=3, progress=False)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    import boostjax.tokenize as tz
+    import boostjax.data.tokenize as tz
 
     def crash(tok, docs):
         raise RuntimeError("disk full")
@@ -102,7 +102,7 @@ def test_replacing_an_earlier_output_and_a_crash(text_dir, tmp_path, monkeypatch
 def test_python_api_refuses_a_vocabulary_smaller_than_the_tokenizers(text_dir, tmp_path, monkeypatch):
     tok_dir = tmp_path / "tok"
     meta = tokenize_corpus(text_dir, tok_dir, "train:300", val_every=3, progress=False)
-    tr = boostjax.trainer
+    tr = boostjax.training.trainer
     monkeypatch.setattr(tr, "build_step_fns", lambda *a, **k: pytest.fail("compiled before refusing"))
     cfg = Config(ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=8),
                  TrainConfig(data=str(tok_dir), out=str(tmp_path / "run"), batch=2, seq=16, steps=2))

@@ -10,8 +10,8 @@ import pytest
 
 from boostjax.cli import main
 from boostjax.config import Config, TrainConfig
-from boostjax.run import load_run, read_metrics
-from boostjax.trainer import train
+from boostjax.runs.load import load_run, read_metrics
+from boostjax.training.trainer import train
 from helpers import MICRO, cli_command, cli_env, model_flags
 
 FAST = TrainConfig(steps=40, batch=8, seq=32, lr=3e-3, log_every=5, eval_every=20, eval_batches=2,
@@ -62,7 +62,7 @@ def test_export_hf_from_cli(tmp_path, capsys):
     takes this process's devices, not the saved topology); a low-rank run is refused before reading."""
     import subprocess
 
-    from boostjax.hf import from_hf
+    from boostjax.interop.hf import from_hf
 
     _run(tmp_path, "dense", replace(MICRO, kind="llama"), steps=10, ckpt_every=10, strategy="fullrank-tp",
          mesh="data=1,model=2")

@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.data import BatchIterator
 from boostjax.sharding.rules import data_sharded
-from boostjax.step import build_step_fns, train_state_shapes
+from boostjax.training.step import build_step_fns, train_state_shapes
 from boostjax.models.llama import init_model
-from boostjax.trainer import train
+from boostjax.training.trainer import train
 from helpers import rel as _rel
 
 TOKENS = np.random.default_rng(1).integers(0, 256, 20_000).astype(np.uint16)

@@ -2,7 +2,7 @@
 
 `train_step_compiled(cfg)` compiles, abstractly (ShapeDtypeStructs carrying the shardings; nothing is
 allocated), the same jitted step `boostjax train` compiles for `cfg`: the placement, optimizer,
-state shardings, donation and output shardings come from `boostjax.step`. `memory_report` reads
+state shardings, donation and output shardings come from `boostjax.training.step`. `memory_report` reads
 `compiled.memory_analysis()` (per device) and splits its peak:
 
   peak_bytes_per_device = argument + output - alias + temp     (XLA's buffer assignment)
@@ -85,7 +85,7 @@ def train_step_compiled(cfg: Config, compiler_options: dict | None = None) -> Ab
 
     from boostjax.models.attention import check_backend  # noqa: PLC0415
     from boostjax.models.llama import LLaMA  # noqa: PLC0415
-    from boostjax.step import layout_step, step_layout, train_state_shapes  # noqa: PLC0415
+    from boostjax.training.step import layout_step, step_layout, train_state_shapes  # noqa: PLC0415
 
     t = cfg.train
     if t.offload_plan:
@@ -128,7 +128,7 @@ def memory_report(model: ModelConfig, mesh: MeshShape | str | None, batch: int, 
     `model` is compiled as given (its kind is not changed); `mesh` is a MeshShape or a `--mesh` string
     ('' or None = one device, strategy "none"); `train_fields` are further `TrainConfig` fields (`optimizer`,
     `microbatches`, `pipeline_delay`, ...). Checked by `config.validate` first (ConfigError). JAX
-    must see the mesh's devices (`boostjax.devices.simulate_for_mesh` before JAX starts on CPU).
+    must see the mesh's devices (`boostjax.runtime.devices.simulate_for_mesh` before JAX starts on CPU).
 
     Keys: `peak_bytes_per_device` = `argument_bytes + output_bytes - alias_bytes + temp_bytes`
     (`compiled.memory_analysis()`), its parts `weight_bytes`, `optimizer_bytes`, `activation_bytes`

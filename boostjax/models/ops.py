@@ -19,7 +19,7 @@ from boostjax.models import attention
 from boostjax.models.collectives import Collectives
 
 
-def rms_norm(x_btd: Float[Array, "b t d"], g_d: Float[Array, "d"], eps: float) -> Float[Array, "b t d"]:
+def rms_norm(x_btd: Float[Array, "b t d"], g_d: Float[Array, " d"], eps: float) -> Float[Array, "b t d"]:
     """`g ⊙ x / rms(x)` with the statistics in fp32 (Hugging Face LLaMA's order of operations)."""
     xf = x_btd.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
@@ -28,7 +28,7 @@ def rms_norm(x_btd: Float[Array, "b t d"], g_d: Float[Array, "d"], eps: float) -
 
 def online_norm_down(
     x_btd: Float[Array, "b t d"],
-    g_d: Float[Array, "d"],
+    g_d: Float[Array, " d"],
     a_dgr: Float[Array, "d g r"],
     coll: Collectives,
     *,

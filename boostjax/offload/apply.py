@@ -52,7 +52,7 @@ from typing import Any, Callable
 import jax
 
 from boostjax.config import Config
-from boostjax.hardware import HardwareProfile
+from boostjax.runtime.hardware import HardwareProfile
 from boostjax.models.llama import RematSegment
 from boostjax.offload.costmodel import PlanInstance, build_instance
 from boostjax.offload.planfile import Plan, simulate

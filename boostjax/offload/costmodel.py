@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 from boostjax.config import MeshShape, ModelConfig, preset
-from boostjax.hardware import HardwareProfile, get_profile
+from boostjax.runtime.hardware import HardwareProfile, get_profile
 from boostjax.offload.blockgraph import (ALL, ATTENTION, BOUNDARY, _bwd_needs, _saved_bytes, activation_names,
                                         block_graph, default_inner_options, recompute_cost)
 from boostjax.sharding import rules

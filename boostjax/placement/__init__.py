@@ -6,8 +6,8 @@
 - `--offload-plan`: `Offloaded`, an overlay on any of them (host memory kinds, the plan's remat).
 
 `check(cfg)` raises the one-line `ConfigError` of anything a placement cannot run, from the
-configuration alone (no device, nothing compiled, nothing written): `validate` runs it after the
-field checks of `boostjax.config.validate`, and `boostjax.train` runs `validate`.
+configuration alone (no device, nothing compiled, nothing written): `boostjax.training.checks.validate`
+runs it after the field checks, before a run starts.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from boostjax.config import Config, ConfigError, mesh_text
-from boostjax.config import validate as validate_fields
 from boostjax.offload import check_plan_for
 from boostjax.offload.apply import schedule
 from boostjax.offload.planfile import read_plan
@@ -50,13 +49,6 @@ def check(cfg: Config) -> None:
         check_plan_for(t.offload_plan, cfg)
 
 
-def validate(cfg: Config) -> Config:
-    """Every field (`boostjax.config.validate`), then what the placement can run (`check`)."""
-    validate_fields(cfg)
-    check(cfg)
-    return cfg
-
-
 def choose(cfg: Config, graphdef, params_like: Any) -> Placement:
     """The placement of `cfg` (`params_like`: the canonical parameter shapes)."""
     check(cfg)
@@ -74,4 +66,4 @@ def choose(cfg: Config, graphdef, params_like: Any) -> Placement:
 
 
 __all__ = ["DEVICE", "HOST", "Offloaded", "Pipeline", "Placement", "SingleDevice", "TensorParallel", "check",
-           "choose", "host_mask", "local_loss_fn", "on_host", "to_device", "to_home", "validate"]
+           "choose", "host_mask", "local_loss_fn", "on_host", "to_device", "to_home"]

@@ -1,0 +1,389 @@
+"""Start a run from pretrained weights: a Hugging Face LLaMA folder, dense or factored by SVD.
+
+    train --init-from-hf PATH                                 # the dense LLaMA, its weights as they are
+    train --init-from-hf PATH --model svd|cola|lax --rank r   # each projection a rank-r factorisation
+
+The model's shapes come from the checkpoint (`hf.config_from_hf`); the flags that choose what is built
+from them (`--model`, `--rank`, the attention kernel) and every training flag apply. A low-rank kind
+gets its factors from a truncated SVD of each dense projection `W [in, out] = U Σ Vᵀ`:
+
+- `svd` (`x ↦ x A B`): `A = U_r √Σ_r`, `B = √Σ_r V_rᵀ` (balanced, so both factors have the same
+  scale and gradients); `A B` is the best rank-r approximation (Eckart–Young).
+- `cola` / `lax` (`x ↦ silu(x A) B`): SiLU has no linear regime to hide in, but
+  `silu(z) - silu(-z) = z` exactly, so `r // 2` singular triplets go in as ± pairs,
+  `A = [U_m √Σ_m, -U_m √Σ_m]`, `B = [√Σ_m V_mᵀ; -√Σ_m V_mᵀ]` with `m = r // 2`, and the projection
+  computes `x U_m Σ_m V_mᵀ` exactly, through the nonlinearity (an odd r's last column gets a random
+  `A` column and a zero `B` row: no effect at step 0, trainable). LaX's crossing gates start at zero.
+  The MLP keeps the checkpoint's `silu(gate) * up` (`only_lr_act=False`), not CoLA's `gate * up`.
+
+The report gives, per matrix, `‖W − W_eff‖_F / ‖W‖_F` where `W_eff` is the linear map the factored
+projection computes at initialisation (`A B` for svd, `U_m Σ_m V_mᵀ` for cola/lax), from the
+singular values: `sqrt(Σ_{j>k} σ_j² / Σ_j σ_j²)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
+from boostjax.runs.folder import RunFolder
+from boostjax.data.tokenizers import TOKENIZER_FILE, load_tokenizer, tokenizer_kind
+from boostjax.data.tokenize import data_tokenizer, same_tokenizer
+
+SOURCE_FIELD = "train.init_from_hf"
+REPORT_FILE = "init_report.json"
+# model fields a run from a checkpoint chooses itself; every other one is the checkpoint's
+CHOSEN: frozenset[str] = frozenset({"kind", "rank", "attention", "attention_block"})
+# (block, our dense name, report name, low-rank factor A name, its group index, factor B name, its group index)
+PROJECTIONS: tuple[tuple[str, str, str, str, int | None, str, int | None], ...] = (
+    ("attn", "w_q", "q", "a_qkv", 0, "b_q", None),
+    ("attn", "w_k", "k", "a_qkv", 1, "b_kv", 0),
+    ("attn", "w_v", "v", "a_qkv", 2, "b_kv", 1),
+    ("attn", "w_o", "o", "a_o", None, "b_o", None),
+    ("mlp", "w_gate", "gate", "a_gate_up", 0, "b_gate_up", 0),
+    ("mlp", "w_up", "up", "a_gate_up", 1, "b_gate_up", 1),
+    ("mlp", "w_down", "down", "a_down", None, "b_down", None),
+)
+
+
+def _err(msg: str) -> ConfigError:
+    return ConfigError(f"{SOURCE_FIELD}: {msg}")
+
+
+def matrix_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """[in, out] of each projection of one layer."""
+    d, f = m.d_model, m.d_ff
+    he, ke = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+    return {"q": (d, he), "k": (d, ke), "v": (d, ke), "o": (he, d), "gate": (d, f), "up": (d, f), "down": (f, d)}
+
+
+def source_config(path: str) -> ModelConfig:
+    """The dense `ModelConfig` of a Hugging Face folder, from its `config.json` alone (no weights are
+    read); ConfigError naming `train.init_from_hf` when the folder cannot be a checkpoint."""
+    from boostjax.interop import hf  # noqa: PLC0415 (imports JAX)
+
+    folder = pathlib.Path(path)
+    if not folder.exists():
+        raise _err(f"{folder} does not exist; fix: pass a Hugging Face model folder (config.json, model.safetensors)")
+    if not folder.is_dir():
+        raise _err(f"{folder} is a file, not a folder; fix: pass the folder that holds config.json and "
+                   "model.safetensors")
+    if not (folder / hf.CONFIG_NAME).is_file():
+        raise _err(f"no {hf.CONFIG_NAME} in {folder}; fix: pass a Hugging Face model folder (save_pretrained output)")
+    if not ((folder / hf.WEIGHTS_NAME).is_file() or (folder / hf.INDEX_NAME).is_file()):
+        raise _err(f"no {hf.WEIGHTS_NAME} or {hf.INDEX_NAME} in {folder}; fix: save the model with "
+                   "save_pretrained(..., safe_serialization=True)")
+    try:
+        d = json.loads((folder / hf.CONFIG_NAME).read_text(encoding="utf-8"))
+        if not isinstance(d, dict):
+            raise ValueError(f"{folder / hf.CONFIG_NAME} is not a JSON object; fix: restore it from save_pretrained")
+        gen_file = folder / hf.GENERATION_NAME  # token ids where config.json has none, as read_hf reads them
+        gen = json.loads(gen_file.read_text(encoding="utf-8")) if gen_file.is_file() else None
+        return hf.config_from_hf(d, gen if isinstance(gen, dict) else None)
+    except OSError as e:
+        raise _err(f"cannot read {folder / hf.CONFIG_NAME} ({e.strerror or type(e).__name__}); "
+                   "fix: check its permissions") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _err(f"{folder / hf.CONFIG_NAME} is not valid JSON; fix: restore it from save_pretrained") from None
+    except ValueError as e:
+        raise _err(" ".join(str(e).split())) from None
+
+
+def _source_or_stored(path: str, out: str) -> ModelConfig:
+    """The checkpoint's shapes; when its folder is gone, those of a run in `out` that started from it
+    (a resume needs the shapes, not the weights)."""
+    try:
+        return source_config(path)
+    except ConfigError:
+        try:
+            stored = RunFolder(out).stored_config() if isinstance(out, str) and out.strip() else None
+        except (OSError, ValueError):
+            stored = None
+        if stored is None or stored.train.init_from_hf != path or pathlib.Path(path).exists():
+            raise
+        return dataclasses.replace(stored.model, kind="llama")
+
+
+def _as_source(src: ModelConfig) -> ModelConfig:
+    """The model fields a run from checkpoint `src` takes: its shapes, and its MLP `silu(gate) * up`
+    (a cola/lax factorisation reproduces the dense SwiGLU only with `only_lr_act=False`)."""
+    return dataclasses.replace(src, only_lr_act=False)
+
+
+def _check_rank(m: ModelConfig) -> None:
+    if not m.low_rank or not isinstance(m.rank, int):  # a rank of the wrong type: validate names it
+        return
+    name, (i, o) = min(matrix_shapes(m).items(), key=lambda kv: min(kv[1]))
+    if m.rank > min(i, o):
+        raise ConfigError(f"model.rank: r={m.rank} exceeds min(in, out)={min(i, o)} of the checkpoint's {name} "
+                          f"projection [{i}, {o}]; fix: pass --rank <= {min(i, o)}")
+
+
+def resolve_config(cfg: Config, explicit: Iterable[str] | None = None) -> Config:
+    """`cfg` with the model shapes of `cfg.train.init_from_hf` (unchanged when it is empty).
+
+    A shape field set to something else than the checkpoint's is refused: with `explicit` (the CLI's
+    given flags) a field named there; without it (the Python API) a field that differs from the
+    `ModelConfig` default. `kind`, `rank` and the attention kernel are the caller's."""
+    if not (isinstance(cfg.model, ModelConfig) and isinstance(cfg.train, TrainConfig)):
+        return cfg  # validate names what is wrong
+    path = cfg.train.init_from_hf
+    if not isinstance(path, str) or not path:
+        return cfg
+    src = _as_source(_source_or_stored(path, cfg.train.out))
+    given = set(explicit) if explicit is not None else None
+    default = ModelConfig()
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in CHOSEN:
+            continue
+        mine, theirs = getattr(cfg.model, f.name), getattr(src, f.name)
+        said = f.name in given if given is not None else mine != getattr(default, f.name)
+        if said and mine != theirs:
+            raise ConfigError(f"model.{f.name}: {mine!r} contradicts the checkpoint {path} ({f.name}={theirs!r}); "
+                              f"fix: drop --{f.name.replace('_', '-')} (with --init-from-hf the shapes are the "
+                              "checkpoint's)")
+    m = dataclasses.replace(src, **{k: getattr(cfg.model, k) for k in CHOSEN})
+    _check_rank(m)
+    return cfg if m == cfg.model else dataclasses.replace(cfg, model=m)  # the same object: still validated
+
+
+def config_from_flags(given: Mapping[str, Any], preset_given: bool) -> Config:
+    """The CLI's config of `train --init-from-hf`: the checkpoint's shapes, `--model` (default: the dense
+    llama), `--rank`, and the training flags."""
+    if preset_given:
+        raise _err("--preset sets the model shapes, and with --init-from-hf they are the checkpoint's; "
+                   "fix: drop --preset")
+    names = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
+    model_given = {k: v for k, v in given.items() if k in names(ModelConfig)}
+    model = ModelConfig(**{"kind": "llama", **model_given})
+    train = TrainConfig(**{k: v for k, v in given.items() if k in names(TrainConfig)})
+    return resolve_config(Config(model, train), explicit=model_given)
+
+
+# ------------------------------------------------------------------------------------ factoring
+
+
+_SVD: dict[str, Any] = {}
+
+
+def svd(w_io: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Thin SVD `U, σ, Vᵀ` of one matrix in fp32, on the default device (one compile per shape)."""
+    import jax  # noqa: PLC0415
+
+    if "fn" not in _SVD:
+        _SVD["fn"] = jax.jit(lambda w: jax.numpy.linalg.svd(w, full_matrices=False))
+    u, s, vt = jax.device_get(_SVD["fn"](jax.numpy.asarray(w_io, jax.numpy.float32)))
+    return np.asarray(u), np.asarray(s), np.asarray(vt)
+
+
+def _factor(w_io: Any, kind: str, r: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, float]:
+    """(A [in, r], B [r, out], relative error of the map at init) of one matrix."""
+    u, s, vt = svd(w_io)
+    k = r if kind == "svd" else r // 2
+    root = np.sqrt(s[:k])
+    a, b = u[:, :k] * root, root[:, None] * vt[:k]
+    if kind != "svd":
+        a, b = np.concatenate([a, -a], axis=1), np.concatenate([b, -b], axis=0)
+        if r % 2:  # one free column: a random A column and a zero B row change nothing at init
+            col = rng.normal(size=(u.shape[0], 1)) * u.shape[0] ** -0.5
+            a = np.concatenate([a, col], axis=1)
+            b = np.concatenate([b, np.zeros((1, vt.shape[1]))], axis=0)
+    s64 = s.astype(np.float64)
+    total = float(np.sum(s64**2))
+    err = float(np.sqrt(np.sum(s64[k:] ** 2) / total)) if total > 0 else 0.0
+    return a.astype(np.float32), b.astype(np.float32), err
+
+
+def _summary(errs: Mapping[str, float]) -> dict[str, Any]:
+    by: dict[str, list[float]] = {}
+    for name, e in errs.items():
+        by.setdefault(name.rsplit(".", 1)[-1], []).append(e)
+    vals = list(errs.values())
+    return {"mean": float(np.mean(vals)) if vals else 0.0, "max": float(np.max(vals)) if vals else 0.0,
+            "by_projection": {p: float(np.mean(v)) for p, v in by.items()}}
+
+
+def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: int = 0) -> tuple[dict, dict]:
+    """Low-rank params of `cfg` (kind svd/cola/lax) factored from the pure params dict of the dense
+    LLaMA of the same shapes, and the report: `{"kind", "rank", "matrices": {"layers.i.attn.q": rel.
+    error, ...}, "mean", "max", "by_projection"}` (see the module docstring for the split)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from boostjax.models.llama import abstract_model  # noqa: PLC0415 (imports JAX)
+
+    if not isinstance(cfg, ModelConfig) or not cfg.low_rank:
+        raise ConfigError(f"lowrank_from_dense: need a ModelConfig of kind svd, cola or lax, got "
+                          f"{getattr(cfg, 'kind', type(cfg).__name__)!r}; fix: pass ModelConfig(kind='svd', rank=r, ...)")
+    _check_rank(cfg)
+    dense_cfg = dataclasses.replace(cfg, kind="llama")
+    check_params(dense_cfg, dense_params, "lowrank_from_dense: dense_params")
+    _, like = abstract_model(Config(cfg))
+    rng = np.random.default_rng(seed)
+    errs: dict[str, float] = {}
+    out: dict[str, Any] = {k: dense_params[k] for k in like if k != "layers"}
+    out["layers"] = {}
+    layers = dense_params["layers"]
+    for i in like["layers"]:
+        dense = layers[i] if i in layers else layers[str(i)]
+        layer: dict[str, dict[str, Any]] = {blk: {"norm": dense[blk]["norm"]} for blk in ("attn", "mlp")}
+        for blk, w_name, short, a_name, a_i, b_name, b_i in PROJECTIONS:
+            a, b, errs[f"layers.{i}.{blk}.{short}"] = _factor(dense[blk][w_name], cfg.kind, cfg.rank, rng)
+            for name, idx, val, axis in ((a_name, a_i, a, 1), (b_name, b_i, b, 0)):
+                if idx is None:
+                    layer[blk][name] = val
+                else:  # grouped tensors: a_qkv [d, 3, r] / a_gate_up [d, 2, r] / b_kv [2, r, ke] / b_gate_up
+                    layer[blk].setdefault(name, {})[idx] = (val, axis)
+        for blk in ("attn", "mlp"):
+            for name, v in list(layer[blk].items()):
+                if isinstance(v, dict):
+                    layer[blk][name] = np.stack([v[j][0] for j in sorted(v)], axis=v[0][1])
+            if "cross" in like["layers"][i][blk]:
+                layer[blk]["cross"] = np.zeros(like["layers"][i][blk]["cross"].shape, np.float32)
+        out["layers"][i] = layer
+    check_params(cfg, out, "lowrank_from_dense")  # the grouped layout is the model's
+    out = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), out)
+    return out, {"kind": cfg.kind, "rank": cfg.rank, "matrices": errs, **_summary(errs)}
+
+
+def _leaves(tree: Any) -> dict[str, tuple[int, ...]]:
+    import jax  # noqa: PLC0415
+
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(str(getattr(k, "key", k)) for k in path): tuple(np.shape(v)) for path, v in flat}
+
+
+def check_params(m: ModelConfig, params: Any, what: str) -> None:
+    """ConfigError unless `params` is a pure params dict with the names and shapes of the model `m`."""
+    from boostjax.models.llama import abstract_model  # noqa: PLC0415 (imports JAX)
+
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{what}: need a pure params dict (nnx.to_pure_dict), got {type(params).__name__}; "
+                          "fix: pass nnx.to_pure_dict(nnx.state(model, nnx.Param))")
+    need, have = _leaves(abstract_model(Config(m))[1]), _leaves(params)
+    missing, extra = sorted(set(need) - set(have)), sorted(set(have) - set(need))
+    if missing or extra:
+        raise ConfigError(f"{what}: the params do not fit a {m.kind} model (missing {missing[:3]}, unexpected "
+                          f"{extra[:3]}); fix: pass the params of a model with this ModelConfig")
+    bad = [(k, have[k], need[k]) for k in need if have[k] != need[k]]
+    if bad:
+        k, h, n = bad[0]
+        raise ConfigError(f"{what}: {k} has shape {h}, the model needs {n}; fix: pass the params of a model "
+                          "with this ModelConfig")
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+def initial_params(cfg: Config, init: Any = None) -> tuple[dict, dict]:
+    """The params a fresh run starts from, and the report to write beside it: the checkpoint of
+    `cfg.train.init_from_hf` (dense, or factored for a low-rank kind), or `init` (a pure params dict
+    or an `LLaMA` of `cfg.model`, or for a low-rank kind the dense params of the same shapes)."""
+    m = cfg.model
+    if cfg.train.init_from_hf:
+        from boostjax.interop import hf  # noqa: PLC0415
+
+        path = pathlib.Path(cfg.train.init_from_hf)
+        try:
+            src_cfg, dense = hf.read_hf(path)
+        except ValueError as e:
+            raise _err(" ".join(str(e).split())) from None
+        source: dict[str, Any] = {"source": str(path.resolve()), "format": "huggingface"}
+        if dataclasses.replace(_as_source(src_cfg), **{k: getattr(m, k) for k in CHOSEN}) != m:
+            raise _err(f"the weights of {path} have other shapes than its config.json says; fix: re-export "
+                       "the checkpoint")
+    else:
+        dense = _pure(init)
+        source = {"source": "python", "format": "params"}
+    if not m.low_rank or _fits(m, dense):
+        check_params(m, dense, "train.init")
+        return dense, {**source, "kind": m.kind, **({"rank": m.rank} if m.low_rank else {})}
+    if not _fits(dataclasses.replace(m, kind="llama"), dense):
+        raise ConfigError(f"train.init: the params fit neither this {m.kind} model nor the dense llama of its "
+                          "shapes; fix: pass the params of a model with this ModelConfig (or its kind='llama' twin)")
+    params, report = lowrank_from_dense(m, dense, seed=cfg.train.seed)
+    return params, {**source, **report}
+
+
+def _fits(m: ModelConfig, params: Any) -> bool:
+    try:
+        check_params(m, params, "params")
+    except ConfigError:
+        return False
+    return True
+
+
+def _pure(init: Any) -> Any:
+    from flax import nnx  # noqa: PLC0415
+
+    from boostjax.models.llama import LLaMA  # noqa: PLC0415
+
+    if isinstance(init, LLaMA):
+        return nnx.to_pure_dict(nnx.state(init, nnx.Param))
+    if isinstance(init, nnx.State):
+        return nnx.to_pure_dict(init)
+    return init
+
+
+def summary_line(report: Mapping[str, Any]) -> str:
+    """One line: where the weights came from and, for a factored start, the reconstruction errors."""
+    head = f"initialised {report['kind']} from {report['source']}"
+    if "matrices" not in report:
+        return head
+    by = " ".join(f"{p} {e:.3f}" for p, e in report["by_projection"].items())
+    return (f"{head} (rank {report['rank']}): relative reconstruction error over {len(report['matrices'])} "
+            f"matrices mean {report['mean']:.4f} max {report['max']:.4f}; per projection {by}")
+
+
+def write_report(folder: pathlib.Path, report: Mapping[str, Any]) -> pathlib.Path:
+    path = folder / REPORT_FILE
+    tmp = folder / (REPORT_FILE + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+
+
+def has_tokenizer(folder: str) -> bool:
+
+    return bool(folder) and (pathlib.Path(folder) / TOKENIZER_FILE).is_file()
+
+
+def source_tokenizer(cfg: Config) -> pathlib.Path | None:
+    """The checkpoint folder's `tokenizer.json` that the run folder gets: when the data holds token
+    ids (a `.bin` file, or a tokenised folder, whose tokenizer must then be the same: ConfigError
+    otherwise, the ids would mean other text). None when the checkpoint has none or the data is read
+    as bytes (the built-in corpus, text files): the run is then byte level."""
+    t = cfg.train
+    if not has_tokenizer(t.init_from_hf):
+        return None
+    src = pathlib.Path(t.init_from_hf) / TOKENIZER_FILE
+    theirs = data_tokenizer(t.data)  # None unless a tokenised folder
+    if theirs is None:
+        return src if t.data.endswith(".bin") and pathlib.Path(t.data).is_file() else None
+    try:
+        mine = load_tokenizer(src)
+    except (OSError, ValueError) as e:
+        raise _err(f"cannot load {src} ({' '.join(str(e).split())[:200]}); fix: restore the checkpoint's "
+                   "tokenizer.json") from None
+    if not same_tokenizer(theirs, mine):
+        raise _err(f"{t.data} was tokenised with {tokenizer_kind(theirs)}, not the checkpoint's {src} (the token "
+                   f"ids would mean other text); fix: tokenise the text with it (boostjax tokenize --tokenizer "
+                   f"{t.init_from_hf} ...)")
+    return src
+
+
+def copy_tokenizer(src: pathlib.Path | None, run_dir: pathlib.Path) -> None:
+    """Copy the checkpoint's tokenizer into the run folder (atomically)."""
+    if src is None:
+        return
+    tmp = run_dir / (TOKENIZER_FILE + ".tmp")
+    tmp.write_bytes(src.read_bytes())
+    tmp.replace(run_dir / TOKENIZER_FILE)

@@ -1,0 +1,172 @@
+"""Named hardware profiles (the offload planner's costs, the MFU of `boostjax.training.observe`, `--hardware`), and
+`measure()` for the device JAX runs on; `check_hardware` for `--hardware`.
+
+Numbers are per GPU. Sources and assumptions:
+- `device_bytes`: the total that `nvidia-smi` reports (H100/H800 80GB 81559 MiB, H200 143771 MiB,
+  A100 40GB 40960 MiB, A100 80GB 81920 MiB, RTX 3090 24576 MiB).
+- `bf16_flops`: dense (no sparsity) BF16 tensor-core peak from the vendor data sheets: H100/H800 SXM
+  989.4 TFLOPS, H200 SXM 989.4 TFLOPS (same GH100 compute as H100), A100 312 TFLOPS. RTX 3090: the
+  GA102 whitepaper lists 71 TFLOPS dense FP16/BF16 with FP32 accumulate (GeForce runs FP32-accumulate
+  tensor ops at half rate; 142 TFLOPS is the FP16-accumulate figure), and training accumulates in FP32.
+- Host link: LazyTrain's setting takes PCIe Gen5 x16 at about 12 GB/s effective each way for H800/H200
+  (LazyTrain's measured value, far below the 64 GB/s nominal). For the PCIe Gen4 x16 parts (A100,
+  RTX 3090) we assume 20 GB/s each way, the usual pinned-memory `cudaMemcpy` measurement on Gen4 x16
+  (nominal 32 GB/s; 12-25 GB/s is the range seen in practice).
+- `host_bytes`: assumed host RAM available to the one training process (1 TiB on the data-centre
+  servers, 2 TiB for H200 nodes, 128 GiB for an RTX 3090 workstation).
+- NVMe: only the workstation profile lists one (2 TB PCIe Gen4 SSD, 5 GB/s). The planner does not place
+  tensors on NVMe: JAX has no disk memory kind (`device`, `pinned_host`, `unpinned_host` only).
+- `mfu`: the achievable fraction of `bf16_flops` that turns FLOPs into seconds in the cost model.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from boostjax.config import ConfigError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One accelerator and its host link. Rates are bytes/s and FLOP/s; sizes are bytes."""
+
+    name: str
+    device_bytes: int
+    bf16_flops: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    host_bytes: int
+    nvme_bytes: int = 0
+    nvme_bytes_per_s: float = 0.0
+    mfu: float = 0.5
+
+    @property
+    def flops_per_s(self) -> float:
+        """The rate the cost model charges compute at: `bf16_flops * mfu`."""
+        return self.bf16_flops * self.mfu
+
+    def with_mfu(self, mfu: float) -> "HardwareProfile":
+        if not 0.0 < mfu <= 1.0:
+            raise ValueError(f"mfu: {mfu} outside (0, 1]; fix: pass the achievable fraction, e.g. 0.5")
+        return replace(self, mfu=mfu)
+
+
+_GEN5_EFFECTIVE = 12e9  # LazyTrain's effective PCIe Gen5 x16 rate
+_GEN4_EFFECTIVE = 20e9  # assumption, see the module docstring
+
+PROFILES: dict[str, HardwareProfile] = {
+    p.name: p
+    for p in (
+        HardwareProfile("H800-80GB", 81559 * MiB, 989.4e12, _GEN5_EFFECTIVE, _GEN5_EFFECTIVE, 1024 * GiB),
+        HardwareProfile("H200-141GB", 143771 * MiB, 989.4e12, _GEN5_EFFECTIVE, _GEN5_EFFECTIVE, 2048 * GiB),
+        HardwareProfile("A100-40GB", 40960 * MiB, 312e12, _GEN4_EFFECTIVE, _GEN4_EFFECTIVE, 1024 * GiB),
+        HardwareProfile("A100-80GB", 81920 * MiB, 312e12, _GEN4_EFFECTIVE, _GEN4_EFFECTIVE, 1024 * GiB),
+        HardwareProfile("RTX3090-24GB", 24576 * MiB, 71e12, _GEN4_EFFECTIVE, _GEN4_EFFECTIVE, 128 * GiB,
+                        nvme_bytes=2_000_000_000_000, nvme_bytes_per_s=5e9),
+    )
+}
+
+_ALIASES = {"h800": "H800-80GB", "h100": "H800-80GB", "h200": "H200-141GB", "a100": "A100-80GB",
+            "a100-40gb": "A100-40GB", "a100-80gb": "A100-80GB", "3090": "RTX3090-24GB",
+            "rtx3090": "RTX3090-24GB"}
+
+
+def get_profile(name: str) -> HardwareProfile:
+    """A profile by name (case-insensitive; short aliases like `h800`, `a100`, `3090` work)."""
+    key = name.strip()
+    by_lower = {k.lower(): v for k, v in PROFILES.items()}
+    if key.lower() in by_lower:
+        return by_lower[key.lower()]
+    if key.lower() in _ALIASES:
+        return PROFILES[_ALIASES[key.lower()]]
+    raise ValueError(f"hardware: unknown profile {name!r}; fix: use one of {', '.join(PROFILES)} "
+                     f"(aliases: {', '.join(sorted(_ALIASES))}) or measure()")
+
+
+# `jax.Device.device_kind` substrings (lower case) -> profile; checked in order (the 40GB A100 before the A100)
+_DEVICE_KINDS = (("h200", "H200-141GB"), ("h100", "H800-80GB"), ("h800", "H800-80GB"),
+                 ("a100-sxm4-40gb", "A100-40GB"), ("a100-pcie-40gb", "A100-40GB"), ("a100", "A100-80GB"),
+                 ("rtx 3090", "RTX3090-24GB"))
+
+
+def profile_for_device(device_kind: str) -> HardwareProfile | None:
+    """The profile of a JAX device kind (`'NVIDIA H100 80GB HBM3'`, `'NVIDIA A100-SXM4-40GB'`, ...);
+    None for a device without one (a CPU, a GPU or TPU not listed in `PROFILES`)."""
+    kind = device_kind.lower()
+    return next((PROFILES[name] for key, name in _DEVICE_KINDS if key in kind), None)
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up (compilation, first-touch allocation)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def _host_ram_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def measure(n_bytes: int = 64 << 20, matmul_n: int | None = None, repeats: int = 3,
+            mfu: float = 0.5, device=None) -> HardwareProfile:
+    """Time host->device, device->host and a bf16 matmul on the (default) JAX device.
+
+    Transfers use `pinned_host` -> `device` memory kinds where the backend has both (GPU, recent CPU
+    backends), else a plain numpy array -> device copy and back. On CPU the numbers are real but say
+    nothing about an accelerator. `bf16_flops` is the measured matmul rate; `mfu` is applied on top.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    if n_bytes < 4096:
+        raise ValueError(f"n_bytes: {n_bytes} is too small to time; fix: pass at least 4096 (default 64 MiB)")
+    dev = device if device is not None else jax.devices()[0]
+    host_np = np.ones(n_bytes // 4, np.float32)
+    kinds = {m.kind for m in dev.addressable_memories()}
+    if {"pinned_host", "device"} <= kinds:
+        to_host = SingleDeviceSharding(dev, memory_kind="pinned_host")
+        to_dev = SingleDeviceSharding(dev, memory_kind="device")
+        x_host = jax.device_put(host_np, to_host).block_until_ready()
+        x_dev = jax.device_put(x_host, to_dev).block_until_ready()
+        h2d = _best_time(lambda: jax.device_put(x_host, to_dev).block_until_ready(), repeats)
+        d2h = _best_time(lambda: jax.device_put(x_dev, to_host).block_until_ready(), repeats)
+    else:
+        x_dev = jax.device_put(host_np, dev).block_until_ready()
+        h2d = _best_time(lambda: jax.device_put(host_np, dev).block_until_ready(), repeats)
+        d2h = _best_time(lambda: np.asarray(jax.device_put(x_dev, dev)), repeats)
+
+    n = matmul_n or (4096 if dev.platform == "gpu" else 512)
+    a = jnp.ones((n, n), jnp.bfloat16, device=dev)
+    mm = jax.jit(lambda x: x @ x)
+    rate = 2.0 * n ** 3 / _best_time(lambda: mm(a).block_until_ready(), repeats)
+
+    stats = dev.memory_stats() or {}
+    dev_bytes = int(stats.get("bytes_limit", 0)) or _host_ram_bytes()
+    nbytes = host_np.nbytes
+    return HardwareProfile(name=f"measured:{dev.device_kind}", device_bytes=dev_bytes, bf16_flops=rate,
+                           h2d_bytes_per_s=nbytes / h2d, d2h_bytes_per_s=nbytes / d2h,
+                           host_bytes=_host_ram_bytes(), mfu=mfu)
+
+
+def check_hardware(name: str) -> None:
+    """--hardware names a known profile (or an alias); '' (detect the device) is checked where it runs."""
+    try:
+        get_profile(name)
+    except ValueError as e:
+        why = str(e).split("; fix:")[0].removeprefix("hardware: ")
+        raise ConfigError(f"train.hardware: {why}; fix: pass one of {', '.join(PROFILES)} (or an alias: "
+                          f"{', '.join(sorted(_ALIASES))}), or '' to detect the device") from None

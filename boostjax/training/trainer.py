@@ -1,0 +1,398 @@
+"""The training loop behind `boostjax train`, usable from Python and notebooks.
+
+    from boostjax import Config, ModelConfig, TrainConfig, train
+    result = train(Config(ModelConfig(kind="cola"), TrainConfig(steps=200, out="runs/nb")))
+    result.metrics[-1]["loss"], result.model(tokens)
+
+A run folder (`boostjax.runs.folder`) holds `config.json`, `metrics.jsonl` (one JSON object per logged
+step) and checksummed Orbax `checkpoints/` (`boostjax.runs.checkpoint`). Starting a run in a folder that
+has checkpoints resumes from the newest one that verifies; the data iterator's position is part of
+the checkpoint, so the resumed losses equal an uninterrupted run's. SIGINT / SIGTERM stop the run
+after the current step with a consistent checkpoint (`boostjax.runtime.interrupt`). In a multi-host job
+(`boostjax.runtime.multihost`) every process runs `train`; process 0 writes the files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from boostjax.runtime import multihost
+from boostjax.interop import pretrained
+from boostjax.runs import relayout
+from boostjax.runs.checkpoint import CheckpointError, Checkpointer, step_dirs
+from boostjax.config import Config, ConfigError, TrainConfig, is_validated, parse_profile, warmup_steps
+from boostjax.training.checks import validate
+from boostjax.data import BatchIterator, batch_iterator, eval_batches, is_token_folder, load_corpus
+from boostjax.runtime.interrupt import StopSignals, TrainingInterrupted
+from boostjax.models import attention
+from boostjax.models.flops import flops_per_token, param_count
+from boostjax.models.llama import LLaMA, abstract_model, init_model
+from boostjax.training.observe import PROFILE, StepProfiler, TensorBoard, hardware_profile, mfu
+from boostjax import placement
+from boostjax.runs.folder import RunFolder
+from boostjax.training.step import StepFns, build_step_fns, checkpoint_parts, from_checkpoint
+from boostjax.data.tokenize import check_run_tokenizer, install_run_tokenizer
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+@dataclass
+class TrainResult:
+    config: Config
+    metrics: list[dict]
+    params: Any
+    graphdef: Any
+    out_dir: pathlib.Path
+    resumed_from: int | None = None
+    summary: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def model(self) -> LLaMA:
+        """The trained model (fp32 parameters on the host's default device; in a multi-host job every
+        process must ask for it, since the parameters are gathered from all of them)."""
+        return nnx.merge(self.graphdef, multihost.host_copy(self.params))
+
+    @property
+    def losses(self) -> list[float]:
+        return [m["loss"] for m in self.metrics if "loss" in m]
+
+
+STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients and two Adam moments
+
+
+def _check_fits_host(cfg: Config) -> None:
+    """On a machine without accelerators, refuse a model whose training state alone exceeds its memory."""
+    if jax.default_backend() != "cpu":
+        return
+    need = param_count(cfg.model) * STATE_BYTES_PER_PARAM
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ConfigError(f"model: {param_count(cfg.model) / 1e9:.2f} B parameters need about {need / 1e9:.0f} GB "
+                          f"for fp32 weights, gradients and Adam state, but this machine has {have / 1e9:.0f} GB and "
+                          f"no accelerator; fix: a smaller --preset or shape flags, or a machine with accelerators")
+
+
+def stacked_layers(t: TrainConfig) -> bool:
+    """Whether a run's training state keeps its layers stacked (pipeline stages, `stage` > 1)."""
+    return t.sizes.stage > 1
+
+
+def _check_layout(folder: RunFolder, old: Config, cfg: Config) -> bool:
+    """Whether resuming converts the checkpoints' layer layout (stacked under a pipeline, per layer
+    otherwise; `boostjax.runs.relayout`); a conversion the optimizer state cannot take is refused."""
+    was, now = stacked_layers(old.train), stacked_layers(cfg.train)
+    if was != now:
+        relayout.check(cfg, abstract_model(cfg)[1], was, str(folder.path))
+    return was != now
+
+
+def _say(msg: str) -> None:
+    """One line on stderr from process 0 (what happened to a checkpoint, where a run stopped)."""
+    if multihost.is_main_process():
+        print(f"boostjax: {msg}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _lock_if_main(folder: RunFolder) -> Iterator[None]:
+    """Process 0 holds the run folder's lock (the other processes of a job share its folder)."""
+    if multihost.is_main_process():
+        with folder.lock():
+            yield
+    else:
+        yield
+
+
+def _fixes(t: TrainConfig) -> str:
+    """Remedies for a diverged run, none of them a value that is already set."""
+    out = [f"lower --lr (now {t.lr:g}; e.g. --lr {t.lr / 10:g})"]
+    if t.clip == 0:
+        out.append("clip gradients with --clip 1.0")
+    if warmup_steps(t) < min(1000, t.steps // 10):
+        out.append(f"raise --warmup (now {warmup_steps(t)} steps)")
+    return ", ".join(out[:-1]) + (" or " if len(out) > 1 else "") + out[-1]
+
+
+def _evaluate(fns: StepFns, params, batches: list[dict]) -> float:
+    losses = [fns.eval_loss(params, fns.put_batch(b)) for b in batches]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def _stop_early(stop: StopSignals, folder: RunFolder) -> None:
+    """A signal that came before the first step: nothing new to save, stop now (one process)."""
+    if stop.requested and not stop.multi_process:
+        name = signal.Signals(stop.signum).name
+        raise TrainingInterrupted(f"stopped by {name} before the first step; nothing in {folder.path} changed; "
+                                  f"rerun the same command to train", stop.signum, None)
+
+
+def _restore(ckpt: Checkpointer, params, opt_state, data: BatchIterator,
+             other_layout: Callable[[], Any] | None = None) -> tuple[int, Any, Any, bool]:
+    """Resume from the newest checkpoint that verifies and restores (damaged newer ones are moved to
+    `checkpoints-aside/` with one line each): (step, params, opt_state, verified); step 0 when there
+    is none. The target shardings are those of the live `params` / `opt_state` (this process's mesh,
+    whatever mesh and device count wrote the checkpoint); `other_layout` reads a checkpoint written
+    in the other layer layout instead (`boostjax.runs.relayout`)."""
+    # CheckpointError when none restores
+    restored = other_layout() if other_layout else ckpt.restore_latest(params, opt_state)
+    if restored is None:
+        return 0, params, opt_state, True
+    for step, why in restored.skipped:
+        where = ckpt.set_aside(step, "damaged") if multihost.is_main_process() else None
+        _say(f"checkpoint {step} in {ckpt.directory} cannot be restored ({why}); "
+             f"moved to {where}; resuming from step {restored.step}")
+    multihost.barrier("boostjax-damaged-set-aside")
+    if not restored.verified:
+        _say(f"checkpoint {restored.step} has no checksums (the run stopped before they were written, or an "
+             f"older boostjax wrote it); restored without verification")
+    data.restore(restored.data_state)
+    if data.step != restored.step:
+        raise CheckpointError(f"checkpoints: step {restored.step} in {ckpt.directory} holds the data position "
+                              f"{data.step}; fix: move that checkpoint aside")
+    return restored.step, restored.params, restored.opt_state, restored.verified
+
+
+def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: Any = None) -> TrainResult:
+    """Train (or resume) the run described by `cfg`; returns the metrics and final parameters.
+
+    A new run starts from `cfg.train.init_from_hf` (a Hugging Face LLaMA folder, whose shapes replace
+    the model's) or from `init` (a pure params dict or an `LLaMA` of `cfg.model`; for a low-rank kind
+    also the dense params of the same shapes, factored by SVD): see `boostjax.interop.pretrained`. A resumed
+    run continues from its checkpoint and reads neither.
+
+    Raises `TrainingInterrupted` (a KeyboardInterrupt) after SIGINT/SIGTERM once a consistent
+    checkpoint is saved, `NonFiniteLoss` when the loss diverges, `ConfigError` / `CheckpointError`
+    for what cannot run (before anything is written or compiled where the configuration is at fault).
+    """
+    cfg = pretrained.resolve_config(cfg) if isinstance(cfg, Config) else cfg
+    if not is_validated(cfg):  # the CLI validated it already (once per job)
+        cfg = validate(cfg)
+    placement.check(cfg)  # what the chosen layout (mesh, stages, offload plan) cannot run, before anything is written
+    t = cfg.train
+    if init is not None and t.init_from_hf:
+        raise ConfigError("train.init: both init= params and init_from_hf are given; fix: pass one of them")
+    hf_tokenizer = pretrained.source_tokenizer(cfg)  # the data's tokenizer, if any, must be the checkpoint's
+    if not multihost.is_set_up(t):  # the CLI joined already (once per job)
+        multihost.setup(t)  # joins a multi-host job before JAX starts (a no-op for one process)
+    if hf_tokenizer is None and pretrained.has_tokenizer(t.init_from_hf) and not (t.data and is_token_folder(t.data)):
+        _say(f"the data is read as bytes, so the run's tokenizer is byte level, not {t.init_from_hf}'s "
+             f"(tokenize the data with it: boostjax tokenize --tokenizer {t.init_from_hf})")
+    _check_fits_host(cfg)
+    attention.check_backend(cfg.model, t.dtype)  # --attention cudnn needs a CUDA GPU
+    folder = RunFolder(t.out)
+    if multihost.is_main_process():
+        folder.check_target()
+    with StopSignals(multi_process=jax.process_count() > 1) as stop, _lock_if_main(folder):
+        _stop_early(stop, folder)
+        old = folder.stored_config()
+        resuming = bool(step_dirs(folder.checkpoints))
+        changes = folder.check_resume(old, cfg, resuming)
+        convert = resuming and old is not None and _check_layout(folder, old, cfg)
+        check_run_tokenizer(folder.path, t.data, resuming)  # a resumed run keeps its tokenizer
+        corpus = load_corpus(t.data, t.data_dtype)
+        if t.doc_mask and (corpus.train_docs is None or corpus.val_docs is None):
+            raise ConfigError(f"train.doc_mask: the data {corpus.name} has no document boundaries; fix: pass --data "
+                              "with a folder of text files or a tokenised folder, or drop --doc-mask")
+        start_from = None
+        if not resuming and (t.init_from_hf or init is not None):  # read (and factored) before any compile
+            start_from = pretrained.initial_params(cfg, init)
+        elif init is not None:
+            _say(f"resuming from the checkpoints in {folder.checkpoints}; the init= params are not used")
+        graphdef, like = abstract_model(cfg)
+        fns = build_step_fns(cfg, graphdef, like)  # checks strategy, mesh and shapes on shapes alone
+        _stop_early(stop, folder)
+        if start_from is not None:
+            # a copy: the step donates its params, and `init` arrays are the caller's
+            params = jax.tree.map(lambda p: jax.numpy.array(p, jax.numpy.float32), start_from[0])
+        else:
+            graphdef, params = init_model(cfg)
+        multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
+        state = fns.init(params)
+        params, opt_state = checkpoint_parts(state)
+        share, count = fns.batch_share  # the block of each global batch's rows this process loads
+        # packed documents where their boundaries are known (segment ids with --doc-mask), else random windows
+        data = batch_iterator(corpus.train, corpus.train_docs, t.batch * t.grad_accum, t.seq, t.seed,
+                              segments=t.doc_mask, vocab_size=cfg.model.vocab_size,
+                              process_index=share, process_count=count)
+        ckpt = Checkpointer(folder.checkpoints, keep=t.keep_ckpts, primary=multihost.is_main_process())
+        try:
+            other = (lambda: relayout.restore_latest(ckpt, cfg, abstract_model(cfg)[1], stacked_layers(old.train),
+                                                     params, opt_state)) if convert else None
+            start, params, opt_state, verified = (_restore(ckpt, params, opt_state, data, other) if resuming
+                                                  else (0, params, opt_state, True))
+            state = from_checkpoint(start, params, opt_state, state)
+            if multihost.is_main_process():
+                folder.write_config(cfg, start, changes)
+                install_run_tokenizer(folder.path, t.data)  # load_tokenizer(run folder) gives the run's
+                pretrained.copy_tokenizer(hf_tokenizer, folder.path)
+                if start_from is not None:
+                    pretrained.write_report(folder.path, start_from[1])
+            if start_from is not None:
+                _say(pretrained.summary_line(start_from[1]))
+            metrics = folder.trim_metrics(start, write=multihost.is_main_process())
+            result = _loop(cfg, graphdef, fns, ckpt, folder, stop, data, state, start, metrics, corpus,
+                           on_log, unverified=None if verified else start)
+            if start_from is not None:
+                result.extra["init"] = start_from[1]
+            return result
+        finally:
+            ckpt.close()
+
+
+def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFolder, stop: StopSignals,
+          data: BatchIterator, state, start: int, metrics: list[dict], corpus,
+          on_log: Callable[[dict], None] | None, unverified: int | None = None) -> TrainResult:
+    t = cfg.train
+    share, count = fns.batch_share
+    val_batches = eval_batches(corpus.val, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
+                               process_index=share, process_count=count, docs=corpus.val_docs,
+                               segments=t.doc_mask)
+    t0 = time.perf_counter()
+    step_fn = fns.compile(state, data.batch_at(start))
+    compile_s = time.perf_counter() - t0
+    tokens_per_step = t.batch * t.grad_accum * t.seq  # all micro-batches of one optimizer step
+    fpt = flops_per_token(cfg.model, t.seq)
+    hw, devices = hardware_profile(t.hardware), t.sizes.devices  # hw None: no MFU (a CPU, an unknown GPU)
+    main = multihost.is_main_process()
+    writer = open(folder.metrics_path, "a") if main else None
+    board = TensorBoard(folder.path, start) if main and t.tensorboard else None
+    profiler = StepProfiler(folder.path / PROFILE if jax.process_count() == 1
+                            else folder.path / PROFILE / f"process-{jax.process_index()}",
+                            parse_profile(t.profile, t.steps), start)
+
+    def log(record: dict) -> None:
+        metrics.append(record)
+        if writer:
+            writer.write(json.dumps(record) + "\n")
+            writer.flush()
+        if board:
+            board.log(record)
+        if on_log:
+            on_log(record)
+
+    if fns.info:  # e.g. the pipeline's schedule and bubble fraction, logged once per (re)start
+        log({"step": start, **fns.info})
+    pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet fetched
+    bar = tqdm(total=t.steps, initial=start, disable=not t.progress or not multihost.is_main_process(),
+               desc=f"{cfg.model.kind} {t.strategy}" + (f" bubble {fns.info['bubble_fraction']:.0%}"
+                                                         if "bubble_fraction" in fns.info else ""),
+               unit="step", dynamic_ncols=True)
+    interval_t0, interval_steps = time.perf_counter(), 0
+    step = saved = start
+    first_loss = next((m["loss"] for m in metrics if "loss" in m), None)
+
+    def flush_pending(record: bool = True) -> None:
+        """Fetch the pending steps' metrics, stop on a non-finite one, log the newest."""
+        nonlocal pending, interval_t0, interval_steps, first_loss
+        fetched = jax.device_get([m for _, m in pending])
+        for (s, _), m in zip(pending, fetched):
+            if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
+                raise _diverged(cfg, ckpt, s, float(m["loss"]), float(m["grad_norm"]), unverified)
+        if pending and record:
+            elapsed = time.perf_counter() - interval_t0
+            s, m = pending[-1][0], fetched[-1]
+            step_s = elapsed / max(interval_steps, 1)
+            rec = {"step": s, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                   "lr": float(m["lr"]), "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
+                   "tflops_per_s": fpt * tokens_per_step / step_s / 1e12}
+            if hw is not None:
+                rec["mfu"] = mfu(fpt, rec["tokens_per_s"], hw, devices)
+            first_loss = first_loss if first_loss is not None else float(fetched[0]["loss"])
+            log(rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                            **({"mfu": f"{100 * rec['mfu']:.3g}%"} if "mfu" in rec else {}))
+        pending = []
+        interval_t0, interval_steps = time.perf_counter(), 0
+
+    try:
+        while step < t.steps and not (stop.requested and not stop.multi_process):
+            batch = fns.put_batch(data.next())
+            with profiler.before(step):
+                state, m = step_fn(state, batch)
+            profiler.after(step, (state, m))
+            step += 1
+            interval_steps += 1
+            pending.append((step, m))
+            bar.update(1)
+            if step % t.log_every == 0 or step % t.ckpt_every == 0 or step == t.steps:
+                flush_pending()
+            if step % t.eval_every == 0 or step == t.steps:
+                log({"step": step, "val_loss": _evaluate(fns, state.params, val_batches)})
+            if step % t.ckpt_every == 0 or step == t.steps:
+                ckpt.save(step, *checkpoint_parts(state), data.state())
+                saved = step
+            if stop.should_stop(step):
+                break
+        if stop.requested and step < t.steps:
+            stop.saving = f"saving the checkpoint of step {step}"
+            flush_pending(record=False)  # a diverged step is never saved
+            if step > saved:
+                ckpt.save(step, *checkpoint_parts(state), data.state())
+                saved = step
+            ckpt.wait()
+            name = signal.Signals(stop.signum).name
+            where = (f"checkpoint {saved} is in {ckpt.directory}" if saved else "no checkpoint was written yet")
+            raise TrainingInterrupted(f"stopped by {name} after step {step}; {where}; resume with the same "
+                                      f"command (--out {folder.path})", stop.signum, saved or None)
+    finally:
+        profiler.stop()
+        bar.close()
+        if writer:
+            writer.close()
+        if board:
+            board.close()
+
+    final = next(m for m in reversed(metrics) if "loss" in m) if metrics else {}
+    val = next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), float("nan"))
+    speed = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m and m["step"] > start]
+    mfus = [m["mfu"] for m in metrics if "mfu" in m and m["step"] > start]
+    mfu_note = f" (MFU {100 * np.median(mfus):.3g}% of {devices} x {hw.name})" if mfus else ""
+    summary = (
+        f"done: {cfg.model.kind} ({param_count(cfg.model) / 1e6:.2f}M params) {t.strategy}, "
+        f"steps {start}->{step}, loss {first_loss if first_loss is not None else float('nan'):.3f} -> "
+        f"{final.get('loss', float('nan')):.3f} (val {val:.3f}), "
+        f"{np.median(speed) if speed else float('nan'):.0f} tok/s{mfu_note}, compile {compile_s:.1f}s, "
+        f"checkpoints in {ckpt.directory}"
+    )
+    if "bubble_fraction" in fns.info:
+        summary += (f"; pipeline {fns.info['schedule']} P={fns.info['stages']} M={fns.info['microbatches']}, "
+                    f"bubble {fns.info['bubble_fraction']:.1%}")
+    return TrainResult(cfg, metrics, fns.to_canonical(state.params), graphdef, folder.path,
+                       resumed_from=start or None, summary=summary, extra={"compile_s": compile_s, **fns.info})
+
+
+def _diverged(cfg: Config, ckpt: Checkpointer, step: int, loss: float, grad_norm: float,
+              unverified: int | None) -> NonFiniteLoss:
+    """The error for a non-finite loss at `step`. The parameters that produced it are those of step
+    `step - 1`: if that step was checkpointed, the checkpoint is moved aside, so the newest one left
+    is one whose parameters gave a finite loss and gradient."""
+    ckpt.wait()
+    bad = step - 1
+    moved = ""
+    if bad in ckpt.steps():
+        where = ckpt.set_aside(bad, "nonfinite") if multihost.is_main_process() else None
+        moved = f"checkpoint {bad} (whose parameters produced it) was moved to {where}; "
+    good = ckpt.latest_step()
+    kept = f"the last good checkpoint is step {good}" if good else "no good checkpoint is left (a rerun starts at step 0)"
+    fix = _fixes(cfg.train)
+    if unverified is not None and unverified == good:
+        fix = (f"checkpoint {good} was restored without checksums and may be damaged: if a rerun diverges again, "
+               f"move {ckpt.directory / str(good)} aside; otherwise {fix}")
+    return NonFiniteLoss(f"non-finite loss {loss} (grad norm {grad_norm}) at step {step}; stopped; {moved}{kept}; "
+                         f"fix: {fix}")
