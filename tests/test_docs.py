@@ -141,10 +141,22 @@ def references() -> list[tuple[str, int, str, bool]]:
             for m in DOTTED.finditer(line):
                 out.append((where, i, m.group(0), _dotted_ok(m.group(0))))
             for m in LINK.finditer(line):
-                target = m.group(1).split("#")[0]
-                if target and ":" not in target:
-                    out.append((where, i, target, (doc.parent / target).exists()))
+                target, _, anchor = m.group(1).partition("#")
+                if ":" in target:
+                    continue
+                path = doc.parent / target if target else doc
+                if target:
+                    out.append((where, i, target, path.exists()))
+                if anchor and path.suffix == ".md" and path.exists():
+                    out.append((where, i, m.group(1), anchor in _anchors(path)))
     return out
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation but `-` and `_`
+    dropped, spaces to `-`."""
+    heads = re.findall(r"^#+\s+(.*)$", re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
 def _section(text: str, title: str) -> str:
@@ -160,7 +172,8 @@ def test_the_reference_reader_finds_paths_names_links_and_commands():
     assert _exists("boostjax/models/") and not _exists("boostjax/no_such_file.py")
     assert _exists("tests/test_docs.py") and not _exists("tests/test_docs.py/")  # a file is not a folder
     found = {ref for _, _, ref, _ in references()}
-    assert {"boostjax/models/llama.py", "tests/test_imports.py", "data.md"} <= found
+    assert {"boostjax/models/llama.py", "tests/test_imports.py", "data.md", "design.md#sharding-from-logical-axes"} <= found
+    assert "hybrid-8-bit-adam---optimizer-adam8bit" in _anchors(ROOT / "docs" / "offload.md")
     assert {"train", "comm", "plan"} <= {c for _, _, c in commands()}
     code = dict(_code("a `boostjax train --x` b\n```python\nboostjax.train(cfg)\n```\n```bash\nboostjax eval\n```\n"))
     assert code == {1: "boostjax train --x", 6: "boostjax eval"}
