@@ -188,3 +188,35 @@ if __name__ == "__main__":
     g = import_graph()
     print("\n".join(describe(g, c) for c in cycles(g)) or "no import cycle")
     print("\n".join(upward_imports(g)) or "no upward import")
+
+
+# Optional packages (the `test` extra, not the package's dependencies) and JAX's optional plugin
+# namespace: a library module imports them where they are used, and only there.
+OPTIONAL = {"torch", "transformers", "gguf", "accelerate", "jax_plugins"}
+
+
+def deferred_imports() -> list[str]:
+    """Import statements inside functions of library modules (everything but `boostjax.cli`, whose
+    handlers import the library after the command line is read and the device count is set)."""
+    out = []
+    for mod, (path, _) in sorted(_module_files().items()):
+        if _top(mod) == "cli":
+            continue
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    names = [node.module or "."]
+                else:
+                    continue
+                if not all(n.split(".")[0] in OPTIONAL for n in names):
+                    out.append(f"{mod} line {node.lineno}: {', '.join(names)}")
+    return out
+
+
+def test_library_modules_import_at_the_top():
+    found = deferred_imports()
+    assert not found, "imports inside functions (move them to the top of the module):\n" + "\n".join(found)

@@ -25,12 +25,21 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
-from boostjax.config import (TP_STRATEGIES, LOW_RANK_KINDS, REMAT, Config,
-                             ConfigError, MeshShape, ModelConfig, as_mesh)
-from boostjax.analysis import memory
-from boostjax.analysis import hlo
+from boostjax.analysis import hlo, memory
+from boostjax.config import (
+    LOW_RANK_KINDS,
+    REMAT,
+    TP_STRATEGIES,
+    Config,
+    ConfigError,
+    MeshShape,
+    ModelConfig,
+    as_mesh,
+)
+from boostjax.training.checks import validate as validate_run
 
 STRATEGIES = TP_STRATEGIES  # the TP strategies a report compares
 MEMORY_KEYS = ("peak_bytes_per_device", "weight_bytes", "optimizer_bytes", "activation_bytes", "batch_bytes",
@@ -77,9 +86,7 @@ def _build(model: ModelConfig, mesh: MeshShape | None, batch: int, seq: int, str
            step: bool, with_residuals: bool, forward: bool = True, train: Train = ()) -> _Compiled:
     """Compile (abstractly) the training step exactly as `boostjax train` does
     (`memory.train_step_compiled`), the forward loss, and/or the residual-returning forward."""
-    import jax  # noqa: PLC0415 (imported late: the CLI sets the simulated device count first)
 
-    from boostjax.training.checks import validate as validate_run  # noqa: PLC0415 (JAX: after the device count is set)
 
     if mesh is None:
         raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")

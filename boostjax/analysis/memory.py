@@ -28,7 +28,23 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from boostjax.config import Config, ConfigError, MeshShape, ModelConfig, TrainConfig, mesh_text, validate
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from boostjax.config import (
+    Config,
+    ConfigError,
+    MeshShape,
+    ModelConfig,
+    TrainConfig,
+    mesh_text,
+    validate,
+)
+from boostjax.models.attention import check_backend
+from boostjax.models.llama import LLaMA
+from boostjax.training.step import layout_step, step_layout, train_state_shapes
 
 GIB = float(2**30)
 # never executed: on CPU skip LLVM's expensive passes (the optimised HLO and its buffers are unchanged)
@@ -48,7 +64,6 @@ class AbstractStep:
 
 def device_bytes(tree: Any) -> int:
     """Bytes one device holds of a pytree of ShapeDtypeStructs (its shard of each sharded leaf)."""
-    import jax  # noqa: PLC0415
 
     total = 0
     for a in jax.tree.leaves(tree):
@@ -78,14 +93,7 @@ def train_step_compiled(cfg: Config, compiler_options: dict | None = None) -> Ab
     """The training step `boostjax train` compiles for `cfg`, compiled on abstract inputs: the state
     layout and step from `step.step_layout` / `step.layout_step` / `step.train_state_shapes`, with the
     same accumulation, donation and output shardings as `StepFns.compile`."""
-    import jax  # noqa: PLC0415 (the CLI sets the simulated device count first)
-    from flax import nnx  # noqa: PLC0415
-    from jax.sharding import NamedSharding  # noqa: PLC0415
-    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
-    from boostjax.models.attention import check_backend  # noqa: PLC0415
-    from boostjax.models.llama import LLaMA  # noqa: PLC0415
-    from boostjax.training.step import layout_step, step_layout, train_state_shapes  # noqa: PLC0415
 
     t = cfg.train
     if t.offload_plan:
@@ -135,7 +143,6 @@ def memory_report(model: ModelConfig, mesh: MeshShape | str | None, batch: int, 
     (module docstring), `batch_bytes`, `gradient_bytes_estimate`, the raw `*_bytes` fields, `peak_gib`,
     and the configuration (`kind`, `strategy`, `mesh`, `batch`, `seq`, `remat`, `dtype`, `train`).
     """
-    import jax  # noqa: PLC0415
 
     t = train_config(batch, seq, strategy, mesh, remat, dtype, **train_fields)
     cfg = validate(Config(model, t))

@@ -31,12 +31,27 @@ import stat
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from boostjax import data as _data
 from boostjax.config import ConfigError
-from boostjax.data import META_FILE, SPLITS, TOKENS_FORMAT, TOKENS_VERSION, ByteTokenizer
-from boostjax.data.tokenizers import (MIN_TRAINED_VOCAB, TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer, tokenizer_kind,
-                           train_tokenizer)
+from boostjax.data import (
+    META_FILE,
+    SPLITS,
+    TOKENS_FORMAT,
+    TOKENS_VERSION,
+    ByteTokenizer,
+)
+from boostjax.data.tokenizers import (
+    MIN_TRAINED_VOCAB,
+    TOKENIZER_FILE,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_kind,
+    train_tokenizer,
+)
+from boostjax.runs.folder import CONFIG, check_folder_path, describe_foreign
 
 DOC_SEPS: tuple[str, ...] = ("file", "blank", "line")
 VAL_EVERY: int = _data.VAL_EVERY
@@ -153,7 +168,6 @@ def parse_tokenizer(spec: str | Tokenizer) -> tuple[Tokenizer | None, int]:
 
 def _byte_level_folder(p: pathlib.Path) -> bool:
     """A boostjax run folder or tokenised folder without tokenizer.json: byte level by construction."""
-    from boostjax.runs.folder import CONFIG, describe_foreign  # noqa: PLC0415
 
     return _data.is_token_folder(p) or ((p / CONFIG).is_file() and describe_foreign(p) is None)
 
@@ -211,7 +225,6 @@ def _batches(docs: Iterable[str]) -> Iterator[list[str]]:
 def check_out(out: str | os.PathLike) -> bool:
     """``--out`` may be written: new, empty, or a previous tokenize output (True: it will be replaced).
     Anything else (a user's files, a run folder) is refused."""
-    from boostjax.runs.folder import check_folder_path  # noqa: PLC0415
 
     p = pathlib.Path(out)
     if not str(out).strip():
@@ -256,8 +269,6 @@ class _Writer:
 
 
 def _progress(total: int, show: bool, desc: str):
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc, dynamic_ncols=True,
                 disable=not show or total < PROGRESS_BYTES)
 

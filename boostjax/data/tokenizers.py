@@ -13,6 +13,8 @@ import pathlib
 from typing import Iterable, Sequence, Union
 
 import numpy as np
+from tokenizers import Tokenizer as _Tok
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from boostjax.config import ConfigError
 from boostjax.data import ByteTokenizer
@@ -90,7 +92,6 @@ def load_tokenizer(path: str | pathlib.Path | None = None) -> Tokenizer:
     elif not p.exists():
         raise ConfigError(f"tokenizer: {path} does not exist; fix: pass a tokenizer.json file, a folder holding "
                           f"one, or train:VOCAB to train one on the data")
-    from tokenizers import Tokenizer as _Tok  # noqa: PLC0415 (a Rust extension; only when a file is used)
 
     try:
         tok = _Tok.from_file(str(p))
@@ -105,7 +106,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < MIN_TRAINED_VOCAB:
         raise ConfigError(f"tokenizer: train:{vocab_size} is too small; fix: train:VOCAB with VOCAB >= "
                           f"{MIN_TRAINED_VOCAB} (the 256 bytes and {EOS_TOKEN}), e.g. train:4096")
-    from tokenizers import Tokenizer as _Tok, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
 
     tok = _Tok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

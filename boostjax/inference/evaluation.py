@@ -23,9 +23,16 @@ import os
 import pathlib
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
 
+from boostjax import data as _data
 from boostjax.config import ConfigError, check_batch_seq
+from boostjax.data import tokenize as tz
+from boostjax.data.tokenizers import tokenizer_kind
 
 
 def _windows(tokens: np.ndarray, seq: int, first: int, rows: int,
@@ -52,9 +59,6 @@ def _windows(tokens: np.ndarray, seq: int, first: int, rows: int,
 def _nll_sum():
     """The jitted summed negative log-likelihood of the masked targets of one batch (one compile per
     model structure and batch shape, shared by every `evaluate` call)."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
 
     @functools.partial(jax.jit, static_argnums=0)
     def nll_sum(graphdef, state, x_bs, y_bs, m_bs, s_bs=None):
@@ -75,9 +79,6 @@ def evaluate(model, tokens, *, seq: int, batch: int, n_bytes: int | None = None,
     is masked at document boundaries, as in a run trained with ``--doc-mask``.
     Returns {"loss", "perplexity", "tokens", "windows", "bits_per_byte", "bytes"} (the last two None
     without ``n_bytes``)."""
-    import jax  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
-    from tqdm.auto import tqdm  # noqa: PLC0415
 
     check_batch_seq(batch, seq, "eval")
     tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
@@ -120,9 +121,6 @@ def eval_stream(tok, data: str, split: str | None, doc_sep: str | None) -> tuple
     """(ids with the document separator in front, UTF-8 bytes of the predicted ids, what was read, the
     documents' start offsets in those ids) of ``--data``: a tokenised folder's split (its tokenizer must
     be ``tok``) or text encoded with ``tok``."""
-    from boostjax import data as _data  # noqa: PLC0415
-    from boostjax.data import tokenize as tz  # noqa: PLC0415
-    from boostjax.data.tokenizers import tokenizer_kind  # noqa: PLC0415
 
     sep = tz.separator(tok)
     if os.path.isdir(data) and _data.is_token_folder(data):

@@ -12,6 +12,7 @@ Low-rank kinds (cola, svd, lax) have no Hugging Face LLaMA layout and are refuse
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -24,8 +25,10 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
+from tokenizers import Tokenizer
 
 from boostjax.config import ConfigError, ModelConfig
+from boostjax.data.tokenizers import load_tokenizer
 from boostjax.interop.hf_config import (
     GENERATION_NAME,
     TOKENIZER_CONFIG_NAME,
@@ -255,13 +258,9 @@ def _write_weights(out: pathlib.Path, tensors: Mapping[str, np.ndarray], max_sha
 def _side_files(cfg: ModelConfig, out: pathlib.Path, source: pathlib.Path | None) -> ModelConfig:
     """Tokenizer and generation config of `source` (a run folder or a Hugging Face folder) into `out`.
     Returns `cfg` with the eos/bos ids of the tokenizer where `cfg` has none."""
-    import dataclasses
 
     tok_file = source / TOKENIZER_NAME if source is not None else None
     if tok_file is not None and tok_file.is_file():
-        from tokenizers import Tokenizer
-
-        from boostjax.data.tokenizers import load_tokenizer
 
         tok = load_tokenizer(tok_file)
         if not cfg.eos_ids and tok.eos_id is not None and tok.eos_id < cfg.vocab_size:

@@ -28,12 +28,17 @@ import json
 import pathlib
 from typing import Any, Iterable, Mapping
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
-from boostjax.runs.folder import RunFolder
-from boostjax.data.tokenizers import TOKENIZER_FILE, load_tokenizer, tokenizer_kind
 from boostjax.data.tokenize import data_tokenizer, same_tokenizer
+from boostjax.data.tokenizers import TOKENIZER_FILE, load_tokenizer, tokenizer_kind
+from boostjax.interop import hf
+from boostjax.models.llama import LLaMA, abstract_model
+from boostjax.runs.folder import RunFolder
 
 SOURCE_FIELD = "train.init_from_hf"
 REPORT_FILE = "init_report.json"
@@ -65,7 +70,6 @@ def matrix_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
 def source_config(path: str) -> ModelConfig:
     """The dense `ModelConfig` of a Hugging Face folder, from its `config.json` alone (no weights are
     read); ConfigError naming `train.init_from_hf` when the folder cannot be a checkpoint."""
-    from boostjax.interop import hf  # noqa: PLC0415 (imports JAX)
 
     folder = pathlib.Path(path)
     if not folder.exists():
@@ -173,7 +177,6 @@ _SVD: dict[str, Any] = {}
 
 def svd(w_io: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Thin SVD `U, σ, Vᵀ` of one matrix in fp32, on the default device (one compile per shape)."""
-    import jax  # noqa: PLC0415
 
     if "fn" not in _SVD:
         _SVD["fn"] = jax.jit(lambda w: jax.numpy.linalg.svd(w, full_matrices=False))
@@ -212,10 +215,7 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
     """Low-rank params of `cfg` (kind svd/cola/lax) factored from the pure params dict of the dense
     LLaMA of the same shapes, and the report: `{"kind", "rank", "matrices": {"layers.i.attn.q": rel.
     error, ...}, "mean", "max", "by_projection"}` (see the module docstring for the split)."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
 
-    from boostjax.models.llama import abstract_model  # noqa: PLC0415 (imports JAX)
 
     if not isinstance(cfg, ModelConfig) or not cfg.low_rank:
         raise ConfigError(f"lowrank_from_dense: need a ModelConfig of kind svd, cola or lax, got "
@@ -252,15 +252,12 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
 
 
 def _leaves(tree: Any) -> dict[str, tuple[int, ...]]:
-    import jax  # noqa: PLC0415
-
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {".".join(str(getattr(k, "key", k)) for k in path): tuple(np.shape(v)) for path, v in flat}
 
 
 def check_params(m: ModelConfig, params: Any, what: str) -> None:
     """ConfigError unless `params` is a pure params dict with the names and shapes of the model `m`."""
-    from boostjax.models.llama import abstract_model  # noqa: PLC0415 (imports JAX)
 
     if not isinstance(params, Mapping):
         raise ConfigError(f"{what}: need a pure params dict (nnx.to_pure_dict), got {type(params).__name__}; "
@@ -286,8 +283,6 @@ def initial_params(cfg: Config, init: Any = None) -> tuple[dict, dict]:
     or an `LLaMA` of `cfg.model`, or for a low-rank kind the dense params of the same shapes)."""
     m = cfg.model
     if cfg.train.init_from_hf:
-        from boostjax.interop import hf  # noqa: PLC0415
-
         path = pathlib.Path(cfg.train.init_from_hf)
         try:
             src_cfg, dense = hf.read_hf(path)
@@ -319,9 +314,6 @@ def _fits(m: ModelConfig, params: Any) -> bool:
 
 
 def _pure(init: Any) -> Any:
-    from flax import nnx  # noqa: PLC0415
-
-    from boostjax.models.llama import LLaMA  # noqa: PLC0415
 
     if isinstance(init, LLaMA):
         return nnx.to_pure_dict(nnx.state(init, nnx.Param))
@@ -352,7 +344,6 @@ def write_report(folder: pathlib.Path, report: Mapping[str, Any]) -> pathlib.Pat
 
 
 def has_tokenizer(folder: str) -> bool:
-
     return bool(folder) and (pathlib.Path(folder) / TOKENIZER_FILE).is_file()
 
 

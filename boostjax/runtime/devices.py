@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pkgutil
 import re
 import sys
+from importlib.metadata import entry_points
+
+import jax
+from jax._src import xla_bridge
 
 from boostjax.config import ConfigError, MeshShape
 
@@ -41,15 +46,12 @@ def accelerator_installed() -> bool:
     if any(importlib.util.find_spec(m) is not None for m in _ACCELERATOR_MODULES):
         return True
     try:
-        import pkgutil  # noqa: PLC0415
-
         import jax_plugins  # noqa: PLC0415 (a namespace package: importing it starts nothing)
 
         if any(True for _ in pkgutil.iter_modules(jax_plugins.__path__)):
             return True
     except ImportError:
         pass
-    from importlib.metadata import entry_points  # noqa: PLC0415
 
     return bool(list(entry_points(group="jax_plugins")))
 
@@ -73,8 +75,6 @@ def simulate_devices(n: int, name: str = "simulate_devices") -> int:
                           f"most {cap} CPU devices; fix: use a mesh of at most {cap} devices "
                           f"(or export {CAP_VAR}=N to simulate more)")
     if "jax" in sys.modules and _backend_started():
-        import jax  # noqa: PLC0415
-
         have = jax.device_count()
         if have < n:
             raise RuntimeError(
@@ -93,8 +93,6 @@ def simulate_devices(n: int, name: str = "simulate_devices") -> int:
 
 def _backend_started() -> bool:
     try:
-        from jax._src import xla_bridge  # noqa: PLC0415
-
         return bool(xla_bridge._backends)  # noqa: SLF001
     except Exception:  # pragma: no cover - private API moved: assume started (safe direction)
         return True

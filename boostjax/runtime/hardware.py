@@ -25,7 +25,10 @@ import os
 import time
 from dataclasses import dataclass, replace
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from boostjax.config import ConfigError
 
@@ -128,9 +131,6 @@ def measure(n_bytes: int = 64 << 20, matmul_n: int | None = None, repeats: int =
     backends), else a plain numpy array -> device copy and back. On CPU the numbers are real but say
     nothing about an accelerator. `bf16_flops` is the measured matmul rate; `mfu` is applied on top.
     """
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import SingleDeviceSharding
 
     if n_bytes < 4096:
         raise ValueError(f"n_bytes: {n_bytes} is too small to time; fix: pass at least 4096 (default 64 MiB)")

@@ -22,6 +22,8 @@ import threading
 from types import FrameType
 from typing import Any, Callable
 
+from jax.experimental import multihost_utils
+
 SIGNALS: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
 EXIT_CODES: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + signal number
 
@@ -91,7 +93,6 @@ class StopSignals:
         """Whether to stop after `step` (in a multi-host job: all processes agree on the step)."""
         if not self.multi_process:
             return self.requested
-        from jax.experimental import multihost_utils  # noqa: PLC0415
 
         try:
             reached = multihost_utils.reached_preemption_sync_point(step)

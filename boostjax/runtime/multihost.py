@@ -27,7 +27,20 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from boostjax.config import ConfigError, MeshShape, TrainConfig, validate_process_mesh, validate_processes
+import jax
+from jax._src import (
+    clusters,  # JAX's own cluster detection (importing it starts no backend)
+)
+from jax.experimental import multihost_utils
+
+from boostjax.config import (
+    ConfigError,
+    MeshShape,
+    TrainConfig,
+    validate_process_mesh,
+    validate_processes,
+)
+from boostjax.runtime.devices import _FLAG, _backend_started, simulate_devices
 
 ENV_VARS: tuple[str, str, str] = ("BOOSTJAX_COORDINATOR", "BOOSTJAX_NUM_PROCESSES", "BOOSTJAX_PROCESS_ID")
 AUTO_CLUSTERS: tuple[str, ...] = ("slurm", "ompi")  # JAX cluster environments read from variables only
@@ -55,10 +68,6 @@ def _env_int(environ: Mapping[str, str], name: str, unset: int) -> int:
 
 def _cluster_group(mesh: MeshShape | None) -> ProcessGroup | None:
     """A SLURM / Open MPI job of > 1 tasks, as JAX's own auto-detection sees it."""
-    try:
-        from jax._src import clusters  # noqa: PLC0415 (JAX's detection: importing it starts no backend)
-    except ImportError:  # pragma: no cover - private module moved
-        return None
     for env in clusters.ClusterEnv._cluster_types:  # noqa: SLF001
         # getattr: jax 0.7's K8sCluster has no `name` (nor a default on the base class)
         if getattr(env, "name", "") in AUTO_CLUSTERS and env.is_env_present():
@@ -96,13 +105,11 @@ def setup(t: TrainConfig) -> ProcessGroup | None:
     Simulates the process's CPU devices (ignored where an accelerator is present), selects gloo CPU
     collectives and calls `jax.distributed.initialize`. Idempotent; returns None for one process.
     """
-    from boostjax.runtime.devices import _FLAG, _backend_started, simulate_devices  # noqa: PLC0415
 
     group = resolve(t)
     if group is None:
         _SET_UP[:] = [t]
         return None
-    import jax  # noqa: PLC0415 (importing JAX starts no backend)
 
     if jax.distributed.is_initialized():
         if jax.process_count() != group.num_processes or jax.process_index() != group.process_id:
@@ -185,7 +192,6 @@ def _initialize(group: ProcessGroup, timeout: int) -> None:
     process first, at `timeout`, with one `boostjax: error:` line and exit status 2; JAX's own
     deadline is set `INIT_GRACE_S` later as a backstop. Other failures (e.g. the coordinator's port
     cannot be served) raise, and become a `ConfigError`."""
-    import jax  # noqa: PLC0415
 
     msg = (f"train.coordinator: {_where(group)} waited {timeout} s for the job to assemble and gave up "
            f"(a process never started, or the coordinator is unreachable); fix: start all {group.num_processes} "
@@ -217,18 +223,14 @@ def _initialize(group: ProcessGroup, timeout: int) -> None:
 
 def is_main_process() -> bool:
     """Process 0 writes the run folder's files and the console output."""
-    import jax  # noqa: PLC0415
 
     return jax.process_index() == 0
 
 
 def barrier(name: str) -> None:
     """Wait until every process gets here (nothing to do in a single-process run)."""
-    import jax  # noqa: PLC0415
 
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils  # noqa: PLC0415
-
         multihost_utils.sync_global_devices(name)
 
 
@@ -251,7 +253,6 @@ def batch_share(sharding: Any, global_batch: int, seq: int) -> tuple[int, int]:
 
 def put_global_batch(sharding: Any, global_batch: int) -> Callable[[dict], dict]:
     """This process's rows (`batch_share`) -> the global batch as one `jax.Array` per field."""
-    import jax  # noqa: PLC0415
 
     def put(batch: dict) -> dict:
         return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
@@ -262,10 +263,8 @@ def put_global_batch(sharding: Any, global_batch: int) -> Callable[[dict], dict]
 
 def host_copy(tree: Any) -> Any:
     """Numpy copies of `tree`'s arrays; gathered over the processes (a collective: every process calls it)."""
-    import jax  # noqa: PLC0415
 
     if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
         return jax.device_get(tree)
-    from jax.experimental import multihost_utils  # noqa: PLC0415
 
     return multihost_utils.process_allgather(tree, tiled=True)

@@ -19,12 +19,21 @@ trace of chosen steps, and the model FLOPs utilisation (MFU).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pathlib
 import time
 from typing import Any
 
-from boostjax.runtime.hardware import HardwareProfile, check_hardware, get_profile, profile_for_device
+import jax
+from tensorboardX import SummaryWriter
+
+from boostjax.runtime.hardware import (
+    HardwareProfile,
+    check_hardware,
+    get_profile,
+    profile_for_device,
+)
 
 TENSORBOARD = "tensorboard"  # run-folder entries written here
 PROFILE = "profile"
@@ -35,7 +44,6 @@ def hardware_profile(name: str) -> HardwareProfile | None:
     if name:
         check_hardware(name)  # ConfigError naming train.hardware
         return get_profile(name)
-    import jax  # noqa: PLC0415
 
     return profile_for_device(jax.devices()[0].device_kind)
 
@@ -49,8 +57,6 @@ class TensorBoard:
     """The run's scalars as TensorBoard events (`<run>/tensorboard/`), one file per start."""
 
     def __init__(self, run_dir: pathlib.Path, start: int):
-        from tensorboardX import SummaryWriter  # noqa: PLC0415
-
         # a unique, time-ordered file name (tensorboardX's own has whole seconds and the host name only)
         self._w = SummaryWriter(logdir=str(run_dir / TENSORBOARD), purge_step=start + 1, flush_secs=30,
                                 filename_suffix=f".{time.time_ns()}")
@@ -76,9 +82,7 @@ class StepProfiler:
 
     def before(self, step: int) -> Any:
         """Call before running step `step`; returns the context to run it in."""
-        import contextlib  # noqa: PLC0415
 
-        import jax  # noqa: PLC0415
 
         if self.span is None:
             return contextlib.nullcontext()
@@ -92,15 +96,12 @@ class StepProfiler:
 
     def after(self, step: int, outputs: Any) -> None:
         """Call after step `step` has been dispatched; stops the trace once its last step is done."""
-        import jax  # noqa: PLC0415
 
         if self.active and step + 1 >= self.span[1]:
             jax.block_until_ready(outputs)
             self.stop()
 
     def stop(self) -> None:
-        import jax  # noqa: PLC0415
-
         if self.active:
             self.active = False
             self.span = None
