@@ -1,1 +1,2 @@
-"""inference"""
+"""Using a trained model: generation with a KV cache (`generation`) and held-out loss, perplexity and bits
+per byte (`evaluation`)."""

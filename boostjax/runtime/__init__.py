@@ -1,1 +1,3 @@
-"""runtime"""
+"""The processes and devices a run uses: simulated CPU devices (`devices`), multi-host process groups
+(`multihost`) and their local launcher (`launch`), signals turned into a clean stop (`interrupt`), and
+named hardware profiles (`hardware`)."""
