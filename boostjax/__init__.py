@@ -21,16 +21,16 @@ _EXPORTS: dict[str, str] = {
     "flops_per_token": "boostjax.models.flops",
     # data
     "ByteTokenizer": "boostjax.data", "load_corpus": "boostjax.data", "BatchIterator": "boostjax.data",
-    # tokenised data folders and held-out evaluation (issue 13, items 1 and 5)
+    # tokenised data folders and held-out evaluation
     "tokenize_corpus": "boostjax.data.tokenize", "evaluate": "boostjax.inference.evaluation",
-    "DocumentIterator": "boostjax.data", "batch_iterator": "boostjax.data",  # item 2: packed documents
+    "DocumentIterator": "boostjax.data", "batch_iterator": "boostjax.data",  # packed documents
     # training
     "train": "boostjax.training.trainer", "TrainResult": "boostjax.training.trainer", "NonFiniteLoss": "boostjax.training.trainer",
     "init_model": "boostjax.models.llama", "load_run": "boostjax.runs.load", "simulate_devices": "boostjax.runtime.devices",
     # generation (KV cache; greedy, top-k, top-p)
     "generate": "boostjax.inference.generation",
     # interop
-    "from_hf": "boostjax.interop.hf", "to_hf": "boostjax.interop.hf", "read_hf": "boostjax.interop.hf",  # item 3: read_hf
+    "from_hf": "boostjax.interop.hf", "to_hf": "boostjax.interop.hf", "read_hf": "boostjax.interop.hf",
     # starting from pretrained weights (train --init-from-hf, train(cfg, init=...))
     "lowrank_from_dense": "boostjax.interop.pretrained",
     # tensor parallelism and its communication, read from compiled HLO

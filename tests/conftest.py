@@ -25,7 +25,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process (pytest, 
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
-# The slowest tests (seconds on a quiet 2-core machine at issue 14), slowest first. Under `pytest -n 2`
+# The slowest tests (seconds on a quiet 2-core machine when they were measured), slowest first. Under `pytest -n 2`
 # (xdist's `load` schedule hands out tests in collection order, the first ones alternately to the two
 # workers) a long test collected late can start when the other worker is nearly done and run on alone;
 # started first, they run side by side and the many short tests fill in around them.

@@ -504,7 +504,7 @@ def test_hf_unreadable_config(hf_folder, monkeypatch):
     _hf_refused(hf_folder, hf_folder / hf.CONFIG_NAME, "Permission denied")
 
 
-# ------------------------------------------------------------------------------ item 3: Hugging Face interop
+# ------------------------------------------------------------------------------ Hugging Face interop
 
 @pytest.mark.parametrize("flags,field", [
     (["--rope-type", "yarn"], "model.rope_type"), (["--rope-factor", "0.5", "--rope-type", "linear"], "model.rope_factor"),
@@ -541,7 +541,7 @@ def test_hf_unsupported_shapes(hf_folder, change, needle):
     _hf_refused(hf_folder, hf_folder / hf.CONFIG_NAME, needle)
 
 
-# ------------------------------------------------------------------------------ tokenize and eval (issue 13)
+# ------------------------------------------------------------------------------ tokenize and eval
 
 @pytest.fixture()
 def texts(tmp_path):
@@ -628,7 +628,7 @@ def test_eval_bad_input(capsys, tmp_path, texts):
     _refused(capsys, ["eval", "--run", tmp_path / "norun", "--data", texts], "run:")
 
 
-# ------------------------------------------------------------------------------ --init-from-hf (item 4)
+# ------------------------------------------------------------------------------ --init-from-hf
 
 INIT = ["train", "--batch", "2", "--seq", "16", "--steps", "1", "--no-progress"]
 INIT_CFG = ModelConfig(kind="llama", vocab_size=256, d_model=16, n_layers=1, n_heads=2, d_ff=32)

@@ -239,7 +239,7 @@ def test_adam8bit_short_run_close_to_adamw(tmp_path):
     leaves = jax.tree.leaves(tx.init(runs["adam8bit"].params), is_leaf=lambda x: isinstance(x, QTensor))
     assert sum(isinstance(x, QTensor) for x in leaves) >= 4
     a, b = runs["adamw"], runs["adam8bit"]
-    # 0.81 with CoLA's init (issue 15; Xavier-scale products start slower on 20 steps than the former 0.02 B's)
+    # 0.81 with CoLA's init (Xavier-scale products start slower on 20 steps than the former 0.02 B's)
     assert a.losses[-1] < 0.85 * a.losses[0] and b.losses != a.losses  # the 8-bit moments change the run
     val = lambda r: next(m["val_loss"] for m in reversed(r.metrics) if "val_loss" in m)  # noqa: E731
     assert abs(b.losses[-1] - a.losses[-1]) / a.losses[-1] < 0.02, (a.losses, b.losses)

@@ -84,7 +84,7 @@ def test_trains_on_token_bin_and_text_files(tmp_path):
     pattern = np.tile(rng.integers(0, 256, 64).astype(np.uint16), 400)  # learnable: a repeated sequence
     pattern.tofile(tmp_path / "tokens.bin")
     res = _run(tmp_path, "bin", data=str(tmp_path / "tokens.bin"))
-    # 0.73 with CoLA's init (Xavier-scale products, issue 15); 0.59 with the former 0.02-scale B factors
+    # 0.73 with CoLA's init (Xavier-scale products); 0.59 with the former 0.02-scale B factors
     assert res.losses[-1] < 0.75 * res.losses[0]
     (tmp_path / "notes.txt").write_text("the quick brown fox jumps over the lazy dog. " * 500)
     res = _run(tmp_path, "txt", data=str(tmp_path / "notes.txt"), steps=20)
