@@ -48,7 +48,7 @@ PRESETS, REMATS = ("1b", "7b", "13b"), ("none", "lowrank")
 KEYS = ("peak_bytes_per_device", "weight_bytes", "optimizer_bytes", "activation_bytes", "temp_bytes",
         "argument_bytes", "batch_bytes")
 GOAL_GIB = 40.0
-# the goal configurations: BTP, --remat lowrank, bf16, chunked attention
+# the goal configurations (peak <= GOAL_GIB GiB per device): BTP, --remat lowrank, bf16, chunked attention
 GOALS = {"7b BTP TP4": ("7b", "data=1,model=4", {}), "13b BTP TP4 x PP2": ("13b", "data=1,stage=2,model=4", {})}
 EXTRA = {"7b BTP TP4, materialised attention (xla)": ("7b", "data=1,model=4", {"attention": "xla"}),
          "7b BTP TP4, vocabulary 32000": ("7b", "data=1,model=4", {"vocab_size": 32000})}

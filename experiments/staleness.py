@@ -67,7 +67,8 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
                      {"optimizer": "rotation", "rot_order": "current"}),
 }
 PAPER = {"baselines_slowdown_32": (4.24, 5.81), "rotation_slowdown_32": 1.27}
-# what the baselines were before issue 15 (runs without `tc_frac` in their settings)
+# the earlier baselines (Nesterov as optax.nadamw, PipeDream-LR's T_c = 50 %), which runs recorded without
+# `tc_frac` in their settings used
 LEGACY = {"warmup_frac": 0.05, "tc_frac": 0.5, "legacy_baselines": True}
 LEGACY_LABELS = {"nesterov": "Nesterov (old: optax.nadamw, constant b1 0.99)",
                  "pipedream-lr": "PipeDream-LR (old: T_c = 50 %)"}
@@ -98,7 +99,7 @@ class Settings:
     fetch_every: int = 20
     n_eval: int = 4  # validation batches for the final loss
     jobs: int = 2  # runs in parallel processes (each XLA CPU step here is nearly single-threaded)
-    legacy_baselines: bool = False  # runs made with the pre-issue-15 Nesterov (optax.nadamw) and T_c = 50 %
+    legacy_baselines: bool = False  # runs made with the earlier Nesterov (optax.nadamw) and T_c = 50 %
     extra: dict = field(default_factory=dict)  # other TrainConfig overrides shared by every run
 
     @property
@@ -127,12 +128,12 @@ QUICK = Settings(optimizers=("adamw", "pipedream-lr", "nesterov", "rotation", "r
 
 
 def label(s: Settings, opt: str) -> str:
-    """The optimizer's row label (runs from before issue 15 name their old baselines)."""
+    """The optimizer's row label (runs made with the earlier baselines name them)."""
     return LEGACY_LABELS.get(opt, OPTIMIZERS[opt][0]) if s.legacy_baselines else OPTIMIZERS[opt][0]
 
 
 def settings_from_json(d: dict) -> Settings:
-    """The `Settings` of a results JSON; runs from before issue 15 get `LEGACY`'s baselines."""
+    """The `Settings` of a results JSON; runs recorded without `tc_frac` get `LEGACY`'s baselines."""
     known = {f.name for f in fields(Settings)}
     kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in known}
     if "tc_frac" not in d:
@@ -317,7 +318,7 @@ def _find(summary: dict, opt: str, n: int) -> dict | None:
 
 def settings_lines(s: Settings) -> list[str]:
     cfg = s.config("rotation", 1).train
-    nesterov = ("optax.nadamw, constant b1 0.99 (the pre-issue-15 definition)" if s.legacy_baselines else
+    nesterov = ("optax.nadamw, constant b1 0.99 (the earlier definition)" if s.legacy_baselines else
                 "torch.optim.NAdam: b1 0.99, b2 0.999, momentum_decay 0.004 (mu_t = 0.99(1 - 0.5*0.96^(0.004 t))), "
                 "decoupled weight decay")
     return [
@@ -330,7 +331,7 @@ def settings_lines(s: Settings) -> list[str]:
         "updates old (weight stashing, `boostjax.optim.delay`)",
         f"- PipeDream-LR: lr / τ^(1 - min(t/T_c, 1)) per stage (τ its delay), T_c = {s.t_c} steps "
         f"({s.tc_frac:.1%} of the run"
-        + ("; pre-issue-15 setting" if s.legacy_baselines else
+        + ("; the earlier setting" if s.legacy_baselines else
            ": the basis-rotation README's 250 epochs with --lr_correction_epoch 7; AsyncPP's own run: 7/50 = 14 %") + ")",
         f"- Nesterov: {nesterov}",
         f"- basis rotation: bilateral, 2nd-order (Gram) source, refresh every {cfg.rot_refresh} steps, "
@@ -347,7 +348,7 @@ def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command
     smax = max(s.stages)
     lines = [f"# Staleness experiment ({s.regime} regime): iterations to a target loss vs pipeline depth", ""]
     if s.legacy_baselines:
-        lines += ["**Old baselines.** These runs predate issue 15: their Nesterov rows are `optax.nadamw` with a "
+        lines += ["**Old baselines.** These runs used the earlier baselines: their Nesterov rows are `optax.nadamw` with a "
                   "constant b1 0.99 (not torch's NAdam μ_t schedule) and their PipeDream-LR rows fade the "
                   "correction over T_c = 50 % of the run (not 7/250). The tables below are re-computed from the "
                   "stored loss curves with the per-optimizer target rule. (Today the command below runs the "
@@ -473,7 +474,7 @@ def reusable_runs(s: Settings, path: pathlib.Path, rerun: Sequence[str]) -> list
     The runs are deterministic (same init, batches and compiled step), so a baseline whose code did
     not change need not be recomputed when only other optimizers change. Every setting that decides
     what a kept run computes must match (T_c only when PipeDream-LR runs are kept; runs made with the
-    pre-issue-15 Nesterov or PipeDream-LR are never kept), else ValueError."""
+    earlier Nesterov or PipeDream-LR are never kept), else ValueError."""
     old = json.loads(pathlib.Path(path).read_text())
     theirs_s = settings_from_json(old["settings"])
     keep = [o for o in s.optimizers if o not in rerun]
