@@ -22,8 +22,6 @@ import sys
 import time
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 

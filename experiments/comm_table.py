@@ -24,8 +24,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from boostjax.devices import exact_low_precision, simulate_devices  # noqa: E402
 
 simulate_devices(4)  # before JAX starts: the largest model axis below

@@ -29,8 +29,6 @@ import shlex
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 

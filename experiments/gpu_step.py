@@ -33,8 +33,6 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KINDS = ("llama", "cola")
 NAMES = {"llama": "full-rank", "cola": "CoLA"}

@@ -45,14 +45,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+import gpu_step as gs
+import offload_gpu as og
 
-import gpu_step as gs  # noqa: E402
-import offload_gpu as og  # noqa: E402
-
-RESULTS = os.path.join(HERE, "results")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SECTIONS = ("throughput", "memory", "collectives", "offload")
 GIB = float(2**30)
 MIN_START_S = 15.0  # a run is not started with less time than this left in the budget

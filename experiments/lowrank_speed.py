@@ -34,8 +34,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KINDS = ("llama", "cola", "svd", "lax", "cola-btgr")
 NAMES = {"llama": "dense", "cola": "CoLA", "svd": "SVD", "lax": "LaX", "cola-btgr": "CoLA, former layout"}
@@ -385,7 +383,6 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict, path: str) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from strategy_bars import save, subplots  # noqa: PLC0415
 
     shapes = res["shapes"]

@@ -30,8 +30,6 @@ import sys
 import time
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from boostjax.devices import exact_low_precision, simulate_devices  # noqa: E402
 
 simulate_devices(8)  # before JAX starts: TP 4 x PP 2

@@ -27,8 +27,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from boostjax.offload import check_plan_for  # noqa: E402
 from boostjax.offload.cli import report  # noqa: E402
 from boostjax.offload.costmodel import PlanInstance, instance_family, lazytrain_27b  # noqa: E402

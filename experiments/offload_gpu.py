@@ -27,8 +27,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 POLICIES = ("plan", "no-offload", "full-remat", "megatrain")
 GB = 1e9

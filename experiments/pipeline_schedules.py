@@ -24,8 +24,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from boostjax.devices import simulate_devices  # noqa: E402
 
 STAGES = 4

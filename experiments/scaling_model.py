@@ -65,8 +65,6 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from boostjax.config import Config, ModelConfig, preset  # noqa: E402
 from boostjax.hardware import get_profile  # noqa: E402
 from boostjax.models.flops import flops_per_token, param_count  # noqa: E402
