@@ -40,7 +40,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import multiprocessing  # noqa: E402
 import pathlib  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import functools  # noqa: E402
 from concurrent.futures import ProcessPoolExecutor, as_completed  # noqa: E402
@@ -55,6 +54,8 @@ from boostjax.data import BatchIterator, eval_batches, load_corpus  # noqa: E402
 from boostjax.placement import local_loss_fn  # noqa: E402
 from boostjax.step import build_step_fns  # noqa: E402
 from boostjax.models.llama import init_model  # noqa: E402
+
+import results_io  # noqa: E402
 
 # name -> (label, TrainConfig overrides)
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -415,14 +416,10 @@ def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command
     return "\n".join(lines) + "\n"
 
 
-def plot(s: Settings, main: dict, runs: list[dict], path: pathlib.Path) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+def plot(s: Settings, main: dict, runs: list[dict]):
+    """(a) slowdown vs S, (b) the S = 1 and S_max loss curves (a matplotlib Figure)."""
     smax = max(s.stages)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2) = results_io.subplots(2, (12, 4.5))
     for i, opt in enumerate(s.optimizers):
         color = f"C{i}"
         rows = sorted((r for r in main["rows"] if r["optimizer"] == opt and r["slowdown"] is not None),
@@ -454,8 +451,7 @@ def plot(s: Settings, main: dict, runs: list[dict], path: pathlib.Path) -> None:
     ax2.legend(fontsize=7, ncol=2)
     ax2.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def _finite_or_none(x: Any) -> Any:
@@ -512,9 +508,8 @@ def write_results(s: Settings, runs: list[dict], out: pathlib.Path, name: str, *
     result = {"settings": asdict(s), "command": command, "wall_s": round(wall_s, 1), "platform": platform,
               "paper": PAPER, "reused_from": reused_from, "rendered_by": rendered or None, "resumed_runs": resumed,
               **main, "extra_targets": extras, "runs": runs}
-    (out / f"{name}.json").write_text(json.dumps(_finite_or_none(result), indent=1) + "\n")
-    (out / f"{name}.md").write_text(markdown(s, main, extras, wall_s, command, platform, reused, rendered, resumed))
-    plot(s, main, runs, out / f"{name}.png")
+    results_io.write(out, name, data=_finite_or_none(result), figure=lambda: plot(s, main, runs),
+                     md=lambda: markdown(s, main, extras, wall_s, command, platform, reused, rendered, resumed))
     return result
 
 
@@ -589,15 +584,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        ("seed", int), ("window", int), ("n-eval", int), ("jobs", int)):
         p.add_argument(f"--{flag}", type=kind)
     args = p.parse_args(argv)
-    command = " ".join(["python experiments/staleness.py", *(sys.argv[1:] if argv is None else argv)])
+    command = results_io.command_line("staleness", argv)
     log = functools.partial(print, flush=True)
     for path in ("render", "reuse"):
         if getattr(args, path) is not None and not getattr(args, path).is_file():
             p.error(f"--{path}: {getattr(args, path)} is not a file; fix: pass a results JSON written by this script")
     if args.render is not None:
-        result = render(args.render, pathlib.Path(args.out), command)
-        print((pathlib.Path(args.out) / f"{args.render.stem}.md").read_text())
-        return result
+        return render(args.render, pathlib.Path(args.out), command)
     names = {"layers": "n_layers", "heads": "n_heads"}
     lists = {"optimizers": str, "stages": int, "extra_fracs": float}
     skip = ("quick", "out", "reuse", "rerun", "regime", "name", "render", *lists)
@@ -611,9 +604,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     name = args.name or "_".join(["staleness", *([args.regime] if args.regime != "default" else []),
                                   *(["quick"] if args.quick else [])])
     rerun = tuple(x.strip() for x in args.rerun.split(",") if x.strip())
-    result = run_experiment(s, pathlib.Path(args.out), command, log=log, reuse=args.reuse, rerun=rerun, name=name)
-    print((pathlib.Path(args.out) / f"{name}.md").read_text())
-    return result
+    return run_experiment(s, pathlib.Path(args.out), command, log=log, reuse=args.reuse, rerun=rerun, name=name)
 
 
 if __name__ == "__main__":
