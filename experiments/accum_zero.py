@@ -15,6 +15,7 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import argparse  # noqa: E402
 import json  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
@@ -67,6 +68,7 @@ def run(model: ModelConfig, t: TrainConfig, steps: int = 3):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows = []
     for name, model, ref_t, change in CASES:
         (l0, p0), (l1, p1) = run(model, ref_t), run(model, replace(ref_t, **change))

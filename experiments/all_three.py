@@ -13,6 +13,7 @@ fp32 on 8 simulated CPU devices, the built-in corpus, the tiny preset (4 layers,
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -52,6 +53,7 @@ def _losses(run: pathlib.Path) -> tuple[dict[int, float], float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     t0 = time.perf_counter()
     work = pathlib.Path(tempfile.mkdtemp(prefix="all_three_"))
     try:

@@ -16,6 +16,7 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import argparse  # noqa: E402
 import pathlib  # noqa: E402
 import tempfile  # noqa: E402
 from dataclasses import replace  # noqa: E402
@@ -49,6 +50,7 @@ CASES = [  # (kind, rank, strategy, mesh, zero)
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="init-layouts-"))
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda p: jnp.asarray(p + (0.2 * rng.normal(size=p.shape) if p.ndim == 1 else 0),
