@@ -15,9 +15,8 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import argparse  # noqa: E402
 import json  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 import jax  # noqa: E402
@@ -28,7 +27,8 @@ from boostjax.data import BatchIterator  # noqa: E402
 from boostjax.training.step import build_step_fns  # noqa: E402
 from boostjax.models.llama import init_model  # noqa: E402
 
-OUT = pathlib.Path(__file__).parent / "results"
+import results_io  # noqa: E402
+
 TOKENS = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)
 COLA = ModelConfig(kind="cola", d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=16, vocab_size=256, max_seq_len=16)
 LLAMA = replace(COLA, kind="llama")
@@ -68,6 +68,7 @@ def run(model: ModelConfig, t: TrainConfig, steps: int = 3):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows = []
     for name, model, ref_t, change in CASES:
         (l0, p0), (l1, p1) = run(model, ref_t), run(model, replace(ref_t, **change))
@@ -76,12 +77,10 @@ def main() -> None:
                "bitwise": bool(np.array_equal(p0, p1) and np.array_equal(l0, l1))}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    OUT.mkdir(exist_ok=True)
-    (OUT / "accum_zero.json").write_text(json.dumps(rows, indent=2) + "\n")
     md = ["| case | max loss rel. error | params rel. error (3 steps) | bitwise |", "|---|---|---|---|"]
     md += [f"| {r['case']} | {r['loss_rel']:.1e} | {r['param_rel']:.1e} | {r['bitwise']} |" for r in rows]
-    (OUT / "accum_zero.md").write_text("\n".join(md) + f"\n\n`{' '.join(['python', *sys.argv])}`\n")
-    print("\n".join(md))
+    md += ["", f"`{results_io.command_line('accum_zero')}`"]
+    results_io.write(results_io.RESULTS, "accum_zero", data=rows, md="\n".join(md), indent=2)
 
 
 if __name__ == "__main__":

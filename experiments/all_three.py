@@ -13,6 +13,7 @@ fp32 on 8 simulated CPU devices, the built-in corpus, the tiny preset (4 layers,
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -22,7 +23,8 @@ import sys
 import tempfile
 import time
 
-OUT = pathlib.Path(__file__).parent / "results"
+import results_io
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESH = "data=2,stage=2,model=2"
 STEPS, BATCH, SEQ = 60, 16, 128
@@ -51,6 +53,8 @@ def _losses(run: pathlib.Path) -> tuple[dict[int, float], float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    t0 = time.perf_counter()
     work = pathlib.Path(tempfile.mkdtemp(prefix="all_three_"))
     try:
         plan_file = work / "plan.json"
@@ -73,8 +77,6 @@ def main() -> None:
         "train_seconds": {"one_device": one_s, "mesh": mesh_s},
         "summaries": {"one_device": one_out.strip().splitlines()[-1], "mesh": mesh_out.strip().splitlines()[-1]},
     }
-    OUT.mkdir(exist_ok=True)
-    (OUT / "all_three.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# All three systems in one mesh ({MESH}, tiny CoLA, {STEPS} steps of {BATCH}x{SEQ}, fp32, CPU)", "",
              "`python experiments/all_three.py`: `boostjax plan --strategy btp --mesh " + MESH + " ...`, then",
              "`boostjax train --strategy btp --mesh " + MESH + " --optimizer rotation --pipeline-delay 4 "
@@ -87,8 +89,8 @@ def main() -> None:
     lines += [f"| val | {one[1]:.6f} | {mesh[1]:.6f} |", "",
               f"Largest relative difference of the logged losses: {rel:.2e}. Wall time: one device {one_s:.0f} s, "
               f"mesh {mesh_s:.0f} s (8 simulated devices on a shared CPU)."]
-    (OUT / "all_three.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    results_io.write(results_io.RESULTS, "all_three", data=result, md="\n".join(lines), indent=2,
+                     command=results_io.command_line("all_three"), started=t0)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,11 @@ Writes experiments/results/attention_memory.{json,md}. Run: `python experiments/
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
-import sys
 import time
 from dataclasses import replace
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -32,7 +28,8 @@ from boostjax.models import ops  # noqa: E402
 from boostjax.placement import local_loss_fn  # noqa: E402
 from boostjax.models.llama import abstract_model  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+import results_io
+
 SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]+)\]")
 MIB = 2**20
 BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
@@ -92,16 +89,14 @@ def main() -> None:
     ap.add_argument("--time-seqs", default="1024,2048")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    t0 = time.perf_counter()
     seqs = [int(s) for s in args.seqs.split(",")]
     memory = [step_memory(args.preset, s, a, args.block) for s in seqs for a in ("xla", "chunked")]
     timing = [op_time(int(s), args.block, args.rounds) for s in args.time_seqs.split(",")]
-    out = {"command": "python experiments/attention_memory.py " + " ".join(sys.argv[1:]),
+    out = {"command": results_io.command_line("attention_memory"),
            "backend": jax.default_backend(), "cpu_count": os.cpu_count(), "memory": memory, "op_time": timing}
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "attention_memory.json"), "w") as f:
-        json.dump(out, f, indent=2)
     lines = [f"# Attention kernels: memory and time ({jax.default_backend()}, {os.cpu_count()} cores)", "",
-             f"`{out['command'].strip()}`", "",
+             f"`{out['command']}`", "",
              f"One {args.preset} layer (CoLA), bf16 compute, batch 1, loss and gradient compiled on one device:", "",
              "| seq | attention | temp MiB | largest buffer with two seq dims | its MiB |", "|---|---|---|---|---|"]
     lines += [f"| {m['seq']} | {m['attention']} | {m['temp_mib']} | `{m['largest_t_by_t_buffer'] or 'none'}` | "
@@ -109,9 +104,7 @@ def main() -> None:
     lines += ["", f"`causal_attention` forward + backward, fp32, b 1, h 8, e 64, block {args.block}, "
               "median of interleaved rounds (read the ratio: other jobs may share the machine):", "", "| seq | xla ms | chunked ms | chunked / xla |", "|---|---|---|---|"]
     lines += [f"| {r['seq']} | {r['xla_ms']} | {r['chunked_ms']} | {r['chunked_over_xla']} |" for r in timing]
-    with open(os.path.join(RESULTS, "attention_memory.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    results_io.write(results_io.RESULTS, "attention_memory", data=out, md="\n".join(lines), indent=2, started=t0)
 
 
 if __name__ == "__main__":

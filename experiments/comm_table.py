@@ -20,30 +20,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from boostjax.runtime.devices import exact_low_precision, simulate_devices  # noqa: E402
+
+import results_io
+from results_io import log
+from strategy_bars import strategy_bars
 
 simulate_devices(4)  # before JAX starts: the largest model axis below
 exact_low_precision()  # bf16 collectives stay bf16 in the HLO we count
 
 from boostjax.config import preset  # noqa: E402
-from boostjax.analysis.comm import GIB, STRATEGIES, comm_report  # noqa: E402
+from boostjax.analysis.comm import STRATEGIES, comm_report  # noqa: E402
+from boostjax.analysis.memory import GIB  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = str(results_io.RESULTS)
 SETUPS = {"1b": 4, "3b": 2, "7b": 4, "13b": 4}  # preset -> TP size
 BATCH, SEQ, DTYPE, VOCAB = 4, 4096, "bfloat16", 32000
 BYTE_VOCAB = 256  # what runs before the vocabulary was recorded used (the presets' byte-level default)
 PAPER_7B = {"fullrank-tp": 0.25, "vanilla-tp": 1.32, "btp": 0.22}  # BOOST's README, GB per layer, forward, one direction
 NAMES = {"fullrank-tp": "full-rank TP", "vanilla-tp": "vanilla low-rank TP", "btp": "BTP"}
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def measure(presets: list[str], vocab: int = VOCAB) -> dict:
@@ -57,16 +55,16 @@ def measure(presets: list[str], vocab: int = VOCAB) -> dict:
             t0 = time.perf_counter()
             runs[strategy] = comm_report(preset(name, kind="cola", vocab_size=vocab), mesh, BATCH, SEQ, strategy, dtype=DTYPE)
             r = runs[strategy]
-            _log(f"{name} TP{tp} {strategy:<12} fwd {r['forward_allreduce_bytes_per_layer'] / GIB:.4f} GiB/layer, "
-                 f"step {r['allreduce_bytes_per_layer'] / GIB:.4f} GiB/layer, "
-                 f"{r['forward_allreduce_count_per_layer']} AR/layer fwd ({time.perf_counter() - t0:.0f} s)")
+            log(f"{name} TP{tp} {strategy:<12} fwd {r['forward_allreduce_bytes_per_layer'] / GIB:.4f} GiB/layer, "
+                f"step {r['allreduce_bytes_per_layer'] / GIB:.4f} GiB/layer, "
+                f"{r['forward_allreduce_count_per_layer']} AR/layer fwd ({time.perf_counter() - t0:.0f} s)")
         out["runs"][name] = runs
     if "7b" in presets:  # communication-free low-rank checkpointing vs none / full recompute
         for remat in ("lowrank", "full"):
             t0 = time.perf_counter()
             out["remat"][remat] = comm_report(preset("7b", kind="cola", vocab_size=vocab), "data=1,model=4", BATCH, SEQ, "btp",
                                               remat=remat, dtype=DTYPE)
-            _log(f"7b btp remat={remat} ({time.perf_counter() - t0:.0f} s)")
+            log(f"7b btp remat={remat} ({time.perf_counter() - t0:.0f} s)")
         out["remat"]["none"] = out["runs"]["7b"]["btp"]
     return out
 
@@ -156,12 +154,11 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chart(res: dict, path: str) -> None:
-    from strategy_bars import save, strategy_bars, subplots  # noqa: PLC0415
-
+def chart(res: dict):
+    """The bar chart (a matplotlib Figure)."""
     names = list(res["runs"])
     labels = [f"{n.upper()} TP{res['runs'][n]['btp']['tp']}" for n in names]
-    fig, axes = subplots(2, (11, 4))
+    fig, axes = results_io.subplots(2, (11, 4))
     for ax, key, title in ((axes[0], "forward_allreduce_bytes_per_layer", "forward, per layer"),
                            (axes[1], "allreduce_bytes_per_layer", "forward + backward, per layer")):
         bars = {s: [res["runs"][n][s][key] / GIB for n in names] for s in STRATEGIES}
@@ -169,7 +166,9 @@ def chart(res: dict, path: str) -> None:
                  if key.startswith("forward") else None)
         strategy_bars(ax, labels, bars, NAMES, ticks=ticks, tick_label="BOOST 7B (README)",
                       ylabel="all-reduce GiB per device", title=title)
-    save(fig, path, f"All-reduce volume from compiled HLO (batch {BATCH}, seq {SEQ}, bf16)")
+    fig.suptitle(f"All-reduce volume from compiled HLO (batch {BATCH}, seq {SEQ}, bf16)")
+    fig.tight_layout()
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,26 +179,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=RESULTS, help="results folder")
     ap.add_argument("--from-json", default=None, metavar="PATH", help="re-render md/png from a comm_table.json")
     args = ap.parse_args(argv)
+    t0 = time.perf_counter()
     presets = [p.strip().lower() for p in args.presets.split(",") if p.strip()]
     bad = [p for p in presets if p not in SETUPS]
     if bad:
         ap.error(f"--presets: unknown {bad}; use a subset of {','.join(SETUPS)}")
     if args.vocab < 1:
         ap.error(f"--vocab: must be >= 1, got {args.vocab}; fix: pass e.g. --vocab 32000")
-    os.makedirs(args.out, exist_ok=True)
     if args.from_json:  # re-render the table and chart from an earlier run
         with open(args.from_json) as fh:
             res = json.load(fh)
+        results_io.write(args.out, "comm_table", md=markdown(res), figure=chart(res))
     else:
         res = measure(presets, args.vocab)
-        with open(os.path.join(args.out, "comm_table.json"), "w") as fh:
-            json.dump(res, fh, indent=1)
-    md = markdown(res)
-    with open(os.path.join(args.out, "comm_table.md"), "w") as fh:
-        fh.write(md)
-    chart(res, os.path.join(args.out, "comm_table.png"))
-    print(md)
-    _log(f"wrote comm_table.json, comm_table.md, comm_table.png to {args.out}")
+        results_io.write(args.out, "comm_table", data=res, md=lambda: markdown(res), figure=lambda: chart(res),
+                         command=results_io.command_line("comm_table", argv), started=t0)
     return 0
 
 

@@ -7,6 +7,7 @@ The built-in corpus at 16 x 512, then a 50 M-token uint16 memmap with 100 k docu
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 import time
@@ -25,6 +26,7 @@ def per_batch_ms(it: data.BatchIterator, n: int) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     c = data.stdlib_corpus()
     print(f"stdlib, 16x512: windows {per_batch_ms(data.BatchIterator(c.train, 16, 512, 0), 200):.2f} ms, "
           f"documents {per_batch_ms(data.DocumentIterator(c.train, c.train_docs, 16, 512, 0, segments=True), 200):.2f} ms")

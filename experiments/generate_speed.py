@@ -25,13 +25,12 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import results_io
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = str(results_io.RESULTS)
 
 
 def _timed(fn, *args, repeat: int = 3):
@@ -137,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--note", default="", help="conditions of the run, e.g. 'shared machine, 2 cores'")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
+    t0 = time.perf_counter()
     rows = []
     for preset in args.presets.split(","):
         for new in (int(n) for n in args.new.split(",")):
@@ -145,16 +145,11 @@ def main(argv=None) -> int:
             rows.append(r)
     import jax  # noqa: PLC0415
 
-    res = {"command": "python experiments/generate_speed.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+    res = {"command": results_io.command_line("generate_speed", argv),
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, JAX {jax.__version__} "
                       f"{jax.default_backend()}",
            "note": args.note or "no conditions given", "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "generate_speed.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    with open(os.path.join(args.out, "generate_speed.md"), "w") as f:
-        f.write(to_markdown(res))
-    print(to_markdown(res))
+    results_io.write(args.out, "generate_speed", data=res, md=lambda: to_markdown(res), indent=2, started=t0)
     return 0
 
 

@@ -33,9 +33,9 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import results_io
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = str(results_io.RESULTS)
 KINDS = ("llama", "cola")
 NAMES = {"llama": "full-rank", "cola": "CoLA"}
 PAPER_SPEEDUP = 0.85 / 0.59  # BOOST, 1B on one A100: full-rank / CoLA (BTP) iteration time
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = parser()
     args = ap.parse_args(argv)
+    t0 = time.perf_counter()
     if args.batch < 1 or args.seq < 1 or args.steps < 1 or args.warmup < 0 or args.layers < 0 or args.vocab < 0:
         ap.error("--batch, --seq and --steps must be >= 1; --warmup, --layers and --vocab >= 0")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -239,15 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = [_child(k, argv, child_env) for k in kinds]
     ok = {r["kind"]: r for r in runs if r.get("status") == "ok"}
     speedup = ok["cola"]["tokens_per_s"] / ok["llama"]["tokens_per_s"] if len(ok) == 2 else None
-    res = {"args": vars(args), "command": "python experiments/gpu_step.py " + " ".join(argv), "runs": runs,
+    res = {"args": vars(args), "command": results_io.command_line("gpu_step", argv), "runs": runs,
            "speedup": speedup, "paper_speedup_1b_a100": PAPER_SPEEDUP}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_step.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
-    md = markdown(res)
-    with open(os.path.join(args.out, "gpu_step.md"), "w") as fh:
-        fh.write(md)
-    print(md)
+    results_io.write(args.out, "gpu_step", data=res, md=lambda: markdown(res), started=t0)
     return 0 if len(ok) == len(kinds) else 1
 
 

@@ -45,14 +45,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+import gpu_step as gs
+import offload_gpu as og
+import results_io
 
-import gpu_step as gs  # noqa: E402
-import offload_gpu as og  # noqa: E402
-
-RESULTS = os.path.join(HERE, "results")
+RESULTS = str(results_io.RESULTS)
 SECTIONS = ("throughput", "memory", "collectives", "offload")
 GIB = float(2**30)
 MIN_START_S = 15.0  # a run is not started with less time than this left in the budget
@@ -152,13 +149,10 @@ def _numbers(d: dict) -> dict:
 def predict_worker(sh: Shapes, attention: str) -> dict:
     """(b) The CPU-compiled (abstract) per-device peak of each model's step, via `memory_report`."""
     try:
-        from boostjax.analysis.comm import memory_report  # noqa: PLC0415
+        from boostjax.analysis.memory import memory_report
     except ImportError:
-        try:
-            from boostjax.analysis.memory import memory_report  # noqa: PLC0415
-        except ImportError:
-            return {"status": "unavailable", "reason": "this boostjax has no memory_report (boostjax.analysis.comm "
-                                                       "or .memory); the CPU-compiled prediction is left out"}
+        return {"status": "unavailable", "reason": "this boostjax has no boostjax.analysis.memory.memory_report; the "
+                                                   "CPU-compiled prediction is left out"}
     # cuDNN attention exists only on CUDA; its CPU stand-in without a [t, t] buffer is the chunked one
     cpu_attention = "chunked" if attention == "cudnn" else attention
     rows = {}
@@ -599,19 +593,12 @@ def main(argv: list[str] | None = None) -> int:
             pending.proc.kill()
     for s in secs.values():
         s["smoke"] = args.smoke
-    res = {"suite": "gpu_suite", "smoke": args.smoke, "command": "python experiments/gpu_suite.py " + " ".join(argv),
+    res = {"suite": "gpu_suite", "smoke": args.smoke, "command": results_io.command_line("gpu_suite", argv),
            "started_utc": started, "budget_s": args.budget_s, "elapsed_s": clock.budget_s - clock.left(),
            "device": probe, "attention": attention_note, "settings": dataclasses.asdict(sh),
            "sections": {k: secs[k] for k in SECTIONS}}
-    out = out or tempfile.mkdtemp(prefix="gpu_suite_smoke_")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "gpu_suite.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
-    md = markdown(res)
-    with open(os.path.join(out, "gpu_suite.md"), "w") as fh:
-        fh.write(md)
-    print(md)
-    print(f"gpu_suite: wrote {os.path.join(out, 'gpu_suite.json')} and gpu_suite.md")
+    results_io.write(out or tempfile.mkdtemp(prefix="gpu_suite_smoke_"), "gpu_suite", data=res,
+                     md=lambda: markdown(res))
     return 0 if all(s["status"] == "ok" for s in secs.values()) else 1
 
 

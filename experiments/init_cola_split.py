@@ -10,6 +10,7 @@ scaled into SiLU's near-linear range (`A·c`, `B·2/c`).
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 import jax
@@ -26,6 +27,7 @@ DENSE = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_head
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rng = np.random.default_rng(0)
     dense = jax.tree.map(lambda p: jnp.asarray(p + (0.2 * rng.normal(size=p.shape) if p.ndim == 1 else 0),
                                                jnp.float32),

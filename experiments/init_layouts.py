@@ -16,7 +16,7 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import json  # noqa: E402
+import argparse  # noqa: E402
 import pathlib  # noqa: E402
 import tempfile  # noqa: E402
 from dataclasses import replace  # noqa: E402
@@ -32,6 +32,8 @@ from boostjax.config import Config, ModelConfig, TrainConfig  # noqa: E402
 from boostjax.data import batch_iterator, load_corpus  # noqa: E402
 from boostjax.models.llama import LLaMA  # noqa: E402
 from boostjax.training.trainer import train  # noqa: E402
+
+import results_io  # noqa: E402
 
 DENSE = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                     init_std=0.2)  # logits of O(1): a misplaced shard changes the loss visibly
@@ -49,6 +51,7 @@ CASES = [  # (kind, rank, strategy, mesh, zero)
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="init-layouts-"))
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda p: jnp.asarray(p + (0.2 * rng.normal(size=p.shape) if p.ndim == 1 else 0),
@@ -72,16 +75,12 @@ def main() -> None:
                      "loss": got, "single_device_loss": want, "rel_err": abs(got - want) / want,
                      "mean_recon_err": res.extra["init"].get("mean")})
         print(rows[-1], flush=True)
-    out = pathlib.Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "init_layouts.json").write_text(json.dumps(rows, indent=2) + "\n")
     lines = ["| kind | rank | strategy | mesh | zero | step-1 loss | 1-device loss | rel. err | mean recon. err |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['kind']} | {r['rank'] or '-'} | {r['strategy']} | {r['mesh']} | {r['zero']} | {r['loss']:.6f} | "
               f"{r['single_device_loss']:.6f} | {r['rel_err']:.1e} | "
               f"{'-' if r['mean_recon_err'] is None else format(r['mean_recon_err'], '.4f')} |" for r in rows]
-    (out / "init_layouts.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    results_io.write(results_io.RESULTS, "init_layouts", data=rows, md="\n".join(lines), indent=2)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import results_io
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = str(results_io.RESULTS)
 KINDS = ("llama", "cola", "svd", "lax", "cola-btgr")
 NAMES = {"llama": "dense", "cola": "CoLA", "svd": "SVD", "lax": "LaX", "cola-btgr": "CoLA, former layout"}
 
@@ -385,12 +385,10 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path: str) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from strategy_bars import save, subplots  # noqa: PLC0415
-
+def plot(res: dict):
+    """Tokens/s per model and shape (a matplotlib Figure)."""
     shapes = res["shapes"]
-    fig, axes = subplots(len(shapes), (4.5 * len(shapes), 3.6))
+    fig, axes = results_io.subplots(len(shapes), (4.5 * len(shapes), 3.6))
     axes = axes if len(shapes) > 1 else [axes]
     for ax, s in zip(axes, shapes):
         kinds = list(s["runs"])
@@ -405,7 +403,9 @@ def plot(res: dict, path: str) -> None:
         ax.tick_params(axis="x", labelsize=7)
         ax.set_ylabel("tokens/s (median)")
         ax.set_title(s["shape"])
-    save(fig, path, "Training step on one device" + (" (shared machine)" if res["shared"] else ""))
+    fig.suptitle("Training step on one device" + (" (shared machine)" if res["shared"] else ""))
+    fig.tight_layout()
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -452,17 +452,10 @@ def main(argv: list[str] | None = None) -> int:
         r.pop("breakdown")
     machine["loadavg_end"] = list(os.getloadavg())
     shared = (max(s["other_runnable_tasks_max"] for s in results) >= 1 or machine["loadavg_start"][0] > 0.5)
-    res = {"args": vars(args), "command": "python experiments/lowrank_speed.py " + " ".join(argv),
+    res = {"args": vars(args), "command": results_io.command_line("lowrank_speed", argv),
            "machine": machine, "shared": shared, "shapes": results, "breakdown": bd,
            "notes": NOTES, "runtime_s": time.perf_counter() - t_start}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "lowrank_speed.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
-    md = markdown(res)
-    with open(os.path.join(args.out, "lowrank_speed.md"), "w") as fh:
-        fh.write(md)
-    plot(res, os.path.join(args.out, "lowrank_speed.png"))
-    print(md)
+    results_io.write(args.out, "lowrank_speed", data=res, md=lambda: markdown(res), figure=lambda: plot(res))
     return 0
 
 

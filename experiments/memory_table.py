@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from boostjax.runtime.devices import exact_low_precision, simulate_devices  # noqa: E402
+
+import results_io
+from results_io import log
 
 simulate_devices(8)  # before JAX starts: TP 4 x PP 2
 exact_low_precision()
@@ -41,22 +41,18 @@ from boostjax.config import preset  # noqa: E402
 from boostjax.analysis import memory  # noqa: E402
 from boostjax.analysis.comm import STRATEGIES, model_for  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = str(results_io.RESULTS)
 GIB = memory.GIB
 BATCH, SEQ, DTYPE, MESH = 4, 4096, "bfloat16", "data=1,model=4"
 PRESETS, REMATS = ("1b", "7b", "13b"), ("none", "lowrank")
 KEYS = ("peak_bytes_per_device", "weight_bytes", "optimizer_bytes", "activation_bytes", "temp_bytes",
         "argument_bytes", "batch_bytes")
 GOAL_GIB = 40.0
-# the issue's goal configurations: BTP, --remat lowrank, bf16, chunked attention
+# the goal configurations (peak <= GOAL_GIB GiB per device): BTP, --remat lowrank, bf16, chunked attention
 GOALS = {"7b BTP TP4": ("7b", "data=1,model=4", {}), "13b BTP TP4 x PP2": ("13b", "data=1,stage=2,model=4", {})}
 EXTRA = {"7b BTP TP4, materialised attention (xla)": ("7b", "data=1,model=4", {"attention": "xla"}),
          "7b BTP TP4, vocabulary 32000": ("7b", "data=1,model=4", {"vocab_size": 32000})}
 NAMES = {"fullrank-tp": "full-rank TP", "vanilla-tp": "vanilla low-rank TP", "btp": "BTP"}
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def _model(name: str, strategy: str, **model_fields):
@@ -100,17 +96,17 @@ def measure(presets: list[str], full: bool) -> dict:
                 r = (compiled(name, strategy, remat, MESH) | {"method": "compiled"} if full
                      else extrapolated(name, strategy, remat, MESH))
                 res["table"][f"{name}/{strategy}/{remat}"] = r
-                _log(f"{name} {strategy:<12} remat {remat:<8} peak {r['peak_gib']:7.2f} GiB ({r['compile_s']:.0f} s)")
+                log(f"{name} {strategy:<12} remat {remat:<8} peak {r['peak_gib']:7.2f} GiB ({r['compile_s']:.0f} s)")
     for label, (name, mesh, fields) in GOALS.items():
         ext = extrapolated(name, "btp", "lowrank", mesh, **fields)
         got = compiled(name, "btp", "lowrank", mesh, **fields) | {"method": "compiled"}
         got["extrapolated_peak_bytes"] = ext["peak_bytes_per_device"]
         res["goals"][label] = got
-        _log(f"goal {label}: {got['peak_gib']:.2f} GiB compiled, {ext['peak_gib']:.2f} GiB extrapolated "
-             f"({got['compile_s']:.0f} s)")
+        log(f"goal {label}: {got['peak_gib']:.2f} GiB compiled, {ext['peak_gib']:.2f} GiB extrapolated "
+            f"({got['compile_s']:.0f} s)")
     for label, (name, mesh, fields) in EXTRA.items():
         res["extra"][label] = r = extrapolated(name, "btp", "lowrank", mesh, **fields)
-        _log(f"{label}: {r['peak_gib']:.2f} GiB ({r['compile_s']:.0f} s)")
+        log(f"{label}: {r['peak_gib']:.2f} GiB ({r['compile_s']:.0f} s)")
     return res
 
 
@@ -186,18 +182,14 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chart(res: dict, path: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+def chart(res: dict):
+    """Stacked bars per row, remat lowrank (a matplotlib Figure)."""
     rows = [(k, r) for k, r in res["table"].items() if k.endswith("/lowrank")]
     rows += [(f"goal: {k}", r) for k, r in res["goals"].items()]
     labels = [k.replace("/lowrank", "").replace("/", " ") for k, _ in rows]
     parts = (("weight_bytes", "weights (fp32)"), ("optimizer_bytes", "optimizer (AdamW)"),
              ("activation_bytes", "activations + gradients"))
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = results_io.subplots(1, (10, 4.5))
     bottom = [0.0] * len(rows)
     for key, name in parts:
         vals = [r[key] / GIB for _, r in rows]
@@ -209,7 +201,7 @@ def chart(res: dict, path: str) -> None:
     ax.set_title("Peak per device of the compiled step, remat lowrank (bf16, seq 4096, micro-batch 4, TP 4)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,13 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         res = measure(args.presets, args.full)
         res["setup"]["wall_s"] = round(time.perf_counter() - t0)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "memory_table.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
-    with open(os.path.join(args.out, "memory_table.md"), "w") as fh:
-        fh.write(markdown(res))
-    chart(res, os.path.join(args.out, "memory_table.png"))
-    print(markdown(res))
+    results_io.write(args.out, "memory_table", data=res, md=lambda: markdown(res), figure=lambda: chart(res),
+                     command=None if args.from_json else results_io.command_line("memory_table", argv))
     return 0
 
 

@@ -23,28 +23,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from boostjax.offload import check_plan_for  # noqa: E402
 from boostjax.cli.plan import report  # noqa: E402
 from boostjax.offload.costmodel import PlanInstance, instance_family, lazytrain_27b  # noqa: E402
 from boostjax.offload.planner import BASELINES, baseline_plan, solve  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+import results_io
+from results_io import log
+
 GB = 1e9
 LAZYTRAIN = {  # LazyTrain's reported setting (one H800, 27B, seq 1024, 70 GB cap), measured by the paper
     "tflops": 219.95, "tokens_per_s": 1361.0, "megatrain_tflops": 176.90, "megatrain_tokens_per_s": 1075.8,
     "no_planner_tflops": 193.17, "peak_gb": 68.84, "speedup_vs_megatrain": 1.24,
     "gpu_checkpoints": 30, "cpu_checkpoints": 21, "nvme_checkpoints": 1, "recomputed_layers": 13,
 }
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def plan_instances(time_limit: float) -> dict[str, dict]:
@@ -58,7 +53,7 @@ def plan_instances(time_limit: float) -> dict[str, dict]:
         rep["notes"] = inst.notes
         rep["tokens"] = inst.tokens
         out[name] = rep
-        _log(f"{name}: {plan.summary()}")
+        log(f"{name}: {plan.summary()}")
     return out
 
 
@@ -119,8 +114,8 @@ def cpu_memory_check() -> list[dict]:
                          "predicted_cpu_bytes": pred_cpu, "measured_bytes": mem["total_bytes"], **mem,
                          "ratio": mem["total_bytes"] / pred_cpu,
                          "host_layout_buffers": apply.host_memory_report(compiled.as_text())["entry_s5"]})
-            _log(f"cpu {name} {kind} b{batch}x{seq} clip {clip} {pname}: predicted {pred_cpu / 2**20:.2f} MiB, "
-                 f"measured {mem['total_bytes'] / 2**20:.2f} MiB (x{rows[-1]['ratio']:.3f})")
+            log(f"cpu {name} {kind} b{batch}x{seq} clip {clip} {pname}: predicted {pred_cpu / 2**20:.2f} MiB, "
+                f"measured {mem['total_bytes'] / 2**20:.2f} MiB (x{rows[-1]['ratio']:.3f})")
     return rows
 
 
@@ -217,16 +212,13 @@ def _cpu_md(rows: list[dict]) -> list[str]:
     return lines
 
 
-def plot(res: dict, path: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+def plot(res: dict):
+    """Predicted step time and peak of the plan and the baselines (a matplotlib Figure)."""
     import numpy as np  # noqa: PLC0415
 
     names = list(res["plans"])
     policies = ["plan", *BASELINES]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = results_io.subplots(2, (13, 4.5))
     x = np.arange(len(names))
     w = 0.2
     for i, pol in enumerate(policies):
@@ -254,7 +246,7 @@ def plot(res: dict, path: str) -> None:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=4, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.92))
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,19 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-cpu", action="store_true", help="skip the CPU memory check")
     ap.add_argument("--from-json", default=None, help="re-render offload.md/png from a results JSON")
     args = ap.parse_args(argv)
-    os.makedirs(RESULTS, exist_ok=True)
     if args.from_json:
         with open(args.from_json) as f:
             res = json.load(f)
+        results_io.write(results_io.RESULTS, "offload", md=write_md(res), figure=plot(res), echo=False)
     else:
+        t0 = time.perf_counter()
         res = {"lazytrain": LAZYTRAIN, "plans": plan_instances(args.time_limit),
                "cpu": [] if args.skip_cpu else cpu_memory_check()}
-        with open(os.path.join(RESULTS, "offload.json"), "w") as f:
-            json.dump(res, f, indent=1)
-    with open(os.path.join(RESULTS, "offload.md"), "w") as f:
-        f.write(write_md(res))
-    plot(res, os.path.join(RESULTS, "offload.png"))
-    _log(f"wrote {RESULTS}/offload.json, offload.md, offload.png")
+        results_io.write(results_io.RESULTS, "offload", data=res, md=lambda: write_md(res), figure=lambda: plot(res),
+                         command=results_io.command_line("offload", argv), started=t0, echo=False)
     return 0
 
 

@@ -27,9 +27,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import results_io
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = str(results_io.RESULTS)
 POLICIES = ("plan", "no-offload", "full-remat", "megatrain")
 GB = 1e9
 
@@ -198,6 +198,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    t0 = time.perf_counter()
     if args.policy:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
@@ -224,12 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      "error": (out.stderr.strip().splitlines() or ["?"])[-1][:300]}
         runs.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "schedule"}), flush=True)
-    os.makedirs(args.out, exist_ok=True)
     res = {"setup": vars(args) | {"device": probe_rec["kind"], "total_bytes": total}, "runs": runs}
-    with open(os.path.join(args.out, "offload_gpu.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(os.path.join(args.out, "offload_gpu.md"), "w") as f:
-        f.write(markdown(res))
+    results_io.write(args.out, "offload_gpu", data=res, md=lambda: markdown(res),
+                     command=results_io.command_line("offload_gpu", argv), started=t0, echo=False)
     return 0
 
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from boostjax.runtime.devices import simulate_devices  # noqa: E402
+
+import results_io
+from results_io import log
 
 STAGES = 4
 simulate_devices(STAGES)  # before JAX starts
@@ -36,12 +36,12 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from boostjax.config import Config, ModelConfig, TrainConfig  # noqa: E402
-from boostjax.training.checks import validate
+from boostjax.training.checks import validate  # noqa: E402
 from boostjax.models.llama import LLaMA  # noqa: E402
 from boostjax.placement import choose  # noqa: E402
 from boostjax.sharding.pipeline import pipeline_info  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = str(results_io.RESULTS)
 MODEL = ModelConfig(kind="cola", vocab_size=32000, d_model=1024, n_layers=8, n_heads=16, d_ff=2736, rank=256,
                     max_seq_len=1024)
 SEQ, DTYPE, REMAT = 1024, "bfloat16", "none"
@@ -49,10 +49,6 @@ MICRO = (4, 8, 16, 32)
 SCHEDULES = ("gpipe", "1f1b")
 GIB = float(2**30)
 FAST_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # codegen only
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def measure_one(schedule: str, micro: int) -> dict:
@@ -111,7 +107,7 @@ def measure_speed() -> dict:
             jax.block_until_ready(fn(placed, batch))
             times[schedule].append(time.perf_counter() - t0)
     med = {s: float(np.median(v)) for s, v in times.items()}
-    _log(f"speed: {med}; 1F1B / GPipe {med['1f1b'] / med['gpipe']:.3f}")
+    log(f"speed: {med}; 1F1B / GPipe {med['1f1b'] / med['gpipe']:.3f}")
     return {"model": {k: getattr(SPEED_MODEL, k) for k in ("kind", "vocab_size", "d_model", "n_layers", "n_heads",
                                                              "d_ff", "rank")},
             "seq": SPEED_SEQ, "microbatches": SPEED_MICRO, "stages": STAGES, "dtype": "float32",
@@ -124,8 +120,8 @@ def measure(micros: list[int]) -> dict:
         for schedule in SCHEDULES:
             r = measure_one(schedule, m)
             runs.append(r)
-            _log(f"{schedule:<5} M={m:<3} temp {r['temp_bytes'] / GIB:7.2f} GiB/device, "
-                 f"bubble {r['bubble_fraction']:.3f}, slots {r['activation_slots']} ({r['compile_s']} s)")
+            log(f"{schedule:<5} M={m:<3} temp {r['temp_bytes'] / GIB:7.2f} GiB/device, "
+                f"bubble {r['bubble_fraction']:.3f}, slots {r['activation_slots']} ({r['compile_s']} s)")
     setup = {"model": {k: getattr(MODEL, k) for k in ("kind", "vocab_size", "d_model", "n_layers", "n_heads",
                                                         "d_ff", "rank")},
              "seq": SEQ, "dtype": DTYPE, "remat": REMAT, "stages": STAGES, "microbatch_size": 1,
@@ -184,13 +180,9 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(data: dict, path: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+def plot(data: dict):
+    """Temp GiB per device vs M, both schedules (a matplotlib Figure)."""
+    fig, ax = results_io.subplots(1, (6, 4))
     for schedule, marker, label in zip(SCHEDULES, "os", ("GPipe", "1F1B")):
         rs = sorted((r for r in data["runs"] if r["schedule"] == schedule), key=lambda r: r["microbatches"])
         ax.plot([r["microbatches"] for r in rs], [r["temp_bytes"] / GIB for r in rs], marker=marker,
@@ -203,8 +195,7 @@ def plot(data: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--speed", action="store_true", help="also time both schedules on a small model")
     args = ap.parse_args(argv)
+    t0 = time.perf_counter()
     if args.from_json:
         with open(args.from_json) as fh:
             data = json.load(fh)
@@ -221,15 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         data = measure(args.micro)
     if args.speed:
         data["speed"] = measure_speed()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "pipeline_schedules.json"), "w") as fh:
-        json.dump(data, fh, indent=2)
-        fh.write("\n")
-    md = render(data)
-    with open(os.path.join(args.out, "pipeline_schedules.md"), "w") as fh:
-        fh.write(md)
-    plot(data, os.path.join(args.out, "pipeline_schedules.png"))
-    print(md)
+    fresh = not args.from_json
+    results_io.write(args.out, "pipeline_schedules", data=data, md=lambda: render(data), figure=lambda: plot(data),
+                     indent=2, command=results_io.command_line("pipeline_schedules", argv) if fresh else None,
+                     started=t0 if fresh else None)
     return 0
 
 

@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -65,15 +64,17 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from boostjax.config import Config, ModelConfig, preset  # noqa: E402
 from boostjax.runtime.hardware import get_profile  # noqa: E402
 from boostjax.models.flops import flops_per_token, param_count  # noqa: E402
 from boostjax.analysis import hlo  # noqa: E402
 from boostjax.analysis.comm import STRATEGIES  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+import results_io
+from results_io import log
+from strategy_bars import strategy_bars
+
+RESULTS = str(results_io.RESULTS)
 NAMES = {"fullrank-tp": "full-rank", "vanilla-tp": "vanilla TP", "btp": "BTP"}
 # BOOST's 7B yamls (examples/config_llama_7b.yaml, examples/cola/config_cola_llama_7b.yaml, https://github.com/Arcana-2236/BOOST):
 # micro_batch_size 1, batch_accumulation_per_replica 4, sequence_length 4096, vocab_size 32000, tie_word_embeddings true
@@ -227,7 +228,8 @@ def _compiled_pair(model: ModelConfig, tp: int, batch: int, seq: int, strategy: 
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
     from boostjax.analysis import memory  # noqa: PLC0415
-    from boostjax.analysis.comm import as_mesh, model_for  # noqa: PLC0415
+    from boostjax.analysis.comm import model_for  # noqa: PLC0415
+    from boostjax.config import as_mesh  # noqa: PLC0415
     from boostjax.models.llama import LLaMA  # noqa: PLC0415
     from boostjax.training.checks import validate  # noqa: PLC0415
     from boostjax.training.step import step_layout, train_state_shapes  # noqa: PLC0415
@@ -333,10 +335,6 @@ def calibrate(costs: dict, hw: Hardware, target_s: float, setup: Setup, strategy
 
 # -- the experiment -----------------------------------------------------------------------------------
 
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 def run(setups: tuple[Setup, ...], big: tuple[Setup, ...], paper: dict = PAPER,
         calibration: tuple[str, str] = CALIBRATION) -> dict[str, Any]:
     """Compile and cost every setup, fit eta on `calibration` (a setup name and strategy with a `paper`
@@ -349,11 +347,11 @@ def run(setups: tuple[Setup, ...], big: tuple[Setup, ...], paper: dict = PAPER,
                 costs[(s.label, strategy)] = costs[(s.label, "vanilla-tp")]
                 continue
             costs[(s.label, strategy)] = layer_costs(s, strategy)
-            _log(f"compiled {s.label} {strategy} (1 and 2 layers, {time.perf_counter() - t0:.0f} s)")
+            log(f"compiled {s.label} {strategy} (1 and 2 layers, {time.perf_counter() - t0:.0f} s)")
     cal = next(s for s in setups if s.name == calibration[0])
     target = paper[calibration[0]][calibration[1]]
     eta = calibrate(costs[(cal.label, calibration[1])], A100, target, cal, calibration[1])
-    _log(f"eta = {eta:.4f} (fitted to {cal.label} {calibration[1]} = {target} s)")
+    log(f"eta = {eta:.4f} (fitted to {cal.label} {calibration[1]} = {target} s)")
     rows = []
     for hw, group in ((A100, setups), (H200, setups), (H200, big)):
         for s in group:
@@ -529,11 +527,10 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chart(res: dict, path: str) -> None:
-    from strategy_bars import save, strategy_bars, subplots  # noqa: PLC0415
-
+def chart(res: dict):
+    """Model vs README iteration times, and the H200 projection (a matplotlib Figure)."""
     rows = res["rows"]
-    fig, axes = subplots(2, (12, 4.2))
+    fig, axes = results_io.subplots(2, (12, 4.2))
     for ax, table, title in ((axes[0], "paper", "A100: model (bars) vs BOOST README (black ticks)"),
                              (axes[1], None, "H200 projection")):
         sel = [r for r in rows if (r["table"] == table if table else r["table"] in ("h200", "big"))]
@@ -543,7 +540,9 @@ def chart(res: dict, path: str) -> None:
         ticks = {s: [cell[u, s]["paper_s"] for u in setups] for s in STRATEGIES} if table else None
         strategy_bars(ax, setups, bars, NAMES, ticks=ticks, tick_label="BOOST (README)",
                       ylabel="seconds per iteration", title=title, label_size=8)
-    save(fig, path, f"Latency-bandwidth + roofline model from compiled HLO (eta = {res['eta']:.3f})")
+    fig.suptitle(f"Latency-bandwidth + roofline model from compiled HLO (eta = {res['eta']:.3f})")
+    fig.tight_layout()
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -552,10 +551,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=RESULTS, help="results folder")
     ap.add_argument("--from-json", default=None, metavar="PATH", help="re-render md/png from a scaling_model.json")
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     if args.from_json:
         with open(args.from_json) as fh:
             res = json.load(fh)
+        results_io.write(args.out, "scaling_model", md=markdown(res), figure=chart(res))
     else:
         from boostjax.runtime.devices import exact_low_precision, simulate_devices  # noqa: PLC0415
 
@@ -564,15 +563,9 @@ def main(argv: list[str] | None = None) -> int:
         setups = tuple(s for s in PAPER_SETUPS if not args.quick or s.name in ("1b", "7b"))
         t0 = time.perf_counter()
         res = run(setups, () if args.quick else BIG_SETUPS)
-        res.update(quick=args.quick, command="python experiments/scaling_model.py " + " ".join(argv or sys.argv[1:]),
+        res.update(quick=args.quick, command=results_io.command_line("scaling_model", argv),
                    wall_s=round(time.perf_counter() - t0))
-        with open(os.path.join(args.out, "scaling_model.json"), "w") as fh:
-            json.dump(res, fh, indent=1)
-    md = markdown(res)
-    with open(os.path.join(args.out, "scaling_model.md"), "w") as fh:
-        fh.write(md)
-    chart(res, os.path.join(args.out, "scaling_model.png"))
-    print(md)
+        results_io.write(args.out, "scaling_model", data=res, md=lambda: markdown(res), figure=lambda: chart(res))
     return 0
 
 

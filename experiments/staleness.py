@@ -40,7 +40,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import multiprocessing  # noqa: E402
 import pathlib  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import functools  # noqa: E402
 from concurrent.futures import ProcessPoolExecutor, as_completed  # noqa: E402
@@ -57,6 +56,8 @@ from boostjax.placement import local_loss_fn  # noqa: E402
 from boostjax.training.step import build_step_fns  # noqa: E402
 from boostjax.models.llama import init_model  # noqa: E402
 
+import results_io  # noqa: E402
+
 # name -> (label, TrainConfig overrides)
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "adamw": ("PipeDream (AdamW + stashing)", {"optimizer": "adamw"}),
@@ -68,7 +69,8 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
                      {"optimizer": "rotation", "rot_order": "current"}),
 }
 PAPER = {"baselines_slowdown_32": (4.24, 5.81), "rotation_slowdown_32": 1.27}
-# what the baselines were before issue 15 (runs without `tc_frac` in their settings)
+# the earlier baselines (Nesterov as optax.nadamw, PipeDream-LR's T_c = 50 %), which runs recorded without
+# `tc_frac` in their settings used
 LEGACY = {"warmup_frac": 0.05, "tc_frac": 0.5, "legacy_baselines": True}
 LEGACY_LABELS = {"nesterov": "Nesterov (old: optax.nadamw, constant b1 0.99)",
                  "pipedream-lr": "PipeDream-LR (old: T_c = 50 %)"}
@@ -99,7 +101,7 @@ class Settings:
     fetch_every: int = 20
     n_eval: int = 4  # validation batches for the final loss
     jobs: int = 2  # runs in parallel processes (each XLA CPU step here is nearly single-threaded)
-    legacy_baselines: bool = False  # runs made with the pre-issue-15 Nesterov (optax.nadamw) and T_c = 50 %
+    legacy_baselines: bool = False  # runs made with the earlier Nesterov (optax.nadamw) and T_c = 50 %
     extra: dict = field(default_factory=dict)  # other TrainConfig overrides shared by every run
 
     @property
@@ -128,12 +130,12 @@ QUICK = Settings(optimizers=("adamw", "pipedream-lr", "nesterov", "rotation", "r
 
 
 def label(s: Settings, opt: str) -> str:
-    """The optimizer's row label (runs from before issue 15 name their old baselines)."""
+    """The optimizer's row label (runs made with the earlier baselines name them)."""
     return LEGACY_LABELS.get(opt, OPTIMIZERS[opt][0]) if s.legacy_baselines else OPTIMIZERS[opt][0]
 
 
 def settings_from_json(d: dict) -> Settings:
-    """The `Settings` of a results JSON; runs from before issue 15 get `LEGACY`'s baselines."""
+    """The `Settings` of a results JSON; runs recorded without `tc_frac` get `LEGACY`'s baselines."""
     known = {f.name for f in fields(Settings)}
     kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in known}
     if "tc_frac" not in d:
@@ -318,7 +320,7 @@ def _find(summary: dict, opt: str, n: int) -> dict | None:
 
 def settings_lines(s: Settings) -> list[str]:
     cfg = s.config("rotation", 1).train
-    nesterov = ("optax.nadamw, constant b1 0.99 (the pre-issue-15 definition)" if s.legacy_baselines else
+    nesterov = ("optax.nadamw, constant b1 0.99 (the earlier definition)" if s.legacy_baselines else
                 "torch.optim.NAdam: b1 0.99, b2 0.999, momentum_decay 0.004 (mu_t = 0.99(1 - 0.5*0.96^(0.004 t))), "
                 "decoupled weight decay")
     return [
@@ -331,7 +333,7 @@ def settings_lines(s: Settings) -> list[str]:
         "updates old (weight stashing, `boostjax.optim.delay`)",
         f"- PipeDream-LR: lr / τ^(1 - min(t/T_c, 1)) per stage (τ its delay), T_c = {s.t_c} steps "
         f"({s.tc_frac:.1%} of the run"
-        + ("; pre-issue-15 setting" if s.legacy_baselines else
+        + ("; the earlier setting" if s.legacy_baselines else
            ": the basis-rotation README's 250 epochs with --lr_correction_epoch 7; AsyncPP's own run: 7/50 = 14 %") + ")",
         f"- Nesterov: {nesterov}",
         f"- basis rotation: bilateral, 2nd-order (Gram) source, refresh every {cfg.rot_refresh} steps, "
@@ -348,7 +350,7 @@ def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command
     smax = max(s.stages)
     lines = [f"# Staleness experiment ({s.regime} regime): iterations to a target loss vs pipeline depth", ""]
     if s.legacy_baselines:
-        lines += ["**Old baselines.** These runs predate issue 15: their Nesterov rows are `optax.nadamw` with a "
+        lines += ["**Old baselines.** These runs used the earlier baselines: their Nesterov rows are `optax.nadamw` with a "
                   "constant b1 0.99 (not torch's NAdam μ_t schedule) and their PipeDream-LR rows fade the "
                   "correction over T_c = 50 % of the run (not 7/250). The tables below are re-computed from the "
                   "stored loss curves with the per-optimizer target rule. (Today the command below runs the "
@@ -415,14 +417,10 @@ def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command
     return "\n".join(lines) + "\n"
 
 
-def plot(s: Settings, main: dict, runs: list[dict], path: pathlib.Path) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+def plot(s: Settings, main: dict, runs: list[dict]):
+    """(a) slowdown vs S, (b) the S = 1 and S_max loss curves (a matplotlib Figure)."""
     smax = max(s.stages)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2) = results_io.subplots(2, (12, 4.5))
     for i, opt in enumerate(s.optimizers):
         color = f"C{i}"
         rows = sorted((r for r in main["rows"] if r["optimizer"] == opt and r["slowdown"] is not None),
@@ -454,8 +452,7 @@ def plot(s: Settings, main: dict, runs: list[dict], path: pathlib.Path) -> None:
     ax2.legend(fontsize=7, ncol=2)
     ax2.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def _finite_or_none(x: Any) -> Any:
@@ -474,7 +471,7 @@ def reusable_runs(s: Settings, path: pathlib.Path, rerun: Sequence[str]) -> list
     The runs are deterministic (same init, batches and compiled step), so a baseline whose code did
     not change need not be recomputed when only other optimizers change. Every setting that decides
     what a kept run computes must match (T_c only when PipeDream-LR runs are kept; runs made with the
-    pre-issue-15 Nesterov or PipeDream-LR are never kept), else ValueError."""
+    earlier Nesterov or PipeDream-LR are never kept), else ValueError."""
     old = json.loads(pathlib.Path(path).read_text())
     theirs_s = settings_from_json(old["settings"])
     keep = [o for o in s.optimizers if o not in rerun]
@@ -512,9 +509,8 @@ def write_results(s: Settings, runs: list[dict], out: pathlib.Path, name: str, *
     result = {"settings": asdict(s), "command": command, "wall_s": round(wall_s, 1), "platform": platform,
               "paper": PAPER, "reused_from": reused_from, "rendered_by": rendered or None, "resumed_runs": resumed,
               **main, "extra_targets": extras, "runs": runs}
-    (out / f"{name}.json").write_text(json.dumps(_finite_or_none(result), indent=1) + "\n")
-    (out / f"{name}.md").write_text(markdown(s, main, extras, wall_s, command, platform, reused, rendered, resumed))
-    plot(s, main, runs, out / f"{name}.png")
+    results_io.write(out, name, data=_finite_or_none(result), figure=lambda: plot(s, main, runs),
+                     md=lambda: markdown(s, main, extras, wall_s, command, platform, reused, rendered, resumed))
     return result
 
 
@@ -589,15 +585,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        ("seed", int), ("window", int), ("n-eval", int), ("jobs", int)):
         p.add_argument(f"--{flag}", type=kind)
     args = p.parse_args(argv)
-    command = " ".join(["python experiments/staleness.py", *(sys.argv[1:] if argv is None else argv)])
+    command = results_io.command_line("staleness", argv)
     log = functools.partial(print, flush=True)
     for path in ("render", "reuse"):
         if getattr(args, path) is not None and not getattr(args, path).is_file():
             p.error(f"--{path}: {getattr(args, path)} is not a file; fix: pass a results JSON written by this script")
     if args.render is not None:
-        result = render(args.render, pathlib.Path(args.out), command)
-        print((pathlib.Path(args.out) / f"{args.render.stem}.md").read_text())
-        return result
+        return render(args.render, pathlib.Path(args.out), command)
     names = {"layers": "n_layers", "heads": "n_heads"}
     lists = {"optimizers": str, "stages": int, "extra_fracs": float}
     skip = ("quick", "out", "reuse", "rerun", "regime", "name", "render", *lists)
@@ -611,9 +605,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     name = args.name or "_".join(["staleness", *([args.regime] if args.regime != "default" else []),
                                   *(["quick"] if args.quick else [])])
     rerun = tuple(x.strip() for x in args.rerun.split(",") if x.strip())
-    result = run_experiment(s, pathlib.Path(args.out), command, log=log, reuse=args.reuse, rerun=rerun, name=name)
-    print((pathlib.Path(args.out) / f"{name}.md").read_text())
-    return result
+    return run_experiment(s, pathlib.Path(args.out), command, log=log, reuse=args.reuse, rerun=rerun, name=name)
 
 
 if __name__ == "__main__":

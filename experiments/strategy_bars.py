@@ -1,6 +1,7 @@
 """One grouped bar chart per TP strategy, shared by the experiments that compare full-rank TP,
 vanilla low-rank TP and BTP (`comm_table.py`, `scaling_model.py`): bars for our numbers, black
-ticks for the paper's where it has them."""
+ticks for the paper's where it has them. Figures come from `results_io.subplots` and are written by
+`results_io.write`."""
 
 from __future__ import annotations
 
@@ -28,18 +29,3 @@ def strategy_bars(ax, labels: Sequence[str], bars: dict[str, Sequence[float]], n
     ax.set_title(title)
     ax.legend(fontsize=8)
 
-
-def subplots(ncols: int, figsize: tuple[float, float]):
-    """A headless (Agg) figure with `ncols` axes side by side."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    return plt.subplots(1, ncols, figsize=figsize)
-
-
-def save(fig, path: str, title: str) -> None:
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)

@@ -45,6 +45,8 @@ import zipfile
 from email.parser import Parser
 from typing import Any
 
+import results_io
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 SCENARIOS = ("fresh", "preinstalled-jax", "old-jax")
@@ -245,13 +247,12 @@ def render(r: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument("--out", default=str(ROOT / "experiments" / "results"))
+    ap.add_argument("--out", default=str(results_io.RESULTS))
     ap.add_argument("--keep-scratch", action="store_true")
     args = ap.parse_args()
     t0 = time.time()
     wheel, build_s = build_wheel()
-    report: dict[str, Any] = {"command": "python experiments/wheel_check.py" + (
-        f" --scenarios {args.scenarios}" if args.scenarios != ",".join(SCENARIOS) else ""),
+    report: dict[str, Any] = {"command": results_io.command_line("wheel_check"),
         "machine": f"{platform.machine()} Linux, {os.cpu_count()} CPU cores, Python {platform.python_version()}",
         "build_s": round(build_s, 1), "wheel": check_wheel(wheel), "scenarios": []}
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="boostjax-wheel-check-"))
@@ -265,11 +266,7 @@ def main() -> None:
             shutil.rmtree(scratch, ignore_errors=True)
     report["wall_s"] = round(time.time() - t0, 1)
     report["ok"] = report["wheel"]["ok"] and all(s["ok"] for s in report["scenarios"])
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "wheel_check.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "wheel_check.md").write_text(render(report))
-    print(render(report))
+    results_io.write(args.out, "wheel_check", data=report, md=lambda: render(report))
     sys.exit(0 if report["ok"] else 1)
 
 

@@ -144,7 +144,12 @@ def cli_env(**overrides: str | None) -> dict[str, str]:
 # ----------------------------------------------------------------------------- experiments
 
 def load_experiment(name: str) -> ModuleType:
-    """`experiments/<name>.py` as a module (the folder is not a package)."""
+    """`experiments/<name>.py` as a module (the folder is not a package). The folder goes on sys.path,
+    as it does for `python experiments/<name>.py`, so that the script's sibling imports (gpu_suite's
+    `import gpu_step`, the charts' `strategy_bars`) work."""
+    folder = str(ROOT / "experiments")
+    if folder not in sys.path:
+        sys.path.append(folder)
     spec = importlib.util.spec_from_file_location(f"experiment_{name}", ROOT / "experiments" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes

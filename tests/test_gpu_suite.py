@@ -89,7 +89,7 @@ def test_smoke_runs_every_section(tmp_path, monkeypatch):
 
 def test_prediction_reads_memory_report_and_falls_back_to_a_one_device_tp_mesh(monkeypatch):
     from boostjax.config import ConfigError
-    from boostjax.analysis import comm
+    from boostjax.analysis import memory
 
     calls = []
 
@@ -100,7 +100,7 @@ def test_prediction_reads_memory_report_and_falls_back_to_a_one_device_tp_mesh(m
         return {"peak_bytes_per_device": 300, "weight_bytes": 100, "optimizer_bytes": 150, "activation_bytes": 50,
                 "memory": {"temp_bytes": 7}}
 
-    monkeypatch.setattr(comm, "memory_report", fake, raising=False)
+    monkeypatch.setattr(memory, "memory_report", fake)
     big = suite.dataclasses.replace(suite.SMOKE, preset="60m")  # not the smoke preset: both models
     rec = suite.predict_worker(big, "")
     assert rec["status"] == "ok"

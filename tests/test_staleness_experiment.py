@@ -66,7 +66,7 @@ def test_quick_run_resumes_and_writes_finite_results(tmp_path, capsys):
         assert len(run["losses"]) == 12 and all(math.isfinite(v) for v in run["losses"])
         assert run["losses"][-1] < run["losses"][0]  # it trains
     assert on_disk["runs"][0] == json.loads(json.dumps(first))  # the resumed run, not a new one
-    # re-render the stored JSON as a pre-issue-15 result: old baselines named, same runs
+    # re-render the stored JSON as a result made with the earlier baselines: old baselines named, same runs
     old = {**on_disk, "settings": {k: v for k, v in on_disk["settings"].items() if k not in ("tc_frac", "warmup_frac")}}
     (tmp_path / "old" ).mkdir()
     (tmp_path / "old" / "staleness_x.json").write_text(json.dumps(old))
