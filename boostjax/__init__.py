@@ -24,8 +24,9 @@ _EXPORTS: dict[str, str] = {
     # tokenised data folders and held-out evaluation
     "tokenize_corpus": "boostjax.data.tokenize", "evaluate": "boostjax.inference.evaluation",
     "DocumentIterator": "boostjax.data", "batch_iterator": "boostjax.data",  # packed documents
-    # training
-    "train": "boostjax.training.trainer", "TrainResult": "boostjax.training.trainer", "NonFiniteLoss": "boostjax.training.trainer",
+    # training (resolve_config: the configuration boostjax train's flags give)
+    "resolve_config": "boostjax.training.prepare", "train": "boostjax.training.trainer",
+    "TrainResult": "boostjax.training.trainer", "NonFiniteLoss": "boostjax.training.trainer",
     "init_model": "boostjax.models.llama", "load_run": "boostjax.runs.load", "simulate_devices": "boostjax.runtime.devices",
     # generation (KV cache; greedy, top-k, top-p)
     "generate": "boostjax.inference.generation",

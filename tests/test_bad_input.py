@@ -384,8 +384,8 @@ def test_token_ids_above_the_vocabulary_deep_in_a_bin_file(capsys, tmp_path, mon
     ids[987_654] = 4000
     path = tmp_path / "tokens.bin"
     ids.tofile(path)
-    monkeypatch.setattr(boostjax.data, "SCAN_BYTES", 1 << 16)  # many chunks: the max is in a late one
-    boostjax.data._MAX_CACHE.clear()
+    monkeypatch.setattr(boostjax.data.corpus, "SCAN_BYTES", 1 << 16)  # many chunks: the max is in a late one
+    boostjax.data.corpus._MAX_CACHE.clear()
     _refused(capsys, [*TRAIN, "--out", tmp_path / "run", "--data", path], f"data: {path}", "token id 4000",
              "model.vocab_size is 256", "--vocab-size 4001")
     (tmp_path / "odd.bin").write_bytes(b"\x00" * 7)
@@ -432,9 +432,9 @@ def test_unreadable_data(capsys, tmp_path, monkeypatch, exc, why):
         _refused(capsys, [*TRAIN, "--out", out, "--data", folder], f"data: cannot read {folder}", why)
     binary = tmp_path / "tokens.bin"
     (np.arange(5000, dtype=np.uint16) % 256).tofile(binary)
-    boostjax.data._MAX_CACHE.clear()
+    boostjax.data.corpus._MAX_CACHE.clear()
     with monkeypatch.context() as m:  # the .bin scan reads with open(): an I/O error there
-        m.setattr(boostjax.data, "open", lambda *a, **k: (_ for _ in ()).throw(exc), raising=False)
+        m.setattr(boostjax.data.corpus, "open", lambda *a, **k: (_ for _ in ()).throw(exc), raising=False)
         _refused(capsys, [*TRAIN, "--out", out, "--data", binary], f"data: cannot read {binary}", why)
     assert not out.exists()
 

@@ -147,6 +147,7 @@ def test_cli_train_validates_and_joins_once(monkeypatch, tmp_path):
     """`boostjax train` checks its config and joins the job once (the CLI does; `train` sees it done)."""
     from boostjax.training import checks
     from boostjax.runtime import multihost
+    from boostjax.training import prepare
     from boostjax.training import trainer as train_mod
     from boostjax.config import is_validated
 
@@ -159,8 +160,7 @@ def test_cli_train_validates_and_joins_once(monkeypatch, tmp_path):
         return wrapped
 
     validate_once = counting("validate", checks.validate)
-    monkeypatch.setattr(checks, "validate", validate_once)
-    monkeypatch.setattr(train_mod, "validate", validate_once)
+    monkeypatch.setattr(checks, "validate", validate_once)  # the CLI and `train` call it through the module
     monkeypatch.setattr(multihost, "setup", counting("setup", multihost.setup))
 
     class Stop(Exception):
@@ -169,7 +169,7 @@ def test_cli_train_validates_and_joins_once(monkeypatch, tmp_path):
     def stop(cfg):
         raise Stop
 
-    monkeypatch.setattr(train_mod, "_check_fits_host", stop)  # right after validate and setup: nothing compiled
+    monkeypatch.setattr(prepare, "check_host", stop)  # right after validate and setup: nothing compiled
     with pytest.raises(Stop):
         main(["train", "--steps", "2", "--batch", "2", "--seq", "16", "--out", str(tmp_path / "run")])
     assert calls == {"validate": 1, "setup": 1}

@@ -36,7 +36,7 @@ def test_tokenizer_round_trip_non_ascii():
 def test_stdlib_corpus_deterministic_and_split_by_file():
     files = data.stdlib_sources()
     assert len(files) > 100
-    rels = [p.relative_to(data._stdlib_root()).as_posix() for p in files]
+    rels = [p.relative_to(data.corpus._stdlib_root()).as_posix() for p in files]
     assert rels == sorted(rels)
     assert not any("site-packages" in r.split("/") or "dist-packages" in r.split("/") for r in rels)
     assert "os.py" in rels
@@ -57,7 +57,7 @@ def test_stdlib_corpus_deterministic_and_split_by_file():
     # Cached: same object; a fresh (uncached) load gives equal arrays.
     assert data.stdlib_corpus() is corpus
     assert load_corpus("") is corpus
-    fresh = data._files_corpus(files, "again", 0.02)
+    fresh = data.corpus._files_corpus(files, "again", 0.02)
     np.testing.assert_array_equal(fresh.train, corpus.train)
     np.testing.assert_array_equal(fresh.val, corpus.val)
 

@@ -119,7 +119,7 @@ def test_folder_corpus_knows_its_documents(tmp_path):
     c = load_corpus(str(tmp_path))
     sizes = [len(t) + 2 for t in texts]  # each file is followed by b"\n\n"
     is_val = [i % 50 == 49 for i in range(60)]
-    np.testing.assert_array_equal(c.train_docs, data._starts([s for s, v in zip(sizes, is_val) if not v]))
+    np.testing.assert_array_equal(c.train_docs, data.corpus._starts([s for s, v in zip(sizes, is_val) if not v]))
     np.testing.assert_array_equal(c.val_docs, [0])
     assert c.train[c.train_docs[3]:c.train_docs[4]].tobytes() == texts[3].encode() + b"\n\n"
     few = tmp_path / "few"

@@ -17,7 +17,8 @@ from boostjax.data import ByteTokenizer
 from boostjax.inference.evaluation import eval_stream, evaluate
 from boostjax.models.llama import LLaMA
 from boostjax.data.tokenizers import load_tokenizer
-from boostjax.data.tokenize import check_run_tokenizer, tokenize_corpus
+from boostjax.data.source import check_run_tokenizer, resolve_source
+from boostjax.data.tokenize import tokenize_corpus
 
 TINY = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=2, d_ff=64)
 
@@ -113,11 +114,11 @@ def test_tokenize_train_eval(tmp_path, capsys):
     assert res_text["loss"] == pytest.approx(res["loss"], rel=1e-6)
 
     # a resumed run keeps its tokenizer: the same data folder re-tokenised with another one is refused
-    check_run_tokenizer(run, str(tok_dir), resuming=True)
+    check_run_tokenizer(run, resolve_source(str(tok_dir)), resuming=True)
     other = tmp_path / "other"
     other.mkdir()
     (other / "a.txt").write_text("zzzz yyyy xxxx " * 50)
     (other / "b.txt").write_text("wwww vvvv " * 50)
     tokenize_corpus(other, tok_dir, "train:300", progress=False)
     with pytest.raises(ConfigError, match="train.data: .* fix: tokenise the text with the run's tokenizer"):
-        check_run_tokenizer(run, str(tok_dir), resuming=True)
+        check_run_tokenizer(run, resolve_source(str(tok_dir)), resuming=True)

@@ -16,7 +16,7 @@ from boostjax.interop import hf
 from boostjax.interop import pretrained
 from boostjax.cli import main
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
-from boostjax.data import batch_iterator, load_corpus
+from boostjax.data import batch_iterator, load_corpus, resolve_source
 from boostjax.models import ops
 from boostjax.models.collectives import LOCAL
 from boostjax.data.tokenizers import TOKENIZER_FILE, train_tokenizer
@@ -180,12 +180,16 @@ def test_tokenizer_goes_with_token_ids_only(source, tmp_path):
         (tmp_path / "text" / f"{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20)
     tokenize_corpus(tmp_path / "text", tmp_path / "same", str(folder), progress=False)
     tokenize_corpus(tmp_path / "text", tmp_path / "bytes", "byte", progress=False)
-    assert pretrained.source_tokenizer(cfg(str(tmp_path / "ids.bin"))) == folder / TOKENIZER_FILE
-    assert pretrained.source_tokenizer(cfg(str(tmp_path / "same"))) == folder / TOKENIZER_FILE
-    assert pretrained.source_tokenizer(cfg("")) is None
-    assert pretrained.source_tokenizer(cfg(str(tmp_path / "text"))) is None
+    def copied(data: str):  # what the run folder gets, after the check validate runs
+        pretrained.check_source_tokenizer(cfg(data), resolve_source(data))
+        return pretrained.source_tokenizer(cfg(data), resolve_source(data))
+
+    assert copied(str(tmp_path / "ids.bin")) == folder / TOKENIZER_FILE
+    assert copied(str(tmp_path / "same")) == folder / TOKENIZER_FILE
+    assert copied("") is None
+    assert copied(str(tmp_path / "text")) is None
     with pytest.raises(ConfigError, match=r"^train.init_from_hf: .* was tokenised with .*; fix: tokenise"):
-        pretrained.source_tokenizer(cfg(str(tmp_path / "bytes")))
+        copied(str(tmp_path / "bytes"))
 
 
 def test_python_api_takes_the_checkpoint_shapes(source):

@@ -1,52 +1,29 @@
 """`boostjax train`: its flags (every `ModelConfig` / `TrainConfig` field, `--model` for the kind and
 `--preset` for the shapes), the configuration they give (also read by `boostjax launch` before it starts
 any process), and the handler. Building the flags imports no JAX.
+
+The configuration is resolved and the run prepared by the library (`boostjax.training.prepare`): the
+command line only parses the flags, and runs the preparation's first stages (resolve, validate, set up
+the processes) before `boostjax.training.trainer.train` opens the run folder and the data.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any
 
 from boostjax.cli.flags import add_fields
-from boostjax.config import PRESETS, Config, ModelConfig, TrainConfig, preset
-from boostjax.runs.folder import FOLLOW_STORED, RunFolder
+from boostjax.config import PRESETS, Config, ModelConfig, TrainConfig
 
 
 def train_config(args: argparse.Namespace) -> Config:
     """The validated `Config` of a parsed `train` command line (`--init-from-hf` takes the checkpoint's shapes)."""
-    from boostjax.training.checks import validate  # JAX imported, its backend not started
+    from boostjax.training import checks  # JAX imported, its backend not started
+    from boostjax.training.prepare import MODEL_FIELDS, TRAIN_FIELDS, resolve_config
 
-    names = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
-    given = {k: v for k, v in vars(args).items() if v is not None}
-    if given.get("init_from_hf"):  # the shapes are the checkpoint's (boostjax.interop.pretrained)
-        from boostjax.interop.pretrained import config_from_flags  # imports no JAX at module level
-
-        return validate(config_from_flags(given, preset_given=args.preset is not None))
-    if "vocab_size" not in given:  # a tokenised --data folder names its vocabulary (item 1)
-        from boostjax.data.tokenize import vocab_from_data  # numpy only
-
-        vocab = vocab_from_data(given.get("data"))
-        if vocab is not None:
-            given["vocab_size"] = vocab
-    model = preset(args.preset or "tiny", **{k: v for k, v in given.items() if k in names(ModelConfig)})
-    train = TrainConfig(**{k: v for k, v in given.items() if k in names(TrainConfig)})
-    return validate(Config(_follow_stored(model, given, train.out), train))
-
-
-def _follow_stored(model: ModelConfig, given: dict[str, Any], out: str) -> ModelConfig:
-    """A run folder's stored values of the model fields whose default changed (`FOLLOW_STORED`) when the
-    command line does not give them: the same command resumes a run of an older boostjax unchanged."""
-    try:
-        stored = RunFolder(out).stored_config() if isinstance(out, str) and out.strip() else None
-    except (OSError, ValueError):  # an unreadable folder or config: the trainer names the problem
-        stored = None
-    if stored is None:
-        return model
-    keep = {k: getattr(stored.model, k) for k in FOLLOW_STORED if k not in given}
-    return dataclasses.replace(model, **keep)
+    flags = {k: v for k, v in vars(args).items() if k in MODEL_FIELDS or k in TRAIN_FIELDS}
+    return checks.validate(resolve_config(flags, args.preset))
 
 
 def add_train_command(sub: Any) -> argparse.ArgumentParser:
@@ -60,11 +37,10 @@ def add_train_command(sub: Any) -> argparse.ArgumentParser:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = train_config(args)
-    from boostjax.runtime.devices import simulate_for_mesh
-    from boostjax.runtime.multihost import is_main_process, setup  # imports no JAX at module level
+    from boostjax.runtime.multihost import is_main_process
+    from boostjax.training.prepare import setup_processes
 
-    if setup(cfg.train) is None:  # a multi-host job simulates each process's share of the devices
-        simulate_for_mesh(cfg.train.mesh)
+    setup_processes(cfg, simulate=True)  # a single process simulates the mesh's devices; before JAX starts
     from boostjax.runtime.interrupt import TrainingInterrupted
     from boostjax.training.trainer import NonFiniteLoss, train  # after the device count is set
 

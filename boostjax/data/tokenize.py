@@ -11,7 +11,7 @@ Split: document ``i`` (in that order) is held out for validation iff ``i % val_e
 (every 50th by default, like the built-in corpus); with fewer than ``val_every`` documents the last one
 is. A trained tokenizer (``train:VOCAB``) sees the training documents only.
 
-The folder (format fixed by `boostjax.data.read_token_meta`): ``meta.json``, ``tokenizer.json`` (unless
+The folder (format read back by `boostjax.data.token_folder.read_token_meta`): ``meta.json``, ``tokenizer.json`` (unless
 byte level), ``train.bin`` / ``val.bin`` (raw ids; every document is followed by the tokenizer's
 end-of-document id, or by the bytes ``"\\n\\n"`` at byte level) and ``train.docs.npy`` / ``val.docs.npy``
 (int64 start offsets). ``bytes`` per split counts the UTF-8 bytes its tokens stand for (the documents and,
@@ -26,42 +26,41 @@ import json
 import os
 import pathlib
 import re
-import shutil
-import stat
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from boostjax import data as _data
 from boostjax.config import ConfigError
-from boostjax.data import (
+from boostjax.data import corpus
+from boostjax.data.source import resolve_source
+from boostjax.data.token_folder import (
+    FOLDER_FILES,
     META_FILE,
     SPLITS,
     TOKENS_FORMAT,
     TOKENS_VERSION,
-    ByteTokenizer,
+    is_token_folder,
 )
 from boostjax.data.tokenizers import (
     MIN_TRAINED_VOCAB,
     TOKENIZER_FILE,
+    ByteTokenizer,
     HFTokenizer,
     Tokenizer,
     load_tokenizer,
-    tokenizer_kind,
     train_tokenizer,
 )
 from boostjax.runs.folder import CONFIG, check_folder_path, describe_foreign
 
 DOC_SEPS: tuple[str, ...] = ("file", "blank", "line")
-VAL_EVERY: int = _data.VAL_EVERY
+VAL_EVERY: int = corpus.VAL_EVERY
 BATCH_CHARS: int = 1 << 22  # characters per encode_batch call (the Rust side encodes a batch in parallel)
 BATCH_DOCS: int = 4096
 PROGRESS_BYTES: int = 16 << 20  # a progress bar from this much input on
 MAX_TRAINED_VOCAB: int = 1 << 20
-BYTE_SEP: bytes = _data.FILE_SEP  # b"\n\n" after every document at byte level
-OUTPUT_FILES: frozenset[str] = frozenset({META_FILE, TOKENIZER_FILE}
-                                         | {f"{s}{ext}" for s in SPLITS for ext in (".bin", ".docs.npy")})
+BYTE_SEP: bytes = corpus.FILE_SEP  # b"\n\n" after every document at byte level
+OUTPUT_FILES: frozenset[str] = FOLDER_FILES
 TMP_PREFIX = ".tokenize-"
 _BLANK = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")
 
@@ -82,24 +81,23 @@ def input_files(data: str | os.PathLike) -> list[pathlib.Path]:
         raise _err(f"data: no such file or folder: {path!r}; fix: pass --data with a text file or a folder of text "
                    "files")
     try:
-        st = _data._stat(path)  # noqa: SLF001 (the same one-line messages as boostjax train --data)
-        _data._check_kind(path, st)  # noqa: SLF001
+        src = resolve_source(path)  # the same one-line messages as boostjax train --data
+        if src.kind == "folder":
+            files = corpus.text_files(path)
     except ValueError as e:
+        if is_token_folder(path):  # damaged, but a tokenised folder all the same
+            raise _err(f"data: {path} is already a tokenised folder; fix: pass the text it was made from") from None
         raise ConfigError(str(e).replace("data:", "tokenize.data:", 1)) from None
-    if stat.S_ISDIR(st.st_mode):
-        if _data.is_token_folder(path):
-            raise _err(f"data: {path} is already a tokenised folder; fix: pass the text it was made from")
-        try:
-            files = _data._walk_files(pathlib.Path(path), _data.TEXT_SUFFIXES, strict=True)  # noqa: SLF001
-        except ValueError as e:
-            raise ConfigError(str(e).replace("data:", "tokenize.data:", 1)) from None
+    if src.kind == "tokens":
+        raise _err(f"data: {path} is already a tokenised folder; fix: pass the text it was made from")
+    if src.kind == "folder":
         if not files:
-            raise _err(f"data: no {'/'.join('*' + s for s in _data.TEXT_SUFFIXES)} files under {path}; "
+            raise _err(f"data: no {'/'.join('*' + s for s in corpus.TEXT_SUFFIXES)} files under {path}; "
                        "fix: pass a folder of text files or a text file")
+    elif src.kind == "bin":
+        raise _err(f"data: {path} looks like token ids (.bin), not text; fix: pass the text files, or train "
+                   f"on it directly with boostjax train --data {path}")
     else:
-        if path.endswith(".bin"):
-            raise _err(f"data: {path} looks like token ids (.bin), not text; fix: pass the text files, or train "
-                       f"on it directly with boostjax train --data {path}")
         files = [pathlib.Path(path)]
     if not any(f.stat().st_size for f in files):
         raise _err(f"data: {path} holds no text ({len(files)} empty file{'s' * (len(files) > 1)}); "
@@ -169,7 +167,7 @@ def parse_tokenizer(spec: str | Tokenizer) -> tuple[Tokenizer | None, int]:
 def _byte_level_folder(p: pathlib.Path) -> bool:
     """A boostjax run folder or tokenised folder without tokenizer.json: byte level by construction."""
 
-    return _data.is_token_folder(p) or ((p / CONFIG).is_file() and describe_foreign(p) is None)
+    return is_token_folder(p) or ((p / CONFIG).is_file() and describe_foreign(p) is None)
 
 
 def separator(tok: Tokenizer) -> np.ndarray:
@@ -197,13 +195,6 @@ def encode_documents(tok: Tokenizer, docs: list[str]) -> list[np.ndarray]:
     if isinstance(tok, ByteTokenizer):
         return [tok.encode(d) for d in docs]
     return tok.encode_batch(docs)
-
-
-def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
-    """Whether two tokenizers map text to the same ids (byte level, or equal serialised tokenizers)."""
-    if isinstance(a, ByteTokenizer) or isinstance(b, ByteTokenizer):
-        return isinstance(a, ByteTokenizer) and isinstance(b, ByteTokenizer)
-    return a.tok.to_str() == b.tok.to_str()
 
 
 def _batches(docs: Iterable[str]) -> Iterator[list[str]]:
@@ -235,7 +226,7 @@ def check_out(out: str | os.PathLike) -> bool:
     mine = {n for n in names if n.startswith(TMP_PREFIX)}
     if not names - mine:
         return False
-    ours = (p / META_FILE).is_file() and _data.is_token_folder(p) and not names - mine - OUTPUT_FILES
+    ours = (p / META_FILE).is_file() and is_token_folder(p) and not names - mine - OUTPUT_FILES
     if not ours:
         raise _err(f"out: {p} is not empty and is not an earlier boostjax tokenize output; fix: pass a new or empty "
                    "folder to --out (boostjax never overwrites files it did not write)")
@@ -376,55 +367,3 @@ def tokenize_corpus(data: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     if replacing:
         say(f"replaced the earlier tokenize output in {folder}")
     return meta
-
-
-# ----------------------------------------------------------------------------- run folders
-
-
-def data_tokenizer(data: str) -> Tokenizer | None:
-    """The tokenizer of a tokenised data folder; None for any other ``--data``."""
-    if not data or not _data.is_token_folder(data):
-        return None
-    meta = _data.read_token_meta(data)
-    return load_tokenizer(None if meta["tokenizer"] == "byte" else pathlib.Path(data) / meta["tokenizer"])
-
-
-def check_run_tokenizer(run_dir: str | os.PathLike, data: str, resuming: bool) -> None:
-    """A resumed run keeps its tokenizer: a tokenised ``data`` folder whose tokenizer differs from the
-    one in the run folder (``tokenizer.json``, or byte level without one) is refused."""
-    tok = data_tokenizer(data)
-    if tok is None or not resuming:
-        return
-    run_tok = load_tokenizer(run_dir)
-    if not same_tokenizer(tok, run_tok):
-        raise ConfigError(f"train.data: {data} was tokenised with {tokenizer_kind(tok)} but the checkpoints in {run_dir} "
-                          f"were trained with {tokenizer_kind(run_tok)}; fix: tokenise the text with the run's "
-                          f"tokenizer (boostjax tokenize --tokenizer {run_dir} ...), or pass another --out for a new run")
-
-
-def install_run_tokenizer(run_dir: str | os.PathLike, data: str) -> None:
-    """Copy a tokenised folder's ``tokenizer.json`` into the run folder (atomically), so that
-    ``load_tokenizer(run_dir)`` gives the run's tokenizer; byte-level data leaves none there."""
-    if not data or not _data.is_token_folder(data):
-        return
-    meta = _data.read_token_meta(data)
-    dst = pathlib.Path(run_dir) / TOKENIZER_FILE
-    if meta["tokenizer"] == "byte":
-        dst.unlink(missing_ok=True)
-        return
-    tmp = dst.with_name(TOKENIZER_FILE + ".tmp")
-    shutil.copyfile(pathlib.Path(data) / meta["tokenizer"], tmp)
-    os.replace(tmp, dst)
-
-
-def vocab_from_data(data: str | None) -> int | None:
-    """The vocabulary size in a tokenised folder's metadata (None for any other ``--data``)."""
-    if not data or not _data.is_token_folder(data):
-        return None
-    try:
-        return _data.read_token_meta(data)["vocab_size"]
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-# ----------------------------------------------------------------------------- command line

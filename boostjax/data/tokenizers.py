@@ -1,4 +1,5 @@
-"""Tokenizers: UTF-8 bytes (the zero-setup default) or a Hugging Face `tokenizers` `tokenizer.json`.
+"""Tokenizers: UTF-8 bytes (`ByteTokenizer`, the zero-setup default) or a Hugging Face `tokenizers`
+`tokenizer.json` (`HFTokenizer`).
 
 Both kinds answer the same questions: `encode(text) -> ids`, `decode(ids) -> text`, `vocab_size`,
 `eos_id` / `bos_id` (None when the tokenizer has no such token) and `name`. A run folder, a tokenised
@@ -17,7 +18,6 @@ from tokenizers import Tokenizer as _Tok
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from boostjax.config import ConfigError
-from boostjax.data import ByteTokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TOKEN = "<|endoftext|>"
@@ -25,6 +25,26 @@ EOS_TOKEN = "<|endoftext|>"
 EOS_NAMES: tuple[str, ...] = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 BOS_NAMES: tuple[str, ...] = ("<s>", "<|begin_of_text|>", "<bos>")
 MIN_TRAINED_VOCAB = 257  # 256 byte tokens + the end-of-document token
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: ``vocab_size == 256``, lossless for any text."""
+
+    vocab_size: int = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        """``text`` -> uint8 ids of its UTF-8 bytes."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Ids -> text; invalid UTF-8 sequences become U+FFFD."""
+        ids_n = np.asarray(ids).reshape(-1)
+        if ids_n.size and (ids_n.min() < 0 or ids_n.max() >= self.vocab_size):
+            raise ValueError(
+                f"ByteTokenizer.decode: ids must be in [0, 256), got range "
+                f"[{ids_n.min()}, {ids_n.max()}]; fix: decode with the tokenizer that produced them"
+            )
+        return ids_n.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -114,3 +134,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     return HFTokenizer(tok, name=f"train:{vocab_size}")
+
+
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers map text to the same ids (byte level, or equal serialised tokenizers)."""
+    if isinstance(a, ByteTokenizer) or isinstance(b, ByteTokenizer):
+        return isinstance(a, ByteTokenizer) and isinstance(b, ByteTokenizer)
+    return a.tok.to_str() == b.tok.to_str()

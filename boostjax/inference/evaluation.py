@@ -29,10 +29,10 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from boostjax import data as _data
 from boostjax.config import ConfigError, check_batch_seq
 from boostjax.data import tokenize as tz
-from boostjax.data.tokenizers import tokenizer_kind
+from boostjax.data.source import resolve_source
+from boostjax.data.tokenizers import same_tokenizer, tokenizer_kind
 
 
 def _windows(tokens: np.ndarray, seq: int, first: int, rows: int,
@@ -123,13 +123,17 @@ def eval_stream(tok, data: str, split: str | None, doc_sep: str | None) -> tuple
     be ``tok``) or text encoded with ``tok``."""
 
     sep = tz.separator(tok)
-    if os.path.isdir(data) and _data.is_token_folder(data):
-        try:
-            meta = _data.read_token_meta(data)
-        except ValueError as e:
+    try:
+        src = resolve_source(data) if data else None  # '' (the built-in corpus) is refused as no input below
+    except ValueError as e:
+        if not os.path.isdir(data):  # a missing or unreadable file: the text reader names it
+            src = None
+        else:
             raise ConfigError(str(e)) from None
-        folder_tok = tz.data_tokenizer(data)
-        if not tz.same_tokenizer(folder_tok, tok):
+    if src is not None and src.kind == "tokens":
+        meta = src.meta
+        folder_tok = src.tokenizer
+        if not same_tokenizer(folder_tok, tok):
             raise ConfigError(f"eval.data: {data} was tokenised with {tokenizer_kind(folder_tok)}, not with the run's "
                               f"tokenizer ({tokenizer_kind(tok)}); fix: tokenise the text with the run's tokenizer "
                               "(boostjax tokenize --tokenizer RUN ...) or pass the text itself")
@@ -145,7 +149,7 @@ def eval_stream(tok, data: str, split: str | None, doc_sep: str | None) -> tuple
     doc_sep = doc_sep or ("file" if os.path.isdir(data) else "blank")
     parts = [sep[-1:]]
     n_bytes, starts, at = 0, [], 1
-    for batch in tz._batches(tz.documents(files, doc_sep)):  # noqa: SLF001
+    for batch in tz._batches(tz.documents(files, doc_sep)):
         for d, ids in zip(batch, tz.encode_documents(tok, batch)):
             parts += [ids.astype(np.uint32), sep]
             starts.append(at)

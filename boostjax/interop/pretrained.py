@@ -34,8 +34,8 @@ import numpy as np
 from flax import nnx
 
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
-from boostjax.data.tokenize import data_tokenizer, same_tokenizer
-from boostjax.data.tokenizers import TOKENIZER_FILE, load_tokenizer, tokenizer_kind
+from boostjax.data.source import Source
+from boostjax.data.tokenizers import TOKENIZER_FILE, load_tokenizer, same_tokenizer, tokenizer_kind
 from boostjax.interop import hf
 from boostjax.models.llama import LLaMA, abstract_model
 from boostjax.runs.folder import RunFolder
@@ -347,28 +347,32 @@ def has_tokenizer(folder: str) -> bool:
     return bool(folder) and (pathlib.Path(folder) / TOKENIZER_FILE).is_file()
 
 
-def source_tokenizer(cfg: Config) -> pathlib.Path | None:
+def source_tokenizer(cfg: Config, data: Source) -> pathlib.Path | None:
     """The checkpoint folder's `tokenizer.json` that the run folder gets: when the data holds token
-    ids (a `.bin` file, or a tokenised folder, whose tokenizer must then be the same: ConfigError
-    otherwise, the ids would mean other text). None when the checkpoint has none or the data is read
-    as bytes (the built-in corpus, text files): the run is then byte level."""
-    t = cfg.train
-    if not has_tokenizer(t.init_from_hf):
+    ids (a `.bin` file, or a tokenised folder, whose tokenizer must then be the same:
+    `check_source_tokenizer`). None when the checkpoint has none or the data is read as bytes (the
+    built-in corpus, text files): the run is then byte level. `data`: the run's `cfg.train.data`,
+    resolved (`boostjax.data.source.resolve_source`)."""
+    if not has_tokenizer(cfg.train.init_from_hf) or data.kind not in ("bin", "tokens"):
         return None
-    src = pathlib.Path(t.init_from_hf) / TOKENIZER_FILE
-    theirs = data_tokenizer(t.data)  # None unless a tokenised folder
-    if theirs is None:
-        return src if t.data.endswith(".bin") and pathlib.Path(t.data).is_file() else None
+    return pathlib.Path(cfg.train.init_from_hf) / TOKENIZER_FILE
+
+
+def check_source_tokenizer(cfg: Config, data: Source) -> None:
+    """A tokenised folder given with a checkpoint that has a tokenizer must have been written with that
+    tokenizer (ConfigError otherwise: the ids would mean other text)."""
+    src = source_tokenizer(cfg, data)
+    if src is None or data.kind != "tokens":
+        return
     try:
         mine = load_tokenizer(src)
     except (OSError, ValueError) as e:
         raise _err(f"cannot load {src} ({' '.join(str(e).split())[:200]}); fix: restore the checkpoint's "
                    "tokenizer.json") from None
-    if not same_tokenizer(theirs, mine):
-        raise _err(f"{t.data} was tokenised with {tokenizer_kind(theirs)}, not the checkpoint's {src} (the token "
-                   f"ids would mean other text); fix: tokenise the text with it (boostjax tokenize --tokenizer "
-                   f"{t.init_from_hf} ...)")
-    return src
+    if not same_tokenizer(data.tokenizer, mine):
+        raise _err(f"{cfg.train.data} was tokenised with {tokenizer_kind(data.tokenizer)}, not the checkpoint's "
+                   f"{src} (the token ids would mean other text); fix: tokenise the text with it (boostjax tokenize "
+                   f"--tokenizer {cfg.train.init_from_hf} ...)")
 
 
 def copy_tokenizer(src: pathlib.Path | None, run_dir: pathlib.Path) -> None:

@@ -4,32 +4,34 @@ so a job checks it once.
 
 In order: the fields (`boostjax.config.validate`), the hardware profile, what the placement can run
 (`boostjax.placement.check`: strategy and mesh against the shapes, pipeline stages, an offload plan),
-and last the data (it reads a token file once, in chunks).
+the data (`boostjax.data.source`: it reads a token file once, in chunks) and last, with
+`--init-from-hf`, the checkpoint's tokenizer against a tokenised folder's.
 """
 
 from __future__ import annotations
 
-import os
-
 from boostjax import placement
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, mark_validated
 from boostjax.config import validate as validate_fields
-from boostjax.data import check_data
+from boostjax.data.source import Source, check_source, resolve_source
+from boostjax.interop.pretrained import check_source_tokenizer
 from boostjax.runtime.hardware import check_hardware
 
 
-def check_run_data(t: TrainConfig, m: ModelConfig) -> None:
+def check_run_data(t: TrainConfig, m: ModelConfig) -> Source:
     """`train.data` exists, can be read, and holds no token id >= `model.vocab_size`; documents for
-    `--doc-mask`."""
+    `--doc-mask`. Returns the resolved source."""
     try:
-        check_data(t.data, t.data_dtype, m.vocab_size)
+        src = resolve_source(t.data, t.data_dtype)
+        check_source(src, m.vocab_size)
     except ConfigError:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if t.doc_mask and os.path.isfile(t.data):  # a file is one stream: its document boundaries are unknown
+    if t.doc_mask and not src.documents:  # a file is one stream: its document boundaries are unknown
         raise ConfigError(f"train.doc_mask: {t.data} is one file with no document boundaries; fix: pass --data with "
                           "a folder of text files (one document each) or a tokenised folder, or drop --doc-mask")
+    return src
 
 
 def validate(cfg: Config) -> Config:
@@ -38,5 +40,6 @@ def validate(cfg: Config) -> Config:
     if cfg.train.hardware:
         check_hardware(cfg.train.hardware)
     placement.check(cfg)
-    check_run_data(cfg.train, cfg.model)
+    source = check_run_data(cfg.train, cfg.model)
+    check_source_tokenizer(cfg, source)
     return mark_validated(cfg)

@@ -4,6 +4,9 @@
     result = train(Config(ModelConfig(kind="cola"), TrainConfig(steps=200, out="runs/nb")))
     result.metrics[-1]["loss"], result.model(tokens)
 
+`train` prepares the run in one pass (`boostjax.training.prepare`: the configuration, validated; the
+processes; the run folder; the data), then builds the state (fresh, pretrained or restored) and loops.
+
 A run folder (`boostjax.runs.folder`) holds `config.json`, `metrics.jsonl` (one JSON object per logged
 step) and checksummed Orbax `checkpoints/` (`boostjax.runs.checkpoint`). Starting a run in a folder that
 has checkpoints resumes from the newest one that verifies; the data iterator's position is part of
@@ -16,10 +19,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import signal
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,22 +31,22 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from boostjax.runtime import multihost
+from boostjax.config import Config, TrainConfig, parse_profile, warmup_steps
+from boostjax.data.batches import BatchIterator, batch_iterator, eval_batches
+from boostjax.data.source import install_run_tokenizer
 from boostjax.interop import pretrained
-from boostjax.runs import relayout
-from boostjax.runs.checkpoint import CheckpointError, Checkpointer, step_dirs
-from boostjax.config import Config, ConfigError, TrainConfig, is_validated, parse_profile, warmup_steps
-from boostjax.training.checks import validate
-from boostjax.data import BatchIterator, batch_iterator, eval_batches, is_token_folder, load_corpus
-from boostjax.runtime.interrupt import StopSignals, TrainingInterrupted
-from boostjax.models import attention
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.models.llama import LLaMA, abstract_model, init_model
-from boostjax.training.observe import PROFILE, StepProfiler, TensorBoard, hardware_profile, mfu
-from boostjax import placement
+from boostjax.runs import relayout
+from boostjax.runs.checkpoint import CheckpointError, Checkpointer
 from boostjax.runs.folder import RunFolder
+from boostjax.runtime import multihost
+from boostjax.runtime.interrupt import StopSignals, TrainingInterrupted
+from boostjax.training import prepare
+from boostjax.training.observe import PROFILE, StepProfiler, TensorBoard, hardware_profile, mfu
+from boostjax.training.prepare import say as _say
+from boostjax.training.prepare import stacked_layers
 from boostjax.training.step import StepFns, build_step_fns, checkpoint_parts, from_checkpoint
-from boostjax.data.tokenize import check_run_tokenizer, install_run_tokenizer
 
 
 class NonFiniteLoss(RuntimeError):
@@ -72,41 +73,6 @@ class TrainResult:
     @property
     def losses(self) -> list[float]:
         return [m["loss"] for m in self.metrics if "loss" in m]
-
-
-STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients and two Adam moments
-
-
-def _check_fits_host(cfg: Config) -> None:
-    """On a machine without accelerators, refuse a model whose training state alone exceeds its memory."""
-    if jax.default_backend() != "cpu":
-        return
-    need = param_count(cfg.model) * STATE_BYTES_PER_PARAM
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        raise ConfigError(f"model: {param_count(cfg.model) / 1e9:.2f} B parameters need about {need / 1e9:.0f} GB "
-                          f"for fp32 weights, gradients and Adam state, but this machine has {have / 1e9:.0f} GB and "
-                          f"no accelerator; fix: a smaller --preset or shape flags, or a machine with accelerators")
-
-
-def stacked_layers(t: TrainConfig) -> bool:
-    """Whether a run's training state keeps its layers stacked (pipeline stages, `stage` > 1)."""
-    return t.sizes.stage > 1
-
-
-def _check_layout(folder: RunFolder, old: Config, cfg: Config) -> bool:
-    """Whether resuming converts the checkpoints' layer layout (stacked under a pipeline, per layer
-    otherwise; `boostjax.runs.relayout`); a conversion the optimizer state cannot take is refused."""
-    was, now = stacked_layers(old.train), stacked_layers(cfg.train)
-    if was != now:
-        relayout.check(cfg, abstract_model(cfg)[1], was, str(folder.path))
-    return was != now
-
-
-def _say(msg: str) -> None:
-    """One line on stderr from process 0 (what happened to a checkpoint, where a run stopped)."""
-    if multihost.is_main_process():
-        print(f"boostjax: {msg}", file=sys.stderr, flush=True)
 
 
 @contextmanager
@@ -180,37 +146,19 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
     checkpoint is saved, `NonFiniteLoss` when the loss diverges, `ConfigError` / `CheckpointError`
     for what cannot run (before anything is written or compiled where the configuration is at fault).
     """
-    cfg = pretrained.resolve_config(cfg) if isinstance(cfg, Config) else cfg
-    if not is_validated(cfg):  # the CLI validated it already (once per job)
-        cfg = validate(cfg)
-    placement.check(cfg)  # what the chosen layout (mesh, stages, offload plan) cannot run, before anything is written
+    cfg = prepare.configure(cfg, init)  # 1-2. the configuration, resolved and validated (once per job)
+    prepare.setup_processes(cfg)  # 3. join the job (once per job); what this host can run
     t = cfg.train
-    if init is not None and t.init_from_hf:
-        raise ConfigError("train.init: both init= params and init_from_hf are given; fix: pass one of them")
-    hf_tokenizer = pretrained.source_tokenizer(cfg)  # the data's tokenizer, if any, must be the checkpoint's
-    if not multihost.is_set_up(t):  # the CLI joined already (once per job)
-        multihost.setup(t)  # joins a multi-host job before JAX starts (a no-op for one process)
-    if hf_tokenizer is None and pretrained.has_tokenizer(t.init_from_hf) and not (t.data and is_token_folder(t.data)):
-        _say(f"the data is read as bytes, so the run's tokenizer is byte level, not {t.init_from_hf}'s "
-             f"(tokenize the data with it: boostjax tokenize --tokenizer {t.init_from_hf})")
-    _check_fits_host(cfg)
-    attention.check_backend(cfg.model, t.dtype)  # --attention cudnn needs a CUDA GPU
-    folder = RunFolder(t.out)
+    folder = RunFolder(t.out)  # 4. the run folder
     if multihost.is_main_process():
         folder.check_target()
     with StopSignals(multi_process=jax.process_count() > 1) as stop, _lock_if_main(folder):
         _stop_early(stop, folder)
-        old = folder.stored_config()
-        resuming = bool(step_dirs(folder.checkpoints))
-        changes = folder.check_resume(old, cfg, resuming)
-        convert = resuming and old is not None and _check_layout(folder, old, cfg)
-        check_run_tokenizer(folder.path, t.data, resuming)  # a resumed run keeps its tokenizer
-        corpus = load_corpus(t.data, t.data_dtype)
-        if t.doc_mask and (corpus.train_docs is None or corpus.val_docs is None):
-            raise ConfigError(f"train.doc_mask: the data {corpus.name} has no document boundaries; fix: pass --data "
-                              "with a folder of text files or a tokenised folder, or drop --doc-mask")
+        run = prepare.open_run(folder, cfg)  # the stored config, what a resume may change, the layout
+        source, corpus = prepare.open_data(cfg)  # 5. the data
+        # 6. the state: fresh, from pretrained weights, or restored from the newest checkpoint
         start_from = None
-        if not resuming and (t.init_from_hf or init is not None):  # read (and factored) before any compile
+        if not run.resuming and (t.init_from_hf or init is not None):  # read (and factored) before any compile
             start_from = pretrained.initial_params(cfg, init)
         elif init is not None:
             _say(f"resuming from the checkpoints in {folder.checkpoints}; the init= params are not used")
@@ -232,20 +180,21 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
                               process_index=share, process_count=count)
         ckpt = Checkpointer(folder.checkpoints, keep=t.keep_ckpts, primary=multihost.is_main_process())
         try:
-            other = (lambda: relayout.restore_latest(ckpt, cfg, abstract_model(cfg)[1], stacked_layers(old.train),
-                                                     params, opt_state)) if convert else None
-            start, params, opt_state, verified = (_restore(ckpt, params, opt_state, data, other) if resuming
+            other = (lambda: relayout.restore_latest(ckpt, cfg, abstract_model(cfg)[1], stacked_layers(run.old.train),
+                                                     params, opt_state)) if run.convert else None
+            start, params, opt_state, verified = (_restore(ckpt, params, opt_state, data, other) if run.resuming
                                                   else (0, params, opt_state, True))
             state = from_checkpoint(start, params, opt_state, state)
             if multihost.is_main_process():
-                folder.write_config(cfg, start, changes)
-                install_run_tokenizer(folder.path, t.data)  # load_tokenizer(run folder) gives the run's
-                pretrained.copy_tokenizer(hf_tokenizer, folder.path)
+                folder.write_config(cfg, start, run.changes)
+                install_run_tokenizer(folder.path, source)  # load_tokenizer(run folder) gives the run's
+                pretrained.copy_tokenizer(pretrained.source_tokenizer(cfg, source), folder.path)
                 if start_from is not None:
                     pretrained.write_report(folder.path, start_from[1])
             if start_from is not None:
                 _say(pretrained.summary_line(start_from[1]))
             metrics = folder.trim_metrics(start, write=multihost.is_main_process())
+            # 7. the loop
             result = _loop(cfg, graphdef, fns, ckpt, folder, stop, data, state, start, metrics, corpus,
                            on_log, unverified=None if verified else start)
             if start_from is not None:

@@ -1,0 +1,260 @@
+"""Batches: a deterministic, resumable, process-sharded iterator over a token stream.
+
+Where the document boundaries are known (``Corpus.train_docs``/``val_docs``: the files of the stdlib
+corpus and of a folder, the documents of a tokenised folder), `DocumentIterator` packs documents: epoch
+``e`` concatenates every document (each ends with its separator: EOS, or ``b"\\n\\n"`` at byte level)
+in the order of a permutation seeded by ``(seed, e)`` and cuts that stream into rows of ``seq + 1``
+tokens (stride ``seq``, so every next-token pair is trained once per epoch), visited in a second
+permutation; ``segments`` gives each position its document's number in the row. Otherwise
+`BatchIterator` draws random windows: global batch ``k``'s starts come from
+``np.random.default_rng([seed, k])``. Either way batch ``k`` is a pure function of ``(seed, k)`` and each
+process reads only its contiguous block of rows, so batches are deterministic, resumable from
+``state()`` and independent of the process count.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+
+def _check_int(name: str, value: Any, minimum: int, where: str = "BatchIterator") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{where}: {name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class BatchIterator:
+    """Random windows of ``seq + 1`` tokens; batch ``k`` depends only on ``(seed, k)``.
+
+    ``next()`` returns ``{"inputs": int32[b, seq], "targets": int32[b, seq]}`` with
+    ``b = batch // process_count`` (this process's rows of the global batch) and
+    ``targets[:, t] == inputs[:, t + 1]`` along the window.
+    """
+
+    sampler = "windows"
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch: int,
+        seq: int,
+        seed: int,
+        *,
+        step: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+        vocab_size: int | None = None,
+    ) -> None:
+        tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+        if tokens.ndim != 1:
+            raise ValueError(f"BatchIterator: tokens must be 1-D, got shape {tokens.shape}")
+        self.batch = _check_int("batch", batch, 1)
+        self.seq = _check_int("seq", seq, 1)
+        self._seed = _check_int("seed", seed, 0)
+        self._step = _check_int("step", step, 0)
+        self.process_count = _check_int("process_count", process_count, 1)
+        self.process_index = _check_int("process_index", process_index, 0)
+        if self.process_index >= self.process_count:
+            raise ValueError(
+                f"BatchIterator: process_index {process_index} must be < process_count {process_count}"
+            )
+        if self.batch % self.process_count:
+            raise ValueError(
+                f"BatchIterator: global batch {batch} is not divisible by process_count {process_count}; "
+                f"fix: use a --batch that is a multiple of {process_count}"
+            )
+        if len(tokens) < self.seq + 1:
+            raise ValueError(
+                f"BatchIterator: {len(tokens)} tokens are fewer than seq + 1 = {self.seq + 1}; "
+                f"fix: a smaller --seq or more data"
+            )
+        self.vocab_size = vocab_size
+        # In-memory arrays are checked once; memmaps lazily per batch (never scan a huge file).
+        self._lazy_vocab_check = vocab_size is not None and isinstance(tokens, np.memmap)
+        if vocab_size is not None and not self._lazy_vocab_check:
+            self._check_vocab(tokens)
+        self.tokens = tokens
+        self.local_batch = self.batch // self.process_count
+        self._offsets = np.arange(self.seq + 1, dtype=np.int64)
+
+    def _check_vocab(self, ids: np.ndarray) -> None:
+        if ids.size and int(ids.max()) >= self.vocab_size:  # type: ignore[operator]
+            where = getattr(self.tokens if hasattr(self, "tokens") else ids, "filename", None)
+            raise ValueError(
+                f"BatchIterator: token id {int(ids.max())} >= vocab_size {self.vocab_size}"
+                f"{f' in {where}' if where else ''}; "
+                f"fix: a --vocab-size > {int(ids.max())} or the --data-dtype the file was written with"
+            )
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    def global_starts(self, step: int) -> np.ndarray:
+        """Window starts of global batch ``step``: int64[batch], uniform in [0, len - seq - 1]."""
+        rng = np.random.default_rng([self._seed, step])
+        return rng.integers(0, len(self.tokens) - self.seq, size=self.batch, dtype=np.int64)
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        """This process's share of global batch ``step`` (does not move the iterator)."""
+        lo = self.process_index * self.local_batch
+        starts_b = self.global_starts(step)[lo : lo + self.local_batch]
+        windows_bs = np.asarray(self.tokens[starts_b[:, None] + self._offsets[None, :]])
+        if self._lazy_vocab_check:
+            self._check_vocab(windows_bs)
+        windows_bs = windows_bs.astype(np.int32)
+        return {"inputs": windows_bs[:, :-1], "targets": windows_bs[:, 1:]}
+
+    def next(self) -> dict[str, np.ndarray]:
+        out = self.batch_at(self._step)
+        self._step += 1
+        return out
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return self.next()
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def state(self) -> dict[str, Any]:
+        """JSON-serialisable position: ``{"step": int, "seed": int, "sampler": "windows"|"documents"}``."""
+        return {"step": self._step, "seed": self._seed, "sampler": self.sampler}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a saved ``state()`` (adopts its step and seed). A state without "sampler"
+        (written before documents were packed) is accepted by either sampler."""
+        if not isinstance(state, dict) or "step" not in state or "seed" not in state:
+            raise ValueError(f"BatchIterator.restore: need a dict with 'step' and 'seed', got {state!r}")
+        if state.get("sampler", self.sampler) != self.sampler:
+            raise ValueError(
+                f"BatchIterator.restore: the checkpoint's batches came from the {state['sampler']} sampler but this "
+                f"data gives {self.sampler} (document boundaries are {'known' if self.sampler == 'documents' else 'unknown'}"
+                f" now); fix: resume with the --data the run was trained on"
+            )
+        self._step = _check_int("step", state["step"], 0)
+        self._seed = _check_int("seed", state["seed"], 0)
+
+
+DOC_STREAM: int = 0x646F6373  # "docs": keeps the document sampler's random streams apart from the windows'
+
+
+def check_docs(docs: Any, n_tokens: int, where: str = "DocumentIterator") -> np.ndarray:
+    """``docs`` as int64 document start offsets: 1-D, first 0, strictly ascending, last < ``n_tokens``."""
+    d = np.asarray(docs)
+    if d.ndim != 1 or d.size == 0 or not np.issubdtype(d.dtype, np.integer):
+        raise ValueError(f"{where}: document starts must be a non-empty 1-D integer array, got shape {d.shape} "
+                         f"dtype {d.dtype}; fix: pass the start offset of every document (first 0)")
+    d = d.astype(np.int64)
+    if d[0] != 0 or (d.size > 1 and not bool(np.all(d[1:] > d[:-1]))) or d[-1] >= n_tokens:
+        raise ValueError(f"{where}: document starts must begin at 0, ascend strictly and stay below the "
+                         f"{n_tokens} tokens, got {d[:4].tolist()}{'...' if d.size > 4 else ''} (last {int(d[-1])}); "
+                         f"fix: rebuild the data folder (boostjax tokenize)")
+    return d
+
+
+class DocumentIterator(BatchIterator):
+    """Documents packed into rows of ``seq + 1`` tokens; batch ``k`` depends only on ``(seed, k)``.
+
+    Global row ``g = k * batch + i`` is row ``g % R`` of epoch ``g // R`` (``R = (len - 1) // seq`` rows
+    per epoch). Epoch ``e`` draws, from ``np.random.default_rng([seed, DOC_STREAM, e])``, an order of
+    the documents (concatenated, each with its separator) and an order of the ``R`` rows; row ``j``
+    covers stream positions ``[j * seq, j * seq + seq]``. Only the rows' tokens are read (a memmap
+    stays on disk); the per-epoch state is two permutations and a cumulative sum (O(documents + R)).
+    With ``segments``, ``next()`` also returns ``segments: int32[b, seq]``, the document number of each
+    input position counted from 0 in its row (positions attend only within their document under
+    ``--doc-mask``).
+    """
+
+    sampler = "documents"
+
+    def __init__(self, tokens: np.ndarray, docs: np.ndarray, batch: int, seq: int, seed: int, *,
+                 segments: bool = False, **kwargs: Any) -> None:
+        super().__init__(tokens, batch, seq, seed, **kwargs)
+        self.docs = check_docs(docs, len(self.tokens))
+        self.lens = np.diff(np.append(self.docs, len(self.tokens)))
+        self.rows_per_epoch = (len(self.tokens) - 1) // self.seq
+        self.segments = bool(segments)
+        self._epochs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(document order, cumulative lengths in that order [n + 1], row order) of epoch ``e``."""
+        key = (self._seed, e)
+        if key not in self._epochs:
+            rng = np.random.default_rng([self._seed, DOC_STREAM, e])
+            order = rng.permutation(len(self.docs))
+            cum = np.zeros(len(order) + 1, np.int64)
+            np.cumsum(self.lens[order], out=cum[1:])
+            rows = rng.permutation(self.rows_per_epoch)
+            while len(self._epochs) >= 2:  # a batch spans at most two epochs unless it is larger than one
+                self._epochs.pop(next(iter(self._epochs)))
+            self._epochs[key] = (order, cum, rows)
+        return self._epochs[key]
+
+    def positions(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token index into ``tokens``, document index) of this process's rows of batch ``step``:
+        int64[b, seq + 1] each."""
+        lo = self.process_index * self.local_batch
+        g_b = step * self.batch + lo + np.arange(self.local_batch, dtype=np.int64)
+        src_bs = np.empty((self.local_batch, self.seq + 1), np.int64)
+        doc_bs = np.empty_like(src_bs)
+        for e in np.unique(g_b // self.rows_per_epoch):
+            sel = g_b // self.rows_per_epoch == e
+            order, cum, rows = self._epoch(int(e))
+            pos = rows[g_b[sel] % self.rows_per_epoch][:, None] * self.seq + self._offsets[None, :]
+            idx = np.searchsorted(cum, pos, side="right") - 1  # position -> place in this epoch's order
+            src_bs[sel] = self.docs[order[idx]] + (pos - cum[idx])
+            doc_bs[sel] = idx
+        return src_bs, doc_bs
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        """This process's share of global batch ``step`` (does not move the iterator)."""
+        src_bs, doc_bs = self.positions(step)
+        windows_bs = np.asarray(self.tokens[src_bs])
+        if self._lazy_vocab_check:
+            self._check_vocab(windows_bs)
+        windows_bs = windows_bs.astype(np.int32)
+        out = {"inputs": windows_bs[:, :-1], "targets": windows_bs[:, 1:]}
+        if self.segments:
+            out["segments"] = (doc_bs[:, :-1] - doc_bs[:, :1]).astype(np.int32)
+        return out
+
+
+def batch_iterator(tokens: np.ndarray, docs: np.ndarray | None, batch: int, seq: int, seed: int, *,
+                   segments: bool = False, **kwargs: Any) -> BatchIterator:
+    """`DocumentIterator` when the document starts ``docs`` are known, else `BatchIterator` (random
+    windows; ``segments`` then needs documents: ValueError)."""
+    if docs is not None:
+        return DocumentIterator(tokens, docs, batch, seq, seed, segments=segments, **kwargs)
+    if segments:
+        raise ValueError("batch_iterator: segments need document boundaries, and this data has none; "
+                         "fix: pass the documents' start offsets (a data folder or a tokenised folder)")
+    return BatchIterator(tokens, batch, seq, seed, **kwargs)
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    batch: int,
+    seq: int,
+    n: int,
+    seed: int = 1234,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+    vocab_size: int | None = None,
+    docs: np.ndarray | None = None,
+    segments: bool = False,
+) -> list[dict[str, np.ndarray]]:
+    """A fixed list of ``n`` validation batches (same format as `BatchIterator.next`; packed documents
+    when their starts ``docs`` are known, see `batch_iterator`)."""
+    n = _check_int("n", n, 0, where="eval_batches")
+    it = batch_iterator(
+        tokens, docs, batch, seq, seed, segments=segments,
+        process_index=process_index, process_count=process_count, vocab_size=vocab_size,
+    )
+    return [it.next() for _ in range(n)]
