@@ -11,7 +11,7 @@ Split: document ``i`` (in that order) is held out for validation iff ``i % val_e
 (every 50th by default, like the built-in corpus); with fewer than ``val_every`` documents the last one
 is. A trained tokenizer (``train:VOCAB``) sees the training documents only.
 
-The folder (format read back by `boostjax.data.token_folder.read_token_meta`): ``meta.json``, ``tokenizer.json`` (unless
+The folder (read back by `boostjax.data.token_folder`): ``meta.json``, ``tokenizer.json`` (unless
 byte level), ``train.bin`` / ``val.bin`` (raw ids; every document is followed by the tokenizer's
 end-of-document id, or by the bytes ``"\\n\\n"`` at byte level) and ``train.docs.npy`` / ``val.docs.npy``
 (int64 start offsets). ``bytes`` per split counts the UTF-8 bytes its tokens stand for (the documents and,
