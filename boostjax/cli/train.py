@@ -10,35 +10,38 @@ import dataclasses
 import sys
 from typing import Any
 
-from boostjax.cli.flags import add_fields
-from boostjax.config import PRESETS, Config, ModelConfig, TrainConfig, preset
-from boostjax.runs.folder import FOLLOW_STORED, RunFolder
+from boostjax.cli.flags import MODEL_FIELDS, TRAIN_FIELDS, add_fields, add_preset, given, model_from, train_from
+from boostjax.config import Config, ModelConfig, TrainConfig, fields_with
+
+FOLLOW_STORED = fields_with(ModelConfig, "follow-stored")  # = boostjax.runs.folder.FOLLOW_STORED
 
 
 def train_config(args: argparse.Namespace) -> Config:
     """The validated `Config` of a parsed `train` command line (`--init-from-hf` takes the checkpoint's shapes)."""
     from boostjax.training.checks import validate  # JAX imported, its backend not started
 
-    names = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
-    given = {k: v for k, v in vars(args).items() if v is not None}
-    if given.get("init_from_hf"):  # the shapes are the checkpoint's (boostjax.interop.pretrained)
+    flags = given(args, (*MODEL_FIELDS, *TRAIN_FIELDS))
+    if flags.get("init_from_hf"):  # the shapes are the checkpoint's (boostjax.interop.pretrained)
         from boostjax.interop.pretrained import config_from_flags  # imports no JAX at module level
 
-        return validate(config_from_flags(given, preset_given=args.preset is not None))
-    if "vocab_size" not in given:  # a tokenised --data folder names its vocabulary (item 1)
+        return validate(config_from_flags(flags, preset_given=args.preset is not None))
+    over = {}
+    if "vocab_size" not in flags:  # a tokenised --data folder names its vocabulary (item 1)
         from boostjax.data.tokenize import vocab_from_data  # numpy only
 
-        vocab = vocab_from_data(given.get("data"))
+        vocab = vocab_from_data(flags.get("data"))
         if vocab is not None:
-            given["vocab_size"] = vocab
-    model = preset(args.preset or "tiny", **{k: v for k, v in given.items() if k in names(ModelConfig)})
-    train = TrainConfig(**{k: v for k, v in given.items() if k in names(TrainConfig)})
-    return validate(Config(_follow_stored(model, given, train.out), train))
+            over["vocab_size"] = vocab
+    model = model_from(args, MODEL_FIELDS, **over)
+    train = train_from(args, TRAIN_FIELDS)
+    return validate(Config(_follow_stored(model, {**flags, **over}, train.out), train))
 
 
 def _follow_stored(model: ModelConfig, given: dict[str, Any], out: str) -> ModelConfig:
     """A run folder's stored values of the model fields whose default changed (`FOLLOW_STORED`) when the
     command line does not give them: the same command resumes a run of an older boostjax unchanged."""
+    from boostjax.runs.folder import RunFolder  # the library: imported by the handler, not the parser
+
     try:
         stored = RunFolder(out).stored_config() if isinstance(out, str) and out.strip() else None
     except (OSError, ValueError):  # an unreadable folder or config: the trainer names the problem
@@ -52,7 +55,7 @@ def _follow_stored(model: ModelConfig, given: dict[str, Any], out: str) -> Model
 def add_train_command(sub: Any) -> argparse.ArgumentParser:
     """Add `train` (its flags, no handler) to an argparse subparsers object; returns its parser."""
     p = sub.add_parser("train", help="train a model (resumes if --out holds a run)")
-    p.add_argument("--preset", default=None, help=f"model shapes: one of {', '.join(PRESETS)} (default: tiny)")
+    add_preset(p)
     add_fields(p, ModelConfig, "model (override the preset)")
     add_fields(p, TrainConfig, "training")
     return p
