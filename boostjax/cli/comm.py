@@ -82,7 +82,7 @@ def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelCo
                           f"fix: pass {flag_of('batch')} a multiple of {mesh.data}")
     low_rank = [s for s in names if s != "fullrank-tp"]
     if low_rank and base.kind not in LOW_RANK_KINDS:
-        raise ConfigError(f"comm.model: {', '.join(low_rank)} split a low-rank model and {base.kind} is dense "
+        raise ConfigError(f"comm.kind: {', '.join(low_rank)} split a low-rank model and {base.kind} is dense "
                           f"(fullrank-tp always runs the dense llama); fix: pass {flag_of('kind')} with one of "
                           f"{', '.join(LOW_RANK_KINDS)}, or {flag_of('strategy')} fullrank-tp")
     base = replace(base, max_seq_len=max(base.max_seq_len, t.seq))  # comm has no --max-seq-len
