@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-from boostjax.config import MeshShape, ModelConfig, preset
+from boostjax.config import MeshShape, ModelConfig, flag_of, preset
 from boostjax.runtime.hardware import HardwareProfile, get_profile
 from boostjax.offload.blockgraph import (ALL, ATTENTION, BOUNDARY, _bwd_needs, _saved_bytes, activation_names,
                                         block_graph, default_inner_options, recompute_cost)
@@ -104,7 +104,7 @@ def local_model(cfg: ModelConfig, strategy: str = "none", tp: int = 1) -> ModelC
     for dim in STRATEGY_DIMS[strategy]:
         if values[dim] % tp:
             raise ValueError(f"model.{dim}: {values[dim]} is not divisible by the TP size {tp} ({strategy}); "
-                             f"fix: choose --{dim.replace('_', '-')} a multiple of {tp} or a smaller model axis")
+                             f"fix: choose {flag_of(dim)} a multiple of {tp} or a smaller model axis")
         over[dim] = values[dim] // tp
     return replace(cfg, attn_head_dim=cfg.head_dim, **over)
 
