@@ -1,9 +1,12 @@
 """Typed configuration: model shapes, training hyperparameters, the device mesh, presets and validation.
 
 Every field is overridable from the CLI (`--d-model 256`, `--lr 3e-4`, ...); a `Literal` field's values
-are the flag's choices. The mesh is parsed once, into a `MeshShape`, when a `TrainConfig` is made.
-`validate` runs before anything is compiled and raises `ConfigError` with one line naming the field
-and the fix; it marks the config it checked, so a job validates once (`is_validated`).
+are the flag's choices. What a field is lives here once, as its metadata (`option`): its help text,
+its flag (`flag_of`: `--model` for `kind`) and what a resumed run may do with it (`resume_of`); the
+CLI (`boostjax.cli.flags`), the run folder's resume check and every message naming a flag read it.
+The mesh is parsed once, into a `MeshShape`, when a `TrainConfig` is made. `validate` runs before
+anything is compiled and raises `ConfigError` with one line naming the field and the fix; it marks the
+config it checked, so a job validates once (`is_validated`).
 
 A leaf: this module imports nothing of boostjax, so every other module may import it. What needs more
 than the fields (the data, the hardware profiles, what a placement can run) is checked by
@@ -99,7 +102,6 @@ def option(default: Any, help: str, *, resume: Resume = "fixed", flag: str = "",
     if legacy is not _NO_LEGACY:
         meta["legacy"] = legacy
     return field(default=default, metadata=meta)
-
 
 
 @dataclass(frozen=True)
