@@ -84,16 +84,16 @@ def _train_config(*flags):
     return train_config(build_parser().parse_args(["train", *map(str, flags)]))
 
 
-@pytest.mark.parametrize("optimizer,steps", [("adamw", 0), ("adam8bit", 0), ("rotation", 2)])
+@pytest.mark.parametrize("optimizer,steps", [("adamw", 0), ("adam8bit", 2), ("rotation", 2)])
 def test_a_plan_made_with_a_runs_flags_is_accepted_by_that_run(tmp_path, capsys, optimizer, steps):
     """`boostjax plan` with train's defaults (tiny, batch 16, seq 128, float32) and an optimizer, then
-    `boostjax train` with the same flags and the plan: accepted (the rotation run trained for two steps)."""
+    `boostjax train` with the same flags and the plan: accepted (8-bit Adam and rotation trained two steps)."""
     plan = tmp_path / "plan.json"
-    flags = ["--optimizer", optimizer]
+    flags = ["--optimizer", optimizer, "--n-layers", "2"]  # two layers of the tiny preset: a quicker compile
     assert main(["plan", *flags, "--time-limit", "10", "--out", str(plan)]) == 0
     rec = read_plan(plan).planned_for
-    assert (rec["train.optimizer"], rec["train.batch"], rec["train.seq"], rec["train.dtype"], rec["model.d_model"]) \
-        == (optimizer, 16, 128, "float32", 128)
+    assert (rec["train.optimizer"], rec["train.batch"], rec["train.seq"], rec["train.dtype"], rec["model.d_model"],
+            rec["model.n_layers"]) == (optimizer, 16, 128, "float32", 128, 2)
     run = ["--offload-plan", plan, "--out", tmp_path / "run"]
     cfg = _train_config(*flags, *run)
     assert cfg.train.offload_plan == str(plan) and cfg.train.optimizer == optimizer
@@ -101,7 +101,7 @@ def test_a_plan_made_with_a_runs_flags_is_accepted_by_that_run(tmp_path, capsys,
         with pytest.raises(ConfigError, match="optimizer_state_bytes_per_layer.*--rot-geometry"):
             _train_config(*flags, "--rot-geometry", "unilateral", *run)
         with pytest.raises(ConfigError, match="train.optimizer='rotation' but this run has train.optimizer='adamw'"):
-            _train_config(*run)
+            _train_config("--n-layers", "2", *run)
     if optimizer == "adamw":  # a plan of an older boostjax records the optimizer's name only
         old = json.loads(plan.read_text())
         del old["planned_for"]["optimizer_state_bytes_per_layer"]
