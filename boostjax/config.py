@@ -1,9 +1,12 @@
 """Typed configuration: model shapes, training hyperparameters, the device mesh, presets and validation.
 
 Every field is overridable from the CLI (`--d-model 256`, `--lr 3e-4`, ...); a `Literal` field's values
-are the flag's choices. The mesh is parsed once, into a `MeshShape`, when a `TrainConfig` is made.
-`validate` runs before anything is compiled and raises `ConfigError` with one line naming the field
-and the fix; it marks the config it checked, so a job validates once (`is_validated`).
+are the flag's choices. What a field is lives here once, as its metadata (`option`): its help text,
+its flag (`flag_of`: `--model` for `kind`) and what a resumed run may do with it (`resume_of`); the
+CLI (`boostjax.cli.flags`), the run folder's resume check and every message naming a flag read it.
+The mesh is parsed once, into a `MeshShape`, when a `TrainConfig` is made. `validate` runs before
+anything is compiled and raises `ConfigError` with one line naming the field and the fix; it marks the
+config it checked, so a job validates once (`is_validated`).
 
 A leaf: this module imports nothing of boostjax, so every other module may import it. What needs more
 than the fields (the data, the hardware profiles, what a placement can run) is checked by
@@ -34,6 +37,9 @@ PipelineSchedule = Literal["gpipe", "1f1b"]
 RotSource = Literal["second", "first"]
 RotOrder = Literal["previous", "current"]
 RotGeometry = Literal["bilateral", "unilateral"]
+# what the offload cost model assumes attention keeps (`boostjax plan --attention`, boostjax.offload.blockgraph):
+# the [t, t] probabilities, or a fused kernel's per-row log-sum-exp only
+AttentionMemory = Literal["materialized", "flash"]
 ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 ATTENTION: tuple[str, ...] = get_args(Attention)
 MODEL_KINDS: tuple[str, ...] = get_args(ModelKind)
@@ -50,6 +56,7 @@ PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 ROT_SOURCES: tuple[str, ...] = get_args(RotSource)
 ROT_ORDERS: tuple[str, ...] = get_args(RotOrder)
 ROT_GEOMETRIES: tuple[str, ...] = get_args(RotGeometry)
+ATTENTION_MEMORY: tuple[str, ...] = get_args(AttentionMemory)
 # Sizes past which a number is a typo, not a run: token positions and ids are int32 in the step, and a
 # materialised attention of a longer sequence has more than 2^40 scores per head and sequence.
 MAX_SEQ_LEN: int = 1 << 20
@@ -60,6 +67,41 @@ MAX_INIT_TIMEOUT: int = 24 * 3600
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message names the field and the fix."""
+
+
+# ----------------------------------------------------------------------------- what a field is
+# One place says what each ModelConfig / TrainConfig field is: its dataclass metadata (`option`) holds
+# the help text (the CLI's --help), the flag (`flag_of`), what a resumed run may do with it
+# (`boostjax.runs.folder` derives its sets from `resume_of`) and, for a field added after runs
+# existed, the value a config.json without it means (`legacy`).
+
+# What a resumed run (`boostjax.runs.folder.RunFolder.check_resume`) may do with a field:
+# - fixed: refused when it differs from the stored value (the checkpoint's shapes, the data order or
+#   the optimizer state's meaning depend on it);
+# - mutable: may change; the change is recorded in config_history.jsonl;
+# - ignored: may change and is not recorded (where the run is, how a process finds its job);
+# - follow-stored: fixed, and a `boostjax train` resume that does not give the flag keeps the run's
+#   stored value (the field's default or preset value changed after runs were written).
+Resume = Literal["fixed", "mutable", "ignored", "follow-stored"]
+RESUME_POLICIES: tuple[str, ...] = get_args(Resume)
+_NO_LEGACY = object()
+
+
+def option(default: Any, help: str, *, resume: Resume = "fixed", flag: str = "",
+           legacy: Any = _NO_LEGACY) -> Any:
+    """A config field with its metadata: `help` (one or more clauses, no trailing default: the CLI adds
+    it), `resume` (a `Resume` policy), `flag` (the command-line flag when it is not `--` + the name with
+    dashes) and `legacy` (the value a stored config.json that lacks the field means)."""
+    if resume not in RESUME_POLICIES:
+        raise ValueError(f"option: resume={resume!r}; fix: one of {', '.join(RESUME_POLICIES)}")
+    if not help.strip():
+        raise ValueError("option: every field needs its help text; fix: say what the field is")
+    meta: dict[str, Any] = {"help": help, "resume": resume}
+    if flag:
+        meta["flag"] = flag
+    if legacy is not _NO_LEGACY:
+        meta["legacy"] = legacy
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -75,7 +117,7 @@ class MeshShape:
         """'data=2,model=4' -> MeshShape(2, 1, 4); '' -> None (one device, no mesh). Errors name `field`."""
         if not isinstance(text, str):
             raise ConfigError(f"{field}: must be a string like 'data=2,model=4', got {text!r}; "
-                              "fix: pass e.g. --mesh data=2,model=4")
+                              f"fix: pass e.g. {flag_of('mesh')} data=2,model=4")
         sizes: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             axis, sep, size = (x.strip() for x in part.partition("="))
@@ -117,43 +159,69 @@ def mesh_text(mesh: MeshShape | None) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes of a (low-rank) LLaMA. `rank` is ignored by the dense `llama` kind."""
+    """Shapes of a (low-rank) LLaMA. `rank` is ignored by the dense `llama` kind.
 
-    kind: ModelKind = "cola"
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 0  # 0 means "same as n_heads" (no grouped-query attention)
-    d_ff: int = 352
-    rank: int = 32
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    max_seq_len: int = 4096
-    init_std: float = 0.02
-    # attention kernel (boostjax.models.attention); the math is the same, so a resumed run may change these.
-    # auto: cuDNN flash attention on a CUDA GPU in bf16/fp16, else chunked; xla: the materialised reference
-    attention: Attention = "auto"
-    attention_block: int = 512  # query/key positions per tile of the chunked path
-    # item 3 (Hugging Face interop). RoPE scaling (`boostjax.models.ops.rope_inv_freq`): default (plain),
-    # linear (positions / factor), dynamic (NTK base from the sequence length), llama3 (Llama 3.1 bands)
-    rope_type: RopeType = "default"
-    rope_factor: float = 1.0  # linear / dynamic / llama3 scaling factor (1 = none)
-    rope_low_freq_factor: float = 1.0  # llama3: wavelengths beyond original_max / low are divided by factor
-    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max / high are kept
-    rope_original_max_len: int = 0  # llama3: pretraining context (original_max_position_embeddings); 0 = max_seq_len
-    attn_head_dim: int = 0  # width of one attention head; 0 = d_model // n_heads
-    tie_embeddings: bool = False  # the LM head is the embedding transposed (no `head` parameter)
-    bos_token_id: int = -1  # special token ids carried to exports and generation; -1 = none
-    eos_token_ids: str = ""  # comma-separated end-of-sequence ids (Llama 3 has several); "" = none
-    pad_token_id: int = -1
+    Each field's help text, command-line flag and resume policy are its metadata (`option`)."""
+
+    kind: ModelKind = option(
+        "cola", "model kind: llama (dense, SwiGLU), cola (CoLA: SiLU between the two factors of every "
+        "projection), svd (plain low-rank factors, no nonlinearity between them) or lax (CoLA with gated "
+        "latent crossing); with --init-from-hf the default is llama", flag="--model")
+    vocab_size: int = option(256, "vocabulary size (256 = the byte-level tokenizer; without this flag a "
+                                  "tokenised --data folder's meta.json gives it)")
+    d_model: int = option(128, "width d of the residual stream (the embedding dimension)")
+    n_layers: int = option(4, "number of transformer blocks")
+    n_heads: int = option(4, "attention (query) heads")
+    n_kv_heads: int = option(0, "key/value heads for grouped-query attention; 0 = n_heads (no grouping); "
+                                "must divide n_heads")
+    d_ff: int = option(352, "hidden width of the gated MLP")
+    rank: int = option(32, "rank r of every low-rank projection (cola, svd, lax; ignored by llama); at most "
+                           "the smallest projection width")
+    rope_theta: float = option(10000.0, "RoPE base theta: frequencies theta^(-2i/head_dim)")
+    norm_eps: float = option(1e-5, "RMSNorm epsilon (the presets use 1e-6, as CoLA's and BOOST's configs); a "
+                                   "resume without this flag keeps the run's stored value", resume="follow-stored")
+    max_seq_len: int = option(4096, "longest sequence the model takes (RoPE tables, --seq, generation)")
+    init_std: float = option(0.02, "std of the normal init of the dense kind's weights, the embedding and the "
+                                   "LM head (low-rank factors use CoLA's init)")
+    # the attention kernel (boostjax.models.attention) computes the same function, so a resume may change it
+    attention: Attention = option(
+        "auto", "attention kernel: auto (cudnn on a CUDA GPU in bf16/fp16, else chunked), xla (the "
+                "materialised [t, t] reference), cudnn (cuDNN flash attention), chunked (blockwise, no t x t "
+                "buffer); the math is the same, so a resumed run may change it", resume="mutable")
+    attention_block: int = option(512, "query/key positions per tile of the chunked attention (a resumed run "
+                                       "may change it)", resume="mutable")
+    # item 3 (Hugging Face interop). RoPE scaling (`boostjax.models.ops.rope_inv_freq`)
+    rope_type: RopeType = option(
+        "default", "RoPE scaling: default (plain), linear (positions / factor), dynamic (NTK: a larger base "
+                   "beyond max_seq_len), llama3 (Llama 3.1 frequency bands)")
+    rope_factor: float = option(1.0, "RoPE scaling factor of linear / dynamic / llama3 (1 = none)")
+    rope_low_freq_factor: float = option(1.0, "llama3 RoPE: wavelengths beyond rope_original_max_len / this "
+                                              "are divided by the factor")
+    rope_high_freq_factor: float = option(4.0, "llama3 RoPE: wavelengths below rope_original_max_len / this "
+                                               "are kept")
+    rope_original_max_len: int = option(0, "llama3 RoPE: the pretraining context "
+                                           "(original_max_position_embeddings); 0 = max_seq_len")
+    attn_head_dim: int = option(0, "width of one attention head; 0 = d_model / n_heads")
+    tie_embeddings: bool = option(False, "the LM head is the embedding transposed (no separate head "
+                                         "parameter; no TP or pipeline)")
+    # special token ids: metadata carried to exports and generation, so a resumed run may change them
+    bos_token_id: int = option(-1, "beginning-of-sequence token id written to exports; -1 = none",
+                               resume="mutable")
+    eos_token_ids: str = option("", "end-of-sequence token id(s), comma-separated (Llama 3 has several), "
+                                    "written to exports and used by generation; '' = none", resume="mutable")
+    pad_token_id: int = option(-1, "padding token id written to exports; -1 = none", resume="mutable")
     # The MLP's hidden state for the low-rank kinds with SiLU in the latents (cola, lax): True = CoLA's
     # published form `gate * up` (CoLA's only_lr_act=True, BOOST's both_act=False; the nonlinearity is
     # only the SiLU inside each factor pair); False = `silu(gate) * up` (CoLA's 60M/130M configs, and
-    # boostjax before issue 15: a run folder whose config.json lacks the field reads it as False).
+    # boostjax before issue 15: a run folder whose config.json lacks the field reads it as False, `legacy`).
     # Dense llama and svd (linear latents: `gate * up` would make the MLP a pure quadratic) always use
     # `silu(gate) * up`.
-    only_lr_act: bool = True
+    only_lr_act: bool = option(
+        True, "cola/lax MLP hidden state = gate * up, the SiLU only inside each factor pair (CoLA's published "
+              "form, BOOST's both_act=False); --no-only-lr-act: silu(gate) * up (CoLA's 60M/130M configs, and "
+              "runs of boostjax before issue 15, whose config.json lacks the field). llama and svd always use "
+              "silu(gate) * up. A resume without this flag keeps the run's stored value",
+        resume="follow-stored", legacy=False)
 
     @property
     def kv_heads(self) -> int:
@@ -180,61 +248,112 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything `boostjax train` needs besides the model shapes."""
+    """Everything `boostjax train` needs besides the model shapes.
 
-    steps: int = 600
-    batch: int = 16
-    seq: int = 128
-    seed: int = 0
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = -1  # linear warmup steps; -1 = 5 % of the run
-    weight_decay: float = 0.01
-    b1: float = 0.9
-    b2: float = 0.95
-    clip: float = 1.0
-    dtype: Dtype = "float32"  # compute dtype; parameters and optimizer state stay fp32
-    out: str = "runs/default"
-    data: str = ""  # "" = the built-in corpus (this interpreter's standard library sources)
-    data_dtype: DataDtype = "uint16"  # element type of pre-tokenised .bin files
-    ckpt_every: int = 100
-    keep_ckpts: int = 3
-    log_every: int = 10
-    eval_every: int = 100
-    eval_batches: int = 4
-    strategy: Strategy = "none"
+    Each field's help text, command-line flag and resume policy are its metadata (`option`)."""
+
+    steps: int = option(600, "optimizer steps of the whole run (a resumed run may raise it)", resume="mutable")
+    batch: int = option(16, "sequences (rows) per optimizer step, over all devices (per micro-batch with "
+                            "--grad-accum)")
+    seq: int = option(128, "tokens per sequence; at most the model's max_seq_len")
+    seed: int = option(0, "seed of the parameter init and of the data order (batch k is a pure function of "
+                          "the seed and k)")
+    lr: float = option(3e-3, "peak learning rate (after warmup; cosine decay to min_lr_ratio x lr at the last "
+                             "step)", resume="mutable")
+    min_lr_ratio: float = option(0.1, "final learning rate of the cosine decay, as a fraction of --lr, in [0, 1]",
+                                 resume="mutable")
+    warmup: int = option(-1, "linear warmup steps from 0 to --lr; -1 = 5 % of the run (steps // 20)",
+                         resume="mutable")
+    weight_decay: float = option(0.01, "decoupled (AdamW-style) weight decay", resume="mutable")
+    b1: float = option(0.9, "Adam beta1: EMA factor of the first moment, in [0, 1)", resume="mutable")
+    b2: float = option(0.95, "Adam beta2: EMA factor of the second moment, in [0, 1)", resume="mutable")
+    clip: float = option(1.0, "global-norm gradient clipping threshold; 0 disables it", resume="mutable")
+    dtype: Dtype = option("float32", "compute dtype; parameters and optimizer state stay fp32", resume="mutable")
+    out: str = option("runs/default", "run folder (config.json, metrics.jsonl, checkpoints/); an existing run "
+                                      "there is resumed", resume="ignored")
+    data: str = option("", "corpus: '' = this Python's standard library sources; a folder written by boostjax "
+                           "tokenize (its meta.json gives the dtype and, without --vocab-size, the vocabulary), a "
+                           ".bin token file, a text file or a folder of text files")
+    data_dtype: DataDtype = option("uint16", "element type of a pre-tokenised .bin token file")
+    ckpt_every: int = option(100, "save a checkpoint every N steps (and at the last step)", resume="mutable")
+    keep_ckpts: int = option(3, "checkpoints kept in OUT/checkpoints/ (older ones are deleted)", resume="mutable")
+    log_every: int = option(10, "write a metrics.jsonl record (loss, grad_norm, lr, throughput) every N steps",
+                            resume="mutable")
+    eval_every: int = option(100, "validation loss every N steps (and at the last step)", resume="mutable")
+    eval_batches: int = option(4, "held-out batches averaged for each validation loss", resume="mutable")
+    strategy: Strategy = option("none", "tensor-parallel strategy over the mesh's model axis: none, fullrank-tp "
+                                        "(Megatron, llama only), vanilla-tp (low-rank factors split along r), "
+                                        "btp (BOOST's bottleneck TP, low-rank kinds)", resume="mutable")
     # "data=D,stage=P,model=T" or a MeshShape (parsed in __post_init__); None (or "") = one device, no mesh
-    mesh: MeshShape | None = None
-    microbatches: int = 0  # pipeline micro-batches per data shard (stage > 1); 0 = auto (see sharding.pipeline)
-    grad_accum: int = 1  # N micro-batches of `batch` rows per optimizer step (effective batch: batch x N)
-    zero: ZeroStage = 0  # data-parallel state sharding: 0 replicated, 1 optimizer state over data, 3 params too
-    pipeline_schedule: PipelineSchedule = "gpipe"  # stage > 1: gpipe, or 1f1b (activations ~2P micro-batches, not M+P-1)
-    remat: Remat = "none"
-    optimizer: Optimizer = "adamw"
-    pipeline_delay: int = 1  # S: emulate an asynchronous pipeline of S stages (1 = no delay)
-    rot_source: RotSource = "second"  # rotation basis from the 2nd moment (G Gᵀ) or the 1st (momentum)
-    rot_geometry: RotGeometry = "bilateral"  # rotate both sides, or only the smaller one ("unilateral")
-    rot_refresh: int = 10  # refresh the rotation basis every T steps
-    rot_beta: float = 0.95  # EMA of G Gᵀ / Gᵀ G (SOAP's 0.95: the basis must follow the current curvature)
-    rot_max_dim: int = 4096  # a side larger than this is not rotated
-    rot_order: RotOrder = "previous"  # project G_t on bases from G_<=t-1 (SOAP), or refresh with G_t first (the reference)
-    stage_aware_refresh: bool = False  # stages with larger delay refresh their basis more often
-    delay_lr_tc: int = 1000  # PipeDream-LR: steps until the delay-scaled lr reaches lr (reference: 7 of 250 epochs = 2.8 %)
-    offload_plan: str = ""  # plan.json from `boostjax plan`: remat/offload policies and host placement
-    progress: bool = True
+    mesh: MeshShape | None = option(None, "device mesh, e.g. data=2,stage=2,model=4 ('' = one device, no mesh; "
+                                          "CPU devices are simulated as needed)", resume="mutable")
+    microbatches: int = option(0, "pipeline micro-batches per data shard when the mesh has stage > 1 (0 = auto: "
+                                  "the largest divisor of the shard's batch that is <= 4 x stages; see "
+                                  "boostjax.sharding.pipeline)", resume="mutable")
+    grad_accum: int = option(1, "micro-batches of --batch rows per optimizer step (a lax.scan sums their "
+                                "gradients); the effective batch is batch x grad_accum")
+    zero: ZeroStage = option(0, "data-parallel state sharding (ZeRO): 0 replicated, 1 optimizer state split over "
+                                "data, 3 parameters too", resume="mutable")
+    pipeline_schedule: PipelineSchedule = option(
+        "gpipe", "pipeline schedule when the mesh has stage > 1: gpipe (all forwards, then all backwards; "
+                 "activations of every micro-batch) or 1f1b (one forward, one backward; activations of about "
+                 "2 x stages micro-batches, not M + P - 1); the same bubble (P-1)/(M+P-1)", resume="mutable")
+    remat: Remat = option("none", "rematerialisation: none, full (recompute each block in the backward), "
+                                  "lowrank (keep the r-dim latents, recompute the rest; no collective "
+                                  "recomputed)", resume="mutable")
+    optimizer: Optimizer = option(
+        "adamw", "optimizer: adamw (optax AdamW; PipeDream under --pipeline-delay), rotation (Adam in a rotated "
+                 "Kronecker eigenbasis), pipedream-lr (AdamW, update scaled down by the stage delay), nesterov "
+                 "(torch NAdam), adam8bit (AdamW with block-wise 8-bit moments and fused clipping)")
+    pipeline_delay: int = option(1, "emulate an asynchronous pipeline of S stages (PipeDream's weight "
+                                    "stashing): stage s takes its gradient at weights S-1-s updates old; stages "
+                                    "are contiguous layer groups (1 = no delay)")
+    rot_source: RotSource = option("second", "rotation: the basis from the second moment (EMA of G G^T / G^T G) "
+                                             "or the first (the momentum's singular vectors)")
+    rot_geometry: RotGeometry = option("bilateral", "rotation: rotate both sides of each matrix, or only the "
+                                                    "smaller one (unilateral)")
+    rot_refresh: int = option(10, "rotation: refresh the basis every T steps", resume="mutable")
+    rot_beta: float = option(0.95, "rotation: EMA factor of G G^T / G^T G (SOAP's 0.95: the basis must follow "
+                                   "the current curvature)", resume="mutable")
+    rot_max_dim: int = option(4096, "rotation: a matrix side larger than this is not rotated")
+    rot_order: RotOrder = option(
+        "previous", "rotation: 'previous' projects G_t on bases built from earlier gradients (SOAP); 'current' "
+                    "updates the Gram EMA with G_t, refreshes if due (step 1, every rot_refresh steps), then "
+                    "projects (the basis-rotation reference code)")
+    stage_aware_refresh: bool = option(False, "rotation under --pipeline-delay: stages with a larger delay "
+                                              "refresh their basis more often", resume="mutable")
+    delay_lr_tc: int = option(1000, "pipedream-lr: steps until the delay-scaled learning rate reaches lr "
+                                    "(reference: 7 of 250 epochs = 2.8 %)", resume="mutable")
+    offload_plan: str = option("", "plan.json from boostjax plan (made with this run's flags): per-layer "
+                                   "remat/offload policies, host-resident parameters and optimizer states; '' = "
+                                   "none", resume="mutable")
+    progress: bool = option(True, "progress bars on stderr (--no-progress: none, e.g. in log files)",
+                            resume="ignored")
     # multi-host (boostjax.runtime.multihost): all three, or none to read SLURM / Open MPI / BOOSTJAX_* variables
-    coordinator: str = ""  # HOST:PORT of process 0's coordination service
-    num_processes: int = 0  # processes in the job; 0 = from the environment (1 process if none); 1 = force one
-    process_id: int = -1  # this process's index in [0, num_processes); -1 = from the environment
-    init_timeout: int = 300  # seconds a multi-host process waits for the whole job to join before it gives up
-    # observability (issue 13, item 7; boostjax.training.observe)
-    tensorboard: bool = True  # TensorBoard event files in <out>/tensorboard/ (process 0)
-    profile: str = ""  # "START:STOP": a jax.profiler trace of steps [START, STOP) into <out>/profile/
-    hardware: str = ""  # peak-FLOPs profile for MFU (boostjax.runtime.hardware); "" = detect from the device
+    coordinator: str = option("", "multi-host: HOST:PORT of process 0's coordination service ('' = from "
+                                  "BOOSTJAX_COORDINATOR or SLURM / Open MPI)", resume="ignored")
+    num_processes: int = option(0, "multi-host: processes in the job (0 = from the environment, 1 process if "
+                                   "none; 1 = force one)", resume="ignored")
+    process_id: int = option(-1, "multi-host: this process's index, 0..num_processes-1 (-1 = from the "
+                                 "environment)", resume="ignored")
+    init_timeout: int = option(300, "multi-host: seconds a process waits for the whole job to join before it "
+                                    "gives up", resume="mutable")
+    # observability (issue 13, item 7; boostjax.training.observe): what a run shows, not what it computes
+    tensorboard: bool = option(True, "write TensorBoard event files (the metrics.jsonl scalars) into "
+                                     "OUT/tensorboard/ (process 0)", resume="mutable")
+    profile: str = option("", "START:STOP: a jax.profiler trace of steps START..STOP-1 (0-based) into "
+                              "OUT/profile/ ('' = none)", resume="mutable")
+    hardware: str = option("", "hardware profile for the MFU metric (peak BF16 FLOP/s per device), a name or "
+                               "alias of boostjax.runtime.profiles, e.g. H800-80GB, A100-80GB, RTX3090-24GB; '' = "
+                               "detect from the device (none on a CPU)", resume="mutable")
     # item 2 (documents): batches carry segment ids and attention never crosses a document boundary
-    doc_mask: bool = False
+    doc_mask: bool = option(False, "mask attention at document boundaries: packed documents carry a document id "
+                                   "per token and a token attends only to its own document (needs data with "
+                                   "documents: the built-in corpus, a folder or a tokenised folder)")
     # item 4 (boostjax.interop.pretrained): a Hugging Face LLaMA folder a new run starts from ("" = random init)
-    init_from_hf: str = ""
+    init_from_hf: str = option("", "start a new run from a Hugging Face LLaMA folder (its shapes; --model "
+                                   "svd/cola/lax --rank r factors each projection by truncated SVD; "
+                                   "init_report.json holds the errors); '' = random init")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mesh", as_mesh(self.mesh))  # the one parse of a mesh string
@@ -243,6 +362,57 @@ class TrainConfig:
     def sizes(self) -> MeshShape:
         """The mesh's axis sizes; all ones for one device (`mesh` None)."""
         return self.mesh or MeshShape()
+
+
+CONFIG_CLASSES: tuple[type, ...] = (ModelConfig, TrainConfig)
+_FIELDS: dict[str, dataclasses.Field] = {f.name: f for cls in CONFIG_CLASSES for f in fields(cls)}
+DEFAULT_PRESET = "tiny"  # the model shapes `boostjax train` (and every command sharing its flags) starts from
+
+
+def config_field(name: str) -> dataclasses.Field:
+    """The ModelConfig or TrainConfig field `name` (the two share no name: one flag each)."""
+    try:
+        return _FIELDS[name]
+    except KeyError:
+        raise ValueError(f"config_field: no ModelConfig or TrainConfig field {name!r}; fix: use one of "
+                         f"{', '.join(_FIELDS)}") from None
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a ModelConfig / TrainConfig field: `flag_of("kind") == "--model"`,
+    `flag_of("d_model") == "--d-model"`. Every message that names a field's flag asks here."""
+    return config_field(name).metadata.get("flag") or "--" + name.replace("_", "-")
+
+
+def negated_flag_of(name: str) -> str:
+    """The `--no-...` flag that sets a boolean field to False."""
+    return "--no-" + flag_of(name)[2:]
+
+
+def help_of(name: str) -> str:
+    """The help text of a ModelConfig / TrainConfig field (without its default)."""
+    return config_field(name).metadata["help"]
+
+
+def resume_of(name: str) -> str:
+    """What a resumed run may do with the field: one of `RESUME_POLICIES`."""
+    return config_field(name).metadata["resume"]
+
+
+def fields_with(cls: type, *policies: str) -> frozenset[str]:
+    """The names of `cls`'s fields whose resume policy is one of `policies`."""
+    return frozenset(f.name for f in fields(cls) if f.metadata["resume"] in policies)
+
+
+def legacy_values(cls: type) -> dict[str, Any]:
+    """{field: the value a stored config.json without it means} for the fields added after runs existed."""
+    return {f.name: f.metadata["legacy"] for f in fields(cls) if "legacy" in f.metadata}
+
+
+def field_default(name: str) -> Any:
+    """The default of a field as the command line writes it (the mesh as its text)."""
+    f = config_field(name)
+    return mesh_text(f.default) if name == "mesh" else f.default
 
 
 def warmup_steps(t: TrainConfig) -> int:
@@ -309,10 +479,10 @@ def _check_types(obj: Any, prefix: str) -> None:
     Floats must be finite: NaN slips through every comparison, and inf is never a setting."""
     hints = typing.get_type_hints(type(obj))
     for f in fields(obj):
-        v, kind, flag = getattr(obj, f.name), hints[f.name], "--" + f.name.replace("_", "-")
+        v, kind, flag = getattr(obj, f.name), hints[f.name], flag_of(f.name)
         if kind is bool:
             _need(isinstance(v, bool), f"{prefix}.{f.name}: must be true or false, got {v!r}; fix: pass {flag} "
-                                       f"or --no-{f.name.replace('_', '-')}")
+                                       f"or {negated_flag_of(f.name)}")
         elif kind is int:
             _need(isinstance(v, int) and not isinstance(v, bool),
                   f"{prefix}.{f.name}: must be an integer, got {v!r}; fix: pass {flag} N")
@@ -324,7 +494,7 @@ def _check_types(obj: Any, prefix: str) -> None:
         elif f.name == "mesh":  # a MeshShape or None (the constructor parsed a string); its sizes positive ints
             bad = v is not None and not all(type(getattr(v, a)) is int and getattr(v, a) >= 1 for a in MESH_AXES)
             _need(not bad, f"{prefix}.mesh: {v!r} has a size that is not an integer >= 1; "
-                           "fix: pass e.g. --mesh data=2,model=4 or MeshShape(data=2, model=4)")
+                           f"fix: pass e.g. {flag} data=2,model=4 or MeshShape(data=2, model=4)")
         elif typing.get_origin(kind) is Literal and all(isinstance(x, int) for x in get_args(kind)):
             _need(isinstance(v, int) and not isinstance(v, bool),
                   f"{prefix}.{f.name}: must be an integer, got {v!r}; fix: pass {flag} N")
@@ -335,37 +505,45 @@ def _check_types(obj: Any, prefix: str) -> None:
 def validate_model(m: ModelConfig) -> None:
     _need(isinstance(m, ModelConfig), f"model: need a ModelConfig, got {type(m).__name__}; fix: pass ModelConfig(...)")
     _check_types(m, "model")
-    _need(m.kind in MODEL_KINDS, f"model.kind: unknown kind {m.kind!r}; fix: use one of {', '.join(MODEL_KINDS)}")
+    _need(m.kind in MODEL_KINDS, f"model.kind: unknown kind {m.kind!r}; fix: pass {flag_of('kind')} with one of "
+                                 f"{', '.join(MODEL_KINDS)}")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "rank", "max_seq_len"):
         v = getattr(m, name)
-        _need(v > 0, f"model.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
+        _need(v > 0, f"model.{name}: must be positive, got {v}; fix: pass {flag_of(name)} N with N >= 1")
     _need(m.vocab_size <= MAX_VOCAB, f"model.vocab_size: {m.vocab_size} exceeds {MAX_VOCAB} (uint32 token ids); "
-                                     f"fix: pass --vocab-size <= {MAX_VOCAB}")
+                                     f"fix: pass {flag_of('vocab_size')} <= {MAX_VOCAB}")
     _need(m.max_seq_len <= MAX_SEQ_LEN, f"model.max_seq_len: {m.max_seq_len} exceeds {MAX_SEQ_LEN}; "
-                                        f"fix: pass --max-seq-len <= {MAX_SEQ_LEN}")
-    _need(m.n_kv_heads >= 0, f"model.n_kv_heads: must be >= 0, got {m.n_kv_heads}; fix: pass 0 (= n_heads) or a divisor of n_heads")
+                                        f"fix: pass {flag_of('max_seq_len')} <= {MAX_SEQ_LEN}")
+    _need(m.n_kv_heads >= 0, f"model.n_kv_heads: must be >= 0, got {m.n_kv_heads}; fix: pass {flag_of('n_kv_heads')} "
+                             "0 (= n_heads) or a divisor of n_heads")
     _need(m.attn_head_dim >= 0, f"model.attn_head_dim: must be >= 0 (0 = d_model / n_heads), got {m.attn_head_dim}; "
-                                "fix: pass --attn-head-dim 0 or an even width")
+                                f"fix: pass {flag_of('attn_head_dim')} 0 or an even width")
     _need(m.attn_head_dim > 0 or m.d_model % m.n_heads == 0,
           f"model.d_model: {m.d_model} is not divisible by n_heads={m.n_heads}; fix: choose d_model a multiple of "
-          "n_heads, or pass --attn-head-dim")
+          f"n_heads, or pass {flag_of('attn_head_dim')}")
     _need(m.head_dim % 2 == 0, f"model.{'attn_head_dim' if m.attn_head_dim else 'd_model'}: head_dim={m.head_dim} "
-                               "must be even for RoPE; fix: make the head width (--attn-head-dim, or d_model/n_heads) even")
+                               f"must be even for RoPE; fix: make the head width ({flag_of('attn_head_dim')}, or "
+                               "d_model/n_heads) even")
     _need(m.n_heads % m.kv_heads == 0,
-          f"model.n_kv_heads: n_heads={m.n_heads} is not divisible by n_kv_heads={m.kv_heads}; fix: choose a divisor of n_heads")
+          f"model.n_kv_heads: n_heads={m.n_heads} is not divisible by n_kv_heads={m.kv_heads}; fix: pass "
+          f"{flag_of('n_kv_heads')} with a divisor of n_heads")
     if m.low_rank:
         kv_dim = m.kv_heads * m.head_dim
         limit = min(m.d_model, m.d_ff, kv_dim)
         _need(m.rank <= limit,
-              f"model.rank: r={m.rank} exceeds the smallest projection width {limit}; fix: pass --rank <= {limit}")
+              f"model.rank: r={m.rank} exceeds the smallest projection width {limit}; fix: pass "
+              f"{flag_of('rank')} <= {limit}")
     _need(m.rope_theta > 1, f"model.rope_theta: must be > 1 (RoPE's frequencies theta^(-2i/d) must fall), "
-                            f"got {m.rope_theta}; fix: pass e.g. --rope-theta 10000")
-    _need(0 < m.norm_eps < 1, f"model.norm_eps: must lie in (0, 1), got {m.norm_eps}; fix: pass e.g. --norm-eps 1e-5")
-    _need(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}; fix: pass e.g. --init-std 0.02")
+                            f"got {m.rope_theta}; fix: pass e.g. {flag_of('rope_theta')} 10000")
+    _need(0 < m.norm_eps < 1, f"model.norm_eps: must lie in (0, 1), got {m.norm_eps}; fix: pass e.g. "
+                              f"{flag_of('norm_eps')} 1e-5")
+    _need(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}; fix: pass e.g. "
+                          f"{flag_of('init_std')} 0.02")
     _need(m.attention in ATTENTION, f"model.attention: unknown attention {m.attention!r}; "
-                                    f"fix: use one of {', '.join(ATTENTION)}")
+                                    f"fix: pass {flag_of('attention')} with one of {', '.join(ATTENTION)}")
     _need(1 <= m.attention_block <= MAX_SEQ_LEN, f"model.attention_block: must lie in [1, {MAX_SEQ_LEN}], got "
-                                                 f"{m.attention_block}; fix: pass e.g. --attention-block 512")
+                                                 f"{m.attention_block}; fix: pass e.g. "
+                                                 f"{flag_of('attention_block')} 512")
     _validate_rope_scaling(m)
     _validate_token_ids(m)
 
@@ -373,20 +551,23 @@ def validate_model(m: ModelConfig) -> None:
 def _validate_rope_scaling(m: ModelConfig) -> None:
     """RoPE scaling fields (item 3): a known type, and factors that type reads."""
     _need(m.rope_type in ROPE_TYPES, f"model.rope_type: unknown RoPE type {m.rope_type!r}; "
-                                     f"fix: use one of {', '.join(ROPE_TYPES)}")
+                                     f"fix: pass {flag_of('rope_type')} with one of {', '.join(ROPE_TYPES)}")
     _need(m.rope_factor >= 1, f"model.rope_factor: must be >= 1 (it stretches the context), got {m.rope_factor}; "
-                              "fix: pass e.g. --rope-factor 8 (1 = no scaling)")
+                              f"fix: pass e.g. {flag_of('rope_factor')} 8 (1 = no scaling)")
     _need(m.rope_type != "default" or m.rope_factor == 1,
           f"model.rope_factor: {m.rope_factor} has no effect with rope_type default; "
-          "fix: pass --rope-type linear, dynamic or llama3, or drop --rope-factor")
+          f"fix: pass {flag_of('rope_type')} linear, dynamic or llama3, or drop {flag_of('rope_factor')}")
     _need(m.rope_type != "dynamic" or m.head_dim > 2, f"model.rope_type: dynamic NTK scaling needs head_dim > 2, got "
-                                                      f"{m.head_dim}; fix: pass --rope-type linear or a wider head")
+                                                      f"{m.head_dim}; fix: pass {flag_of('rope_type')} linear or a "
+                                                      "wider head")
     _need(m.rope_original_max_len >= 0, f"model.rope_original_max_len: must be >= 0 (0 = max_seq_len), got "
-                                        f"{m.rope_original_max_len}; fix: pass e.g. --rope-original-max-len 8192")
+                                        f"{m.rope_original_max_len}; fix: pass e.g. "
+                                        f"{flag_of('rope_original_max_len')} 8192")
     if m.rope_type == "llama3":
         lo, hi = m.rope_low_freq_factor, m.rope_high_freq_factor
         _need(0 < lo < hi, f"model.rope_high_freq_factor: llama3 needs 0 < low_freq_factor < high_freq_factor, got "
-                           f"{lo} and {hi}; fix: pass e.g. --rope-low-freq-factor 1 --rope-high-freq-factor 4")
+                           f"{lo} and {hi}; fix: pass e.g. {flag_of('rope_low_freq_factor')} 1 "
+                           f"{flag_of('rope_high_freq_factor')} 4")
 
 
 def _validate_token_ids(m: ModelConfig) -> None:
@@ -394,11 +575,12 @@ def _validate_token_ids(m: ModelConfig) -> None:
     for name in ("bos_token_id", "pad_token_id"):
         v = getattr(m, name)
         _need(-1 <= v < m.vocab_size, f"model.{name}: {v} is not a token id of the {m.vocab_size}-token vocabulary "
-                                      f"(-1 = none); fix: pass --{name.replace('_', '-')} in [0, {m.vocab_size}) or -1")
+                                      f"(-1 = none); fix: pass {flag_of(name)} in [0, {m.vocab_size}) or -1")
     parts = [x.strip() for x in m.eos_token_ids.split(",")] if m.eos_token_ids.strip() else []
     ok = all(x.isascii() and x.isdigit() and int(x) < m.vocab_size for x in parts)
+    flag = flag_of("eos_token_ids")
     _need(ok, f"model.eos_token_ids: {m.eos_token_ids!r} is not a comma-separated list of token ids below "
-              f"vocab_size={m.vocab_size}; fix: pass e.g. --eos-token-ids 2 or --eos-token-ids 128001,128009 ('' = none)")
+              f"vocab_size={m.vocab_size}; fix: pass e.g. {flag} 2 or {flag} 128001,128009 ('' = none)")
 
 
 def validate_train(t: TrainConfig, m: ModelConfig) -> None:
@@ -406,49 +588,64 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _check_types(t, "train")
     for name in ("steps", "batch", "seq", "ckpt_every", "keep_ckpts", "log_every", "eval_every", "eval_batches"):
         v = getattr(t, name)
-        _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
+        _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass {flag_of(name)} N with N >= 1")
     _need(t.batch * t.seq <= MAX_TOKENS, f"train.batch: batch x seq = {t.batch} x {t.seq} tokens exceeds {MAX_TOKENS} "
-                                         "(int32 positions); fix: lower --batch or --seq")
+                                         f"(int32 positions); fix: lower {flag_of('batch')} or {flag_of('seq')}")
     _validate_accum_zero(t)
-    _need(0 <= t.seed < 1 << 63, f"train.seed: must lie in [0, 2^63), got {t.seed}; fix: pass --seed N with N >= 0")
+    _need(0 <= t.seed < 1 << 63, f"train.seed: must lie in [0, 2^63), got {t.seed}; fix: pass {flag_of('seed')} N "
+                                 "with N >= 0")
     _need(bool(t.out.strip()) and "\0" not in t.out,
           f"train.out: {t.out!r} is not a folder name (an empty one would write into the current folder); "
-          "fix: pass --out runs/NAME")
-    _need(t.lr > 0, f"train.lr: must be positive, got {t.lr}; fix: pass e.g. --lr 1e-3")
+          f"fix: pass {flag_of('out')} runs/NAME")
+    _need(t.lr > 0, f"train.lr: must be positive, got {t.lr}; fix: pass e.g. {flag_of('lr')} 1e-3")
     _need(t.warmup == -1 or 0 <= t.warmup < t.steps,
-          f"train.warmup: {t.warmup} must lie in [0, steps={t.steps}) or be -1 (5 % of steps); fix: lower --warmup")
-    _need(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio: {t.min_lr_ratio} outside [0, 1]; fix: pass e.g. 0.1")
-    _need(0.0 <= t.b1 < 1.0, f"train.b1: {t.b1} outside [0, 1); fix: pass e.g. --b1 0.9")
-    _need(0.0 <= t.b2 < 1.0, f"train.b2: {t.b2} outside [0, 1); fix: pass e.g. --b2 0.95")
-    _need(t.clip >= 0, f"train.clip: must be >= 0 (0 disables), got {t.clip}; fix: pass e.g. --clip 1.0")
-    _need(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}; fix: pass e.g. 0.01")
-    _need(t.dtype in DTYPES, f"train.dtype: unknown dtype {t.dtype!r}; fix: use one of {', '.join(DTYPES)}")
-    _need(t.data_dtype in DATA_DTYPES, f"train.data_dtype: {t.data_dtype!r}; fix: use {' or '.join(DATA_DTYPES)}")
+          f"train.warmup: {t.warmup} must lie in [0, steps={t.steps}) or be -1 (5 % of steps); "
+          f"fix: lower {flag_of('warmup')}")
+    _need(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio: {t.min_lr_ratio} outside [0, 1]; fix: pass e.g. "
+                                        f"{flag_of('min_lr_ratio')} 0.1")
+    _need(0.0 <= t.b1 < 1.0, f"train.b1: {t.b1} outside [0, 1); fix: pass e.g. {flag_of('b1')} 0.9")
+    _need(0.0 <= t.b2 < 1.0, f"train.b2: {t.b2} outside [0, 1); fix: pass e.g. {flag_of('b2')} 0.95")
+    _need(t.clip >= 0, f"train.clip: must be >= 0 (0 disables), got {t.clip}; fix: pass e.g. {flag_of('clip')} 1.0")
+    _need(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}; fix: pass e.g. "
+                               f"{flag_of('weight_decay')} 0.01")
+    _need(t.dtype in DTYPES, f"train.dtype: unknown dtype {t.dtype!r}; fix: pass {flag_of('dtype')} with one of "
+                             f"{', '.join(DTYPES)}")
+    _need(t.data_dtype in DATA_DTYPES, f"train.data_dtype: {t.data_dtype!r}; fix: pass {flag_of('data_dtype')} "
+                                       f"{' or '.join(DATA_DTYPES)}")
     _need(m.attention != "cudnn" or t.dtype != "float32",
           "model.attention: cudnn runs in bfloat16/float16 and the compute dtype is float32; "
-          "fix: pass --dtype bfloat16 or --attention chunked")
-    _need(t.seq <= m.max_seq_len, f"train.seq: {t.seq} exceeds model.max_seq_len={m.max_seq_len}; fix: lower --seq or raise --max-seq-len")
-    _need(t.strategy in STRATEGIES, f"train.strategy: unknown strategy {t.strategy!r}; fix: use one of {', '.join(STRATEGIES)}")
-    _need(t.remat in REMAT, f"train.remat: unknown remat {t.remat!r}; fix: use one of {', '.join(REMAT)}")
+          f"fix: pass {flag_of('dtype')} bfloat16 or {flag_of('attention')} chunked")
+    _need(t.seq <= m.max_seq_len, f"train.seq: {t.seq} exceeds model.max_seq_len={m.max_seq_len}; fix: lower "
+                                  f"{flag_of('seq')} or raise {flag_of('max_seq_len')}")
+    _need(t.strategy in STRATEGIES, f"train.strategy: unknown strategy {t.strategy!r}; fix: pass "
+                                    f"{flag_of('strategy')} with one of {', '.join(STRATEGIES)}")
+    _need(t.remat in REMAT, f"train.remat: unknown remat {t.remat!r}; fix: pass {flag_of('remat')} with one of "
+                            f"{', '.join(REMAT)}")
     _need(t.optimizer in OPTIMIZERS,
-          f"train.optimizer: unknown optimizer {t.optimizer!r}; fix: use one of {', '.join(OPTIMIZERS)}")
-    _need(t.pipeline_delay >= 1, f"train.pipeline_delay: must be >= 1, got {t.pipeline_delay}; fix: pass --pipeline-delay S >= 1")
+          f"train.optimizer: unknown optimizer {t.optimizer!r}; fix: pass {flag_of('optimizer')} with one of "
+          f"{', '.join(OPTIMIZERS)}")
+    _need(t.pipeline_delay >= 1, f"train.pipeline_delay: must be >= 1, got {t.pipeline_delay}; fix: pass "
+                                 f"{flag_of('pipeline_delay')} S >= 1")
     _need(m.n_layers % t.pipeline_delay == 0,
           f"train.pipeline_delay: {t.pipeline_delay} stages do not divide n_layers={m.n_layers}; "
-          f"fix: pick a divisor of {m.n_layers}")
-    _need(t.rot_source in ROT_SOURCES, f"train.rot_source: {t.rot_source!r}; fix: use {' or '.join(ROT_SOURCES)}")
+          f"fix: pass {flag_of('pipeline_delay')} with a divisor of {m.n_layers}")
+    _need(t.rot_source in ROT_SOURCES, f"train.rot_source: {t.rot_source!r}; fix: pass {flag_of('rot_source')} "
+                                       f"{' or '.join(ROT_SOURCES)}")
     _need(t.rot_geometry in ROT_GEOMETRIES,
-          f"train.rot_geometry: {t.rot_geometry!r}; fix: use {' or '.join(ROT_GEOMETRIES)}")
-    _need(t.rot_order in ROT_ORDERS, f"train.rot_order: {t.rot_order!r}; fix: use {' or '.join(ROT_ORDERS)}")
+          f"train.rot_geometry: {t.rot_geometry!r}; fix: pass {flag_of('rot_geometry')} {' or '.join(ROT_GEOMETRIES)}")
+    _need(t.rot_order in ROT_ORDERS, f"train.rot_order: {t.rot_order!r}; fix: pass {flag_of('rot_order')} "
+                                     f"{' or '.join(ROT_ORDERS)}")
     _need(t.rot_order == "previous" or t.rot_source == "second",
           f"train.rot_order: 'current' needs rot_source 'second' (got {t.rot_source!r}); "
-          "fix: pass --rot-source second or --rot-order previous")
+          f"fix: pass {flag_of('rot_source')} second or {flag_of('rot_order')} previous")
     for name in ("rot_refresh", "rot_max_dim", "delay_lr_tc"):
         v = getattr(t, name)
-        _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass --{name.replace('_', '-')} N with N >= 1")
-    _need(0.0 <= t.rot_beta < 1.0, f"train.rot_beta: {t.rot_beta} outside [0, 1); fix: e.g. --rot-beta 0.95")
+        _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass {flag_of(name)} N with N >= 1")
+    _need(0.0 <= t.rot_beta < 1.0, f"train.rot_beta: {t.rot_beta} outside [0, 1); fix: pass e.g. "
+                                   f"{flag_of('rot_beta')} 0.95")
     _need(1 <= t.init_timeout <= MAX_INIT_TIMEOUT,
-          f"train.init_timeout: {t.init_timeout} s outside [1, {MAX_INIT_TIMEOUT}]; fix: pass e.g. --init-timeout 300")
+          f"train.init_timeout: {t.init_timeout} s outside [1, {MAX_INIT_TIMEOUT}]; fix: pass e.g. "
+          f"{flag_of('init_timeout')} 300")
     _validate_pipeline(t)
     _validate_observe(t)
     _validate_doc_mask(t, m)
@@ -464,32 +661,34 @@ def parse_profile(spec: str, steps: int) -> tuple[int, int] | None:
     """--profile 'START:STOP' -> (START, STOP) with 0 <= START < STOP <= steps; '' -> None."""
     if not spec:
         return None
+    flag = flag_of("profile")
     start, sep, stop = spec.partition(":")
     ok = bool(sep) and all(x.strip().isascii() and x.strip().isdigit() for x in (start, stop))
     if not ok:
-        raise ConfigError(f"train.profile: cannot read {spec!r}; fix: pass --profile START:STOP with two "
-                          f"step numbers, e.g. --profile 10:15")
+        raise ConfigError(f"train.profile: cannot read {spec!r}; fix: pass {flag} START:STOP with two "
+                          f"step numbers, e.g. {flag} 10:15")
     a, b = int(start), int(stop)
     if not a < b <= steps:
         raise ConfigError(f"train.profile: steps {a}:{b} must satisfy START < STOP <= steps={steps}; fix: pass "
-                          f"e.g. --profile {min(10, max(steps - 1, 0))}:{min(15, steps)}")
+                          f"e.g. {flag} {min(10, max(steps - 1, 0))}:{min(15, steps)}")
     return a, b
 
 
 def _validate_accum_zero(t: TrainConfig) -> None:
     """Gradient accumulation and ZeRO stages (`boostjax.training.step`)."""
+    accum, zero, plan = flag_of("grad_accum"), flag_of("zero"), flag_of("offload_plan")
     _need(t.grad_accum >= 1, f"train.grad_accum: must be >= 1 (1 = no accumulation), got {t.grad_accum}; "
-                             "fix: pass --grad-accum N with N >= 1")
+                             f"fix: pass {accum} N with N >= 1")
     _need(t.batch * t.grad_accum * t.seq <= MAX_TOKENS,
           f"train.grad_accum: batch x grad_accum x seq = {t.batch} x {t.grad_accum} x {t.seq} tokens per step "
-          f"exceeds {MAX_TOKENS}; fix: lower --grad-accum, --batch or --seq")
-    _need(t.zero in ZERO_STAGES, f"train.zero: unknown ZeRO stage {t.zero}; fix: pass --zero 0 (replicated), "
+          f"exceeds {MAX_TOKENS}; fix: lower {accum}, {flag_of('batch')} or {flag_of('seq')}")
+    _need(t.zero in ZERO_STAGES, f"train.zero: unknown ZeRO stage {t.zero}; fix: pass {zero} 0 (replicated), "
                                  "1 (optimizer state over data) or 3 (parameters too)")
     if t.offload_plan:
         _need(t.grad_accum == 1, "train.grad_accum: an offload plan budgets one batch per step and no gradient "
-                                 "accumulator; fix: drop --grad-accum or --offload-plan")
+                                 f"accumulator; fix: drop {accum} or {plan}")
         _need(t.zero == 0, "train.zero: an offload plan budgets each device's state unsplit over data (ZeRO is not "
-                           "planned); fix: drop --zero or --offload-plan")
+                           f"planned); fix: drop {zero} or {plan}")
 
 
 def _validate_doc_mask(t: TrainConfig, m: ModelConfig) -> None:
@@ -498,16 +697,16 @@ def _validate_doc_mask(t: TrainConfig, m: ModelConfig) -> None:
     if not t.doc_mask:
         return
     _need(m.attention != "cudnn", "train.doc_mask: cuDNN attention takes no segment ids; "
-                                  "fix: pass --attention chunked (or auto) or drop --doc-mask")
+                                  f"fix: pass {flag_of('attention')} chunked (or auto) or drop {flag_of('doc_mask')}")
 
 
 def _validate_pipeline(t: TrainConfig) -> None:
     """The pipeline fields themselves (what a `stage` mesh needs of them: `boostjax.placement.check`)."""
     _need(t.microbatches >= 0, f"train.microbatches: must be >= 0 (0 = auto), got {t.microbatches}; "
-                               "fix: pass --microbatches M with M >= 1")
+                               f"fix: pass {flag_of('microbatches')} M with M >= 1")
     _need(t.pipeline_schedule in PIPELINE_SCHEDULES,
-          f"train.pipeline_schedule: unknown schedule {t.pipeline_schedule!r}; fix: use one of "
-          f"{', '.join(PIPELINE_SCHEDULES)}")
+          f"train.pipeline_schedule: unknown schedule {t.pipeline_schedule!r}; fix: pass "
+          f"{flag_of('pipeline_schedule')} with one of {', '.join(PIPELINE_SCHEDULES)}")
 
 
 def validate_processes(coordinator: str, num_processes: int, process_id: int, mesh: MeshShape | None,
@@ -517,11 +716,12 @@ def validate_processes(coordinator: str, num_processes: int, process_id: int, me
     whose devices split evenly over the processes. `names` are the fields (or environment variables)
     the values came from, for the error message."""
     c_name, n_name, i_name = names
-    flags = "--coordinator, --num-processes and --process-id"
+    c_flag, n_flag, i_flag = flag_of("coordinator"), flag_of("num_processes"), flag_of("process_id")
+    flags = f"{c_flag}, {n_flag} and {i_flag}"
     _need(num_processes >= 0, f"{n_name}: must be >= 1 (0 = from the environment), got {num_processes}; "
-                              "fix: pass --num-processes N with N >= 1")
+                              f"fix: pass {n_flag} N with N >= 1")
     _need(process_id >= -1, f"{i_name}: must be >= 0 (-1 = from the environment), got {process_id}; "
-                            "fix: pass --process-id I with 0 <= I < num_processes")
+                            f"fix: pass {i_flag} I with 0 <= I < num_processes")
     if num_processes == 1:
         _need(not coordinator and process_id in (-1, 0),
               f"{n_name}: a single-process run takes no coordinator or other process id; fix: drop {flags}")
@@ -535,7 +735,7 @@ def validate_processes(coordinator: str, num_processes: int, process_id: int, me
     host, sep, port = coordinator.rpartition(":")
     _need(bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
           f"{c_name}: {coordinator!r} is not HOST:PORT; fix: pass process 0's address and a free port, "
-          "e.g. --coordinator 10.0.0.1:12355")
+          f"e.g. {c_flag} 10.0.0.1:12355")
     _need(process_id < num_processes, f"{i_name}: {process_id} is not in [0, {num_processes}); "
                                       f"fix: number the processes 0..{num_processes - 1}")
     validate_process_mesh(num_processes, mesh)
@@ -543,12 +743,13 @@ def validate_processes(coordinator: str, num_processes: int, process_id: int, me
 
 def validate_process_mesh(num_processes: int, mesh: MeshShape | None) -> None:
     """A job of several processes needs a mesh whose devices split evenly over them."""
+    flag = flag_of("mesh")
     _need(mesh is not None, f"train.mesh: a job of {num_processes} processes needs a device mesh over all of "
-                            "their devices; fix: pass e.g. --mesh data=D,model=T with D x T the job's device count")
+                            f"their devices; fix: pass e.g. {flag} data=D,model=T with D x T the job's device count")
     devices = mesh.devices
     _need(devices % num_processes == 0,
           f"train.mesh: its {devices} devices do not split evenly over {num_processes} processes; "
-          f"fix: make the product of the --mesh sizes a multiple of {num_processes} (devices per process x processes)")
+          f"fix: make the product of the {flag} sizes a multiple of {num_processes} (devices per process x processes)")
 
 
 def validate(cfg: Config) -> Config:
@@ -582,8 +783,9 @@ def field_names(cls: type) -> list[str]:
 
 def check_batch_seq(batch: int, seq: int, where: str) -> None:
     """A command's --batch and --seq: positive and within the sizes one step can hold."""
+    b_flag, s_flag = flag_of("batch"), flag_of("seq")
     for name, v in (("batch", batch), ("seq", seq)):
-        _need(v >= 1, f"{where}.{name}: must be positive, got {v}; fix: pass --{name} N with N >= 1")
-    _need(seq <= MAX_SEQ_LEN, f"{where}.seq: {seq} exceeds {MAX_SEQ_LEN}; fix: pass --seq <= {MAX_SEQ_LEN}")
+        _need(v >= 1, f"{where}.{name}: must be positive, got {v}; fix: pass {flag_of(name)} N with N >= 1")
+    _need(seq <= MAX_SEQ_LEN, f"{where}.seq: {seq} exceeds {MAX_SEQ_LEN}; fix: pass {s_flag} <= {MAX_SEQ_LEN}")
     _need(batch * seq <= MAX_TOKENS, f"{where}.batch: batch x seq = {batch} x {seq} tokens exceeds {MAX_TOKENS}; "
-                                     "fix: lower --batch or --seq")
+                                     f"fix: lower {b_flag} or {s_flag}")

@@ -176,8 +176,8 @@ def markdown(res: dict) -> str:
         "(a test suite ran beside it).",
         "",
         "Reproduce: `python experiments/memory_table.py`; one row: "
-        "`boostjax comm --preset 7b --mesh data=1,model=4 --batch 4 --seq 4096 --strategy btp --remat lowrank "
-        "--json` (keys `peak_bytes_per_device`, `weight_bytes`, `optimizer_bytes`, `activation_bytes`).",
+        "`boostjax comm --preset 7b --mesh data=1,model=4 --batch 4 --seq 4096 --dtype bfloat16 --strategy btp "
+        "--remat lowrank --json` (keys `peak_bytes_per_device`, `weight_bytes`, `optimizer_bytes`, `activation_bytes`).",
     ]
     return "\n".join(lines) + "\n"
 

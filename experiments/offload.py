@@ -27,7 +27,7 @@ import sys
 import time
 
 from boostjax.offload import check_plan_for  # noqa: E402
-from boostjax.cli.plan import report  # noqa: E402
+from boostjax.offload.report import report  # noqa: E402
 from boostjax.offload.costmodel import PlanInstance, instance_family, lazytrain_27b  # noqa: E402
 from boostjax.offload.planner import BASELINES, baseline_plan, solve  # noqa: E402
 

@@ -223,6 +223,7 @@ def plan_file(tmp_path_factory):
     (["--seq", "64"], ["train.seq=32", "train.seq=64"]),
     (["--dtype", "bfloat16"], ["train.dtype='float32'", "train.dtype='bfloat16'"]),
     (["--optimizer", "adam8bit"], ["train.optimizer='adamw'", "train.optimizer='adam8bit'"]),
+    (["--optimizer", "rotation"], ["train.optimizer='adamw'", "train.optimizer='rotation'"]),  # once priced as adamw
     (["--n-layers", "4"], ["the plan has 2 layers", "n_layers=4"]),
     (["--strategy", "btp", "--mesh", "data=1,model=2"], ["train.strategy='none'", "train.strategy='btp'"]),
     (["--mesh", "data=2"], ["train.mesh=''", "train.mesh='data=2,model=1'"]),
@@ -278,14 +279,18 @@ def test_offload_plan_files_that_are_not_plans(capsys, tmp_path, plan_file):
     (["--preset", "nope"], "preset"), (["--strategy", "zero"], "comm.strategy"),
 ])
 def test_comm_flags(capsys, flags, field):
-    _refused(capsys, ["comm", "--preset", "tiny", "--seq", "16", *flags], field)
+    # comm's former defaults (mesh data=1,model=4, batch 4, bf16), given: it now takes train's
+    _refused(capsys, ["comm", "--preset", "tiny", "--seq", "16", "--mesh", "data=1,model=4", "--batch", "4",
+                      "--dtype", "bfloat16", *flags], field)
 
 
 def test_comm_dump_hlo_is_checked_before_compiling(capsys, tmp_path):
     f = tmp_path / "file.txt"
     f.write_text("mine\n")
-    _refused(capsys, ["comm", "--preset", "tiny", "--dump-hlo", f], "comm.dump_hlo", "is a file")
-    _refused(capsys, ["comm", "--preset", "tiny", "--dump-hlo", f / "sub"], "comm.dump_hlo", f"under the file {f}")
+    tp4 = ["--mesh", "data=1,model=4"]  # comm's former default mesh, given: it now takes train's ('')
+    _refused(capsys, ["comm", "--preset", "tiny", *tp4, "--dump-hlo", f], "comm.dump_hlo", "is a file")
+    _refused(capsys, ["comm", "--preset", "tiny", *tp4, "--dump-hlo", f / "sub"], "comm.dump_hlo",
+             f"under the file {f}")
     d = tmp_path / "dumps"
     d.mkdir()
     (d / "btp.fwd.hlo.txt").write_text("my notes\n")

@@ -1,13 +1,18 @@
 """`boostjax plan`: JSON fields, the readable summary, an infeasible budget (exit 2 with the smallest
-budget that works), LazyTrain's 27B instance, and `boostjax train --offload-plan` end to end."""
+budget that works), LazyTrain's 27B instance, `boostjax train --offload-plan` end to end, and a plan
+made with a run's flags (train's defaults, any optimizer) accepted by that run."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import replace
 
+import pytest
+
 from boostjax.cli import main
+from boostjax.config import ConfigError
 from boostjax.offload.planfile import read_plan
 from boostjax.runs.load import read_metrics
 from helpers import MICRO, model_flags
@@ -67,3 +72,45 @@ def test_lazytrain_27b_instance(capsys):
     mega = rep["baselines"]["megatrain"]
     assert mega["fits"] and rep["speedup_vs_megatrain"] > 1.1
     assert not rep["baselines"]["no-offload"]["fits"]
+
+
+# ----------------------------------------------------------------------------- the same flags, the same run
+
+def _train_config(*flags):
+    """The validated config `boostjax train FLAGS` runs (the offload plan checked against it), nothing run."""
+    from boostjax.cli import build_parser
+    from boostjax.cli.train import train_config
+
+    return train_config(build_parser().parse_args(["train", *map(str, flags)]))
+
+
+@pytest.mark.parametrize("optimizer,steps", [("adamw", 0), ("adam8bit", 2), ("rotation", 2)])
+def test_a_plan_made_with_a_runs_flags_is_accepted_by_that_run(tmp_path, capsys, optimizer, steps):
+    """`boostjax plan` with train's defaults (tiny, batch 16, seq 128, float32) and an optimizer, then
+    `boostjax train` with the same flags and the plan: accepted (8-bit Adam and rotation trained two steps)."""
+    plan = tmp_path / "plan.json"
+    flags = ["--optimizer", optimizer, "--n-layers", "2"]  # two layers of the tiny preset: a quicker compile
+    assert main(["plan", *flags, "--time-limit", "10", "--out", str(plan)]) == 0
+    rec = read_plan(plan).planned_for
+    assert (rec["train.optimizer"], rec["train.batch"], rec["train.seq"], rec["train.dtype"], rec["model.d_model"],
+            rec["model.n_layers"]) == (optimizer, 16, 128, "float32", 128, 2)
+    run = ["--offload-plan", plan, "--out", tmp_path / "run"]
+    cfg = _train_config(*flags, *run)
+    assert cfg.train.offload_plan == str(plan) and cfg.train.optimizer == optimizer
+    if optimizer == "rotation":  # the plan priced this optimizer's state: a differently shaped state is refused
+        with pytest.raises(ConfigError, match="optimizer_state_bytes_per_layer.*--rot-geometry"):
+            _train_config(*flags, "--rot-geometry", "unilateral", *run)
+        with pytest.raises(ConfigError, match="train.optimizer='rotation' but this run has train.optimizer='adamw'"):
+            _train_config("--n-layers", "2", *run)
+    if optimizer == "adamw":  # a plan of an older boostjax records the optimizer's name only
+        old = json.loads(plan.read_text())
+        del old["planned_for"]["optimizer_state_bytes_per_layer"]
+        plan.write_text(json.dumps(old))
+        _train_config(*flags, *run)
+    if steps:
+        text = tmp_path / "text.txt"
+        text.write_text("the same flags make the same run. " * 400)
+        assert main(["train", *flags, *map(str, run), "--steps", str(steps), "--data", str(text), "--eval-batches",
+                     "1", "--no-progress", "--no-tensorboard"]) == 0, capsys.readouterr().err
+        losses = [m["loss"] for m in read_metrics(tmp_path / "run") if "loss" in m]
+        assert len(losses) >= 1 and all(math.isfinite(x) for x in losses)

@@ -8,35 +8,29 @@ import json
 from dataclasses import replace
 from typing import Any, Sequence
 
-from boostjax.config import (ATTENTION, DTYPES, LOW_RANK_KINDS, OPTIMIZERS, PIPELINE_SCHEDULES, PRESETS, REMAT,
-                             TP_STRATEGIES, Config, ConfigError, MeshShape, ModelConfig, TrainConfig, check_batch_seq,
-                             preset, validate)
+from boostjax.cli.flags import add_run_flags, model_from, renamed, train_from
+from boostjax.config import (LOW_RANK_KINDS, TP_STRATEGIES, Config, ConfigError, MeshShape, ModelConfig, TrainConfig,
+                             DEFAULT_PRESET, check_batch_seq, flag_of, validate)
+
+# the run's flags, as `boostjax train` takes them (with train's defaults); --strategy is comm's own (below)
+RUN_FLAGS = ("kind", "attention", "batch", "seq", "mesh", "remat", "dtype", "optimizer", "zero", "grad_accum",
+             "pipeline_schedule", "microbatches")
+COMPARED = (*TP_STRATEGIES, "all")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `comm` subcommand to a `boostjax` argparse subparsers object."""
     p = subparsers.add_parser("comm", help="all-reduce count and bytes, and peak memory per device, of the "
                               "compiled step, per TP strategy")
-    p.add_argument("--preset", default="7b", help=f"model shapes: one of {', '.join(PRESETS)} (default: 7b)")
-    p.add_argument("--model", default="cola", choices=LOW_RANK_KINDS,
-                   help="low-rank kind for vanilla-tp and btp (fullrank-tp uses the dense llama) (default: cola)")
-    p.add_argument("--mesh", default="data=1,model=4", help="device mesh (default: data=1,model=4)")
-    p.add_argument("--batch", type=int, default=4, help="global batch (default: 4)")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length (default: 4096)")
-    p.add_argument("--strategy", default="all", choices=(*TP_STRATEGIES, "all"), help="TP strategy (default: all)")
-    p.add_argument("--remat", default="none", choices=REMAT, help="rematerialisation policy (default: none)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="compute dtype (default: bfloat16)")
-    p.add_argument("--attention", default="auto", choices=ATTENTION,
-                   help="attention kernel (default: auto = chunked off a CUDA GPU, no [t, t] buffer)")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer (default: adamw)")
-    p.add_argument("--zero", type=int, default=0, help="optimizer-state sharding over data: 0, 1 or 3 (default: 0)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch rows per step (default: 1)")
-    p.add_argument("--pipeline-schedule", default="gpipe", choices=PIPELINE_SCHEDULES,
-                   help="pipeline schedule with stage= in --mesh (default: gpipe)")
-    p.add_argument("--microbatches", type=int, default=0,
-                   help="pipeline micro-batches per data shard with stage= in --mesh (default: 0 = auto)")
-    p.add_argument("--json", action="store_true", help="print one JSON object {strategy: report}")
-    p.add_argument("--dump-hlo", default=None, metavar="DIR", help="write DIR/<strategy>.hlo.txt and .fwd.hlo.txt")
+    add_run_flags(p, RUN_FLAGS)
+    g = p.add_argument_group("comparison")
+    g.add_argument("--strategy", default="all", choices=COMPARED,
+                   help="the TP strategies to compile and compare: one, or all three (fullrank-tp runs the dense "
+                        "llama, vanilla-tp and btp the low-rank --model); unlike train's --strategy it selects "
+                        "strategies to compare, so it has no 'none' (default: all)")
+    g.add_argument("--json", action="store_true", help="print one JSON object {strategy: report}")
+    g.add_argument("--dump-hlo", default=None, metavar="DIR", help="write DIR/<strategy>.hlo.txt and .fwd.hlo.txt "
+                                                                   "(default: not written)")
     p.set_defaults(func=_cmd_comm)
     return p
 
@@ -68,8 +62,7 @@ def _table(reports: dict[str, dict[str, Any]]) -> str:
 
 def _comm_error(e: ConfigError) -> ConfigError:
     """A `train.*` message from the shared validation, renamed to the `comm.*` flag it came from."""
-    text = str(e)
-    return ConfigError("comm." + text[len("train."):] if text.startswith("train.") else text)
+    return ConfigError(renamed(e, "comm"))
 
 
 def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelConfig, MeshShape]:
@@ -77,16 +70,22 @@ def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelCo
     parsed here, once)."""
     from boostjax.analysis.comm import check_dump_dir, model_for
 
-    check_batch_seq(args.batch, args.seq, "comm")
-    mesh = MeshShape.parse(args.mesh, "comm.mesh")
+    t = train_from(args, RUN_FLAGS, mesh=None)
+    check_batch_seq(t.batch, t.seq, "comm")
+    base = model_from(args, RUN_FLAGS)
+    mesh = MeshShape.parse(args.mesh, "comm.mesh") if args.mesh is not None else None
     if mesh is None:
-        raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
-    if args.batch % mesh.data:
-        raise ConfigError(f"comm.batch: {args.batch} is not divisible by data={mesh.data}; "
-                          f"fix: pass --batch a multiple of {mesh.data}")
-    base = preset(args.preset, kind=args.model)
-    base = replace(base, max_seq_len=max(base.max_seq_len, args.seq),  # comm has no --max-seq-len
-                   attention=args.attention)
+        raise ConfigError(f"comm.mesh: comm compiles the step on a device mesh and none was given; fix: pass e.g. "
+                          f"{flag_of('mesh')} data=1,model=4")
+    if t.batch % mesh.data:
+        raise ConfigError(f"comm.batch: {t.batch} is not divisible by data={mesh.data}; "
+                          f"fix: pass {flag_of('batch')} a multiple of {mesh.data}")
+    low_rank = [s for s in names if s != "fullrank-tp"]
+    if low_rank and base.kind not in LOW_RANK_KINDS:
+        raise ConfigError(f"comm.kind: {', '.join(low_rank)} split a low-rank model and {base.kind} is dense "
+                          f"(fullrank-tp always runs the dense llama); fix: pass {flag_of('kind')} with one of "
+                          f"{', '.join(LOW_RANK_KINDS)}, or {flag_of('strategy')} fullrank-tp")
+    base = replace(base, max_seq_len=max(base.max_seq_len, t.seq))  # comm has no --max-seq-len
     for s in names:
         try:
             validate(Config(model_for(base, s), _train(args, s, mesh)))
@@ -98,15 +97,15 @@ def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelCo
 
 
 def _train(args: argparse.Namespace, strategy: str, mesh: MeshShape) -> TrainConfig:
-    """The `TrainConfig` a strategy's step is compiled with."""
-    return TrainConfig(batch=args.batch, seq=args.seq, strategy=strategy, mesh=mesh, remat=args.remat,
-                       dtype=args.dtype, **_train_fields(args))
+    """The `TrainConfig` a strategy's step is compiled with: train's, from the same flags."""
+    return train_from(args, RUN_FLAGS, strategy=strategy, mesh=mesh)
 
 
 def _train_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The `TrainConfig` fields of `boostjax comm`'s flags beyond batch/seq/strategy/mesh/remat/dtype."""
-    return {"optimizer": args.optimizer, "microbatches": args.microbatches, "zero": args.zero,
-            "grad_accum": args.grad_accum, "pipeline_schedule": args.pipeline_schedule}
+    t = train_from(args, RUN_FLAGS, mesh=None)
+    return {"optimizer": t.optimizer, "microbatches": t.microbatches, "zero": t.zero,
+            "grad_accum": t.grad_accum, "pipeline_schedule": t.pipeline_schedule}
 
 
 def _cmd_comm(args: argparse.Namespace) -> int:
@@ -135,13 +134,14 @@ def _cmd_comm(args: argparse.Namespace) -> int:
             check_strategy(model_for(base, s), s, mesh.model)
         except ConfigError as e:
             what = str(e).split("; fix:")[0]
-            raise ConfigError(f"comm.mesh: {what}; fix: pass a --mesh model size that divides the {args.preset} "
-                              "preset's shapes, or another --preset") from None
+            raise ConfigError(f"comm.mesh: {what}; fix: pass a {flag_of('mesh')} model size that divides the "
+                              f"{args.preset or DEFAULT_PRESET} preset's shapes, or another --preset") from None
         try:  # what the placement needs of the configuration (pipeline micro-batches, ...)
             check_run(Config(model_for(base, s), _train(args, s, mesh)))
         except ConfigError as e:
             raise _comm_error(e) from None
-    reports = {s: comm_report(base, mesh, args.batch, args.seq, s, args.remat, args.dtype, args.dump_hlo,
+    t = train_from(args, RUN_FLAGS, mesh=None)
+    reports = {s: comm_report(base, mesh, t.batch, t.seq, s, t.remat, t.dtype, args.dump_hlo,
                               **_train_fields(args)) for s in names}
     print(json.dumps(reports, indent=1) if args.json else _table(reports))
     return 0

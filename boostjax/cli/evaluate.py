@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from boostjax.config import ConfigError, check_batch_seq
+from boostjax.cli.flags import add_field
+from boostjax.config import ConfigError, check_batch_seq, field_default
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -38,7 +39,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from boostjax.runs.load import load_run  # starts JAX
 
     cfg, model, step = load_run(args.run, args.step)
-    res = evaluate(model, stream, seq=seq, batch=batch, n_bytes=n_bytes, progress=args.progress,
+    progress = args.progress if args.progress is not None else field_default("progress")
+    res = evaluate(model, stream, seq=seq, batch=batch, n_bytes=n_bytes, progress=progress,
                    doc_starts=starts if cfg.train.doc_mask else None)  # as the run was trained
     res = {"run": str(args.run), "step": step, "data": what, "seq": seq, **res}
     if args.json:
@@ -65,5 +67,5 @@ def register(subparsers) -> None:
                    help="documents of a text file, as in boostjax tokenize (default: file for a folder, blank "
                         "for a single file)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.add_argument("--progress", default=False, action=argparse.BooleanOptionalAction, help="a progress bar")
+    add_field(p, "progress")  # train's --progress/--no-progress, with train's default
     p.set_defaults(func=_cmd_eval)

@@ -1,91 +1,118 @@
-"""Flags made from the configuration dataclasses: one per field, with its type, choices, default and help."""
+"""Flags made from the configuration fields: one per field, with its name, type, choices, default and help
+all read from the field (`boostjax.config.option`). Every command that takes a field's flag (train,
+plan, comm, ...) builds it here, so the commands that share a flag share its default, choices and help,
+and `config_from` turns those flags into the same `Config` whichever command parsed them.
+
+Each flag's argparse default is None (so a command can tell a given flag from a default one: `train`
+keeps a resumed run's stored value of a FOLLOW_STORED field it was not given); the effective default,
+the field's, is shown in the help and kept on the action as `config_default`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import typing
-from typing import Any
-import dataclasses
+from typing import Any, Iterable, Sequence
 
-from boostjax.config import mesh_text
+from boostjax.config import (CONFIG_CLASSES, DEFAULT_PRESET, PRESETS, Config, ModelConfig, TrainConfig, config_field,
+                             field_default, field_names, flag_of, help_of, preset)
 
-
-_RENAMED = {"kind": "model"}  # config field -> flag name where they differ
-
-
-_HELP = {
-    "kind": "model kind: dense LLaMA or a low-rank variant (default with --init-from-hf: llama)",
-    "n_kv_heads": "key/value heads for grouped-query attention (0 = n_heads)",
-    "rank": "rank r of every low-rank projection",
-    "only_lr_act": "cola/lax MLP hidden = gate * up, SiLU only inside the factor pairs (CoLA's published form); "
-                   "--no-only-lr-act: silu(gate) * up (runs of boostjax before issue 15)",
-    "attention": "attention kernel: auto (cudnn on a CUDA GPU in bf16, else chunked), xla (materialised scores), "
-                 "cudnn (cuDNN flash attention), chunked (blockwise, no t x t buffer)",
-    "attention_block": "query/key positions per tile of the chunked attention",
-    "dtype": "compute dtype (parameters stay fp32)",
-    "data": "corpus: '' = this Python's standard library sources; a folder written by boostjax tokenize (its "
-            "meta.json gives the dtype and, without --vocab-size, the vocabulary), a .bin token file, a text file "
-            "or a folder of text files",
-    "strategy": "tensor-parallel strategy",
-    "mesh": "device mesh, e.g. data=2,stage=2,model=4 ('' = one device; CPU devices are simulated as needed)",
-    "microbatches": "pipeline micro-batches per data shard when the mesh has stage > 1 (0 = auto: the largest "
-                    "divisor of the shard's batch that is <= 4 x stages)",
-    "pipeline_schedule": "pipeline schedule when the mesh has stage > 1: gpipe (all forwards, then all backwards; "
-                         "activations of every micro-batch) or 1f1b (one forward, one backward; activations of "
-                         "2 x stages - 1 micro-batches); the same bubble (P-1)/(M+P-1)",
-    "grad_accum": "micro-batches of --batch rows per optimizer step (a lax.scan sums their gradients); the "
-                  "effective batch is batch x grad_accum",
-    "zero": "data-parallel state sharding (ZeRO): 0 replicated, 1 optimizer state split over data, 3 parameters too",
-    "remat": "rematerialisation: none, full (per block), lowrank (keep r-dim latents, no collective recomputed)",
-    "out": "run folder (config.json, metrics.jsonl, checkpoints/); an existing run there is resumed",
-    "offload_plan": "plan.json from boostjax plan: per-layer remat/offload policies, host-resident params/optimizer",
-    "coordinator": "multi-host: HOST:PORT of process 0 ('' = from BOOSTJAX_COORDINATOR or SLURM/Open MPI)",
-    "num_processes": "multi-host: processes in the job (0 = from the environment; 1 = one process)",
-    "process_id": "multi-host: this process's index, 0..num_processes-1 (-1 = from the environment)",
-    "init_timeout": "multi-host: seconds to wait for every process of the job to join before giving up",
-    # item 3 (Hugging Face interop)
-    "rope_type": "RoPE scaling: default (none), linear (positions / factor), dynamic (NTK: larger base beyond "
-                 "max_seq_len), llama3 (Llama 3.1 frequency bands)",
-    "rope_factor": "RoPE scaling factor of linear / dynamic / llama3 (1 = none)",
-    "rope_low_freq_factor": "llama3 RoPE: wavelengths above original_max_len / this are divided by the factor",
-    "rope_high_freq_factor": "llama3 RoPE: wavelengths below original_max_len / this are kept",
-    "rope_original_max_len": "llama3 RoPE: the pretraining context (original_max_position_embeddings; 0 = max_seq_len)",
-    "attn_head_dim": "width of one attention head (0 = d_model / n_heads)",
-    "tie_embeddings": "the LM head is the embedding transposed (no separate head parameter; no TP or pipeline)",
-    "bos_token_id": "beginning-of-sequence token id written to exports (-1 = none)",
-    "eos_token_ids": "end-of-sequence token id(s), comma-separated, written to exports and used by generation",
-    "pad_token_id": "padding token id written to exports (-1 = none)",
-    "tensorboard": "write TensorBoard event files (the metrics.jsonl scalars) into OUT/tensorboard/",
-    "profile": "START:STOP: a jax.profiler trace of steps START..STOP-1 (0-based) into OUT/profile/ ('' = none)",
-    "hardware": "hardware profile for the MFU metric (peak BF16 FLOP/s per device), e.g. H800-80GB, A100-80GB, "
-                "RTX3090-24GB; '' = detect from the device (none on a CPU)",
-    "doc_mask": "mask attention at document boundaries: batches of packed documents carry a document id per "
-                "token, and a token attends only to its own document (needs data with documents: the "
-                "built-in corpus, a folder or a tokenised folder)",
-    "rot_order": "rotation: 'previous' projects G_t on bases built from earlier gradients (SOAP); 'current' updates "
-                 "the Gram EMA with G_t, refreshes if due (step 1, every rot_refresh steps), then projects (the "
-                 "basis-rotation reference code)",
-    "init_from_hf": "start a new run from a Hugging Face LLaMA folder (its shapes; --model svd/cola/lax --rank r "
-                    "factors each projection by truncated SVD; init_report.json holds the errors)",
-}
+_HINTS: dict[str, Any] = {name: hint for cls in CONFIG_CLASSES for name, hint in typing.get_type_hints(cls).items()}
+MODEL_FIELDS: tuple[str, ...] = tuple(field_names(ModelConfig))
+TRAIN_FIELDS: tuple[str, ...] = tuple(field_names(TrainConfig))
+PRESET_HELP = (f"model shapes: one of {', '.join(PRESETS)}; the model flags override single fields "
+               f"(default: {DEFAULT_PRESET!r})")
 
 
-def add_fields(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """One flag per field of the config dataclass `cls` (`--d-model`, `--lr`, ...), in a group `title`: a bool
-    is --x/--no-x, a `Literal` offers its values as choices, the mesh is text (TrainConfig parses it, once)."""
+def _shown_default(name: str) -> str:
+    """The default a field's help shows: the field's, or the default preset's for a field presets set."""
+    value = field_default(name)
+    if name in MODEL_FIELDS:
+        by_preset = getattr(PRESETS[DEFAULT_PRESET], name)
+        if any(getattr(m, name) != value for m in PRESETS.values()):
+            return f"the preset's; {by_preset!r} with {DEFAULT_PRESET}"
+    return repr(value)
+
+
+def field_help(name: str) -> str:
+    """The help of a field's flag: the field's help text and its default (argparse-escaped)."""
+    return f"{help_of(name)} (default: {_shown_default(name)})".replace("%", "%%")
+
+
+def add_preset(parser: Any) -> argparse.Action:
+    """`--preset`, as every command taking the model flags has it (default: `DEFAULT_PRESET`)."""
+    action = parser.add_argument("--preset", default=None, help=PRESET_HELP)
+    action.config_default = DEFAULT_PRESET
+    return action
+
+
+def add_field(parser: Any, name: str) -> argparse.Action:
+    """The flag of one config field: a bool has its negated form too (`--no-...`), a `Literal` offers its values
+    as choices, the mesh is text (TrainConfig parses it, once)."""
+    config_field(name)  # an unknown name fails here, not as a missing flag
+    kind = _HINTS[name]
+    kw: dict[str, Any] = {"dest": name, "default": None, "help": field_help(name)}
+    if kind is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(kind) is typing.Literal:
+        kw["choices"] = typing.get_args(kind)
+        kw["type"] = type(kw["choices"][0])
+    else:
+        kw["type"] = kind if kind in (int, float) else str
+    action = parser.add_argument(flag_of(name), **kw)
+    action.config_default = field_default(name)
+    return action
+
+
+def add_fields(parser: argparse.ArgumentParser, names: type | Iterable[str], title: str) -> list[str]:
+    """One flag per field (`--d-model`, `--lr`, ...) in an argument group `title`: every field of a config
+    dataclass, or the named fields. Returns the field names."""
     group = parser.add_argument_group(title)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + _RENAMED.get(f.name, f.name).replace("_", "-")
-        kind = hints[f.name]
-        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": _HELP.get(f.name, "")}
-        if kind is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(kind) is typing.Literal:
-            kw["choices"] = typing.get_args(kind)
-            kw["type"] = type(kw["choices"][0])
-        else:
-            kw["type"] = kind if kind in (int, float) else str
-        default = mesh_text(f.default) if f.name == "mesh" else f.default
-        kw["help"] = (kw["help"] + f" (default: {default!r})").strip()
-        group.add_argument(flag, **kw)
+    names = field_names(names) if isinstance(names, type) else list(names)
+    for name in names:
+        add_field(group, name)
+    return names
+
+
+def add_run_flags(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    """`--preset` and the flags of `names` (model fields first, in one group; then the training fields), as
+    `boostjax train` has them: a command that models a run takes its flags with train's defaults."""
+    model = [n for n in names if n in MODEL_FIELDS]
+    train = [n for n in names if n in TRAIN_FIELDS]
+    group = parser.add_argument_group("model (as boostjax train takes it: --preset, then single fields)")
+    add_preset(group)
+    for name in model:
+        add_field(group, name)
+    add_fields(parser, train, "run (as boostjax train takes it)")
+
+
+def given(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
+    """The config fields among `names` that the command line gave (not None)."""
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+
+
+def model_from(args: argparse.Namespace, names: Iterable[str], **over: Any) -> ModelConfig:
+    """The model `--preset` and the given model flags among `names` describe (`over` wins)."""
+    fields = {k: v for k, v in given(args, names).items() if k in MODEL_FIELDS}
+    return preset(getattr(args, "preset", None) or DEFAULT_PRESET, **{**fields, **over})
+
+
+def train_from(args: argparse.Namespace, names: Iterable[str], **over: Any) -> TrainConfig:
+    """The `TrainConfig` of the given training flags among `names` (`over` wins); the rest at train's defaults."""
+    fields = {k: v for k, v in given(args, names).items() if k in TRAIN_FIELDS}
+    return TrainConfig(**{**fields, **over})
+
+
+def config_from(args: argparse.Namespace, names: Iterable[str], **over: Any) -> Config:
+    """The `Config` `boostjax train` would make from the same flags (unvalidated; `over`: field values
+    that win, model or training)."""
+    names = list(names)
+    m_over = {k: v for k, v in over.items() if k in MODEL_FIELDS}
+    t_over = {k: v for k, v in over.items() if k in TRAIN_FIELDS}
+    return Config(model_from(args, names, **m_over), train_from(args, names, **t_over))
+
+
+def renamed(e: Exception, command: str) -> str:
+    """A `train.*` message of the shared validation, renamed to the command whose flag it came from."""
+    text = str(e)
+    return f"{command}.{text[len('train.'):]}" if text.startswith("train.") else text

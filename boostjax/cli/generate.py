@@ -16,8 +16,6 @@ import json
 import sys
 import time
 
-import numpy as np
-
 
 def register(sub) -> None:
     """Add `boostjax generate` to the CLI's subcommands."""
@@ -36,6 +34,8 @@ def register(sub) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from boostjax.config import ConfigError
     from boostjax.inference.generation import check_prompt, check_sampling, generate
     from boostjax.runs.load import load_run, read_config

@@ -10,8 +10,6 @@ import argparse
 import os
 import sys
 
-from boostjax.runtime.launch import launch_local
-
 
 MULTIHOST_FLAGS = ("--coordinator", "--num-processes", "--process-id")
 
@@ -69,6 +67,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         rest = check_launch(args)
     except SystemExit as e:  # the train command line did not parse (reported in one line)
         return 2 if e.code not in (0, None) else 0
+    from boostjax.runtime.launch import launch_local
+
     results = launch_local(rest, args.num_processes, port=args.port)
     bad = [r for r in results if r.returncode != 0]
     for r in bad:

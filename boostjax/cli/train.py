@@ -13,8 +13,8 @@ import argparse
 import sys
 from typing import Any
 
-from boostjax.cli.flags import add_fields
-from boostjax.config import PRESETS, Config, ModelConfig, TrainConfig
+from boostjax.cli.flags import add_fields, add_preset
+from boostjax.config import Config, ModelConfig, TrainConfig
 
 
 def train_config(args: argparse.Namespace) -> Config:
@@ -29,7 +29,7 @@ def train_config(args: argparse.Namespace) -> Config:
 def add_train_command(sub: Any) -> argparse.ArgumentParser:
     """Add `train` (its flags, no handler) to an argparse subparsers object; returns its parser."""
     p = sub.add_parser("train", help="train a model (resumes if --out holds a run)")
-    p.add_argument("--preset", default=None, help=f"model shapes: one of {', '.join(PRESETS)} (default: tiny)")
+    add_preset(p)
     add_fields(p, ModelConfig, "model (override the preset)")
     add_fields(p, TrainConfig, "training")
     return p

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
+from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, flag_of
 from boostjax.data.source import Source
 from boostjax.data.tokenizers import TOKENIZER_FILE, load_tokenizer, same_tokenizer, tokenizer_kind
 from boostjax.interop import hf
@@ -149,7 +149,7 @@ def resolve_config(cfg: Config, explicit: Iterable[str] | None = None) -> Config
         said = f.name in given if given is not None else mine != getattr(default, f.name)
         if said and mine != theirs:
             raise ConfigError(f"model.{f.name}: {mine!r} contradicts the checkpoint {path} ({f.name}={theirs!r}); "
-                              f"fix: drop --{f.name.replace('_', '-')} (with --init-from-hf the shapes are the "
+                              f"fix: drop {flag_of(f.name)} (with --init-from-hf the shapes are the "
                               "checkpoint's)")
     m = dataclasses.replace(src, **{k: getattr(cfg.model, k) for k in CHOSEN})
     _check_rank(m)

@@ -55,6 +55,7 @@ from boostjax.config import Config
 from boostjax.runtime.hardware import HardwareProfile
 from boostjax.models.llama import RematSegment
 from boostjax.offload.costmodel import PlanInstance, build_instance
+from boostjax.offload.optstate import optimizer_bytes
 from boostjax.offload.planfile import Plan, simulate
 
 HOST, DEVICE = "pinned_host", "device"
@@ -135,12 +136,13 @@ def describe(plan: Plan) -> list[str]:
 
 def instance_for(cfg: Config, hw: HardwareProfile | str, budget_bytes: float | None = None,
                  **kw: Any) -> PlanInstance:
-    """The cost-model instance of this training configuration: activations in the compute dtype,
-    hybrid 8-bit Adam state sizes when `optimizer == "adam8bit"` (fp32 Adam otherwise)."""
+    """The cost-model instance of this training configuration (what `boostjax plan` solves, and what
+    `check_plan_for` checks a plan against): one device of its mesh, activations in the compute dtype,
+    and the optimizer state the run's optimizer allocates (`boostjax.offload.optstate.optimizer_bytes`)."""
     t = cfg.train
     return build_instance(cfg.model, t.batch, t.seq, hw, budget_bytes=budget_bytes,
-                          dtype_bytes=4 if t.dtype == "float32" else 2,
-                          eight_bit=t.optimizer == "adam8bit", strategy=t.strategy, mesh=t.mesh, **kw)
+                          dtype_bytes=4 if t.dtype == "float32" else 2, eight_bit=t.optimizer == "adam8bit",
+                          strategy=t.strategy, mesh=t.mesh, optimizer=optimizer_bytes(cfg.model, t), **kw)
 
 
 def cpu_equivalent(inst: PlanInstance, plan: Plan) -> tuple[float, float]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from boostjax.config import ModelConfig
+from boostjax.config import ATTENTION_MEMORY, ModelConfig
 
 ALL = "all"  # inner option: no remat for the layer (every tensor the backward needs is kept)
 BOUNDARY = "boundary"  # inner option: keep only the block input, recompute the whole block
@@ -37,7 +37,7 @@ class _Node:
     fp32: int = 0
 
 
-ATTENTION = ("materialized", "flash")
+ATTENTION = ATTENTION_MEMORY  # ("materialized", "flash"), named once in boostjax.config
 
 
 def block_graph(cfg: ModelConfig, seq: int, attention: str = "materialized") -> dict[str, _Node]:

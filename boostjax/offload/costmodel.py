@@ -13,7 +13,9 @@ Conventions (documented assumptions of the model, not measurements):
   softmax probabilities in fp32. `attention="flash"` (LazyTrain's instances) keeps the fp32
   log-sum-exp instead of the probabilities.
 - Parameters: fp32 master (4 B), Adam m and v (8 B, or the hybrid 8-bit layout of
-  `boostjax.optim.adam8bit`: 1 B + 4/256 B per moment for tensors of >= 4096 elements), resident;
+  `boostjax.optim.adam8bit`: 1 B + 4/256 B per moment for tensors of >= 4096 elements), or, for a
+  run's instance (`boostjax.offload.apply.instance_for`, `boostjax plan`), the state the run's
+  optimizer allocates (`boostjax.offload.optstate`: `jax.eval_shape` of its init), resident;
   the fp32 gradient of a layer (4 B) from its backward window to the epilogue (the optimizer).
   Streamed copies (parameter fetches, gradient sends) travel in the compute dtype.
 - Working set: the forward of layer k holds what its backward reads (`full`) plus its output; the
@@ -32,10 +34,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-from boostjax.config import MeshShape, ModelConfig, preset
+from boostjax.config import MeshShape, ModelConfig, flag_of, preset
 from boostjax.runtime.hardware import HardwareProfile, get_profile
 from boostjax.offload.blockgraph import (ALL, ATTENTION, BOUNDARY, _bwd_needs, _saved_bytes, activation_names,
                                         block_graph, default_inner_options, recompute_cost)
+from boostjax.offload.optstate import OptimizerBytes
 from boostjax.sharding import rules
 
 MODES: tuple[str, ...] = ("device", "opt-host", "host")
@@ -101,7 +104,7 @@ def local_model(cfg: ModelConfig, strategy: str = "none", tp: int = 1) -> ModelC
     for dim in STRATEGY_DIMS[strategy]:
         if values[dim] % tp:
             raise ValueError(f"model.{dim}: {values[dim]} is not divisible by the TP size {tp} ({strategy}); "
-                             f"fix: choose --{dim.replace('_', '-')} a multiple of {tp} or a smaller model axis")
+                             f"fix: choose {flag_of(dim)} a multiple of {tp} or a smaller model axis")
         over[dim] = values[dim] // tp
     return replace(cfg, attn_head_dim=cfg.head_dim, **over)
 
@@ -202,9 +205,11 @@ class LayerCost:
 
 def layer_cost(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile, dtype_bytes: int = 2,
                eight_bit: bool = False, options: dict[str, tuple[str, ...]] | None = None,
-               attention: str = "materialized", strategy: str = "none", tp: int = 1) -> LayerCost:
+               attention: str = "materialized", strategy: str = "none", tp: int = 1,
+               opt_bytes: float | None = None) -> LayerCost:
     """Bytes and seconds of one block on one device (`batch` = that device's rows; `strategy` and the
-    TP size `tp` pick its shard of the block: `local_model`). Working sets: the forward of a layer
+    TP size `tp` pick its shard of the block: `local_model`). `opt_bytes`: the block's optimizer state
+    on the device when known (`boostjax.offload.optstate`), else Adam's (`eight_bit`: hybrid 8-bit). Working sets: the forward of a layer
     holds what its backward will read (`full`) and its output; its backward holds `full`, the
     output's cotangent and two cotangents of the largest tensor (the one arriving and the one passed on)."""
     if batch <= 0 or seq <= 0:
@@ -230,7 +235,8 @@ def layer_cost(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile, dtyp
     return LayerCost(
         boundary_bytes=act["boundary"], fwd_flops=fwd_flops, fwd_s=fwd_flops / rate, bwd_s=2.0 * fwd_flops / rate,
         activation_bytes=act, full_bytes=full, options=opts, params=n_params, param_bytes=4.0 * n_params,
-        grad_bytes=4.0 * n_params, opt_bytes=float(opt_state_bytes_per_layer(cfg, eight_bit)),
+        grad_bytes=4.0 * n_params,
+        opt_bytes=float(opt_state_bytes_per_layer(cfg, eight_bit) if opt_bytes is None else opt_bytes),
         stream_bytes=float(dtype_bytes * n_params), work_fwd_bytes=full + act["out"],
         work_bwd_bytes=full + act["out"] + 2 * biggest)
 
@@ -338,7 +344,7 @@ def build_instance(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile |
                    param_modes: tuple[str, ...] = MODES, options: dict[str, tuple[str, ...]] | None = None,
                    logits_chunk: int | None = None, max_segment: int = 8, h2d_lead: int = 2, d2h_lag: int = 2,
                    attention: str = "materialized", name: str | None = None, strategy: str = "none",
-                   mesh: object = None) -> PlanInstance:
+                   mesh: object = None, optimizer: OptimizerBytes | None = None) -> PlanInstance:
     """A plan instance from model shapes for ONE device of `mesh` (None: one device; see `mesh_sizes`)
     under the TP `strategy`: its batch rows (`batch / data`), its stage's layers (`n_layers / stage`;
     the plan of one stage is applied to every stage's layers, and with stage > 1 all layers share one
@@ -349,7 +355,9 @@ def build_instance(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile |
     their `exp` (the cross-entropy's residual) and their gradient for `logits_chunk` tokens (None: all
     of its tokens at once, as `vocab_parallel_cross_entropy` does; a pipeline splits the head's tokens
     over the stages) plus the final features and their norm. `attention`: see `block_graph`. Default
-    budget: 90 % of device memory. ValueError when the mesh does not divide the batch or layers."""
+    budget: 90 % of device memory. ValueError when the mesh does not divide the batch or layers.
+    `optimizer`: the run's optimizer-state bytes (`boostjax.offload.optstate.optimizer_bytes`, read from
+    the optimizer); without it, Adam's (`eight_bit`: the hybrid 8-bit layout, else fp32)."""
     hw = get_profile(hw) if isinstance(hw, str) else hw
     sizes = mesh_sizes(mesh)
     if batch % sizes.data or cfg.n_layers % sizes.stage:
@@ -359,14 +367,16 @@ def build_instance(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile |
     if tp > 1 and (strategy == "none" or cfg.vocab_size % tp):
         raise ValueError(f"mesh: model={tp} needs a TP strategy whose vocabulary-parallel head divides vocab_size="
                          f"{cfg.vocab_size} (strategy={strategy}); fix: pass a TP strategy and a dividing model size")
-    lc = layer_cost(cfg, batch // sizes.data, seq, hw, dtype_bytes, eight_bit, options, attention, strategy, tp)
+    lc = layer_cost(cfg, batch // sizes.data, seq, hw, dtype_bytes, eight_bit, options, attention, strategy, tp,
+                    opt_bytes=None if optimizer is None else optimizer.per_layer)
     L, tokens = cfg.n_layers // sizes.stage, batch // sizes.data * seq
     names = tuple(lc.options)
     d_emb = local_model(cfg, strategy, tp).d_model  # BTP's embedding holds d/TP columns
     vocab = cfg.vocab_size // tp if strategy != "none" else cfg.vocab_size  # the vocabulary-parallel head
     emb_shapes = [(cfg.vocab_size, d_emb), (cfg.d_model, vocab), (cfg.d_model,)]
-    fixed = sum(8 * _numel(s) for s in emb_shapes) + adam_state_bytes(emb_shapes[:1], eight_bit=False) \
+    moments = optimizer.fixed if optimizer is not None else adam_state_bytes(emb_shapes[:1], eight_bit=False) \
         + adam_state_bytes(emb_shapes[1:], eight_bit)  # the embedding keeps fp32 moments (adam8bit default)
+    fixed = sum(8 * _numel(s) for s in emb_shapes) + moments
     fixed += tokens * d_emb * dtype_bytes  # the gathered embedding rows
     head_tokens = tokens // sizes.stage
     chunk = head_tokens if logits_chunk is None else min(head_tokens, logits_chunk)
@@ -391,26 +401,30 @@ def build_instance(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile |
         fixed_bytes=float(fixed), host_budget_bytes=float(hw.host_bytes), max_segment=max_segment,
         h2d_lead=h2d_lead, d2h_lag=d2h_lag, activation_names=activation_names(cfg), tokens=tokens,
         model_flops=6.0 * total_param_count(cfg) * tokens / (sizes.stage * tp), uniform_modes=sizes.stage > 1,
-        planned_for=planned_for(cfg, batch, seq, dtype_bytes, eight_bit, attention, strategy, sizes))
+        planned_for=planned_for(cfg, batch, seq, dtype_bytes, eight_bit, attention, strategy, sizes, optimizer))
 
 
 PLAN_DTYPES: dict[int, str] = {4: "float32", 2: "bfloat16"}  # activation bytes -> compute dtype
 
 
 def planned_for(cfg: ModelConfig, batch: int, seq: int, dtype_bytes: int, eight_bit: bool,
-                attention: str, strategy: str = "none", mesh: object = None) -> tuple[tuple[str, object], ...]:
+                attention: str, strategy: str = "none", mesh: object = None,
+                optimizer: OptimizerBytes | None = None) -> tuple[tuple[str, object], ...]:
     """The run a plan of these inputs is valid for, as (field, value) pairs named like the config
     fields: the model shapes the cost model reads, batch (global), seq, compute dtype, optimizer-state
     sizes (`adam8bit` or fp32 `adamw`), the attention memory model, the TP strategy and the mesh
     (canonical text, '' for one device). Records without the last two are plans for one device
-    (`PLANNED_FOR_DEFAULTS`)."""
+    (`PLANNED_FOR_DEFAULTS`). With `optimizer` (the run's optimizer-state bytes): its name, and the
+    state bytes of one layer on one device (a record without them: an older plan, not compared)."""
+    name = optimizer.name if optimizer is not None else "adam8bit" if eight_bit else "adamw"
+    state = (("optimizer_state_bytes_per_layer", optimizer.per_layer),) if optimizer is not None else ()
     return (("model.kind", cfg.kind), ("model.vocab_size", cfg.vocab_size), ("model.d_model", cfg.d_model),
             ("model.n_layers", cfg.n_layers), ("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.kv_heads),
             ("model.d_ff", cfg.d_ff), ("model.rank", cfg.rank if cfg.low_rank else 0),
             ("train.batch", batch), ("train.seq", seq),
             ("train.dtype", PLAN_DTYPES.get(dtype_bytes, f"{dtype_bytes}-byte")),
-            ("train.optimizer", "adam8bit" if eight_bit else "adamw"), ("attention", attention),
-            ("train.strategy", strategy), ("train.mesh", str(mesh_sizes(mesh))))
+            ("train.optimizer", name), ("attention", attention),
+            ("train.strategy", strategy), ("train.mesh", str(mesh_sizes(mesh)))) + state
 
 
 PLANNED_FOR_DEFAULTS: dict[str, object] = {"train.strategy": "none", "train.mesh": ""}

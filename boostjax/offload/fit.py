@@ -9,15 +9,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from boostjax.config import Config, ConfigError, ModelConfig
+from boostjax.config import Config, ConfigError, ModelConfig, flag_of
 from boostjax.models.attention import memory_kind
-from boostjax.offload.costmodel import (PLANNED_FOR_DEFAULTS, MeshSizes, activation_names,
-                                        build_instance, mesh_sizes, planned_for)
+from boostjax.offload.apply import instance_for
+from boostjax.offload.costmodel import PLANNED_FOR_DEFAULTS, MeshSizes, activation_names, mesh_sizes, planned_for
 from boostjax.offload.decisions import check_decisions
+from boostjax.offload.optstate import STATE_FIELDS, optimizer_bytes
 from boostjax.offload.planfile import Plan, read_plan
 from boostjax.sharding import rules
 
-_PLAN_FLAGS = {"model.kind": "--model", "train.optimizer": "--optimizer", "attention": "--attention"}
+STATE_KEY = "optimizer_state_bytes_per_layer"  # `planned_for`'s record of the optimizer state (absent: older plans)
 
 
 def check_mesh_for(model: ModelConfig, strategy: str, mesh: Any, batch: int, seq: int, where: str = "train") -> None:
@@ -31,7 +32,8 @@ def check_planned_for(plan: Plan, model: ModelConfig, train: Any, path: Any = "t
     """`ConfigError` naming the first field where the run (`model`: ModelConfig, `train`: TrainConfig)
     differs from what the plan was made for, both values and the fix. `require`: refuse a plan that
     has no record (plan files of version 1). A record without strategy/mesh is a one-device plan."""
-    redo = f"re-run boostjax plan with this run's shape, --batch, --seq, --dtype and --optimizer flags --out {path}"
+    redo = (f"re-run boostjax plan with this run's shape, {flag_of('batch')}, {flag_of('seq')}, {flag_of('dtype')} "
+            f"and {flag_of('optimizer')} flags --out {path}")
     rec = plan.planned_for
     if not rec:
         if require:
@@ -41,12 +43,19 @@ def check_planned_for(plan: Plan, model: ModelConfig, train: Any, path: Any = "t
     dtype_bytes = 4 if train.dtype == "float32" else 2
     attention = memory_kind(model, train.seq, train.dtype)
     want = dict(planned_for(model, train.batch, train.seq, dtype_bytes, train.optimizer == "adam8bit", attention,
-                            train.strategy, mesh_sizes(train.mesh)))
+                            train.strategy, mesh_sizes(train.mesh), optimizer_bytes(model, train)))
     for key, value in want.items():
+        if key == STATE_KEY and key not in rec:  # a plan of an older boostjax: it recorded the optimizer only
+            continue
         got = rec.get(key, PLANNED_FOR_DEFAULTS.get(key))
         if got != value:
-            flag = _PLAN_FLAGS.get(key, "--" + key.split(".")[-1].replace("_", "-"))
-            if key == "attention":
+            flag = flag_of(key.split(".")[-1]) if key != STATE_KEY else ""
+            if key == STATE_KEY:
+                flags = ", ".join(flag_of(f) for f in STATE_FIELDS)
+                fix = (f"this run's optimizer state is not the one planned (per layer and device: {got} bytes "
+                       f"planned, {value} in this run); re-run boostjax plan with this run's {flags} "
+                       f"(and its other flags) --out {path}")
+            elif key == "attention":
                 fix = (f"this run's attention (--attention {model.attention}, seq {train.seq}, block "
                        f"{model.attention_block}) is {value}; re-run boostjax plan with --attention {value} --out {path}")
             elif key == "train.mesh" and not value:
@@ -85,8 +94,7 @@ def check_plan_for(plan: Plan | str | os.PathLike, cfg: Config, *, require_recor
         raise ConfigError(f"train.offload_plan: {path} tags {list(plan.activation_names)} but a {m.kind} block has "
                           f"{list(names)}; fix: re-run boostjax plan --model {m.kind} (and this run's other flags) "
                           f"--out {path}")
-    inst = build_instance(m, t.batch, t.seq, "H800-80GB", dtype_bytes=4 if t.dtype == "float32" else 2,
-                          eight_bit=t.optimizer == "adam8bit", strategy=t.strategy, mesh=sizes)
+    inst = instance_for(cfg, "H800-80GB")
     try:
         check_decisions(inst, plan.decisions)
     except ValueError as e:

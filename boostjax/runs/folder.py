@@ -29,7 +29,8 @@ import re
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, mesh_text
+from boostjax.config import (Config, ConfigError, ModelConfig, TrainConfig, fields_with, flag_of, legacy_values,
+                             mesh_text, negated_flag_of)
 
 CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS = "config.json", "config_history.jsonl", "metrics.jsonl", ".lock", "checkpoints"
 TOKENIZER = "tokenizer.json"  # the run's tokenizer when it is not byte level (boostjax.data.tokenizers)
@@ -38,26 +39,22 @@ RUN_FILES: frozenset[str] = frozenset({CONFIG, HISTORY, METRICS, LOCK, CHECKPOIN
                                        TOKENIZER + ".tmp",
                                        "init_report.json", "init_report.json.tmp"})  # item 4 (boostjax.interop.pretrained)
 
-# Training fields a resumed run may change (everything else, and every model field but MUTABLE_MODEL, is
-# fixed: the checkpoint's shapes, the data order or the optimizer state's meaning depend on it).
-MUTABLE: frozenset[str] = frozenset({
-    "steps", "lr", "min_lr_ratio", "warmup", "weight_decay", "b1", "b2", "clip", "dtype", "out",
-    "ckpt_every", "keep_ckpts", "log_every", "eval_every", "eval_batches", "strategy", "mesh",
-    "microbatches", "pipeline_schedule", "zero", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh",
-    "delay_lr_tc", "offload_plan", "progress", "coordinator", "num_processes", "process_id", "init_timeout",
-    "tensorboard", "profile", "hardware",  # what a run shows, not what it computes (issue 13, item 7)
-})
+# What a resumed run may do with each field is the field's metadata (`boostjax.config.option`, `resume`);
+# these sets are derived from it. Training fields a resumed run may change (everything else, and every
+# model field but MUTABLE_MODEL, is fixed: the checkpoint's shapes, the data order or the optimizer
+# state's meaning depend on it).
+MUTABLE: frozenset[str] = fields_with(TrainConfig, "mutable", "ignored")
 # Model fields a resumed run may change: the attention kernel computes the same function; token ids are metadata.
-MUTABLE_MODEL: frozenset[str] = frozenset({"attention", "attention_block",
-                                           "bos_token_id", "eos_token_ids", "pad_token_id"})  # item 3: metadata
+MUTABLE_MODEL: frozenset[str] = fields_with(ModelConfig, "mutable", "ignored")
 # Model fields added after runs existed, with the value a config.json without them means (issue 15:
 # the MLP was `silu(gate) * up` before `only_lr_act` existed).
-LEGACY_MODEL: dict[str, Any] = {"only_lr_act": False}
+LEGACY_MODEL: dict[str, Any] = legacy_values(ModelConfig)
 # Model fields whose default or preset value changed: a CLI resume that does not give the flag keeps the
-# run's stored value (`boostjax.cli.commands.train_config`); given, a differing value is refused as usual.
-FOLLOW_STORED: frozenset[str] = frozenset({"only_lr_act", "norm_eps"})
+# run's stored value (`boostjax.cli.train.train_config`); given, a differing value is refused as usual.
+FOLLOW_STORED: frozenset[str] = fields_with(ModelConfig, "follow-stored")
 EXPORT_MARK = "boostjax_export"  # key of an exported config.json (transformers keeps unknown keys)
-IGNORED: frozenset[str] = frozenset({"out", "progress", "coordinator", "num_processes", "process_id"})
+# Training fields a resume neither checks nor records (where the run is, how a process finds its job).
+IGNORED: frozenset[str] = fields_with(TrainConfig, "ignored")
 
 
 class RunFolderBusy(ConfigError):
@@ -66,10 +63,9 @@ class RunFolderBusy(ConfigError):
 
 def _flag(name: str, value: Any) -> str:
     """The command-line flag that sets `name` to `value` (`--no-x` for a false boolean)."""
-    flag = ("model" if name == "kind" else name).replace("_", "-")
     if isinstance(value, bool):
-        return f"--{flag}" if value else f"--no-{flag}"
-    return f"--{flag} {value}"
+        return flag_of(name) if value else negated_flag_of(name)
+    return f"{flag_of(name)} {value}"
 
 
 def read_json_file(path: pathlib.Path, what: str) -> Any:

@@ -29,7 +29,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import LOW_RANK_KINDS, MODEL_KINDS, ConfigError, ModelConfig
+from boostjax.config import LOW_RANK_KINDS, MODEL_KINDS, ConfigError, ModelConfig, flag_of
 from boostjax.models.collectives import Collectives
 from boostjax.models.llama import AXES, LLaMA
 
@@ -180,7 +180,7 @@ def check_strategy(model: ModelConfig, strategy: str, tp: int, where: str = "tra
     for name, value in (split_sizes(strategy, model).items() if tp > 1 else ()):
         if value % tp:
             raise ConfigError(f"model.{name}: {value} is not divisible by the TP size {tp} ({strategy}); "
-                              f"fix: choose --{name.replace('_', '-')} a multiple of {tp} or a smaller model axis")
+                              f"fix: choose {flag_of(name)} a multiple of {tp} or a smaller model axis")
 
 
 def check_mesh_for(model: ModelConfig, strategy: str, sizes: Any, batch: int, seq: int, where: str = "train") -> None:
