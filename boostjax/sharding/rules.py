@@ -26,12 +26,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 import jax
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from boostjax.config import LOW_RANK_KINDS, MODEL_KINDS, ConfigError, ModelConfig
 from boostjax.models.collectives import Collectives
-from boostjax.models.llama import AXES, LLaMA
+from boostjax.models.llama import AXES, param_axes, param_shapes
 
 MODEL, STAGE, DATA = "model", "stage", "data"
 GROUP_AXES = ("group", "layers")  # axes that stack independent matrices: rotated one matrix at a time
@@ -82,18 +81,19 @@ def _name(path) -> str:
 
 def logical_axes(model_cfg: ModelConfig) -> dict:
     """The logical axes of every parameter of `LLaMA(model_cfg)`: a pure dict shaped like the canonical
-    params (`{"embed": ..., "layers": {0: {...}}, ...}`) whose leaves are tuples of axis names."""
-    model = nnx.eval_shape(lambda: LLaMA(model_cfg, rngs=nnx.Rngs(0)))
+    params (`{"embed": ..., "layers": {0: {...}}, ...}`) whose leaves are tuples of axis names (the
+    axes `boostjax.models.llama.param_axes` reads from the model)."""
+    shapes = param_shapes(model_cfg)
     tree: dict = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        axes = var.get_metadata().get("out_sharding")
-        if not axes or len(axes) != len(var.shape):
-            raise ValueError(f"{'/'.join(map(str, path))}: a parameter of shape {tuple(var.shape)} declares logical "
-                             f"axes {axes}; fix: create it with one name of boostjax.models.llama.AXES per dim")
+    for name, axes in param_axes(model_cfg).items():
+        if not axes or len(axes) != len(shapes[name]):
+            raise ValueError(f"{name.replace('.', '/')}: a parameter of shape {shapes[name]} declares logical "
+                             f"axes {axes or None}; fix: create it with one name of boostjax.models.llama.AXES per dim")
+        *parents, leaf = (int(k) if k.isdigit() else k for k in name.split("."))
         node = tree
-        for k in path[:-1]:
+        for k in parents:
             node = node.setdefault(k, {})
-        node[path[-1]] = tuple(axes)
+        node[leaf] = axes
     return tree
 
 
