@@ -31,12 +31,12 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from boostjax.config import MODEL_KINDS, check_batch_seq, PRESETS, ConfigError, preset, validate_model
+from boostjax.config import MODEL_KINDS, check_batch_seq, PRESETS, ConfigError, as_mesh, preset, validate_model
 from boostjax.runtime.hardware import PROFILES, get_profile
-from boostjax.offload.costmodel import ATTENTION, STRATEGY_DIMS, PlanInstance, build_instance, lazytrain_27b, mesh_sizes
-from boostjax.offload.fit import check_mesh_for
+from boostjax.offload.costmodel import ATTENTION, STRATEGY_DIMS, PlanInstance, build_instance, lazytrain_27b
 from boostjax.offload.planner import BASELINES, BOUNDARY_STATES, Plan, PlanInfeasible, baseline_plan, solve
 from boostjax.offload.planfile import is_plan_file
+from boostjax.sharding.rules import check_mesh_for
 
 GB = 1e9
 INSTANCES = ("lazytrain-27b",)
@@ -123,7 +123,7 @@ def instance_from_args(args: argparse.Namespace) -> PlanInstance:
     model = replace(model, max_seq_len=max(model.max_seq_len, args.seq))
     validate_model(model)
     check_mesh_for(model, args.strategy, args.mesh, args.batch, args.seq, "plan")
-    mesh = mesh_sizes(args.mesh, "plan.mesh")
+    mesh = as_mesh(args.mesh, "plan.mesh")
     return build_instance(model, args.batch, args.seq, hw, budget_bytes=cap,
                           dtype_bytes=4 if args.dtype == "float32" else 2, eight_bit=args.optimizer == "adam8bit",
                           attention=args.attention, strategy=args.strategy, mesh=mesh)

@@ -28,11 +28,10 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import LOW_RANK_KINDS, MODEL_KINDS, ConfigError, ModelConfig
+from boostjax.config import DATA, LOW_RANK_KINDS, MODEL, MODEL_KINDS, STAGE, ConfigError, MeshShape, ModelConfig, as_mesh
 from boostjax.models.collectives import Collectives
 from boostjax.models.llama import AXES, param_axes, param_shapes
 
-MODEL, STAGE, DATA = "model", "stage", "data"
 GROUP_AXES = ("group", "layers")  # axes that stack independent matrices: rotated one matrix at a time
 VOCAB_AXES = ("vocab", "embed_vocab")  # embeddings and the LM head: AdamW, never rotated
 
@@ -183,18 +182,21 @@ def check_strategy(model: ModelConfig, strategy: str, tp: int, where: str = "tra
                               f"fix: choose --{name.replace('_', '-')} a multiple of {tp} or a smaller model axis")
 
 
-def check_mesh_for(model: ModelConfig, strategy: str, sizes: Any, batch: int, seq: int, where: str = "train") -> None:
-    """`ConfigError` (one line: field and fix) when `strategy` on a mesh of `sizes` (`.data`, `.stage`,
-    `.model`; None = no mesh) cannot run this model, batch and seq: an unknown strategy, a TP strategy
-    without a mesh, a model kind it does not serve, a model axis without a TP strategy, TP sizes not
-    dividing the split dimensions or the vocabulary, stages not dividing the layers, data not dividing
-    the batch, a pipeline's tokens not splitting over its stages. `where` prefixes the batch/seq/
-    strategy/mesh fields (`train` or `plan`). The trainer and the planner both run it."""
+def check_mesh_for(model: ModelConfig, strategy: str, mesh: MeshShape | str | None, batch: int, seq: int,
+                   where: str = "train") -> None:
+    """`ConfigError` (one line: field and fix) when `strategy` on `mesh` (a `MeshShape`, or a `--mesh`
+    string, read here; None or '' = no mesh) cannot run this model, batch and seq: an unreadable mesh,
+    an unknown strategy, a TP strategy without a mesh, a model kind it does not serve, a model axis
+    without a TP strategy, TP sizes not dividing the split dimensions or the vocabulary, stages not
+    dividing the layers, data not dividing the batch, a pipeline's tokens not splitting over its
+    stages. `where` prefixes the batch/seq/strategy/mesh fields (`train` or `plan`). The trainer and
+    the planner both run it."""
+    mesh = as_mesh(mesh, f"{where}.mesh")
     if strategy not in STRATEGIES:
         raise ConfigError(f"{where}.strategy: unknown strategy {strategy!r}; fix: use one of {', '.join(STRATEGIES)}")
-    if strategy != "none" and sizes is None:
+    if strategy != "none" and mesh is None:
         raise ConfigError(f"{where}.mesh: strategy {strategy} needs a mesh; fix: pass --mesh data=1,model=2")
-    data, stage, tp = (1, 1, 1) if sizes is None else (sizes.data, sizes.stage, sizes.model)
+    data, stage, tp = (1, 1, 1) if mesh is None else (mesh.data, mesh.stage, mesh.model)
     check_strategy(model, strategy, tp, where)
     if model.n_layers % stage:
         raise ConfigError(f"model.n_layers: {model.n_layers} layers do not split into stage={stage} equal "
