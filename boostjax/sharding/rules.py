@@ -22,7 +22,7 @@ declaration (`rotation_mask`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import jax
@@ -226,14 +226,3 @@ def data_sharded(spec: P, shape: tuple[int, ...], data: int) -> P:
             return P(*entries)
     return spec
 
-
-def axes_by_name() -> dict[str, tuple[str, ...]]:
-    """{"attn/a_qkv": axes, "embed": axes, ...} over every model kind (the last one or two path entries
-    of a parameter): for callers that hold params but no model config."""
-    out: dict[str, tuple[str, ...]] = {}
-    tiny = ModelConfig(d_model=8, n_layers=1, n_heads=2, d_ff=8, rank=2, vocab_size=8)
-    for kind in MODEL_KINDS:
-        flat = jax.tree_util.tree_flatten_with_path(logical_axes(replace(tiny, kind=kind)), is_leaf=_is_axes)[0]
-        for path, axes in flat:
-            out["/".join(_name(path).split("/")[-2:])] = axes
-    return out
