@@ -50,7 +50,8 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 DATA_DTYPES: tuple[str, ...] = get_args(DataDtype)
 REMAT: tuple[str, ...] = get_args(Remat)
 OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
-MESH_AXES: tuple[str, ...] = ("data", "stage", "model")
+DATA, STAGE, MODEL = "data", "stage", "model"  # the device mesh's axis names: batch rows, pipeline stages, TP
+MESH_AXES: tuple[str, ...] = (DATA, STAGE, MODEL)
 ZERO_STAGES: tuple[int, ...] = get_args(ZeroStage)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 ROT_SOURCES: tuple[str, ...] = get_args(RotSource)
@@ -142,7 +143,7 @@ class MeshShape:
     @property
     def axes(self) -> tuple[str, ...]:
         """The mesh's axis names: `("data", "model")`, or `("data", "stage", "model")` when stage > 1."""
-        return MESH_AXES if self.stage > 1 else ("data", "model")
+        return MESH_AXES if self.stage > 1 else (DATA, MODEL)
 
 
 def as_mesh(value: "MeshShape | str | None", field: str = "train.mesh") -> MeshShape | None:

@@ -288,3 +288,21 @@ def test_no_all_reduce_over_one_device_in_a_pipeline(schedule):
         assert trivial == [], [c.name for c in trivial]
     else:
         assert len(trivial) <= 1 and all(a.shape == () for c in trivial for a in c.results), trivial
+
+
+@pytest.mark.parametrize("heads", [dict(), dict(n_kv_heads=2), dict(n_kv_heads=1, attn_head_dim=48)])
+def test_expected_volume_is_read_from_the_blocks_parameters(heads):
+    """The analytic volume comes from the block's parameters and the strategy's rules (every GEMM whose
+    input dimension is split is row-parallel): full-rank `2d`, vanilla `he + 2·ke + 2d + 2f`, BTP `7r`."""
+    from dataclasses import replace
+
+    from boostjax.config import ModelConfig
+
+    m = ModelConfig(kind="cola", **heads)
+    d, f, r = m.d_model, m.d_ff, m.rank
+    he, ke = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+    want = {"fullrank-tp": 2 * d, "vanilla-tp": he + 2 * ke + 2 * d + 2 * f, "btp": 7 * r}
+    for strategy, n in want.items():
+        got = comm.expected_per_layer(comm.model_for(m, strategy), strategy, 10, "bfloat16")
+        assert got["forward_elements_per_token"] == n, strategy
+    assert comm.expected_per_layer(replace(m, kind="lax"), "btp", 10, "bfloat16")["forward_elements_per_token"] == 7 * r

@@ -78,3 +78,29 @@ def test_a_mesh_shape_made_in_python_is_checked():
     for bad in (MeshShape(data=0), MeshShape(model=2.0), MeshShape(stage=True)):
         with pytest.raises(ConfigError, match=r"^train\.mesh: .*fix: "):
             validate(Config(ModelConfig(), TrainConfig(mesh=bad)))
+
+
+def test_one_mesh_check_reads_a_mesh_shape_or_its_text():
+    """`rules.check_mesh_for` (the trainer's and the planner's one mesh check) takes a `MeshShape`, its
+    `--mesh` text or None / '' (no mesh), and names the field of an unreadable text; the cost model
+    records the same mesh text as the config ('' for one device)."""
+    from boostjax.config import DATA, MESH_AXES, MODEL, STAGE, ModelConfig
+    from boostjax.offload.costmodel import planned_for
+    from boostjax.sharding import mesh as mesh_mod, rules
+
+    assert MESH_AXES == (DATA, STAGE, MODEL) == ("data", "stage", "model")
+    assert (rules.DATA, rules.STAGE, rules.MODEL, mesh_mod.DATA) == (DATA, STAGE, MODEL, DATA)
+    m = ModelConfig()
+    for good, bad in ((MeshShape(data=2, model=2), MeshShape(data=2, model=3)), ("data=2,model=2", "data=2,model=3")):
+        rules.check_mesh_for(m, "btp", good, 4, 16)
+        with pytest.raises(ConfigError, match=r"^model\.d_model: 128 is not divisible by the TP size 3"):
+            rules.check_mesh_for(m, "btp", bad, 4, 16)
+    for none in (None, ""):
+        rules.check_mesh_for(m, "none", none, 4, 16)
+        with pytest.raises(ConfigError, match=r"^plan\.mesh: strategy btp needs a mesh"):
+            rules.check_mesh_for(m, "btp", none, 4, 16, "plan")
+    with pytest.raises(ConfigError, match=r"^plan\.mesh: unknown axis"):
+        rules.check_mesh_for(m, "btp", "gpu=2", 4, 16, "plan")
+    key = lambda mesh: dict(planned_for(m, 4, 16, 4, False, "materialized", "btp", mesh))["train.mesh"]  # noqa: E731
+    assert key(None) == key("") == key(MeshShape()) == key("data=1,model=1") == ""
+    assert key("model=2,data=2") == key(MeshShape(2, 1, 2)) == "data=2,model=2"

@@ -11,7 +11,7 @@ from flax import nnx
 from boostjax.config import ModelConfig
 from boostjax.models import ops
 from boostjax.models.flops import flops_per_token, param_count
-from boostjax.models.llama import LLaMA
+from boostjax.models.llama import LLaMA, param_axes, param_shapes
 from boostjax.models.collectives import LOCAL
 from helpers import rel
 
@@ -34,6 +34,29 @@ def test_shapes_and_param_count(kind):
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n == param_count(model.cfg)
     assert flops_per_token(model.cfg, 128) > 6 * (n - SMALL.vocab_size * SMALL.d_model)
+
+
+@pytest.mark.parametrize("kind", ["llama", "cola", "svd", "lax"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_param_shapes_are_the_models(kind, tie):
+    """`param_shapes` (read from a one-layer abstract model, cached) names and shapes every parameter of
+    the real model, with the axes it declares; a tied model has no head but still pays the logits GEMM
+    in `flops_per_token`, and the embedding lookup pays nothing."""
+    cfg = replace(SMALL, kind=kind, n_layers=3, tie_embeddings=tie)
+    model = LLaMA(cfg, rngs=nnx.Rngs(0))
+    flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert {k: tuple(v.shape) for k, v in flat.items()} == dict(param_shapes(cfg))
+    assert {k: tuple(v.get_metadata()["out_sharding"]) for k, v in flat.items()} == dict(param_axes(cfg))
+    assert ("head" in param_shapes(cfg)) is not tie
+    block = param_shapes(cfg, block=True)
+    assert {f"layers.2.{k}": v for k, v in block.items()} == {k: v for k, v in param_shapes(cfg).items()
+                                                               if k.startswith("layers.2.")}
+    assert param_shapes(cfg) is param_shapes(replace(cfg))  # cached on the frozen config
+    d, v, seq = cfg.d_model, cfg.vocab_size, 16
+    matmul = sum(int(np.prod(s)) for s in block.values() if len(s) > 1)
+    attn = 12 * cfg.n_layers * seq * cfg.n_heads * cfg.head_dim
+    assert flops_per_token(cfg, seq) == 6 * (cfg.n_layers * matmul + d * v) + attn
+    assert flops_per_token(cfg, seq) == flops_per_token(replace(cfg, tie_embeddings=not tie), seq)
 
 
 def test_low_rank_is_smaller_and_the_7b_preset_is_llama_7b():

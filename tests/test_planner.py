@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from boostjax.config import ModelConfig, preset
+from boostjax.models.flops import param_count
 from boostjax.runtime.hardware import PROFILES, HardwareProfile, get_profile, measure
 from boostjax.offload import costmodel as cm
 from boostjax.offload.planner import (BASELINES, Decisions, Plan, PlanInfeasible, baseline_plan, brute_force,
@@ -44,12 +45,12 @@ def test_param_counts():
     llama7 = preset("7b", kind="llama", vocab_size=32000)
     d, f = 4096, 11008
     assert cm.param_count_per_layer(llama7) == 4 * d * d + 3 * d * f + 2 * d
-    assert cm.total_param_count(llama7) == pytest.approx(6.738e9, rel=1e-3)  # LLaMA-7B
+    assert param_count(llama7) == pytest.approx(6.738e9, rel=1e-3)  # LLaMA-7B
     cola = preset("1b")  # low-rank: every projection is A (d_in x r) + B (r x d_out)
     d, f, r = 2048, 5472, 512
     assert cm.param_count_per_layer(cola) == 4 * (d * r + r * d) + 3 * (d * r + r * f) + 2 * d
-    assert cm.param_bytes_per_layer(cola) == 4 * cm.param_count_per_layer(cola)
-    assert cm.total_param_count(cm.LAZYTRAIN_27B) == pytest.approx(27e9, rel=0.01)
+    assert cm.layer_cost(cola, 1, 8, get_profile("h800")).param_bytes == 4 * cm.param_count_per_layer(cola)
+    assert param_count(cm.LAZYTRAIN_27B) == pytest.approx(27e9, rel=0.01)
 
 
 def test_recompute_costs_follow_the_block_graph():
@@ -275,3 +276,55 @@ def test_plan_json_roundtrip_and_policies():
     assert plan.param_place == tuple("host" if m == "host" else "device" for m in plan.decisions.mode)
     base = baseline_plan(inst, "megatrain")
     assert Plan.from_json(base.to_json()) == base and not math.isnan(base.objective)
+
+
+@pytest.mark.parametrize("kind", ["llama", "cola", "svd", "lax"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_cost_model_parameters_are_the_models(kind, tie):
+    """The planner's parameter, gradient and Adam bytes are those of the model's own tensors
+    (`param_shapes`, GQA here): per layer the block's, outside the blocks the embedding, final norm and
+    head (none when tied: the cost model used to count a head for a tied model), Adam moments as the
+    real adam8bit / AdamW states hold them (8-bit blocks per real, grouped tensor). The tied model's
+    logits matmul still costs head time, and the reported model FLOPs are `flops_per_token`'s (the
+    planner used to count 6 FLOPs per embedding entry, a lookup)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from boostjax.models.flops import flops_per_token
+    from boostjax.models.llama import LLaMA, param_shapes
+    from boostjax.optim.adam8bit import adam8bit
+
+    cfg = ModelConfig(kind=kind, vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=160,
+                      rank=32, tie_embeddings=tie)
+    shapes = param_shapes(cfg)
+    layer = sum(math.prod(s) for k, s in shapes.items() if k.startswith("layers.0."))
+    outside = sum(math.prod(s) for k, s in shapes.items() if not k.startswith("layers."))
+    assert cfg.n_layers * layer + outside == param_count(cfg)
+    params = jax.eval_shape(lambda: nnx.state(LLaMA(cfg, rngs=nnx.Rngs(0)), nnx.Param).to_pure_dict())
+    batch, seq, rows = 2, 32, 2 * 32 * cfg.d_model * 2  # bf16 embedding rows of the step's tokens
+    for eight_bit, opt in ((False, optax.adamw(1e-3)), (True, adam8bit(1e-3))):
+        state = jax.eval_shape(opt.init, params)
+        state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state) if x.ndim)
+        lc = cm.layer_cost(cfg, batch, seq, get_profile("h800"), eight_bit=eight_bit)
+        assert lc.params == layer and lc.param_bytes == lc.grad_bytes == 4 * layer
+        inst = cm.build_instance(cfg, batch, seq, "H800-80GB", eight_bit=eight_bit)
+        assert inst.mode_device_bytes[0][0] == lc.param_bytes + lc.opt_bytes
+        outside_opt = inst.fixed_bytes - rows - 8 * outside  # fixed = weight + gradient + Adam + rows
+        assert cfg.n_layers * lc.opt_bytes + outside_opt == state_bytes, eight_bit
+        assert inst.model_flops == flops_per_token(cfg, seq) * batch * seq
+    untied = cm.build_instance(replace(cfg, tie_embeddings=not tie), batch, seq, "H800-80GB")
+    assert inst.head_s == untied.head_s and inst.model_flops == untied.model_flops
+    assert (inst.fixed_bytes < untied.fixed_bytes) is tie
+
+
+@pytest.mark.parametrize("kind", ["llama", "cola", "svd", "lax"])
+@pytest.mark.parametrize("heads", [dict(), dict(n_kv_heads=2), dict(n_kv_heads=1, attn_head_dim=48)])
+def test_block_graph_gemms_are_the_models_matrices(kind, heads):
+    """The block graph's GEMM FLOPs (all but the attention core) are 2 x the block's matrix entries
+    (`layer_matmul_params`, from the model's parameter shapes): one source for what a layer multiplies."""
+    from boostjax.models.flops import layer_matmul_params
+
+    cfg, seq = ModelConfig(kind=kind, **heads), 16
+    g = cm.block_graph(cfg, seq)
+    assert sum(n.flops for k, n in g.items() if k not in ("attn_probs", "attn_out")) == 2 * layer_matmul_params(cfg)

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from boostjax.cli import main
-from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
+from boostjax.config import Config, ConfigError, MeshShape, ModelConfig, TrainConfig
 from boostjax.models.llama import LLaMA
 from boostjax.offload import check_plan_for
 from boostjax.offload import costmodel as cm
@@ -58,7 +58,7 @@ def test_per_device_parameters_are_the_shards_of_the_trainers_shardings(kind, st
     assert lc.params == layer0 and lc.param_bytes == 4 * layer0
     assert layer0 < cm.param_count_per_layer(cfg) / 2  # sharded, not replicated
     inst = cm.build_instance(cfg, BATCH, SEQ, "H800-80GB", dtype_bytes=4, eight_bit=False, strategy=strategy,
-                             mesh={"data": DATA, "model": TP})
+                             mesh=MeshShape(data=DATA, model=TP))
     rest = numel["embed"] + numel["head"] + numel["norm"]
     d_emb = params["embed"].shape[1] // (TP if strategy == "btp" else 1)
     # fp32 weight + gradient + Adam m, v; the embedding rows gathered for this device's tokens
@@ -108,7 +108,7 @@ def test_per_device_activations_are_the_traced_steps(kind, strategy):
 def _stage_instance(**kw) -> cm.PlanInstance:
     cfg = ModelConfig(kind="cola", vocab_size=256, d_model=64, n_layers=4, n_heads=4, d_ff=128, rank=16)
     return cm.build_instance(cfg, 8, 64, "H800-80GB", dtype_bytes=4, eight_bit=False, strategy="btp",
-                             mesh={"data": 2, "stage": 2, "model": 2}, max_segment=2, h2d_lead=1, d2h_lag=1, **kw)
+                             mesh=MeshShape(data=2, stage=2, model=2), max_segment=2, h2d_lead=1, d2h_lag=1, **kw)
 
 
 def test_a_pipeline_stage_keeps_one_parameter_mode():

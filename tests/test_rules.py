@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from boostjax import config
 from boostjax.config import ModelConfig
 from boostjax.models.collectives import Collectives
+from boostjax.models import llama
 from boostjax.models.llama import LLaMA
 from boostjax.sharding import rules
 
@@ -95,9 +96,16 @@ def test_a_parameter_without_declared_axes_is_an_error(monkeypatch):
         def __init__(self, cfg, *, rngs):
             self.w = nnx.Param(jax.numpy.zeros((2, 3)))
 
-    monkeypatch.setattr(rules, "LLaMA", Bare)
-    with pytest.raises(ValueError, match="w: a parameter of shape .2, 3. declares logical axes None"):
-        rules.logical_axes(TINY)
+    # the axes are read from the model (`param_axes`, cached per config): trace `Bare` in its place
+    monkeypatch.setattr(llama, "LLaMA", Bare)
+    llama._one_layer.cache_clear()
+    llama._param_facts.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="w: a parameter of shape .2, 3. declares logical axes None"):
+            rules.logical_axes(TINY)
+    finally:
+        llama._one_layer.cache_clear()
+        llama._param_facts.cache_clear()
 
 
 def test_rotation_mask_from_the_declaration():

@@ -21,6 +21,7 @@ one variadic all-reduce, so compare bytes rather than counts.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -31,6 +32,7 @@ import numpy as np
 from boostjax.analysis import hlo, memory
 from boostjax.config import (
     LOW_RANK_KINDS,
+    MODEL,
     REMAT,
     TP_STRATEGIES,
     Config,
@@ -39,6 +41,8 @@ from boostjax.config import (
     ModelConfig,
     as_mesh,
 )
+from boostjax.models.llama import param_axes, param_shapes
+from boostjax.sharding import rules
 from boostjax.training.checks import validate as validate_run
 
 STRATEGIES = TP_STRATEGIES  # the TP strategies a report compares
@@ -256,14 +260,27 @@ def expected_per_layer(model: ModelConfig, strategy: str, tokens: int, dtype: st
     qkv and gate_up all-reduces). BOOST's step figure (https://arxiv.org/abs/2512.12131) doubles the
     forward (BTP's statistics need no backward collective: their cotangent is replicated).
     """
-    d, f, r = model.d_model, model.d_ff, model.rank
-    he, ke = model.n_heads * model.head_dim, model.kv_heads * model.head_dim
-    per_token = {"fullrank-tp": 2 * d, "vanilla-tp": he + 2 * ke + 2 * d + 2 * f, "btp": 7 * r}[strategy]
+    per_token = _psum_elements_per_token(model, strategy)
     stats = 2 if strategy == "btp" else 0
     item = _ITEMSIZE[dtype]
     fwd = tokens * (per_token * item + stats * 4)
     return {"forward_elements_per_token": per_token, "stats_per_token": stats,
             "forward_bytes": fwd, "step_bytes": fwd + tokens * per_token * item}
+
+
+def _psum_elements_per_token(model: ModelConfig, strategy: str) -> int:
+    """Elements per token the forward of one block all-reduces: every GEMM whose contracted (input)
+    dimension the strategy splits over `model` is row-parallel, its output a partial sum. Read from the
+    block's parameters (`param_shapes`, stored `[in, out]`, group axes aside) and their logical axes
+    under the strategy's rules (`boostjax.sharding.rules`)."""
+    split = rules.STRATEGIES[strategy].rules
+    axes = param_axes(model, block=True)
+    total = 0
+    for name, shape in param_shapes(model, block=True).items():
+        matrix = [i for i, a in enumerate(axes[name]) if a not in rules.GROUP_AXES]
+        if len(matrix) == 2 and split.get(axes[name][matrix[0]]) == MODEL:
+            total += math.prod(shape) // shape[matrix[0]]
+    return total
 
 
 def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int, strategy: str, remat: str = "none",

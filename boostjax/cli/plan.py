@@ -95,7 +95,7 @@ def instance_from_args(args: argparse.Namespace) -> Any:
     ConfigError on bad shapes or numbers, before anything is solved."""
     from boostjax.offload.apply import instance_for
     from boostjax.offload.costmodel import lazytrain_27b
-    from boostjax.offload.fit import check_mesh_for
+    from boostjax.sharding.rules import check_mesh_for
 
     cap = None
     if args.memory_cap is not None:

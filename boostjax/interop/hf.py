@@ -39,7 +39,7 @@ from boostjax.interop.hf_config import (
     tokenizer_config,
     write_json,
 )
-from boostjax.models.llama import LLaMA
+from boostjax.models.llama import LLaMA, param_shapes
 from boostjax.runs.folder import check_export_target
 
 __all__ = [
@@ -91,20 +91,15 @@ IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face name -> Hugging Face shape (`[out, in]` for linears) of a dense `cfg`."""
-    d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
-    he, ke = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    per_layer = {
-        "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
-        "self_attn.q_proj.weight": (he, d), "self_attn.k_proj.weight": (ke, d),
-        "self_attn.v_proj.weight": (ke, d), "self_attn.o_proj.weight": (d, he),
-        "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
-    }
-    out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
-    if not cfg.tie_embeddings:  # a tied model's head is the embedding: no lm_head.weight in or out
-        out["lm_head.weight"] = (v, d)
+    """Hugging Face name -> Hugging Face shape (`[out, in]` for linears) of the dense LLaMA of `cfg`'s
+    shapes: the model's own shapes (`param_shapes`) under their Hugging Face names (`TOP_KEYS`,
+    `LAYER_KEYS`), transposed where stored transposed. A tied model has no head: no lm_head.weight."""
+    ours = param_shapes(cfg if cfg.kind == "llama" else dataclasses.replace(cfg, kind="llama"))
+    out = {hf: ours[name][::-1] if tr else ours[name] for name, hf, tr in TOP_KEYS if name in ours}
     for i in range(cfg.n_layers):
-        out.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
+        for (block, name), hf, tr in LAYER_KEYS:
+            shape = ours[f"layers.{i}.{block}.{name}"]
+            out[f"model.layers.{i}.{hf}"] = shape[::-1] if tr else shape
     return out
 
 

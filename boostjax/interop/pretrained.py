@@ -37,7 +37,7 @@ from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, flag_
 from boostjax.data.source import Source
 from boostjax.data.tokenizers import TOKENIZER_FILE, load_tokenizer, same_tokenizer, tokenizer_kind
 from boostjax.interop import hf
-from boostjax.models.llama import LLaMA, abstract_model
+from boostjax.models.llama import LLaMA, param_shapes
 from boostjax.runs.folder import RunFolder
 
 SOURCE_FIELD = "train.init_from_hf"
@@ -58,13 +58,6 @@ PROJECTIONS: tuple[tuple[str, str, str, str, int | None, str, int | None], ...] 
 
 def _err(msg: str) -> ConfigError:
     return ConfigError(f"{SOURCE_FIELD}: {msg}")
-
-
-def matrix_shapes(m: ModelConfig) -> dict[str, tuple[int, int]]:
-    """[in, out] of each projection of one layer."""
-    d, f = m.d_model, m.d_ff
-    he, ke = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
-    return {"q": (d, he), "k": (d, ke), "v": (d, ke), "o": (he, d), "gate": (d, f), "up": (d, f), "down": (f, d)}
 
 
 def source_config(path: str) -> ModelConfig:
@@ -122,7 +115,8 @@ def _as_source(src: ModelConfig) -> ModelConfig:
 def _check_rank(m: ModelConfig) -> None:
     if not m.low_rank or not isinstance(m.rank, int):  # a rank of the wrong type: validate names it
         return
-    name, (i, o) = min(matrix_shapes(m).items(), key=lambda kv: min(kv[1]))
+    dense = param_shapes(dataclasses.replace(m, kind="llama"), block=True)  # [in, out] of each projection
+    name, (i, o) = min(((short, dense[f"{blk}.{w}"]) for blk, w, short, *_ in PROJECTIONS), key=lambda kv: min(kv[1]))
     if m.rank > min(i, o):
         raise ConfigError(f"model.rank: r={m.rank} exceeds min(in, out)={min(i, o)} of the checkpoint's {name} "
                           f"projection [{i}, {o}]; fix: pass --rank <= {min(i, o)}")
@@ -223,13 +217,13 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
     _check_rank(cfg)
     dense_cfg = dataclasses.replace(cfg, kind="llama")
     check_params(dense_cfg, dense_params, "lowrank_from_dense: dense_params")
-    _, like = abstract_model(Config(cfg))
+    like = param_shapes(cfg)
     rng = np.random.default_rng(seed)
     errs: dict[str, float] = {}
-    out: dict[str, Any] = {k: dense_params[k] for k in like if k != "layers"}
+    out: dict[str, Any] = {k: dense_params[k] for k in like if "." not in k}
     out["layers"] = {}
     layers = dense_params["layers"]
-    for i in like["layers"]:
+    for i in range(cfg.n_layers):
         dense = layers[i] if i in layers else layers[str(i)]
         layer: dict[str, dict[str, Any]] = {blk: {"norm": dense[blk]["norm"]} for blk in ("attn", "mlp")}
         for blk, w_name, short, a_name, a_i, b_name, b_i in PROJECTIONS:
@@ -243,8 +237,8 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
             for name, v in list(layer[blk].items()):
                 if isinstance(v, dict):
                     layer[blk][name] = np.stack([v[j][0] for j in sorted(v)], axis=v[0][1])
-            if "cross" in like["layers"][i][blk]:
-                layer[blk]["cross"] = np.zeros(like["layers"][i][blk]["cross"].shape, np.float32)
+            if f"layers.{i}.{blk}.cross" in like:
+                layer[blk]["cross"] = np.zeros(like[f"layers.{i}.{blk}.cross"], np.float32)
         out["layers"][i] = layer
     check_params(cfg, out, "lowrank_from_dense")  # the grouped layout is the model's
     out = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), out)
@@ -262,7 +256,7 @@ def check_params(m: ModelConfig, params: Any, what: str) -> None:
     if not isinstance(params, Mapping):
         raise ConfigError(f"{what}: need a pure params dict (nnx.to_pure_dict), got {type(params).__name__}; "
                           "fix: pass nnx.to_pure_dict(nnx.state(model, nnx.Param))")
-    need, have = _leaves(abstract_model(Config(m))[1]), _leaves(params)
+    need, have = param_shapes(m), _leaves(params)
     missing, extra = sorted(set(need) - set(have)), sorted(set(have) - set(need))
     if missing or extra:
         raise ConfigError(f"{what}: the params do not fit a {m.kind} model (missing {missing[:3]}, unexpected "

@@ -17,7 +17,10 @@ Activations tagged with `checkpoint_name` (remat and offload policies select the
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+import dataclasses
+import functools
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -395,3 +398,49 @@ def abstract_model(cfg: Config) -> tuple[Any, dict]:
     """(graphdef, parameter shapes) of the model, without allocating it."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))))
     return graphdef, state.to_pure_dict()
+
+
+# ----------------------------------------------------------------------------- parameter facts
+
+
+@functools.lru_cache(maxsize=256)
+def _one_layer(cfg: ModelConfig) -> tuple[tuple[tuple[str | int, ...], tuple[int, ...], tuple[str, ...]], ...]:
+    """(path, shape, declared logical axes) of every parameter of `LLaMA(cfg)`, `cfg` a one-layer
+    model, read from an abstract model (`nnx.eval_shape`: nothing is allocated)."""
+    model = nnx.eval_shape(lambda: LLaMA(cfg, rngs=nnx.Rngs(params=0)))
+    return tuple((tuple(path), tuple(var.shape), tuple(var.get_metadata().get("out_sharding") or ()))
+                 for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+
+
+@functools.lru_cache(maxsize=256)
+def _param_facts(cfg: ModelConfig, block: bool) -> tuple[Mapping[str, tuple[int, ...]], Mapping[str, tuple[str, ...]]]:
+    """(shapes, logical axes) by dotted path: of the whole model, or (`block`) of one block with paths
+    inside it. `LLaMA` builds `n_layers` identical `Block`s, so the model is traced with one layer
+    (a few ms at any size) and that layer's entries stand for every layer."""
+    entries = _one_layer(dataclasses.replace(cfg, n_layers=1))
+    first = next((k for k, e in enumerate(entries) if e[0][0] == "layers"), len(entries))
+    layer = [(path[2:], shape, ax) for path, shape, ax in entries if path[0] == "layers"]
+    if block:
+        named = layer
+    else:  # in the model's order, the one layer's place taken by all of them
+        top = [e for e in entries if e[0][0] != "layers"]
+        named = top[:first] + [(("layers", i, *sub), shape, ax) for i in range(cfg.n_layers)
+                               for sub, shape, ax in layer] + top[first:]
+    shapes = {".".join(map(str, path)): shape for path, shape, _ in named}
+    axes = {".".join(map(str, path)): ax for path, _, ax in named}
+    return MappingProxyType(shapes), MappingProxyType(axes)
+
+
+def param_shapes(cfg: ModelConfig, *, block: bool = False) -> Mapping[str, tuple[int, ...]]:
+    """THE parameter shapes: every parameter of `LLaMA(cfg)` by dotted path (`embed`,
+    `layers.0.attn.a_qkv`, ..., `norm`, and `head` unless `tie_embeddings`) -> its shape; with
+    `block=True` one block's, by path inside it (`attn.a_qkv`, `mlp.norm`, ...). Read from the
+    model itself (an abstract `nnx.eval_shape`, cached per config: no array is allocated), so parameter
+    counts, FLOPs, the offload cost model and the Hugging Face layouts cannot drift from it."""
+    return _param_facts(cfg, block)[0]
+
+
+def param_axes(cfg: ModelConfig, *, block: bool = False) -> Mapping[str, tuple[str, ...]]:
+    """The logical axes (`AXES`) each parameter declares, keyed like `param_shapes` (empty for a
+    parameter that declares none)."""
+    return _param_facts(cfg, block)[1]

@@ -101,14 +101,6 @@ def model_rope_tables(cfg: ModelConfig, seq: int) -> tuple[Float[Array, "t e"], 
     return rope_tables(seq, cfg.head_dim, cfg.rope_theta, rope_inv_freq(cfg, seq))
 
 
-def rope_tables_at(positions: Int[Array, "..."], inv_freq: np.ndarray) -> tuple[Float[Array, "... e"], Float[Array, "... e"]]:
-    """cos/sin of given (traced) positions, e.g. one decoding step: `inv_freq` from `rope_inv_freq`
-    (for dynamic scaling, of the total length the positions belong to)."""
-    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    ang = jnp.concatenate([ang, ang], axis=-1)
-    return jnp.cos(ang), jnp.sin(ang)
-
-
 def apply_rope(x_bthe: Float[Array, "b t h e"], cos_te, sin_te) -> Float[Array, "b t h e"]:
     half = x_bthe.shape[-1] // 2
     rot = jnp.concatenate([-x_bthe[..., half:], x_bthe[..., :half]], axis=-1)

@@ -6,13 +6,15 @@ parameter, gradient and optimizer-state bytes, per-layer costs (`layer_cost`) an
 input (`PlanInstance`, `build_instance`, LazyTrain's 27B instance, the 3B-27B family).
 
 Conventions (documented assumptions of the model, not measurements):
-- FLOPs: a GEMM of m x n per token costs 2mn; causal attention costs 2·seq·H·hd per token forward
-  (QKᵀ and PV, halved for the causal mask); norms and elementwise ops cost 0. Backward = 2x forward.
-  Seconds = FLOPs / (bf16_flops · mfu).
+- FLOPs: a GEMM of m x n per token costs 2mn (the LM head's logits too, tied or not; the embedding
+  lookup none); causal attention costs 2·seq·H·hd per token forward (QKᵀ and PV, halved for the
+  causal mask); norms and elementwise ops cost 0. Backward = 2x forward. Seconds = FLOPs /
+  (bf16_flops · mfu). The reported model FLOPs (`model_flops`, TFLOPS) are `flops_per_token`'s.
 - Activations are stored in the compute dtype (`dtype_bytes`, 2 for bf16); norm statistics and the
   softmax probabilities in fp32. `attention="flash"` (LazyTrain's instances) keeps the fp32
   log-sum-exp instead of the probabilities.
-- Parameters: fp32 master (4 B), Adam m and v (8 B, or the hybrid 8-bit layout of
+- Parameters: the model's own tensors (`boostjax.models.llama.param_shapes`, one device's shards of
+  them: `device_param_shapes`); fp32 master (4 B), Adam m and v (8 B, or the hybrid 8-bit layout of
   `boostjax.optim.adam8bit`: 1 B + 4/256 B per moment for tensors of >= 4096 elements), or, for a
   run's instance (`boostjax.offload.apply.instance_for`, `boostjax plan`), the state the run's
   optimizer allocates (`boostjax.offload.optstate`: `jax.eval_shape` of its init), resident;
@@ -34,7 +36,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-from boostjax.config import MeshShape, ModelConfig, flag_of, preset
+from boostjax.config import MODEL, MeshShape, ModelConfig, as_mesh, flag_of, preset
+from boostjax.models.flops import flops_per_token
+from boostjax.models.llama import param_axes, param_shapes
 from boostjax.runtime.hardware import HardwareProfile, get_profile
 from boostjax.offload.blockgraph import (ALL, ATTENTION, BOUNDARY, _bwd_needs, _saved_bytes, activation_names,
                                         block_graph, default_inner_options, recompute_cost)
@@ -53,42 +57,21 @@ on the host with a compute-dtype copy resident on device; both on the host (Mega
 # (replicated after their psum); vanilla TP splits every low-rank pair along r (the [b, t, d]
 # residuals and all heads replicated); Megatron (fullrank-tp) splits heads and d_ff (the [b, t, d]
 # residual replicated). A block of the model with these dimensions divided is one device's block:
-# its parameter shapes are the device's shards and its tensor widths the device's activations.
+# its tensor widths are the device's activations (its parameters: `device_param_shapes`).
 STRATEGY_DIMS: dict[str, tuple[str, ...]] = {
     name: tuple(f for f in rules.split_fields(name) if f != "vocab_size") for name in rules.STRATEGIES}
 
 
-@dataclass(frozen=True)
-class MeshSizes:
-    """Sizes of the `data`, `stage` and `model` mesh axes (all 1: one device, no mesh)."""
-
-    data: int = 1
-    stage: int = 1
-    model: int = 1
-
-    def __str__(self) -> str:
-        """Canonical text, '' for one device: `data=2,model=4`, `data=2,stage=2,model=2`."""
-        if (self.data, self.stage, self.model) == (1, 1, 1):
-            return ""
-        return f"data={self.data}" + (f",stage={self.stage}" if self.stage > 1 else "") + f",model={self.model}"
-
-    @property
-    def devices(self) -> int:
-        return self.data * self.stage * self.model
+def _mesh(mesh: MeshShape | str | None) -> MeshShape:
+    """The `MeshShape` of a mesh given as a MeshShape, a `--mesh` string or None / '' (one device: all
+    sizes 1)."""
+    return as_mesh(mesh) or MeshShape()
 
 
-def mesh_sizes(mesh: object, field: str = "train.mesh") -> MeshSizes:
-    """`MeshSizes` of None / '' (one device), a `--mesh` string, a dict of axis sizes or an object with
-    `.data`, `.stage`, `.model` (`boostjax.config.MeshShape`); `field` names a bad string in the ConfigError."""
-    if mesh is None or mesh == "":
-        return MeshSizes()
-    if isinstance(mesh, str):
-        mesh = MeshShape.parse(mesh, field=field)
-        if mesh is None:
-            return MeshSizes()
-    if isinstance(mesh, dict):
-        return MeshSizes(int(mesh.get("data", 1)), int(mesh.get("stage", 1)), int(mesh.get("model", 1)))
-    return MeshSizes(int(getattr(mesh, "data", 1)), int(getattr(mesh, "stage", 1)), int(getattr(mesh, "model", 1)))
+def _mesh_key(mesh: MeshShape | str | None) -> str:
+    """A mesh as plans record it (`planned_for`, instance names): its text, '' for one device."""
+    sizes = _mesh(mesh)
+    return "" if sizes.devices == 1 else str(sizes)
 
 
 def local_model(cfg: ModelConfig, strategy: str = "none", tp: int = 1) -> ModelConfig:
@@ -112,53 +95,37 @@ def local_model(cfg: ModelConfig, strategy: str = "none", tp: int = 1) -> ModelC
 # ----------------------------------------------------------------------------- parameters
 
 
-def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Weight shapes of one block: dense `q..down` or low-rank `q_A, q_B, ...`, plus the two norms
-    (and LaX's latent crossing weights: 3 in attention, 2 in the MLP). One device's shards:
-    `layer_param_shapes(local_model(cfg, strategy, tp))`."""
-    d, hd = cfg.d_model, cfg.head_dim
-    outs = {"q": cfg.n_heads * hd, "k": cfg.kv_heads * hd, "v": cfg.kv_heads * hd, "o": d,
-            "gate": cfg.d_ff, "up": cfg.d_ff, "down": d}
-    ins = {"q": d, "k": d, "v": d, "o": cfg.n_heads * hd, "gate": d, "up": d, "down": cfg.d_ff}
-    shapes: dict[str, tuple[int, ...]] = {"attn_norm": (d,), "mlp_norm": (d,)}
-    for p in outs:
-        if cfg.low_rank:
-            shapes[f"{p}_A"] = (ins[p], cfg.rank)
-            shapes[f"{p}_B"] = (cfg.rank, outs[p])
-        else:
-            shapes[p] = (ins[p], outs[p])
-    if cfg.kind == "lax":
-        shapes |= {"attn_cross": (3,), "mlp_cross": (2,)}
-    return shapes
+def device_param_shapes(cfg: ModelConfig, strategy: str = "none", tp: int = 1, *,
+                        block: bool = False) -> dict[str, tuple[int, ...]]:
+    """One device's shard of every parameter (`block`: of one block's) on a `model` axis of `tp`
+    devices under `strategy`: the model's shapes (`boostjax.models.llama.param_shapes`) with each
+    dimension whose logical axis the strategy maps to `model` (`boostjax.sharding.rules`) divided by
+    `tp` (ValueError when it does not divide)."""
+    if strategy not in rules.STRATEGIES:
+        raise ValueError(f"strategy: unknown strategy {strategy!r}; fix: one of {', '.join(rules.STRATEGIES)}")
+    split = rules.STRATEGIES[strategy].rules
+    axes = param_axes(cfg, block=block)
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in param_shapes(cfg, block=block).items():
+        dims = []
+        for n, axis in zip(shape, axes[name] or (None,) * len(shape)):  # (every LLaMA parameter declares axes)
+            if split.get(axis) == MODEL and tp > 1:
+                if n % tp:
+                    raise ValueError(f"{name}: its {axis} dimension {n} is not divisible by the TP size {tp} "
+                                     f"({strategy}); fix: choose a dividing model axis")
+                n //= tp
+            dims.append(n)
+        out[name] = tuple(dims)
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:
     return int(math.prod(shape))
 
 
-def param_count_per_layer(cfg: ModelConfig) -> int:
-    return sum(_numel(s) for s in layer_param_shapes(cfg).values())
-
-
-def embedding_param_count(cfg: ModelConfig) -> int:
-    return cfg.vocab_size * cfg.d_model
-
-
-def head_param_count(cfg: ModelConfig) -> int:
-    """LM head (d x V) plus the final norm."""
-    return cfg.d_model * cfg.vocab_size + cfg.d_model
-
-
-def total_param_count(cfg: ModelConfig) -> int:
-    return cfg.n_layers * param_count_per_layer(cfg) + embedding_param_count(cfg) + head_param_count(cfg)
-
-
-def param_bytes_per_layer(cfg: ModelConfig, bytes_per_param: int = 4) -> int:
-    return param_count_per_layer(cfg) * bytes_per_param
-
-
-def grad_bytes_per_layer(cfg: ModelConfig, bytes_per_param: int = 4) -> int:
-    return param_count_per_layer(cfg) * bytes_per_param
+def param_count_per_layer(cfg: ModelConfig, strategy: str = "none", tp: int = 1) -> int:
+    """Parameters of one block (on one device of a `model` axis of `tp` under `strategy`)."""
+    return sum(_numel(s) for s in device_param_shapes(cfg, strategy, tp, block=True).values())
 
 
 def adam_state_bytes(shapes: Iterable[tuple[int, ...]], eight_bit: bool = False, block: int = 256,
@@ -176,8 +143,9 @@ def adam_state_bytes(shapes: Iterable[tuple[int, ...]], eight_bit: bool = False,
     return total
 
 
-def opt_state_bytes_per_layer(cfg: ModelConfig, eight_bit: bool = False) -> int:
-    return adam_state_bytes(layer_param_shapes(cfg).values(), eight_bit)
+def opt_state_bytes_per_layer(cfg: ModelConfig, eight_bit: bool = False, strategy: str = "none", tp: int = 1) -> int:
+    """Adam m and v of one block's parameters (as `boostjax.optim.adam8bit` keeps them: per tensor)."""
+    return adam_state_bytes(device_param_shapes(cfg, strategy, tp, block=True).values(), eight_bit)
 
 
 # ----------------------------------------------------------------------------- per-layer costs
@@ -214,7 +182,11 @@ def layer_cost(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile, dtyp
     output's cotangent and two cotangents of the largest tensor (the one arriving and the one passed on)."""
     if batch <= 0 or seq <= 0:
         raise ValueError(f"batch/seq: must be positive, got batch={batch} seq={seq}; fix: pass positive sizes")
-    cfg = local_model(cfg, strategy, tp)
+    local = local_model(cfg, strategy, tp)
+    n_params = param_count_per_layer(cfg, strategy, tp)
+    if opt_bytes is None:
+        opt_bytes = opt_state_bytes_per_layer(cfg, eight_bit, strategy, tp)
+    cfg = local
     tokens = batch * seq
     g = block_graph(cfg, seq, attention)
     rate = hw.flops_per_s
@@ -230,13 +202,11 @@ def layer_cost(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile, dtyp
             continue
         rc_flops, per_token = recompute_cost(cfg, seq, saved, dtype_bytes, attention)
         opts[name] = (tuple(saved), per_token * tokens, rc_flops * tokens / rate)
-    n_params = param_count_per_layer(cfg)
     biggest = max(act[n] for n in needs)
     return LayerCost(
         boundary_bytes=act["boundary"], fwd_flops=fwd_flops, fwd_s=fwd_flops / rate, bwd_s=2.0 * fwd_flops / rate,
         activation_bytes=act, full_bytes=full, options=opts, params=n_params, param_bytes=4.0 * n_params,
-        grad_bytes=4.0 * n_params,
-        opt_bytes=float(opt_state_bytes_per_layer(cfg, eight_bit) if opt_bytes is None else opt_bytes),
+        grad_bytes=4.0 * n_params, opt_bytes=float(opt_bytes),
         stream_bytes=float(dtype_bytes * n_params), work_fwd_bytes=full + act["out"],
         work_bwd_bytes=full + act["out"] + 2 * biggest)
 
@@ -284,7 +254,7 @@ class PlanInstance:
     flat_segments: bool = True  # allow Chen-style (flat) recompute segments (needs `all` and `boundary`)
     activation_names: tuple[str, ...] = ("boundary",)
     tokens: int = 0
-    model_flops: float = 0.0  # 6·N·tokens, for TFLOPS reporting
+    model_flops: float = 0.0  # one device's model FLOPs of a step (`flops_per_token`), for TFLOPS reporting
     notes: str = ""
     # per layer: the gradient of a `device`-mode layer, resident from its backward window B_k to the
     # epilogue E where the optimizer consumes it (empty: none beyond `mode_device_bytes`)
@@ -345,7 +315,7 @@ def build_instance(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile |
                    logits_chunk: int | None = None, max_segment: int = 8, h2d_lead: int = 2, d2h_lag: int = 2,
                    attention: str = "materialized", name: str | None = None, strategy: str = "none",
                    mesh: object = None, optimizer: OptimizerBytes | None = None) -> PlanInstance:
-    """A plan instance from model shapes for ONE device of `mesh` (None: one device; see `mesh_sizes`)
+    """A plan instance from model shapes for ONE device of `mesh` (a `MeshShape` or `--mesh` text; None: one device)
     under the TP `strategy`: its batch rows (`batch / data`), its stage's layers (`n_layers / stage`;
     the plan of one stage is applied to every stage's layers, and with stage > 1 all layers share one
     parameter mode) and its shard of each layer and activation (`local_model`). The embedding, LM head
@@ -359,7 +329,7 @@ def build_instance(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile |
     `optimizer`: the run's optimizer-state bytes (`boostjax.offload.optstate.optimizer_bytes`, read from
     the optimizer); without it, Adam's (`eight_bit`: the hybrid 8-bit layout, else fp32)."""
     hw = get_profile(hw) if isinstance(hw, str) else hw
-    sizes = mesh_sizes(mesh)
+    sizes = _mesh(mesh)
     if batch % sizes.data or cfg.n_layers % sizes.stage:
         raise ValueError(f"mesh: data={sizes.data} must divide batch={batch} and stage={sizes.stage} n_layers="
                          f"{cfg.n_layers}; fix: pick mesh sizes that divide them")
@@ -371,19 +341,23 @@ def build_instance(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile |
                     opt_bytes=None if optimizer is None else optimizer.per_layer)
     L, tokens = cfg.n_layers // sizes.stage, batch // sizes.data * seq
     names = tuple(lc.options)
-    d_emb = local_model(cfg, strategy, tp).d_model  # BTP's embedding holds d/TP columns
-    vocab = cfg.vocab_size // tp if strategy != "none" else cfg.vocab_size  # the vocabulary-parallel head
-    emb_shapes = [(cfg.vocab_size, d_emb), (cfg.d_model, vocab), (cfg.d_model,)]
-    moments = optimizer.fixed if optimizer is not None else adam_state_bytes(emb_shapes[:1], eight_bit=False) \
-        + adam_state_bytes(emb_shapes[1:], eight_bit)  # the embedding keeps fp32 moments (adam8bit default)
-    fixed = sum(8 * _numel(s) for s in emb_shapes) + moments
-    fixed += tokens * d_emb * dtype_bytes  # the gathered embedding rows
+    vocab = cfg.vocab_size // tp if strategy != "none" else cfg.vocab_size  # the vocabulary-parallel logits
+    # the parameters outside the blocks (embedding, final norm, the head unless tied), each as this
+    # device's shard (BTP's embedding holds d/TP columns, the head V/TP rows): fp32 weight and gradient,
+    # and the optimizer state the run allocates, or Adam's moments as adam8bit keeps them (the
+    # embedding's stay fp32)
+    outside = {k: v for k, v in device_param_shapes(cfg, strategy, tp).items() if not k.startswith("layers.")}
+    moments = optimizer.fixed if optimizer is not None else \
+        sum(adam_state_bytes([s], eight_bit and "embed" not in k) for k, s in outside.items())
+    fixed = sum(8 * _numel(s) for s in outside.values()) + moments
+    fixed += tokens * outside["embed"][1] * dtype_bytes  # the gathered embedding rows
     head_tokens = tokens // sizes.stage
     chunk = head_tokens if logits_chunk is None else min(head_tokens, logits_chunk)
     head_flops = 2.0 * cfg.d_model * vocab * head_tokens
     per_mode_dev = (lc.param_bytes + lc.opt_bytes, lc.stream_bytes, 0.0)  # + the gradient from B_k to E
     per_mode_host = (0.0, lc.param_bytes + lc.opt_bytes + lc.stream_bytes, lc.param_bytes + lc.opt_bytes + lc.stream_bytes)
-    where = "" if strategy == "none" and not str(sizes) else f"-{strategy}" + (f"[{sizes}]" if str(sizes) else "")
+    key = _mesh_key(sizes)
+    where = "" if strategy == "none" and not key else f"-{strategy}" + (f"[{key}]" if key else "")
     return PlanInstance(
         name=name or f"{cfg.kind}-d{cfg.d_model}-L{cfg.n_layers}-b{batch}-s{seq}{where}@{hw.name}",
         boundary_bytes=(lc.boundary_bytes,) * L, fwd_s=(lc.fwd_s,) * L, bwd_s=(lc.bwd_s,) * L,
@@ -400,7 +374,7 @@ def build_instance(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile |
         head_work_bytes=3.0 * 4 * chunk * vocab + 2.0 * head_tokens * cfg.d_model * dtype_bytes,
         fixed_bytes=float(fixed), host_budget_bytes=float(hw.host_bytes), max_segment=max_segment,
         h2d_lead=h2d_lead, d2h_lag=d2h_lag, activation_names=activation_names(cfg), tokens=tokens,
-        model_flops=6.0 * total_param_count(cfg) * tokens / (sizes.stage * tp), uniform_modes=sizes.stage > 1,
+        model_flops=flops_per_token(cfg, seq) * tokens / (sizes.stage * tp), uniform_modes=sizes.stage > 1,
         planned_for=planned_for(cfg, batch, seq, dtype_bytes, eight_bit, attention, strategy, sizes, optimizer))
 
 
@@ -424,7 +398,7 @@ def planned_for(cfg: ModelConfig, batch: int, seq: int, dtype_bytes: int, eight_
             ("train.batch", batch), ("train.seq", seq),
             ("train.dtype", PLAN_DTYPES.get(dtype_bytes, f"{dtype_bytes}-byte")),
             ("train.optimizer", name), ("attention", attention),
-            ("train.strategy", strategy), ("train.mesh", str(mesh_sizes(mesh)))) + state
+            ("train.strategy", strategy), ("train.mesh", _mesh_key(mesh))) + state
 
 
 PLANNED_FOR_DEFAULTS: dict[str, object] = {"train.strategy": "none", "train.mesh": ""}
@@ -470,9 +444,7 @@ def instance_family(hw: HardwareProfile | str = "H800-80GB", seq: int = 1024, ba
 
 __all__ = [
     "ALL", "ATTENTION", "BOUNDARY", "MODES", "LAZYTRAIN_27B", "PLANNED_FOR_DEFAULTS", "STRATEGY_DIMS", "LayerCost",
-    "MeshSizes", "PlanInstance", "activation_names", "local_model", "mesh_sizes",
-    "adam_state_bytes", "block_graph", "build_instance", "default_inner_options", "embedding_param_count",
-    "grad_bytes_per_layer", "head_param_count", "instance_family", "layer_cost", "layer_param_shapes",
-    "lazytrain_27b", "opt_state_bytes_per_layer", "param_bytes_per_layer", "param_count_per_layer",
-    "planned_for", "recompute_cost", "total_param_count",
+    "PlanInstance", "activation_names", "adam_state_bytes", "block_graph", "build_instance", "default_inner_options",
+    "device_param_shapes", "instance_family", "layer_cost", "lazytrain_27b", "local_model",
+    "opt_state_bytes_per_layer", "param_count_per_layer", "planned_for", "recompute_cost",
 ]

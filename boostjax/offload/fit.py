@@ -1,8 +1,9 @@
 """Whether an offload plan fits a training run: `check_plan_for(plan, cfg)` is the one check (the
 placement layer calls it before anything is compiled or written). A plan describes ONE device's
 share of the run's mesh (`boostjax.offload.costmodel.build_instance`): that device's batch rows, its
-stage's layers and its shard of each layer under the TP strategy. `check_mesh_for` holds the mesh
-checks the planner shares with the trainer (strategy serving the model kind, sizes dividing)."""
+stage's layers and its shard of each layer under the TP strategy. The mesh checks the planner shares
+with the trainer (strategy serving the model kind, sizes dividing) are
+`boostjax.sharding.rules.check_mesh_for`."""
 
 from __future__ import annotations
 
@@ -12,19 +13,13 @@ from typing import Any
 from boostjax.config import Config, ConfigError, ModelConfig, flag_of
 from boostjax.models.attention import memory_kind
 from boostjax.offload.apply import instance_for
-from boostjax.offload.costmodel import PLANNED_FOR_DEFAULTS, MeshSizes, activation_names, mesh_sizes, planned_for
+from boostjax.offload.costmodel import PLANNED_FOR_DEFAULTS, activation_names, planned_for
 from boostjax.offload.decisions import check_decisions
 from boostjax.offload.optstate import STATE_FIELDS, optimizer_bytes
 from boostjax.offload.planfile import Plan, read_plan
 from boostjax.sharding import rules
 
 STATE_KEY = "optimizer_state_bytes_per_layer"  # `planned_for`'s record of the optimizer state (absent: older plans)
-
-
-def check_mesh_for(model: ModelConfig, strategy: str, mesh: Any, batch: int, seq: int, where: str = "train") -> None:
-    """`boostjax.sharding.rules.check_mesh_for` on a mesh given as `mesh_sizes` reads it (None or '' = no mesh)."""
-    sizes = None if mesh is None or mesh == "" else mesh_sizes(mesh, f"{where}.mesh")
-    rules.check_mesh_for(model, strategy, sizes, batch, seq, where)
 
 
 def check_planned_for(plan: Plan, model: ModelConfig, train: Any, path: Any = "the plan",
@@ -43,7 +38,7 @@ def check_planned_for(plan: Plan, model: ModelConfig, train: Any, path: Any = "t
     dtype_bytes = 4 if train.dtype == "float32" else 2
     attention = memory_kind(model, train.seq, train.dtype)
     want = dict(planned_for(model, train.batch, train.seq, dtype_bytes, train.optimizer == "adam8bit", attention,
-                            train.strategy, mesh_sizes(train.mesh), optimizer_bytes(model, train)))
+                            train.strategy, train.mesh, optimizer_bytes(model, train)))
     for key, value in want.items():
         if key == STATE_KEY and key not in rec:  # a plan of an older boostjax: it recorded the optimizer only
             continue
@@ -68,7 +63,7 @@ def check_planned_for(plan: Plan, model: ModelConfig, train: Any, path: Any = "t
 
 def check_plan_for(plan: Plan | str | os.PathLike, cfg: Config, *, require_record: bool = True) -> Plan:
     """THE check that an offload plan (a `Plan`, or the path of a plan.json) fits the training config
-    `cfg`: no `--remat` beside it, the strategy and mesh runnable (`check_mesh_for`), the plan made for
+    `cfg`: no `--remat` beside it, the strategy and mesh runnable (`rules.check_mesh_for`), the plan made for
     this run (`planned_for`: model shapes, batch, seq, dtype, optimizer, attention, strategy, mesh),
     one decision per layer of a stage, the block's activation names, and decisions the per-device
     instance allows (with stages: one parameter mode for all layers). Returns the plan; raises a
@@ -80,8 +75,8 @@ def check_plan_for(plan: Plan | str | os.PathLike, cfg: Config, *, require_recor
         path, plan = plan, read_plan(plan)
     if t.remat != "none":
         raise ConfigError("train.offload_plan: the plan sets the remat policy; fix: drop --remat")
-    sizes: MeshSizes = mesh_sizes(t.mesh)
-    check_mesh_for(m, t.strategy, t.mesh, t.batch, t.seq)
+    sizes = t.sizes
+    rules.check_mesh_for(m, t.strategy, t.mesh, t.batch, t.seq)
     n, local = len(plan.decisions.boundary), m.n_layers // sizes.stage
     if n != local:
         held = f"n_layers={m.n_layers}" if sizes.stage == 1 else \
@@ -104,4 +99,4 @@ def check_plan_for(plan: Plan | str | os.PathLike, cfg: Config, *, require_recor
     return plan
 
 
-__all__ = ["check_mesh_for", "check_plan_for", "check_planned_for"]
+__all__ = ["check_plan_for", "check_planned_for"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from boostjax.config import Config, ConfigError, mesh_text
+from boostjax.config import STAGE, Config, ConfigError, mesh_text
 from boostjax.offload import check_plan_for
 from boostjax.offload.apply import schedule
 from boostjax.offload.planfile import read_plan
@@ -58,7 +58,7 @@ def choose(cfg: Config, graphdef, params_like: Any) -> Placement:
     mesh = make_mesh(t.mesh)
     if mesh is None:
         base: Placement = SingleDevice(cfg, graphdef, remat)
-    elif "stage" in mesh.axis_names:
+    elif STAGE in mesh.axis_names:
         base = Pipeline(cfg, graphdef, mesh, params_like, remat)
     else:
         base = TensorParallel(cfg, graphdef, mesh, params_like, remat)

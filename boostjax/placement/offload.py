@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from boostjax.config import DATA
 from boostjax.offload.planfile import Plan
 from boostjax.placement.base import DEVICE, HOST, Placement, Role
 
@@ -59,7 +60,7 @@ class Offloaded:
     @cached_property
     def mesh(self) -> Mesh:
         """The base's mesh, or a one-device mesh (memory kinds need a `NamedSharding`)."""
-        return self.base.mesh if self.base.mesh is not None else Mesh(np.asarray(jax.devices()[:1]), ("data",))
+        return self.base.mesh if self.base.mesh is not None else Mesh(np.asarray(jax.devices()[:1]), (DATA,))
 
     @property
     def batch_sharding(self):

@@ -9,10 +9,9 @@ from functools import cached_property
 from typing import Any
 
 
-from boostjax.config import Config, ConfigError
+from boostjax.config import MODEL, Config, ConfigError
 from boostjax.placement.tensor import TensorParallel
 from boostjax.sharding import rules
-from boostjax.sharding.mesh import MODEL
 from boostjax.models.stacking import stack_layers, unstack_layers
 from boostjax.sharding.pipeline import microbatches, pipeline_info, pipeline_loss_fn
 from boostjax.sharding.pipeline_1f1b import onef1b_loss_fn

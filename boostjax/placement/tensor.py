@@ -13,10 +13,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import Config
+from boostjax.config import DATA, MODEL, Config
 from boostjax.models.ops import cast_params
 from boostjax.placement.base import Canonical, Role, is_spec
-from boostjax.sharding.mesh import DATA, MODEL, loss_mesh
+from boostjax.sharding.mesh import loss_mesh
 from boostjax.sharding import rules
 
 

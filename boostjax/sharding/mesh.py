@@ -8,9 +8,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import ConfigError, MeshShape
-
-DATA, STAGE, MODEL = "data", "stage", "model"
+from boostjax.config import DATA, MODEL, STAGE, ConfigError, MeshShape
 
 
 def make_mesh(shape: MeshShape | None) -> Mesh | None:

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import Config, TrainConfig
+from boostjax.config import DATA, MODEL, STAGE, Config, TrainConfig
 from boostjax.models import ops
 from boostjax.models.llama import LLaMA, Block, resolve_remat, run_schedule
 from boostjax.models.ops import cast_params
@@ -43,7 +43,6 @@ from boostjax.sharding.mesh import loss_mesh
 from boostjax.sharding.pipeline_1f1b import ring_slots
 from boostjax.sharding.rules import STRATEGIES
 
-STAGE = "stage"
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -84,7 +83,7 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int, remat: A
     """The mean loss over the global batch, GPipe-scheduled over `stage` inside `shard_map`.
     `remat`: a policy name (default `cfg.train.remat`), or a per-layer schedule of one stage's
     layers (an offload plan's: every stage applies it to its own layers)."""
-    mcfg, stages, tp = cfg.model, mesh.shape[STAGE], mesh.shape["model"]
+    mcfg, stages, tp = cfg.model, mesh.shape[STAGE], mesh.shape[MODEL]
     coll = STRATEGIES[cfg.train.strategy if tp > 1 else "none"].collectives
     top_def, _ = nnx.split(nnx.eval_shape(lambda: LLaMA(replace(mcfg, n_layers=0), rngs=nnx.Rngs(0))))
     block_def, _ = nnx.split(nnx.eval_shape(lambda: Block(mcfg, rngs=nnx.Rngs(0))))
@@ -132,7 +131,7 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int, remat: A
         targets_n = jax.lax.dynamic_slice_in_dim(targets_bt.reshape(b * t), s * n, n)
         logits_1nv = top.logits(top.final_norm(y_nd[None], coll))
         loss = vocab_parallel_cross_entropy(logits_1nv, targets_n[None], coll)  # mean over the stage's share
-        return jax.lax.pmean(loss, tuple(a for a in ("data", STAGE) if a in inner.axis_names))
+        return jax.lax.pmean(loss, tuple(a for a in (DATA, STAGE) if a in inner.axis_names))
 
     inner, rows = loss_mesh(mesh)  # without a data axis of size 1 (no all-reduce over one device)
     sharded = jax.shard_map(local, mesh=inner, in_specs=(specs, rows, rows), out_specs=P())

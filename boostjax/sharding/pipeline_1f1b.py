@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import Config
+from boostjax.config import DATA, MODEL, STAGE, Config
 from boostjax.models import ops
 from boostjax.models.llama import LLaMA, Block, resolve_remat, run_schedule
 from boostjax.models.ops import cast_params
@@ -46,7 +46,6 @@ from boostjax.models.collectives import vocab_parallel_cross_entropy
 from boostjax.sharding.mesh import loss_mesh
 from boostjax.sharding.rules import STRATEGIES
 
-STAGE = "stage"
 
 
 def ring_slots(stages: int) -> int:
@@ -95,7 +94,7 @@ def _sum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str, ...], remat: Any = None):
     """The per-device 1F1B program: `(params, inputs_bt, targets_bt) -> (loss, grads)` inside a
     shard_map over `axis_names` (the mesh's, less a `data` axis of size 1)."""
-    mcfg, stages, tp, data = cfg.model, mesh.shape[STAGE], mesh.shape["model"], mesh.shape["data"]
+    mcfg, stages, tp, data = cfg.model, mesh.shape[STAGE], mesh.shape[MODEL], mesh.shape[DATA]
     coll = STRATEGIES[cfg.train.strategy if tp > 1 else "none"].collectives
     top_def, _ = nnx.split(nnx.eval_shape(lambda: LLaMA(replace(mcfg, n_layers=0), rngs=nnx.Rngs(0))))
     block_def, _ = nnx.split(nnx.eval_shape(lambda: Block(mcfg, rngs=nnx.Rngs(0))))
@@ -107,7 +106,7 @@ def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str
     send_bwd = [(i + 1, i) for i in range(last)]
     scale = 1.0 / (data * stages * n_micro)  # d loss / d (one stage's mean over its token share)
     f32 = jnp.float32
-    dp = ("data",) if "data" in axis_names else ()  # the data-parallel axis, when it has > 1 device
+    dp = (DATA,) if DATA in axis_names else ()  # the data-parallel axis, when it has > 1 device
 
     def local(params, inputs_bt, targets_bt):
         master = params

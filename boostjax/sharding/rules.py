@@ -22,18 +22,17 @@ declaration (`rotation_mask`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import jax
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import LOW_RANK_KINDS, MODEL_KINDS, ConfigError, ModelConfig, flag_of
+from boostjax.config import (DATA, LOW_RANK_KINDS, MODEL, MODEL_KINDS, STAGE, ConfigError, MeshShape, ModelConfig, as_mesh,
+                             flag_of)
 from boostjax.models.collectives import Collectives
-from boostjax.models.llama import AXES, LLaMA
+from boostjax.models.llama import AXES, param_axes, param_shapes
 
-MODEL, STAGE, DATA = "model", "stage", "data"
 GROUP_AXES = ("group", "layers")  # axes that stack independent matrices: rotated one matrix at a time
 VOCAB_AXES = ("vocab", "embed_vocab")  # embeddings and the LM head: AdamW, never rotated
 
@@ -82,18 +81,19 @@ def _name(path) -> str:
 
 def logical_axes(model_cfg: ModelConfig) -> dict:
     """The logical axes of every parameter of `LLaMA(model_cfg)`: a pure dict shaped like the canonical
-    params (`{"embed": ..., "layers": {0: {...}}, ...}`) whose leaves are tuples of axis names."""
-    model = nnx.eval_shape(lambda: LLaMA(model_cfg, rngs=nnx.Rngs(0)))
+    params (`{"embed": ..., "layers": {0: {...}}, ...}`) whose leaves are tuples of axis names (the
+    axes `boostjax.models.llama.param_axes` reads from the model)."""
+    shapes = param_shapes(model_cfg)
     tree: dict = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        axes = var.get_metadata().get("out_sharding")
-        if not axes or len(axes) != len(var.shape):
-            raise ValueError(f"{'/'.join(map(str, path))}: a parameter of shape {tuple(var.shape)} declares logical "
-                             f"axes {axes}; fix: create it with one name of boostjax.models.llama.AXES per dim")
+    for name, axes in param_axes(model_cfg).items():
+        if not axes or len(axes) != len(shapes[name]):
+            raise ValueError(f"{name.replace('.', '/')}: a parameter of shape {shapes[name]} declares logical "
+                             f"axes {axes or None}; fix: create it with one name of boostjax.models.llama.AXES per dim")
+        *parents, leaf = (int(k) if k.isdigit() else k for k in name.split("."))
         node = tree
-        for k in path[:-1]:
+        for k in parents:
             node = node.setdefault(k, {})
-        node[path[-1]] = tuple(axes)
+        node[leaf] = axes
     return tree
 
 
@@ -183,18 +183,21 @@ def check_strategy(model: ModelConfig, strategy: str, tp: int, where: str = "tra
                               f"fix: choose {flag_of(name)} a multiple of {tp} or a smaller model axis")
 
 
-def check_mesh_for(model: ModelConfig, strategy: str, sizes: Any, batch: int, seq: int, where: str = "train") -> None:
-    """`ConfigError` (one line: field and fix) when `strategy` on a mesh of `sizes` (`.data`, `.stage`,
-    `.model`; None = no mesh) cannot run this model, batch and seq: an unknown strategy, a TP strategy
-    without a mesh, a model kind it does not serve, a model axis without a TP strategy, TP sizes not
-    dividing the split dimensions or the vocabulary, stages not dividing the layers, data not dividing
-    the batch, a pipeline's tokens not splitting over its stages. `where` prefixes the batch/seq/
-    strategy/mesh fields (`train` or `plan`). The trainer and the planner both run it."""
+def check_mesh_for(model: ModelConfig, strategy: str, mesh: MeshShape | str | None, batch: int, seq: int,
+                   where: str = "train") -> None:
+    """`ConfigError` (one line: field and fix) when `strategy` on `mesh` (a `MeshShape`, or a `--mesh`
+    string, read here; None or '' = no mesh) cannot run this model, batch and seq: an unreadable mesh,
+    an unknown strategy, a TP strategy without a mesh, a model kind it does not serve, a model axis
+    without a TP strategy, TP sizes not dividing the split dimensions or the vocabulary, stages not
+    dividing the layers, data not dividing the batch, a pipeline's tokens not splitting over its
+    stages. `where` prefixes the batch/seq/strategy/mesh fields (`train` or `plan`). The trainer and
+    the planner both run it."""
+    mesh = as_mesh(mesh, f"{where}.mesh")
     if strategy not in STRATEGIES:
         raise ConfigError(f"{where}.strategy: unknown strategy {strategy!r}; fix: use one of {', '.join(STRATEGIES)}")
-    if strategy != "none" and sizes is None:
+    if strategy != "none" and mesh is None:
         raise ConfigError(f"{where}.mesh: strategy {strategy} needs a mesh; fix: pass --mesh data=1,model=2")
-    data, stage, tp = (1, 1, 1) if sizes is None else (sizes.data, sizes.stage, sizes.model)
+    data, stage, tp = (1, 1, 1) if mesh is None else (mesh.data, mesh.stage, mesh.model)
     check_strategy(model, strategy, tp, where)
     if model.n_layers % stage:
         raise ConfigError(f"model.n_layers: {model.n_layers} layers do not split into stage={stage} equal "
@@ -224,14 +227,3 @@ def data_sharded(spec: P, shape: tuple[int, ...], data: int) -> P:
             return P(*entries)
     return spec
 
-
-def axes_by_name() -> dict[str, tuple[str, ...]]:
-    """{"attn/a_qkv": axes, "embed": axes, ...} over every model kind (the last one or two path entries
-    of a parameter): for callers that hold params but no model config."""
-    out: dict[str, tuple[str, ...]] = {}
-    tiny = ModelConfig(d_model=8, n_layers=1, n_heads=2, d_ff=8, rank=2, vocab_size=8)
-    for kind in MODEL_KINDS:
-        flat = jax.tree_util.tree_flatten_with_path(logical_axes(replace(tiny, kind=kind)), is_leaf=_is_axes)[0]
-        for path, axes in flat:
-            out["/".join(_name(path).split("/")[-2:])] = axes
-    return out

@@ -68,10 +68,6 @@ class Gemm:
         b = self.bytes_moved(dtype)
         return self.flops / b if b else 0.0
 
-    @property
-    def function(self) -> str:
-        return self.source[0][0] if self.source else ""
-
     def key(self) -> tuple:
         """Identity up to the instruction name (for multiset differences between modules)."""
         return (str(self.lhs), str(self.rhs), str(self.out), self.lhs_contracting, self.rhs_contracting,
