@@ -191,7 +191,7 @@ class ModelConfig:
                 "buffer); the math is the same, so a resumed run may change it", resume="mutable")
     attention_block: int = option(512, "query/key positions per tile of the chunked attention (a resumed run "
                                        "may change it)", resume="mutable")
-    # item 3 (Hugging Face interop). RoPE scaling (`boostjax.models.ops.rope_inv_freq`)
+    # Hugging Face interop. RoPE scaling (`boostjax.models.ops.rope_inv_freq`)
     rope_type: RopeType = option(
         "default", "RoPE scaling: default (plain), linear (positions / factor), dynamic (NTK: a larger base "
                    "beyond max_seq_len), llama3 (Llama 3.1 frequency bands)")
@@ -214,13 +214,13 @@ class ModelConfig:
     # The MLP's hidden state for the low-rank kinds with SiLU in the latents (cola, lax): True = CoLA's
     # published form `gate * up` (CoLA's only_lr_act=True, BOOST's both_act=False; the nonlinearity is
     # only the SiLU inside each factor pair); False = `silu(gate) * up` (CoLA's 60M/130M configs, and
-    # boostjax before issue 15: a run folder whose config.json lacks the field reads it as False, `legacy`).
+    # older boostjax: a run folder whose config.json lacks the field reads it as False, `legacy`).
     # Dense llama and svd (linear latents: `gate * up` would make the MLP a pure quadratic) always use
     # `silu(gate) * up`.
     only_lr_act: bool = option(
         True, "cola/lax MLP hidden state = gate * up, the SiLU only inside each factor pair (CoLA's published "
               "form, BOOST's both_act=False); --no-only-lr-act: silu(gate) * up (CoLA's 60M/130M configs, and "
-              "runs of boostjax before issue 15, whose config.json lacks the field). llama and svd always use "
+              "runs of older boostjax, whose config.json lacks the field). llama and svd always use "
               "silu(gate) * up. A resume without this flag keeps the run's stored value",
         resume="follow-stored", legacy=False)
 
@@ -339,7 +339,7 @@ class TrainConfig:
                                  "environment)", resume="ignored")
     init_timeout: int = option(300, "multi-host: seconds a process waits for the whole job to join before it "
                                     "gives up", resume="mutable")
-    # observability (issue 13, item 7; boostjax.training.observe): what a run shows, not what it computes
+    # observability (boostjax.training.observe): what a run shows, not what it computes
     tensorboard: bool = option(True, "write TensorBoard event files (the metrics.jsonl scalars) into "
                                      "OUT/tensorboard/ (process 0)", resume="mutable")
     profile: str = option("", "START:STOP: a jax.profiler trace of steps START..STOP-1 (0-based) into "
@@ -347,11 +347,11 @@ class TrainConfig:
     hardware: str = option("", "hardware profile for the MFU metric (peak BF16 FLOP/s per device), a name or "
                                "alias of boostjax.runtime.profiles, e.g. H800-80GB, A100-80GB, RTX3090-24GB; '' = "
                                "detect from the device (none on a CPU)", resume="mutable")
-    # item 2 (documents): batches carry segment ids and attention never crosses a document boundary
+    # documents: batches carry segment ids and attention never crosses a document boundary
     doc_mask: bool = option(False, "mask attention at document boundaries: packed documents carry a document id "
                                    "per token and a token attends only to its own document (needs data with "
                                    "documents: the built-in corpus, a folder or a tokenised folder)")
-    # item 4 (boostjax.interop.pretrained): a Hugging Face LLaMA folder a new run starts from ("" = random init)
+    # boostjax.interop.pretrained: a Hugging Face LLaMA folder a new run starts from ("" = random init)
     init_from_hf: str = option("", "start a new run from a Hugging Face LLaMA folder (its shapes; --model "
                                    "svd/cola/lax --rank r factors each projection by truncated SVD; "
                                    "init_report.json holds the errors); '' = random init")
@@ -550,7 +550,7 @@ def validate_model(m: ModelConfig) -> None:
 
 
 def _validate_rope_scaling(m: ModelConfig) -> None:
-    """RoPE scaling fields (item 3): a known type, and factors that type reads."""
+    """RoPE scaling fields: a known type, and factors that type reads."""
     _need(m.rope_type in ROPE_TYPES, f"model.rope_type: unknown RoPE type {m.rope_type!r}; "
                                      f"fix: pass {flag_of('rope_type')} with one of {', '.join(ROPE_TYPES)}")
     _need(m.rope_factor >= 1, f"model.rope_factor: must be >= 1 (it stretches the context), got {m.rope_factor}; "

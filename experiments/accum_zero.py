@@ -15,19 +15,19 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-from dataclasses import replace  # noqa: E402
+import argparse
+import json
+from dataclasses import replace
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from boostjax.config import Config, ModelConfig, TrainConfig  # noqa: E402
-from boostjax.data import BatchIterator  # noqa: E402
-from boostjax.training.step import build_step_fns  # noqa: E402
-from boostjax.models.llama import init_model  # noqa: E402
+from boostjax.config import Config, ModelConfig, TrainConfig
+from boostjax.data import BatchIterator
+from boostjax.training.step import build_step_fns
+from boostjax.models.llama import init_model
 
-import results_io  # noqa: E402
+import results_io
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)
 COLA = ModelConfig(kind="cola", d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=16, vocab_size=256, max_seq_len=16)

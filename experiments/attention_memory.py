@@ -20,13 +20,13 @@ import statistics
 import time
 from dataclasses import replace
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from boostjax.config import Config, TrainConfig, preset  # noqa: E402
-from boostjax.models import ops  # noqa: E402
-from boostjax.placement import local_loss_fn  # noqa: E402
-from boostjax.models.llama import abstract_model  # noqa: E402
+from boostjax.config import Config, TrainConfig, preset
+from boostjax.models import ops
+from boostjax.placement import local_loss_fn
+from boostjax.models.llama import abstract_model
 
 import results_io
 

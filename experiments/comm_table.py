@@ -23,7 +23,7 @@ import json
 import sys
 import time
 
-from boostjax.runtime.devices import exact_low_precision, simulate_devices  # noqa: E402
+from boostjax.runtime.devices import exact_low_precision, simulate_devices
 
 import results_io
 from results_io import log

@@ -36,7 +36,7 @@ RESULTS = str(results_io.RESULTS)
 def _timed(fn, *args, repeat: int = 3):
     """(output, best wall time of `repeat` runs): the first run of a program pays one-time costs, and
     on a shared machine the minimum is the least disturbed run."""
-    import jax  # noqa: PLC0415
+    import jax
 
     best = float("inf")
     for _ in range(repeat):
@@ -47,15 +47,15 @@ def _timed(fn, *args, repeat: int = 3):
 
 
 def measure(preset: str, kind: str, prompt_len: int, new: int, full_steps: int, seed: int = 0) -> dict:
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
 
-    from boostjax.config import preset as get_preset  # noqa: PLC0415
-    from boostjax.inference.generation import _generate  # noqa: PLC0415
-    from boostjax.models.llama import LLaMA  # noqa: PLC0415
-    from boostjax.models.flops import param_count  # noqa: PLC0415
+    from boostjax.config import preset as get_preset
+    from boostjax.inference.generation import _generate
+    from boostjax.models.llama import LLaMA
+    from boostjax.models.flops import param_count
 
     cfg = get_preset(preset, kind=kind, attention="xla")
     model = LLaMA(cfg, rngs=nnx.Rngs(seed))
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
             r = measure(preset, args.kind, args.prompt, new, args.full_steps)
             print(json.dumps(r), flush=True)
             rows.append(r)
-    import jax  # noqa: PLC0415
+    import jax
 
     res = {"command": results_io.command_line("generate_speed", argv),
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, JAX {jax.__version__} "

@@ -43,7 +43,7 @@ PAPER_SPEEDUP = 0.85 / 0.59  # BOOST, 1B on one A100: full-rank / CoLA (BTP) ite
 
 def peak_flops_for(device_kind: str) -> float | None:
     """Dense bf16 peak of a GPU from its JAX `device_kind` via the hardware profiles (None: unknown)."""
-    from boostjax.runtime.hardware import get_profile  # noqa: PLC0415
+    from boostjax.runtime.hardware import get_profile
 
     k = device_kind.lower()
     for needle, name in (("h200", "h200"), ("h100", "h100"), ("h800", "h800"), ("3090", "3090")):
@@ -56,24 +56,24 @@ def peak_flops_for(device_kind: str) -> float | None:
 
 def attention_field() -> bool:
     """Whether this boostjax's `ModelConfig` has the `attention` field (auto/xla/cudnn/chunked)."""
-    import dataclasses  # noqa: PLC0415
+    import dataclasses
 
-    from boostjax.config import ModelConfig  # noqa: PLC0415
+    from boostjax.config import ModelConfig
 
     return "attention" in {f.name for f in dataclasses.fields(ModelConfig)}
 
 
 def measure(kind: str, args: argparse.Namespace) -> dict:
     """Compile and time the real training step for one model kind on this process's first device."""
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
+    import jax
+    import numpy as np
 
-    from boostjax.config import Config, TrainConfig, preset  # noqa: PLC0415
+    from boostjax.config import Config, TrainConfig, preset
     from boostjax.training.checks import validate
-    from boostjax.models.flops import flops_per_token, param_count  # noqa: PLC0415
-    from boostjax.offload.apply import compiled_memory  # noqa: PLC0415
-    from boostjax.training.step import build_step_fns  # noqa: PLC0415
-    from boostjax.models.llama import init_model  # noqa: PLC0415
+    from boostjax.models.flops import flops_per_token, param_count
+    from boostjax.offload.apply import compiled_memory
+    from boostjax.training.step import build_step_fns
+    from boostjax.models.llama import init_model
 
     dev = jax.devices()[0]
     overrides = {"kind": kind, "max_seq_len": max(args.seq, 1)}
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     child_env = dict(os.environ)  # the workers allocate as the user configured; this process only looks
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    import jax  # noqa: PLC0415
+    import jax
 
     platform = jax.devices()[0].platform
     if platform != "gpu" and not (args.allow_cpu and args.preset == "tiny"):

@@ -129,7 +129,7 @@ def check_out(path: str) -> str | None:
 
 
 def _model(kind: str, sh: Shapes, attention: str):
-    from boostjax.config import preset  # noqa: PLC0415
+    from boostjax.config import preset
 
     over = {"kind": kind, "max_seq_len": sh.seq}
     if sh.vocab:
@@ -166,7 +166,7 @@ def predict_worker(sh: Shapes, attention: str) -> dict:
         for mesh, strategy in (("", "none"), ("data=1,model=1", "fullrank-tp" if kind == "llama" else "btp")):
             try:
                 rep = memory_report(model, mesh, sh.batch, sh.seq, strategy, remat="none", dtype="bfloat16")
-            except Exception as e:  # noqa: BLE001 (an unsupported program: try the next, record why)
+            except Exception as e:
                 first = str(e).splitlines()[0][:200] if str(e) else ""
                 errors.append(f"{strategy}@{mesh or 'one device'}: {type(e).__name__}: {first}")
                 continue
@@ -216,10 +216,10 @@ def _layer_allreduces(two: list, one: list) -> list[dict]:
 
 def collectives_worker(sh: Shapes, attention: str) -> dict:
     """(d) The all-reduces one BTP layer adds to the step compiled for this process's device."""
-    import jax  # noqa: PLC0415
+    import jax
 
-    from boostjax.analysis import comm  # noqa: PLC0415
-    from boostjax.analysis import hlo  # noqa: PLC0415
+    from boostjax.analysis import comm
+    from boostjax.analysis import hlo
 
     model = _model("cola", sh, attention)
     mesh = "data=1,model=1"
@@ -270,7 +270,7 @@ def runs_worker(section: str, runs: list[str], sh: Shapes, smoke: bool, attentio
             else:
                 rec = og.worker(og.parser().parse_args([*offload_args(sh, smoke, attention), "--policy", run]))
             out.append({**tag, "status": "ok", **rec})
-        except Exception as e:  # noqa: BLE001 (a failing run is a result; the next one still runs)
+        except Exception as e:
             out.append({**tag, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"
                         if str(e) else type(e).__name__})
     return {"status": "ok", "runs": out}

@@ -16,24 +16,24 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import pathlib  # noqa: E402
-import tempfile  # noqa: E402
-from dataclasses import replace  # noqa: E402
+import argparse
+import pathlib
+import tempfile
+from dataclasses import replace
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-from boostjax.interop import hf  # noqa: E402
+from boostjax.interop import hf
 from boostjax.interop import pretrained
-from boostjax.config import Config, ModelConfig, TrainConfig  # noqa: E402
-from boostjax.data import batch_iterator, load_corpus  # noqa: E402
-from boostjax.models.llama import LLaMA  # noqa: E402
-from boostjax.training.trainer import train  # noqa: E402
+from boostjax.config import Config, ModelConfig, TrainConfig
+from boostjax.data import batch_iterator, load_corpus
+from boostjax.models.llama import LLaMA
+from boostjax.training.trainer import train
 
-import results_io  # noqa: E402
+import results_io
 
 DENSE = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                     init_std=0.2)  # logits of O(1): a misplaced shard changes the loss visibly

@@ -67,7 +67,7 @@ NOTES = [
 def stacked_grouped_up(hs, b_grk, coll):
     """The grouped up-projection as it was before this benchmark (group axis in the middle,
     `btgr,grk->btgk`): compiled for the `cola-btgr` row, so before and after share the rounds."""
-    import jax.numpy as jnp  # noqa: PLC0415
+    import jax.numpy as jnp
 
     y_btgk = coll.reduce_up(jnp.einsum("btgr,grk->btgk", jnp.stack(hs, 2), b_grk))
     return tuple(y_btgk[:, :, i] for i in range(len(hs)))
@@ -90,8 +90,8 @@ def _procs_running() -> int:
 
 
 def machine_facts() -> dict:
-    import jax  # noqa: PLC0415
-    import jaxlib  # noqa: PLC0415
+    import jax
+    import jaxlib
 
     cpu_model = ""
     try:
@@ -112,13 +112,13 @@ def machine_facts() -> dict:
 
 def build(kind: str, shape: str, args: argparse.Namespace):
     """(compiled step, training state, batch, model config, compile seconds) for one model kind."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
-    from boostjax.config import Config, TrainConfig, preset  # noqa: PLC0415
+    from boostjax.config import Config, TrainConfig, preset
     from boostjax.training.checks import validate
-    from boostjax.models import llama  # noqa: PLC0415
-    from boostjax.training.step import build_step_fns  # noqa: PLC0415
-    from boostjax.models.llama import init_model  # noqa: PLC0415
+    from boostjax.models import llama
+    from boostjax.training.step import build_step_fns
+    from boostjax.models.llama import init_model
 
     if kind == "cola-btgr":
         fast = llama.grouped_up
@@ -145,9 +145,9 @@ def build(kind: str, shape: str, args: argparse.Namespace):
 
 def run_shape(shape: str, kinds: list[str], args: argparse.Namespace) -> dict:
     """Interleaved timed rounds of every kind on one preset shape."""
-    import jax  # noqa: PLC0415
+    import jax
 
-    from boostjax.models.flops import flops_per_token, param_count  # noqa: PLC0415
+    from boostjax.models.flops import flops_per_token, param_count
 
     state, info = {}, {}
     for kind in kinds:
@@ -290,8 +290,8 @@ def _kind_of(op: str, called: str | None, comps: dict) -> str:
 
 def op_breakdown(step, ts, batch, n_steps: int) -> dict:
     """Per model part and op kind: ms of op time per step (summed over the executor's threads)."""
-    import jax  # noqa: PLC0415
-    from jax.profiler import ProfileData  # noqa: PLC0415
+    import jax
+    from jax.profiler import ProfileData
 
     insts, comps, chain = _hlo_tables(step.as_text())
     with tempfile.TemporaryDirectory() as d:
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--kinds: use a subset of {','.join(KINDS)}")
     if "llama" in kinds:  # dense first: it is the reference of every ratio
         kinds = ["llama"] + [k for k in kinds if k != "llama"]
-    from boostjax.config import PRESETS  # noqa: PLC0415
+    from boostjax.config import PRESETS
 
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     if not shapes or any(s not in PRESETS for s in shapes):

@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import replace
 
-from boostjax.runtime.devices import exact_low_precision, simulate_devices  # noqa: E402
+from boostjax.runtime.devices import exact_low_precision, simulate_devices
 
 import results_io
 from results_io import log

@@ -26,10 +26,10 @@ import json
 import sys
 import time
 
-from boostjax.offload import check_plan_for  # noqa: E402
-from boostjax.offload.report import report  # noqa: E402
-from boostjax.offload.costmodel import PlanInstance, instance_family, lazytrain_27b  # noqa: E402
-from boostjax.offload.planner import BASELINES, baseline_plan, solve  # noqa: E402
+from boostjax.offload import check_plan_for
+from boostjax.offload.report import report
+from boostjax.offload.costmodel import PlanInstance, instance_family, lazytrain_27b
+from boostjax.offload.planner import BASELINES, baseline_plan, solve
 
 import results_io
 from results_io import log
@@ -59,7 +59,7 @@ def plan_instances(time_limit: float) -> dict[str, dict]:
 
 def _mixed(inst):
     """A manual plan using every inner option, a host boundary and a two-layer nested segment."""
-    from boostjax.offload.planner import Decisions  # noqa: PLC0415
+    from boostjax.offload.planner import Decisions
 
     L, names = inst.n_layers, inst.option_names
     bnd = ("device", "host", "recompute") + ("device",) * (L - 3)
@@ -77,15 +77,15 @@ def cpu_memory_check() -> list[dict]:
     """Compile the training step of small models with plans applied; compare memory_analysis()
     with the planner. clip=0 except the last setup: with global-norm clipping XLA's CPU scheduler
     defers every weight gradient until the norm is known, keeping recomputed activations alive."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
-    from boostjax.config import Config, TrainConfig, preset  # noqa: PLC0415
-    from boostjax.offload import apply  # noqa: PLC0415
-    from boostjax.runtime.hardware import HardwareProfile  # noqa: PLC0415
-    from boostjax.offload.planner import make_plan  # noqa: PLC0415
-    from boostjax.placement import Offloaded, SingleDevice  # noqa: PLC0415
-    from boostjax.training.step import build_step_fns  # noqa: PLC0415
-    from boostjax.models.llama import init_model  # noqa: PLC0415
+    from boostjax.config import Config, TrainConfig, preset
+    from boostjax.offload import apply
+    from boostjax.runtime.hardware import HardwareProfile
+    from boostjax.offload.planner import make_plan
+    from boostjax.placement import Offloaded, SingleDevice
+    from boostjax.training.step import build_step_fns
+    from boostjax.models.llama import init_model
 
     # a slow device so that recompute and transfers cost whole microseconds for these tiny shapes
     hw = HardwareProfile("cpu-scale", 64 << 30, 2e11, 2e10, 2e10, 256 << 30)
@@ -214,7 +214,7 @@ def _cpu_md(rows: list[dict]) -> list[str]:
 
 def plot(res: dict):
     """Predicted step time and peak of the plan and the baselines (a matplotlib Figure)."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     names = list(res["plans"])
     policies = ["plan", *BASELINES]

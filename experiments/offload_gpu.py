@@ -72,15 +72,15 @@ def worker_cmd(argv: list[str], policy: str) -> list[str]:
 
 def worker(args: argparse.Namespace) -> dict:
     """One policy in this process (the parent set the memory fraction before JAX started)."""
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
+    import jax
+    import numpy as np
 
-    from boostjax.config import Config, TrainConfig, preset  # noqa: PLC0415
-    from boostjax.offload import apply  # noqa: PLC0415
-    from boostjax.runtime.hardware import get_profile, measure  # noqa: PLC0415
-    from boostjax.offload.planner import PlanInfeasible, baseline_plan, solve  # noqa: PLC0415
-    from boostjax.training.step import build_step_fns  # noqa: PLC0415
-    from boostjax.models.llama import init_model  # noqa: PLC0415
+    from boostjax.config import Config, TrainConfig, preset
+    from boostjax.offload import apply
+    from boostjax.runtime.hardware import get_profile, measure
+    from boostjax.offload.planner import PlanInfeasible, baseline_plan, solve
+    from boostjax.training.step import build_step_fns
+    from boostjax.models.llama import init_model
 
     dev = jax.devices()[0]
     if dev.platform != "gpu" and not (args.allow_cpu and args.preset == "tiny"):
@@ -128,7 +128,7 @@ def worker(args: argparse.Namespace) -> dict:
                 state, m = step(state, batch())
             jax.block_until_ready(m)
             dt = (time.perf_counter() - t0) / args.steps
-        except Exception as e:  # noqa: BLE001 (an allocator failure is a result: the policy does not fit)
+        except Exception as e:
             msg = str(e)
             if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower():
                 return {**rec, "status": "oom", "error": msg.splitlines()[0][:300]}
@@ -141,11 +141,11 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 def _compiled_total(step) -> int | None:
-    from boostjax.offload.apply import compiled_memory  # noqa: PLC0415
+    from boostjax.offload.apply import compiled_memory
 
     try:
         return compiled_memory(step)["total_bytes"]
-    except Exception:  # noqa: BLE001 (a backend without memory_analysis: nothing to record)
+    except Exception:
         return None
 
 

@@ -23,7 +23,7 @@ import json
 import sys
 import time
 
-from boostjax.runtime.devices import simulate_devices  # noqa: E402
+from boostjax.runtime.devices import simulate_devices
 
 import results_io
 from results_io import log
@@ -81,9 +81,9 @@ SPEED_SEQ, SPEED_MICRO, SPEED_ROUNDS = 128, 16, 5
 def measure_speed() -> dict:
     """Seconds per pipelined value-and-grad of a small fp32 model (P = 4 simulated CPU devices on the
     host's cores, M = 16): medians of interleaved rounds, run on real (random) inputs."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
-    from boostjax.models.llama import init_model  # noqa: PLC0415
+    from boostjax.models.llama import init_model
 
     calls = {}
     for schedule in SCHEDULES:

@@ -39,10 +39,10 @@ def log(msg: str) -> None:
 
 def subplots(ncols: int = 1, figsize: tuple[float, float] = (6, 4)):
     """(figure, axes): `ncols` axes side by side on a headless (Agg) figure; one axes when ncols is 1."""
-    import matplotlib  # noqa: PLC0415 (only the experiments that draw pay for it)
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     return plt.subplots(1, ncols, figsize=figsize)
 
@@ -73,7 +73,7 @@ def write(out: str | pathlib.Path, name: str, *, data: Any = None, md: str | Cal
         written[-1].write_text(md if md.endswith("\n") else md + "\n")
     figure = figure() if callable(figure) else figure
     if figure is not None:
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
 
         written.append(out / f"{name}.png")
         figure.savefig(written[-1], dpi=DPI)

@@ -64,11 +64,11 @@ from typing import Any
 
 import numpy as np
 
-from boostjax.config import Config, ModelConfig, preset  # noqa: E402
-from boostjax.runtime.hardware import get_profile  # noqa: E402
-from boostjax.models.flops import flops_per_token, param_count  # noqa: E402
-from boostjax.analysis import hlo  # noqa: E402
-from boostjax.analysis.comm import STRATEGIES  # noqa: E402
+from boostjax.config import Config, ModelConfig, preset
+from boostjax.runtime.hardware import get_profile
+from boostjax.models.flops import flops_per_token, param_count
+from boostjax.analysis import hlo
+from boostjax.analysis.comm import STRATEGIES
 
 import results_io
 from results_io import log
@@ -221,18 +221,18 @@ def program_time(cost: dict[str, Any], hw: Hardware, eta: float) -> dict[str, fl
 def _compiled_pair(model: ModelConfig, tp: int, batch: int, seq: int, strategy: str) -> dict[str, Any]:
     """Cost of the training step for `batch` sequences and of its optimizer update alone (same
     layout, gradients shaped as the parameters): the step minus the update is the forward + backward."""
-    import jax  # noqa: PLC0415 (after simulate_devices)
-    import optax  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
-    from jax.sharding import NamedSharding  # noqa: PLC0415
-    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+    import jax
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from boostjax.analysis import memory  # noqa: PLC0415
-    from boostjax.analysis.comm import model_for  # noqa: PLC0415
-    from boostjax.config import as_mesh  # noqa: PLC0415
-    from boostjax.models.llama import LLaMA  # noqa: PLC0415
-    from boostjax.training.checks import validate  # noqa: PLC0415
-    from boostjax.training.step import step_layout, train_state_shapes  # noqa: PLC0415
+    from boostjax.analysis import memory
+    from boostjax.analysis.comm import model_for
+    from boostjax.config import as_mesh
+    from boostjax.models.llama import LLaMA
+    from boostjax.training.checks import validate
+    from boostjax.training.step import step_layout, train_state_shapes
 
     mesh = as_mesh(f"data=1,model={tp}", "scaling_model.mesh")
     cfg = validate(Config(model_for(model, strategy),
@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             res = json.load(fh)
         results_io.write(args.out, "scaling_model", md=markdown(res), figure=chart(res))
     else:
-        from boostjax.runtime.devices import exact_low_precision, simulate_devices  # noqa: PLC0415
+        from boostjax.runtime.devices import exact_low_precision, simulate_devices
 
         simulate_devices(8)  # before JAX starts: TP8 for the 30B/40B projection
         exact_low_precision()  # bf16 collectives stay bf16 in the HLO

@@ -35,28 +35,28 @@ import os
 # rotation refresh) takes ~150 ms instead of ~0.4 ms. Must be set before numpy/jax load OpenBLAS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import multiprocessing  # noqa: E402
-import pathlib  # noqa: E402
-import time  # noqa: E402
-import functools  # noqa: E402
-from concurrent.futures import ProcessPoolExecutor, as_completed  # noqa: E402
-from dataclasses import asdict, dataclass, field, fields, replace  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
+import argparse
+import json
+import math
+import multiprocessing
+import pathlib
+import time
+import functools
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Sequence
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from boostjax.config import Config, ModelConfig, TrainConfig  # noqa: E402
+from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.training.checks import validate
-from boostjax.data import BatchIterator, eval_batches, load_corpus  # noqa: E402
-from boostjax.placement import local_loss_fn  # noqa: E402
-from boostjax.training.step import build_step_fns  # noqa: E402
-from boostjax.models.llama import init_model  # noqa: E402
+from boostjax.data import BatchIterator, eval_batches, load_corpus
+from boostjax.placement import local_loss_fn
+from boostjax.training.step import build_step_fns
+from boostjax.models.llama import init_model
 
-import results_io  # noqa: E402
+import results_io
 
 # name -> (label, TrainConfig overrides)
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {

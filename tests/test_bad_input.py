@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 import boostjax.data
-import boostjax.inference.generation  # noqa: F401 (its jitted function is made at import, before jax.jit is disabled)
+import boostjax.inference.generation
 import boostjax.runtime.launch
-import boostjax.offload.apply  # noqa: F401 (imported before jax.jit is disabled)
-import boostjax.placement  # noqa: F401
-import boostjax.training.step  # noqa: F401
-import boostjax.training.trainer  # noqa: F401
+import boostjax.offload.apply
+import boostjax.placement
+import boostjax.training.step
+import boostjax.training.trainer
 from boostjax.interop import hf
 from boostjax.cli import main
 from boostjax.config import ModelConfig
@@ -558,7 +558,7 @@ def texts(tmp_path):
 
 
 def _tokenized(texts, out, tokenizer="byte"):
-    from boostjax.data.tokenize import tokenize_corpus  # noqa: PLC0415
+    from boostjax.data.tokenize import tokenize_corpus
 
     return tokenize_corpus(texts, out, tokenizer, val_every=2, progress=False)
 
@@ -642,8 +642,8 @@ INIT_CFG = ModelConfig(kind="llama", vocab_size=256, d_model=16, n_layers=1, n_h
 @pytest.fixture()
 def init_folder(tmp_path):
     """A complete small Hugging Face folder (numpy weights: nothing is traced)."""
-    from boostjax.config import Config  # noqa: PLC0415
-    from boostjax.models.llama import abstract_model  # noqa: PLC0415
+    from boostjax.config import Config
+    from boostjax.models.llama import abstract_model
 
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(np.float32), abstract_model(Config(INIT_CFG))[1])
@@ -673,8 +673,8 @@ def test_init_from_hf_refused(capsys, tmp_path, init_folder, case, flags, field,
         w.write_bytes(w.read_bytes()[:100])
     data = tmp_path / "data"
     if case == "tokenizers":  # the data was tokenised byte level, the checkpoint has a BPE tokenizer
-        from boostjax.data.tokenizers import train_tokenizer  # noqa: PLC0415
-        from boostjax.data.tokenize import tokenize_corpus  # noqa: PLC0415
+        from boostjax.data.tokenizers import train_tokenizer
+        from boostjax.data.tokenize import tokenize_corpus
 
         (tmp_path / "text").mkdir()
         for i in range(4):
@@ -688,8 +688,8 @@ def test_init_from_hf_refused(capsys, tmp_path, init_folder, case, flags, field,
 
 def test_init_params_refused(tmp_path, init_folder):
     """The Python API: `init=` params that fit neither the model nor its dense twin, and two sources."""
-    from boostjax.config import Config, ConfigError, TrainConfig  # noqa: PLC0415
-    from boostjax.training.trainer import train  # noqa: PLC0415
+    from boostjax.config import Config, ConfigError, TrainConfig
+    from boostjax.training.trainer import train
 
     t = TrainConfig(steps=1, batch=2, seq=16, progress=False, out=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"^train.init: the params fit neither this svd model"):

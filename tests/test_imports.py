@@ -175,7 +175,7 @@ def test_no_submodule_shares_an_exported_name():
 def test_exported_functions_stay_functions_after_every_submodule_is_imported():
     for name in _modules():
         importlib.import_module(name)
-    from boostjax import evaluate, generate, train  # noqa: PLC0415
+    from boostjax import evaluate, generate, train
 
     for fn, home in ((train, "boostjax.training.trainer"), (evaluate, "boostjax.inference.evaluation"),
                      (generate, "boostjax.inference.generation")):

@@ -23,7 +23,7 @@ FORBIDDEN_CALLS = {"system", "popen", "spawnv", "spawnvp", "execv", "execvp", "g
 
 def _python(src: str) -> str:
     """A cell's source with IPython syntax (`%pip`, `!cmd`, `%%bash`) turned into plain Python."""
-    from IPython.core.inputtransformer2 import TransformerManager  # noqa: PLC0415
+    from IPython.core.inputtransformer2 import TransformerManager
 
     return TransformerManager().transform_cell(src)
 
@@ -112,7 +112,7 @@ def _figure_cell(src: str) -> bool:
 
 @pytest.mark.slow
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
-    from nbclient import NotebookClient  # noqa: PLC0415
+    from nbclient import NotebookClient
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     n = len(nb.cells)
@@ -166,10 +166,10 @@ class _Dist:
 def _run_install_cell(monkeypatch, *, importable: bool, pip_installs: bool = True, versions=None):
     """Runs the install cell in a real IPython shell; returns (pip command lines, the cell's exception).
     `importable`: boostjax already on the path; `versions`: fake (before, after) installed distributions."""
-    import importlib.metadata  # noqa: PLC0415
+    import importlib.metadata
 
-    from IPython.core.interactiveshell import InteractiveShell  # noqa: PLC0415
-    from traitlets.config import Config as _TConfig  # noqa: PLC0415
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config as _TConfig
 
     calls: list[str] = []
 
@@ -194,7 +194,7 @@ def _run_install_cell(monkeypatch, *, importable: bool, pip_installs: bool = Tru
 
 
 def test_install_cell_installs_the_one_wheel_beside_the_notebook_and_keeps_jax(tmp_path, monkeypatch, capsys):
-    import importlib.metadata  # noqa: PLC0415
+    import importlib.metadata
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / WHEEL).write_bytes(b"")
@@ -224,7 +224,7 @@ def test_install_cell_refuses_without_exactly_one_wheel(tmp_path, monkeypatch, w
 
 
 def test_install_cell_says_when_pip_failed_or_a_restart_is_needed(tmp_path, monkeypatch, capsys):
-    import jax  # noqa: F401, PLC0415 (imported in this process: a changed jax needs a restart)
+    import jax  # noqa: F401 (imported in this process: a changed jax needs a restart)
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / WHEEL).write_bytes(b"")
@@ -241,7 +241,7 @@ def test_install_cell_says_when_pip_failed_or_a_restart_is_needed(tmp_path, monk
 
 
 def test_install_cell_keeps_jax_from_the_version_the_wheel_requires():
-    import tomllib  # noqa: PLC0415
+    import tomllib
 
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     jax_min = next(d.removeprefix("jax>=") for d in deps if d.startswith("jax>="))

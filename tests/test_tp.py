@@ -117,8 +117,8 @@ def test_bad_meshes():
 
 def _train_steps(model: ModelConfig, train: TrainConfig, steps: int) -> tuple[list[float], dict]:
     """Losses of `steps` training steps on the default corpus, and the final per-layer parameters."""
-    from boostjax.data import BatchIterator, load_corpus  # noqa: PLC0415
-    from boostjax.training.step import build_step_fns  # noqa: PLC0415
+    from boostjax.data import BatchIterator, load_corpus
+    from boostjax.training.step import build_step_fns
 
     cfg = Config(model, train)
     graphdef, params = init_model(cfg)
@@ -159,8 +159,8 @@ def test_rotation_step_on_a_tp_mesh_matches_one_device_from_the_same_state(strat
     have a near-null space, and the order and mix of its eigenvectors moves with rounding (a power
     refresh at step 5 gave basis differences of 0.7) -- the same sensitivity that loosens the
     end-to-end test above."""
-    from boostjax.data import BatchIterator, load_corpus  # noqa: PLC0415
-    from boostjax.training.step import build_step_fns  # noqa: PLC0415
+    from boostjax.data import BatchIterator, load_corpus
+    from boostjax.training.step import build_step_fns
 
     model = ModelConfig(kind="cola", d_model=32, n_layers=1, n_heads=2, d_ff=64, rank=16, max_seq_len=16)
     train = TrainConfig(batch=4, seq=16, optimizer="rotation", rot_refresh=2, progress=False)

@@ -61,7 +61,7 @@ def one_line_parse_errors(parser: Any) -> Any:
             m = re.match(r"argument (\S+?)(?:/\S+)?: (.*)$", message, re.S)
             if m:
                 name = m.group(1)
-                action = next((a for a in p._actions  # noqa: SLF001
+                action = next((a for a in p._actions
                                if name in a.option_strings or name in (a.dest, a.metavar)), None)
                 dest = action.dest if action is not None else name.lstrip("-").replace("-", "_")
                 if command is None:
@@ -78,8 +78,8 @@ def one_line_parse_errors(parser: Any) -> Any:
             sys.exit(2)
 
         p.error = error  # type: ignore[method-assign]
-        for a in p._actions:  # noqa: SLF001
-            if isinstance(a, argparse._SubParsersAction):  # noqa: SLF001
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
                 for name, sub in a.choices.items():
                     install(sub, name)
 

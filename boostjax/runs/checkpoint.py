@@ -63,7 +63,7 @@ def _quiet_closed_loop_callbacks() -> None:
     if getattr(previous, "_boostjax_quiet", False):
         return
 
-    def hook(args) -> None:  # noqa: ANN001 - sys.UnraisableHookArgs
+    def hook(args) -> None:
         tb = args.exc_traceback
         if (args.exc_type is RuntimeError and str(args.exc_value) == "Event loop is closed" and tb is not None
                 and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"):
@@ -196,7 +196,7 @@ class Checkpointer:
             if self.primary:
                 write_manifest(self.directory / str(step))
                 self._prune(step)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by `_join`
+        except BaseException as e:
             self._finish_error = e
 
     def _prune(self, newest: int) -> None:
@@ -272,7 +272,7 @@ class Checkpointer:
             if why is None:
                 try:
                     return step, read(step), skipped, verified
-                except Exception as e:  # noqa: BLE001 - any failure to read means "damaged"
+                except Exception as e:
                     why = _reason(e)
             skipped.append((step, why))
         if not skipped:

@@ -37,7 +37,7 @@ TOKENIZER = "tokenizer.json"  # the run's tokenizer when it is not byte level (b
 RUN_FILES: frozenset[str] = frozenset({CONFIG, HISTORY, METRICS, LOCK, CHECKPOINTS, "checkpoints-aside",
                                        CONFIG + ".tmp", METRICS + ".tmp", "tensorboard", "profile", TOKENIZER,
                                        TOKENIZER + ".tmp",
-                                       "init_report.json", "init_report.json.tmp"})  # item 4 (boostjax.interop.pretrained)
+                                       "init_report.json", "init_report.json.tmp"})  # boostjax.interop.pretrained
 
 # What a resumed run may do with each field is the field's metadata (`boostjax.config.option`, `resume`);
 # these sets are derived from it. Training fields a resumed run may change (everything else, and every
@@ -46,11 +46,11 @@ RUN_FILES: frozenset[str] = frozenset({CONFIG, HISTORY, METRICS, LOCK, CHECKPOIN
 MUTABLE: frozenset[str] = fields_with(TrainConfig, "mutable", "ignored")
 # Model fields a resumed run may change: the attention kernel computes the same function; token ids are metadata.
 MUTABLE_MODEL: frozenset[str] = fields_with(ModelConfig, "mutable", "ignored")
-# Model fields added after runs existed, with the value a config.json without them means (issue 15:
+# Model fields added after runs existed, with the value a config.json without them means (e.g.
 # the MLP was `silu(gate) * up` before `only_lr_act` existed).
 LEGACY_MODEL: dict[str, Any] = legacy_values(ModelConfig)
 # Model fields whose default or preset value changed: a CLI resume that does not give the flag keeps the
-# run's stored value (`boostjax.cli.train.train_config`); given, a differing value is refused as usual.
+# run's stored value (`boostjax.training.prepare.resolve_config`); given, a differing value is refused as usual.
 FOLLOW_STORED: frozenset[str] = fields_with(ModelConfig, "follow-stored")
 EXPORT_MARK = "boostjax_export"  # key of an exported config.json (transformers keeps unknown keys)
 # Training fields a resume neither checks nor records (where the run is, how a process finds its job).

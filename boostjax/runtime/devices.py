@@ -93,7 +93,7 @@ def simulate_devices(n: int, name: str = "simulate_devices") -> int:
 
 def _backend_started() -> bool:
     try:
-        return bool(xla_bridge._backends)  # noqa: SLF001
+        return bool(xla_bridge._backends)
     except Exception:  # pragma: no cover - private API moved: assume started (safe direction)
         return True
 

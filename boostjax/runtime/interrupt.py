@@ -47,7 +47,7 @@ class _Deferred:
     signum: int | None = None
 
     @classmethod
-    def handle(cls, signum: int, frame: FrameType | None) -> None:  # noqa: ARG003
+    def handle(cls, signum: int, frame: FrameType | None) -> None:
         if cls.signum is None:
             cls.signum = signum
 
@@ -79,7 +79,7 @@ class StopSignals:
     def requested(self) -> bool:
         return self.signum is not None
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:  # noqa: ARG002
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
             if self.multi_process and signum == signal.SIGINT:

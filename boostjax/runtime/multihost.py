@@ -68,7 +68,7 @@ def _env_int(environ: Mapping[str, str], name: str, unset: int) -> int:
 
 def _cluster_group(mesh: MeshShape | None) -> ProcessGroup | None:
     """A SLURM / Open MPI job of > 1 tasks, as JAX's own auto-detection sees it."""
-    for env in clusters.ClusterEnv._cluster_types:  # noqa: SLF001
+    for env in clusters.ClusterEnv._cluster_types:
         # getattr: jax 0.7's K8sCluster has no `name` (nor a default on the base class)
         if getattr(env, "name", "") in AUTO_CLUSTERS and env.is_env_present():
             n, i = env.get_process_count(), env.get_process_id()
@@ -212,7 +212,7 @@ def _initialize(group: ProcessGroup, timeout: int) -> None:
         else:
             jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id,
                                        initialization_timeout=timeout + INIT_GRACE_S)
-    except Exception as e:  # noqa: BLE001 (JaxRuntimeError and friends: one line, not a traceback)
+    except Exception as e:
         why = " ".join(str(e).split())[:200]
         raise ConfigError(f"train.coordinator: {_where(group)} could not join the job ({why}); fix: check "
                           f"--coordinator (process 0's HOST:PORT, reachable from every process) and "
