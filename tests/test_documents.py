@@ -22,7 +22,7 @@ from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.training.checks import validate
 from boostjax.data import DocumentIterator, batch_iterator, eval_batches, load_corpus
 from boostjax.models import ops
-from boostjax.runtime.interrupt import TrainingInterrupted
+from boostjax.runtime.signals import TrainingInterrupted
 from boostjax.placement import choose, local_loss_fn
 from boostjax.models.llama import abstract_model
 from boostjax.training.trainer import train

@@ -12,27 +12,26 @@ import argparse
 import sys
 from typing import Sequence
 
-from boostjax.cli import comm, evaluate, export, generate, launch, plan, tokenize, train
-from boostjax.cli.driver import run
-
-COMMANDS = (train, export, comm, plan, launch, tokenize, evaluate, generate)
+from boostjax.runtime.signals import defer_signals
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from boostjax.cli import comm, evaluate, export, generate, launch, plan, tokenize, train
+
     parser = argparse.ArgumentParser(
         prog="boostjax", description="Train low-rank bottleneck LLMs (CoLA, SVD, LaX) and full-rank LLaMA in JAX."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:
+    for command in (train, export, comm, plan, launch, tokenize, evaluate, generate):
         command.register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from boostjax.cli.driver import run
+
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["train"]:  # before the slow imports: a signal is recorded, and acted on by the run
-        from boostjax.runtime.interrupt import defer_signals
-
         restore = defer_signals()
         try:
             return run(build_parser(), argv)

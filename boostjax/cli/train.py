@@ -41,7 +41,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from boostjax.training.prepare import setup_processes
 
     setup_processes(cfg, simulate=True)  # a single process simulates the mesh's devices; before JAX starts
-    from boostjax.runtime.interrupt import TrainingInterrupted
+    from boostjax.runtime.signals import TrainingInterrupted
     from boostjax.training.trainer import NonFiniteLoss, train  # after the device count is set
 
     try:

@@ -5,7 +5,7 @@ While `StopSignals` is active a signal only *records* a stop request; the traini
 data position that are saved belong together, and no donated buffer is touched. Further signals
 while the final checkpoint is written are acknowledged and ignored (SIGKILL still ends the process;
 the previous checkpoint is then intact). The old handlers come back when the block exits. The CLI
-calls `defer_signals` first, so a signal during the imports, or after the run while the process
+calls `boostjax.runtime.signals.defer_signals` first, so a signal during the imports, or after the run while the process
 prints its summary and exits, is recorded instead of raised (no traceback, never lost).
 
 In a multi-host job a stop must happen at the same step on every process: SIGTERM is left to JAX's
@@ -20,50 +20,11 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 from jax.experimental import multihost_utils
 
-SIGNALS: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
-EXIT_CODES: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + signal number
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped on a signal after saving a consistent checkpoint.
-
-    `step`: the step the run can resume from (None when no checkpoint exists yet); `exit_code`:
-    130 for SIGINT, 143 for SIGTERM.
-    """
-
-    def __init__(self, message: str, signum: int, step: int | None):
-        super().__init__(message)
-        self.signum, self.step = signum, step
-        self.exit_code = EXIT_CODES.get(signum, 128 + signum)
-
-
-class _Deferred:
-    """Signals that arrived before `StopSignals` took over (the CLI defers them from its first line)."""
-
-    signum: int | None = None
-
-    @classmethod
-    def handle(cls, signum: int, frame: FrameType | None) -> None:
-        if cls.signum is None:
-            cls.signum = signum
-
-
-def defer_signals() -> Callable[[], None]:
-    """From now on SIGINT / SIGTERM are recorded, not raised, until a `StopSignals` block acts on
-    them: a `boostjax train` process never dies in its imports or its final print. Returns a
-    function that puts the previous handlers back (for in-process callers such as tests)."""
-    old = {s: signal.signal(s, _Deferred.handle) for s in SIGNALS}
-
-    def restore() -> None:
-        for s, h in old.items():
-            signal.signal(s, h)
-        _Deferred.signum = None
-
-    return restore
+from boostjax.runtime.signals import SIGNALS, _Deferred
 
 
 class StopSignals:

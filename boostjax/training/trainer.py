@@ -41,7 +41,8 @@ from boostjax.runs import relayout
 from boostjax.runs.checkpoint import CheckpointError, Checkpointer
 from boostjax.runs.folder import RunFolder
 from boostjax.runtime import multihost
-from boostjax.runtime.interrupt import StopSignals, TrainingInterrupted
+from boostjax.runtime.interrupt import StopSignals
+from boostjax.runtime.signals import TrainingInterrupted
 from boostjax.training import prepare
 from boostjax.training.observe import PROFILE, StepProfiler, TensorBoard, hardware_profile, mfu
 from boostjax.training.prepare import say as _say
