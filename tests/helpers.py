@@ -3,6 +3,8 @@
 - `FAST_CPU` compiler options;
 - comparisons: `rel` (‖a - b‖ / ‖b‖ over arrays or whole trees), `rel_by_path`, `assert_rel_close`
   (per leaf, relative to the leaf's norm), `assert_trees_allclose` (element-wise, for exact paths);
+  8-bit Adam against a reference run: `adam8bit_code_flips` (the quantised moments to rounding's code
+  flips), `beyond_code_flips` (the parameters less what those flips can move);
 - inputs: `seed_of` (a seed fixed by a test's parameters), `random_tokens`, `random_params`;
 - the CLI: `MICRO` (the tiny model of the CLI tests), `model_flags`, `one_error_line`, `cli_command`,
   `cli_env`;
@@ -70,6 +72,100 @@ def assert_trees_allclose(got, want, *, atol: float, rtol: float = 0.0) -> None:
     paths that run the same arithmetic, where the bound is a few ulps, not a norm."""
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
+
+
+# 8-bit Adam (`boostjax.optim.adam8bit`) run against a reference on another layout or batching: its
+# moments are stored as codes of a 256-entry map, so an fp32 rounding difference that lands a moment on a
+# midpoint between two entries becomes a whole map step (up to 30 % of a small moment), not an ulp.
+
+def adam8bit_moments(opt_state) -> dict[str, tuple[tuple, tuple]]:
+    """8-bit Adam's block-quantised moments by parameter path: {path: ((mu, SIGNED_MAP), (nu, UNSIGNED_MAP))}
+    (empty for an optimizer without them)."""
+    from boostjax.optim.adam8bit import SIGNED_MAP, UNSIGNED_MAP, Adam8bitState, QTensor
+
+    def is_q(x):
+        return isinstance(x, QTensor)
+
+    out = {}
+    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, Adam8bitState)):
+        if isinstance(s, Adam8bitState):
+            for (path, mu), nu in zip(jax.tree_util.tree_flatten_with_path(s.mu, is_leaf=is_q)[0],
+                                      jax.tree.leaves(s.nu, is_leaf=is_q), strict=True):
+                if is_q(mu):
+                    out[jax.tree_util.keystr(path)] = ((mu, SIGNED_MAP), (nu, UNSIGNED_MAP))
+    return out
+
+
+def adam8bit_code_flips(ref_states: list, got_states: list, grad_rtol: float) -> dict[str, np.ndarray]:
+    """Asserts the 8-bit moments of two runs (optimizer states after each step) agree up to the rounding of
+    gradients within `grad_rtol` of each other; returns per quantised parameter each element's largest
+    relative change of its update factor m / sqrt(v) that differing codes cause (0 where they agreed).
+
+    A stored moment is absmax x map[code], the code the map's nearest entry. absmax is a block's largest
+    |m| (or v), so it carries the gradient's rounding: within grad_rtol, twice that for v = g^2 (a block
+    quantised per shard, with a shard's absmax, is off by O(1)). A rounding error eps of a moment moves its
+    normed value x by eps |x|: it changes the code only within eps |x| of a midpoint, and then to the
+    neighbouring entry. Adjacent entries are >= r_min |x| apart (r_min: 0.70 % signed, 0.35 % unsigned), so at
+    most a fraction 2 eps / r_min of the codes flips per step: with eps = 2 grad_rtol = 4e-5, 94 of 8192 m
+    codes, 187 v codes (a wrong rounding rule flips half of them). Once two codes differ, the next step
+    carries b x that difference (b1, b2 < 1) and rounds each fp32 moment to its nearest entry: the stored
+    values then differ by at most the carried difference plus half the local gap on each side (the codes
+    may drift more than one entry apart where the map is finer); equal codes are the same state again."""
+    ratios, carried = {}, {}
+    for t, (ref, got) in enumerate(zip(ref_states, got_states, strict=True)):
+        ref_q, got_q = adam8bit_moments(ref), adam8bit_moments(got)
+        assert ref_q.keys() == got_q.keys(), (ref_q.keys(), got_q.keys())
+        for path, moments in ref_q.items():
+            factor = 1.0
+            for j, ((q_ref, table), (q_got, _)) in enumerate(zip(moments, got_q[path], strict=True)):
+                where = f"step {t + 1} {path} {'mv'[j]}"
+                np.testing.assert_allclose(q_got.absmax, q_ref.absmax, rtol=2 * grad_rtol, err_msg=where)
+                table = np.asarray(table, np.float64)
+                c_ref, c_got = (np.asarray(q.codes, np.int64) for q in (q_ref, q_got))
+                scale = np.asarray(q_ref.absmax, np.float64)[:, None]
+                a, b = table[c_ref], table[c_got]
+                diff = np.abs(b * np.asarray(q_got.absmax, np.float64)[:, None] - a * scale)
+                before = carried.get((path, j), np.zeros_like(diff))
+                half_gap = np.maximum(np.diff(table, prepend=table[0]), np.diff(table, append=table[-1])) / 2
+                rounding = 2 * grad_rtol * np.maximum(np.abs(a), np.abs(b))
+                limit = before + (half_gap[c_ref] + half_gap[c_got] + rounding) * scale
+                assert np.all(diff <= limit), (where, np.argwhere(diff > limit)[:5], float((diff - limit).max()))
+                fresh = (c_got != c_ref) & (before == 0)
+                assert np.abs(c_got - c_ref)[fresh].max(initial=0) <= 1, (where, np.abs(c_got - c_ref)[fresh].max())
+                gaps = np.diff(table) / np.maximum(np.abs(table[1:]), np.abs(table[:-1]))
+                assert np.count_nonzero(fresh) <= c_ref.size * 2 * (2 * grad_rtol) / gaps[gaps > 0].min(), (
+                    where, np.count_nonzero(fresh))
+                carried[path, j] = np.where(c_got != c_ref, diff, 0.0)
+                with np.errstate(divide="ignore", invalid="ignore"):  # to or from the zero code: unbounded
+                    if j == 0:  # m: the update is linear in m
+                        change = np.where(a == b, 0.0, np.abs(b - a) / np.abs(a))
+                    else:  # v: the update goes as 1 / sqrt(v)
+                        change = np.where(a == b, 0.0, np.abs(np.sqrt(a / b) - 1.0))
+                factor = factor * (1.0 + np.nan_to_num(np.ravel(change), nan=np.inf))
+            ratios[path] = np.maximum(ratios.get(path, 0.0), factor - 1.0)
+    return ratios
+
+
+def beyond_code_flips(ref_weights: list, got_weights: list, flips: dict[str, np.ndarray]) -> dict[str, tuple]:
+    """Per parameter path: (|w_got - w_ref| at the last step less what `flips` (`adam8bit_code_flips`)
+    allows, w_ref), both flat float64. `*_weights`: the parameter trees before and after every step.
+
+    A flip changes its element's update m^ / (sqrt(v^) + eps) at every later step by at most the fraction
+    `flips` gives (a carried difference only shrinks by b1, b2 < 1), so |dw_i| <= flips_i sum_s |u_i(s)|, the
+    reference's steps; what remains is the fp32 rounding of the updates, as for fp32 moments."""
+    flat = [jax.tree_util.tree_flatten_with_path(w)[0] for w in ref_weights]
+    out = {}
+    for i, ((path, w), w_got) in enumerate(zip(flat[-1], jax.tree.leaves(got_weights[-1]), strict=True)):
+        w = np.ravel(np.asarray(w, np.float64))
+        dw = np.abs(np.ravel(np.asarray(w_got, np.float64)) - w)
+        key = jax.tree_util.keystr(path)
+        if key in flips:
+            moved = sum(np.abs(np.ravel(np.asarray(a[i][1], np.float64)) - np.ravel(np.asarray(b[i][1], np.float64)))
+                        for a, b in zip(flat[1:], flat[:-1]))
+            with np.errstate(invalid="ignore"):  # inf x 0: a flip to or from the zero code allows anything
+                dw = np.maximum(dw - np.nan_to_num(flips[key][: w.size] * moved, nan=np.inf), 0.0)
+        out[key] = (dw, w)
+    return out
 
 
 # XLA's cheap CPU codegen (LLVM at -O0, no expensive passes) as compiler options: the optimised HLO is the

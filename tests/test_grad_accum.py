@@ -12,23 +12,26 @@ from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.data import BatchIterator
 from boostjax.training.step import build_step_fns, train_state_shapes
 from boostjax.models.llama import init_model
-from helpers import rel as _rel
+from helpers import adam8bit_code_flips, beyond_code_flips
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)
 MODEL = ModelConfig(kind="cola", d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=16, vocab_size=256, max_seq_len=16)
 
 
-def run_steps(cfg: Config, batches: list[dict]) -> tuple[list[float], dict, str]:
-    """Losses of one optimizer step per batch, the final per-layer parameters, the compiled step."""
+def run_steps(cfg: Config, batches: list[dict]) -> tuple[list[float], list[dict], str, list]:
+    """Losses of one optimizer step per batch, the per-layer parameters before and after every step, the
+    compiled step, the optimizer state after every step."""
     graphdef, params = init_model(cfg)
     fns = build_step_fns(cfg, graphdef, params)
     state = fns.init(params)
     step = fns.compile(state, batches[0])
-    losses = []
+    losses, weights, opt_states = [], [jax.device_get(fns.to_canonical(state.params))], []
     for b in batches:
         state, m = step(state, fns.put_batch(b))
         losses.append(float(m["loss"]))
-    return losses, jax.device_get(fns.to_canonical(state.params)), step.as_text()
+        weights.append(jax.device_get(fns.to_canonical(state.params)))
+        opt_states.append(jax.device_get(state.opt_state))
+    return losses, weights, step.as_text(), opt_states
 
 
 @pytest.mark.parametrize("mesh,strategy,optimizer", [
@@ -44,8 +47,21 @@ def test_accumulated_step_equals_the_large_batch_step(mesh, strategy, optimizer)
                       pipeline_delay=delay, progress=False)
     ref = run_steps(Config(MODEL, big), batches)
     got = run_steps(Config(MODEL, replace(big, batch=b, grad_accum=n)), batches)
+    # A loss is a mean of 192 per-token losses near 5.5, summed as one batch or as 3 micro-batch means:
+    # a reordered fp32 sum may differ by ~log2(192) ulps and each token's logsumexp by its own ulps
+    # (another program): measured 1 to 3 ulps (<= 2.6e-7, 0.26 of the old bound 1e-6) on SSE4_2, AVX2
+    # and AVX-512; 5e-6 (test_tp's bound) leaves 19x. A repeated micro-batch moves it by 2e-3.
     loss_err = max(abs(x - y) / abs(y) for x, y in zip(got[0], ref[0]))
-    assert loss_err < 1e-6 and _rel(got[1], ref[1]) < 1e-6, (loss_err, _rel(got[1], ref[1]))
+    # 8-bit Adam's codes equal but where rounding lands a moment on a map midpoint (helpers; grad_rtol
+    # 2e-5, the suite's fp32 gradient bound: absmax measured within 1.8e-6), the parameters less what
+    # those flips can move: none measured here on the three ISAs, but one flip moves the head by
+    # ~2e-6 of its norm (test_tp). The rest is the updates' rounding: measured <= 3.8e-9 of the norm, so
+    # 1e-6 leaves 260x. 1.01 x one micro-batch's gradient moves AdamW's parameters by 2.4e-6 (1.001:
+    # 2.6e-7, under the bound); 8-bit Adam's absmax check fails from 1.0001 x.
+    rest = beyond_code_flips(ref[1], got[1], adam8bit_code_flips(ref[3], got[3], grad_rtol=2e-5)).values()
+    d, w = (np.concatenate([x[i] for x in rest]) for i in (0, 1))
+    err = float(np.linalg.norm(d) / np.linalg.norm(w))
+    assert loss_err < 5e-6 and err < 1e-6, (loss_err, err)
     # the micro-batches are cut where each data shard's rows already are: no collective moves the batch
     for op in ("all-gather", "all-to-all", "collective-permute"):
         assert got[2].count(f" {op}(") == ref[2].count(f" {op}("), op
