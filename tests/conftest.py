@@ -25,15 +25,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process (pytest, 
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
-# The slowest tests (seconds on a quiet 2-core machine when they were measured), slowest first. Under `pytest -n 2`
-# (xdist's `load` schedule hands out tests in collection order, the first ones alternately to the two
-# workers) a long test collected late can start when the other worker is nearly done and run on alone;
-# started first, they run side by side and the many short tests fill in around them.
+# The slowest tests (seconds in a fresh-clone run on a busy 2-core machine), slowest first. Under
+# `pytest -n 2` (xdist's `load` schedule hands out tests in collection order, the first ones alternately
+# to the two workers) a long test collected late can start when the other worker is nearly done and run
+# on alone; started first, they run side by side and the many short tests fill in around them.
 SLOW_FIRST = (
-    "tests/test_notebook.py::test_notebook_runs_top_to_bottom",  # 68 s
-    "tests/test_faults_experiment.py::test_quick_campaign_counts_add_up",  # 51 s
-    "tests/test_multihost.py::test_two_processes_match_one_process_and_resume",  # 47 s
-    "tests/test_combinations.py::test_btp_pipeline_rotation_delay_and_offload_in_one_mesh",  # 45 s
+    "tests/test_gpu_suite.py::test_smoke_runs_every_section",  # 69 s
+    "tests/test_notebook.py::test_notebook_runs_top_to_bottom",  # 58 s
+    "tests/test_combinations.py::test_btp_pipeline_rotation_delay_and_offload_in_one_mesh",  # 39 s
+    "tests/test_faults_experiment.py::test_quick_campaign_counts_add_up",  # 38 s
+    "tests/test_multihost.py::test_a_signal_to_one_process_stops_the_whole_job_at_one_step",  # 36 s
+    "tests/test_multihost.py::test_two_processes_match_one_process_and_resume",  # 33 s
 )
 
 
