@@ -106,8 +106,8 @@ def adam8bit_code_flips(ref_states: list, got_states: list, grad_rtol: float) ->
     quantised per shard, with a shard's absmax, is off by O(1)). A rounding error eps of a moment moves its
     normed value x by eps |x|: it changes the code only within eps |x| of a midpoint, and then to the
     neighbouring entry. Adjacent entries are >= r_min |x| apart (r_min: 0.70 % signed, 0.35 % unsigned), so at
-    most a fraction 2 eps / r_min of the codes flips per step: with eps = 2 grad_rtol = 4e-5, 94 of 8192 m
-    codes, 187 v codes (a wrong rounding rule flips half of them). Once two codes differ, the next step
+    most a fraction 2 eps / r_min of the codes flips per step: with eps = 2 grad_rtol = 4e-5, 93 of 8192 m
+    codes, 186 v codes (a wrong rounding rule flips half of them). Once two codes differ, the next step
     carries b x that difference (b1, b2 < 1) and rounds each fp32 moment to its nearest entry: the stored
     values then differ by at most the carried difference plus half the local gap on each side (the codes
     may drift more than one entry apart where the map is finer); equal codes are the same state again."""

@@ -109,7 +109,10 @@ def test_resume_on_one_device_continues_the_mesh_run(runs):
         assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])
         # the same state and batches on another device layout: equal up to the order of fp32 sums
         assert abs(m["loss"] - original[s]["loss"]) < 1e-5 * abs(original[s]["loss"]), (s, m, original[s])
-        assert abs(m["lr"] - original[s]["lr"]) <= 1e-7 * original[s]["lr"]
+        # the same scalar schedule compiled into two programs: its few scalar ops may contract to FMAs
+        # differently (an ulp each); 1e-7 relative was under one ulp for mantissas below 1.19. 4 ulps; a
+        # schedule one step off moves the rate by O(1 / STEPS)
+        assert abs(m["lr"] - original[s]["lr"]) <= 4 * np.spacing(np.float32(original[s]["lr"]))
     # the resumed metrics.jsonl holds each step once, and the folder's checkpoints continue to STEPS
     steps = [m["step"] for m in map(json.loads, (out / "resumed" / "metrics.jsonl").read_text().splitlines())
              if "loss" in m]
