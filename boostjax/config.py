@@ -44,6 +44,8 @@ ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 ATTENTION: tuple[str, ...] = get_args(Attention)
 MODEL_KINDS: tuple[str, ...] = get_args(ModelKind)
 LOW_RANK_KINDS: tuple[str, ...] = ("cola", "svd", "lax")
+# projection groups sharing one rank: attn = q and o, kv = k and v, mlp = gate, up and down
+PROJECTION_GROUPS: tuple[str, ...] = ("attn", "kv", "mlp")
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 TP_STRATEGIES: tuple[str, ...] = tuple(s for s in STRATEGIES if s != "none")  # what `boostjax comm` compares
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -176,8 +178,18 @@ class ModelConfig:
     n_kv_heads: int = option(0, "key/value heads for grouped-query attention; 0 = n_heads (no grouping); "
                                 "must divide n_heads")
     d_ff: int = option(352, "hidden width of the gated MLP")
-    rank: int = option(32, "rank r of every low-rank projection (cola, svd, lax; ignored by llama); at most "
-                           "the smallest projection width")
+    rank: int = option(32, "rank r of every low-rank projection (cola, svd, lax; ignored by llama) unless "
+                           "--rank-attn, --rank-kv or --rank-mlp overrides it for its group")
+    rank_attn: int = option(0, "rank of the attention's q and o projections; 0 = --rank")
+    rank_kv: int = option(0, "rank of the attention's k and v projections (narrow under grouped-query "
+                             "attention); 0 = --rank")
+    rank_mlp: int = option(0, "rank of the MLP's gate, up and down projections; 0 = --rank")
+    auto_dense: bool = option(
+        True, "a projection group whose rank-r factors would hold at least as many parameters as the dense "
+              "matrix (r (in + out) >= in x out) stays dense; --no-auto-dense factorises every projection "
+              "(runs of older boostjax, whose config.json lacks the field), r at most min(in, out); a resume "
+              "without this flag keeps the run's stored value",
+        resume="follow-stored", legacy=False)
     rope_theta: float = option(10000.0, "RoPE base theta: frequencies theta^(-2i/head_dim)")
     norm_eps: float = option(1e-5, "RMSNorm epsilon (the presets use 1e-6, as CoLA's and BOOST's configs); a "
                                    "resume without this flag keeps the run's stored value", resume="follow-stored")
@@ -240,6 +252,27 @@ class ModelConfig:
     @property
     def low_rank(self) -> bool:
         return self.kind in LOW_RANK_KINDS
+
+    def group_shape(self, group: str) -> tuple[int, int]:
+        """(in, out) of the dense matrix a projection group stands for: attn q [d, h·e] (o is its
+        transpose), kv k/v [d, k·e], mlp gate/up [d, f] (down is its transpose)."""
+        out = {"attn": self.n_heads * self.head_dim, "kv": self.kv_heads * self.head_dim, "mlp": self.d_ff}
+        return self.d_model, out[group]
+
+    def group_rank(self, group: str) -> int:
+        """The rank of a projection group (`PROJECTION_GROUPS`): its override, else `rank`."""
+        return getattr(self, f"rank_{group}") or self.rank
+
+    def group_low_rank(self, group: str) -> bool:
+        """Whether a projection group is factorised: a low-rank kind, and (with `auto_dense`) rank-r
+        factors smaller than the dense matrix, `r (in + out) < in x out`."""
+        i, o = self.group_shape(group)
+        return self.low_rank and not (self.auto_dense and self.group_rank(group) * (i + o) >= i * o)
+
+    @property
+    def dense_groups(self) -> tuple[str, ...]:
+        """The projection groups of a low-rank kind that stay dense (empty for llama: nothing to report)."""
+        return tuple(g for g in PROJECTION_GROUPS if self.low_rank and not self.group_low_rank(g))
 
     @property
     def gated_silu(self) -> bool:
@@ -528,12 +561,7 @@ def validate_model(m: ModelConfig) -> None:
     _need(m.n_heads % m.kv_heads == 0,
           f"model.n_kv_heads: n_heads={m.n_heads} is not divisible by n_kv_heads={m.kv_heads}; fix: pass "
           f"{flag_of('n_kv_heads')} with a divisor of n_heads")
-    if m.low_rank:
-        kv_dim = m.kv_heads * m.head_dim
-        limit = min(m.d_model, m.d_ff, kv_dim)
-        _need(m.rank <= limit,
-              f"model.rank: r={m.rank} exceeds the smallest projection width {limit}; fix: pass "
-              f"{flag_of('rank')} <= {limit}")
+    _validate_ranks(m)
     _need(m.rope_theta > 1, f"model.rope_theta: must be > 1 (RoPE's frequencies theta^(-2i/d) must fall), "
                             f"got {m.rope_theta}; fix: pass e.g. {flag_of('rope_theta')} 10000")
     _need(0 < m.norm_eps < 1, f"model.norm_eps: must lie in (0, 1), got {m.norm_eps}; fix: pass e.g. "
@@ -547,6 +575,41 @@ def validate_model(m: ModelConfig) -> None:
                                                  f"{flag_of('attention_block')} 512")
     _validate_rope_scaling(m)
     _validate_token_ids(m)
+
+
+def _validate_ranks(m: ModelConfig) -> None:
+    """Group ranks: overrides >= 0; a factorised group's rank at most min(in, out) (with `auto_dense`
+    a group that would exceed it stays dense instead); LaX's crossings need its latents at one width."""
+    for g in PROJECTION_GROUPS:
+        name = f"rank_{g}"
+        v = getattr(m, name)
+        _need(v >= 0, f"model.{name}: must be >= 0 (0 = {flag_of('rank')}), got {v}; fix: pass {flag_of(name)} N "
+                      f"with N >= 1, or drop it")
+    if not m.low_rank:
+        return
+    for g in PROJECTION_GROUPS:
+        i, o = m.group_shape(g)
+        r, name = m.group_rank(g), f"rank_{g}" if getattr(m, f"rank_{g}") else "rank"
+        _need(not m.group_low_rank(g) or r <= min(i, o),
+              f"model.{name}: r={r} exceeds min(in, out)={min(i, o)} of the {g} projections [{i}, {o}]; fix: pass "
+              f"{flag_of(name)} <= {min(i, o)}, or drop {negated_flag_of('auto_dense')} to keep them dense")
+    if m.auto_dense and len(m.dense_groups) == len(PROJECTION_GROUPS):
+        most = max(PROJECTION_GROUPS, key=lambda g: _break_even(m, g))
+        _need(False, f"model.rank: at these ranks no projection's factors are smaller than its dense matrix, so "
+                     f"every projection would stay dense; fix: pass {flag_of('rank')} below "
+                     f"{_break_even(m, most)} (the {most} projections' break-even), or {flag_of('kind')} llama")
+    attn, kv = m.group_low_rank("attn"), m.group_low_rank("kv")
+    _need(m.kind != "lax" or attn == kv and (not attn or m.group_rank("attn") == m.group_rank("kv")),
+          f"model.rank_kv: LaX crosses the q, k, v and o latents, so they need one width, but q/o are "
+          f"{'rank ' + str(m.group_rank('attn')) if attn else 'dense'} and k/v "
+          f"{'rank ' + str(m.group_rank('kv')) if kv else 'dense'}; fix: pass {flag_of('rank_kv')} equal to the "
+          f"q/o rank (below k/v's break-even), or --model cola")
+
+
+def _break_even(m: ModelConfig, group: str) -> int:
+    """The smallest rank at which a group's factors hold as many parameters as its dense matrix."""
+    i, o = m.group_shape(group)
+    return -(-i * o // (i + o))
 
 
 def _validate_rope_scaling(m: ModelConfig) -> None:

@@ -306,3 +306,23 @@ def test_expected_volume_is_read_from_the_blocks_parameters(heads):
         got = comm.expected_per_layer(comm.model_for(m, strategy), strategy, 10, "bfloat16")
         assert got["forward_elements_per_token"] == n, strategy
     assert comm.expected_per_layer(replace(m, kind="lax"), "btp", 10, "bfloat16")["forward_elements_per_token"] == 7 * r
+
+
+@pytest.mark.parametrize("ranks,dense", [(dict(rank_kv=64), ("kv",)), (dict(rank_attn=64, rank_kv=64), ("attn", "kv"))])
+def test_btp_with_projections_kept_dense(ranks, dense):
+    """Projection groups kept dense under BTP (k/v: 64 x (128 + 128) >= 128 x 128) join the block's one
+    Online-RMSNorm all-reduce with their full outputs (the q/o rank r, plus k/v's 2·ke and the MLP's 3r);
+    a dense o gathers all heads instead (an all-gather of he per token). Read from the compiled program,
+    equal to the analytic volume of the block's parameters."""
+    from dataclasses import replace
+
+    m = replace(TINY, **ranks)
+    assert m.dense_groups == dense
+    r = comm.comm_report(m, TP4, B, S, "btp", dtype="float32")
+    he = ke = D  # tiny: 4 heads of 32, no GQA
+    want = 3 * R + 2 * ke + (0 if "attn" in dense else 2 * R) + (he if "attn" in dense else 0)
+    assert r["ranks"] == {g: "dense" if g in dense else R for g in ("attn", "kv", "mlp")}
+    assert r["expected_per_layer"]["forward_elements_per_token"] == want
+    assert r["forward_allreduce_bytes_per_layer"] == r["expected_per_layer"]["forward_bytes"] == TOKENS * (4 * want + 8)
+    gathered = r["other_collectives_per_layer"].get("all-gather", {}).get("bytes", 0)
+    assert gathered == r["expected_per_layer"]["forward_allgather_bytes"] == (TOKENS * he * 4 if "attn" in dense else 0)

@@ -23,7 +23,13 @@ def test_presets_follow_the_design_table():
 
 @pytest.mark.parametrize("model,field", [
     (dict(d_model=100, n_heads=8), "model.d_model"),
-    (dict(rank=200, d_model=128), "model.rank"),
+    (dict(rank=200, d_model=128, auto_dense=False), "model.rank"),
+    (dict(rank=0), "model.rank"),
+    (dict(rank_kv=-1), "model.rank_kv"),
+    (dict(rank_attn=-8), "model.rank_attn"),
+    (dict(rank_mlp=400, auto_dense=False), "model.rank_mlp"),
+    (dict(kind="lax", rank_kv=64), "model.rank_kv"),
+    (dict(kind="lax", rank_kv=16), "model.rank_kv"),
     (dict(n_layers=0), "model.n_layers"),
     (dict(d_ff=-1), "model.d_ff"),
     (dict(n_kv_heads=3), "model.n_kv_heads"),
@@ -83,7 +89,10 @@ def test_unknown_preset():
 @pytest.mark.parametrize("argv,needle", [
     (["train", "--preset", "huge"], "preset: unknown preset"),
     (["train", "--d-model", "100", "--n-heads", "8"], "model.d_model: 100 is not divisible by n_heads=8"),
-    (["train", "--rank", "512"], "model.rank: r=512 exceeds"),
+    (["train", "--rank", "512"], "model.rank: at these ranks no projection's factors are smaller"),
+    (["train", "--rank", "512", "--no-auto-dense"], "model.rank: r=512 exceeds"),
+    (["train", "--rank", "0"], "model.rank: must be positive"),
+    (["train", "--rank-kv", "-4"], "model.rank_kv: must be >= 0"),
     (["train", "--steps", "0"], "train.steps: must be positive"),
     (["train", "--strategy", "btp", "--mesh", "data=1,model=3", "--steps", "2"], "model.d_model: 128 is not divisible by the TP size 3"),
     (["train", "--data", "/nonexistent/corpus.bin", "--steps", "2"], "no such"),

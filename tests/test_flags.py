@@ -77,7 +77,8 @@ def test_the_resume_sets_follow_the_fields():
         "tensorboard", "profile", "hardware"}
     assert folder.MUTABLE_MODEL == {"attention", "attention_block", "bos_token_id", "eos_token_ids", "pad_token_id"}
     assert folder.IGNORED == {"out", "progress", "coordinator", "num_processes", "process_id"}
-    assert folder.FOLLOW_STORED == {"only_lr_act", "norm_eps"} and folder.LEGACY_MODEL == {"only_lr_act": False}
+    assert folder.FOLLOW_STORED == {"only_lr_act", "norm_eps", "auto_dense"}
+    assert folder.LEGACY_MODEL == {"only_lr_act": False, "auto_dense": False}
 
 
 def test_a_field_without_help_or_with_an_unknown_policy_is_refused():

@@ -70,7 +70,7 @@ def test_online_norm_down_is_norm_then_matmul():
 
 def test_svd_full_rank_reproduces_the_dense_logits(source):
     params, _ = source
-    svd = replace(DENSE, kind="svd", rank=32)  # = min(in, out) of every projection
+    svd = replace(DENSE, kind="svd", rank=32, auto_dense=False)  # = min(in, out) of every projection
     lr_params, report = pretrained.lowrank_from_dense(svd, params)
     assert rel(_logits(svd, lr_params), _logits(DENSE, params)) < 1e-5
     assert report["max"] < 1e-6 and len(report["matrices"]) == 7 * DENSE.n_layers
@@ -87,8 +87,9 @@ def test_svd_full_rank_tied_gqa_head_dim():
     dense = jax.tree.map(lambda a: jnp.asarray((1 if a.ndim == 1 else 0) + 0.1 * rng.normal(size=a.shape), jnp.float32),
                          abstract_model(Config(cfg))[1])
     assert "head" not in dense
-    svd = replace(cfg, kind="svd", rank=32)
+    svd = replace(cfg, kind="svd", rank=32, auto_dense=False)
     lr_params, report = pretrained.lowrank_from_dense(svd, dense)
+    assert len(report["matrices"]) == 7 * cfg.n_layers
     assert rel(_logits(svd, lr_params), _logits(cfg, dense)) < 1e-5 and report["max"] < 1e-6
 
 
@@ -97,7 +98,7 @@ def test_error_falls_as_the_rank_grows(source):
     ref = _logits(DENSE, params)
     logit_errs, reports = [], []
     for r in (4, 8, 16):
-        cfg = replace(DENSE, kind="svd", rank=r)
+        cfg = replace(DENSE, kind="svd", rank=r, auto_dense=False)  # r = 16 factorises q/o at break-even
         lr_params, report = pretrained.lowrank_from_dense(cfg, params)
         logit_errs.append(rel(_logits(cfg, lr_params), ref))
         reports.append(report)
@@ -129,7 +130,7 @@ def test_cola_and_lax_pairs_are_exact_through_silu(source):
             assert all(float(jnp.abs(lr_params["layers"][i][b]["cross"]).max()) == 0
                        for i in range(2) for b in ("attn", "mlp"))
     line = pretrained.summary_line({"source": "x", **report})
-    assert "rank 9" in line and "mean" in line and "down" in line
+    assert "ranks: attn 9, kv 9, mlp 9" in line and "mean" in line and "down" in line
 
 
 def _batch0(t: TrainConfig):
@@ -230,3 +231,24 @@ def test_btp_from_init_matches_one_device(small, tmp_path):
     moved = float(hf.build_model(cfg.model, wrong).loss(batch["inputs"], batch["targets"]))
     assert abs(moved - want) / want > 1e-3, (moved, want)
     np.testing.assert_array_equal(params["embed"], hf.read_hf(small[1])[1]["embed"])  # not donated
+
+
+def test_gqa_rank_above_the_kv_width_keeps_k_and_v_dense(tmp_path, capsys):
+    """A GQA checkpoint (k/v [32, 16]) at --rank 12, wider than k/v's break-even (12 x 48 >= 32 x 16):
+    k and v are copied dense, q/o and the MLP factored; the run says so in its summary and
+    init_report.json. --rank-kv 4 factorises k/v too (a_q and a_kv at their own ranks)."""
+    cfg = replace(DENSE, n_kv_heads=2, n_layers=1)
+    params, folder = _dense(cfg, tmp_path / "gqa")
+    m = replace(cfg, kind="svd", rank=12)
+    lr, report = pretrained.lowrank_from_dense(m, params)
+    assert report["dense"] == ["k", "v"] and report["ranks"] == {"attn": 12, "kv": "dense", "mlp": 12}
+    np.testing.assert_array_equal(lr["layers"][0]["attn"]["w_k"], params["layers"][0]["attn"]["w_k"])
+    assert sorted(k.rsplit(".", 1)[-1] for k in report["matrices"]) == ["down", "gate", "o", "q", "up"]
+    mixed, _ = pretrained.lowrank_from_dense(replace(m, rank_kv=4), params)
+    assert mixed["layers"][0]["attn"]["a_q"].shape == (32, 12) and mixed["layers"][0]["attn"]["a_kv"].shape == (32, 2, 4)
+    run, data = tmp_path / "run", tmp_path / "ids.bin"
+    np.random.default_rng(0).integers(0, cfg.vocab_size, 4096).astype(np.uint16).tofile(data)
+    assert main(["train", "--init-from-hf", str(folder), "--model", "svd", "--rank", "12", "--steps", "1",
+                 "--data", str(data), *RUN, "--out", str(run)]) == 0
+    assert "kept dense, their factors would not be smaller: k, v" in capsys.readouterr().err
+    assert json.loads((run / pretrained.REPORT_FILE).read_text())["dense"] == ["k", "v"]

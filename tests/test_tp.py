@@ -75,6 +75,28 @@ def test_strategy_with_remat(strategy, kind, remat):
     assert_matches(*_compare(cfg, seed=7))
 
 
+# per-group ranks on TINY (q/o [64, 64], k/v [64, 32], MLP [64, 96]): rank_kv 24 keeps k/v dense
+# (24 x 96 >= 64 x 32), rank_attn 40 q/o (40 x 128 >= 64 x 64), rank_mlp 40 the MLP (40 x 160 >= 64 x 96)
+MIXED = {"kv dense": dict(rank_kv=24), "ranks differ": dict(rank_kv=8),
+         "q/o and MLP dense": dict(rank_attn=40, rank_mlp=40), "MLP dense": dict(rank_mlp=40)}
+
+
+@pytest.mark.parametrize("strategy,kind,mix,mesh", [
+    ("btp", "cola", "kv dense", "data=1,model=4"), ("btp", "svd", "ranks differ", "data=2,model=2"),
+    ("btp", "cola", "q/o and MLP dense", "data=1,model=2"), ("vanilla-tp", "cola", "kv dense", "data=1,model=4"),
+    ("vanilla-tp", "svd", "q/o and MLP dense", "data=2,model=2"), ("vanilla-tp", "lax", "MLP dense", "data=1,model=2"),
+    ("btp", "cola", "kv dense", "stage=2,model=2")])
+def test_mixed_dense_and_low_rank_projections_match_single_device(strategy, kind, mix, mesh):
+    """Some projection groups dense, others low-rank (or at other ranks): every strategy and a pipeline
+    equal one device, loss and every gradient (the dense weights' included)."""
+    model = replace(TINY, kind=kind, n_layers=2, **MIXED[mix])
+    assert model.dense_groups == {"kv dense": ("kv",), "ranks differ": (), "q/o and MLP dense": ("attn", "mlp"),
+                                  "MLP dense": ("mlp",)}[mix]
+    cfg = Config(model, TrainConfig(strategy=strategy, mesh=mesh, batch=4, seq=16,
+                                    remat="lowrank" if mesh == "stage=2,model=2" else "none"))
+    assert_matches(*_compare(cfg, seed=seed_of(strategy, kind, mix)))
+
+
 @pytest.mark.parametrize("strategy,kind", [("btp", "cola"), ("fullrank-tp", "llama")])
 def test_strategy_without_gqa(strategy, kind):
     cfg = Config(replace(TINY, kind=kind, n_kv_heads=0), TrainConfig(strategy=strategy, mesh="data=1,model=4",

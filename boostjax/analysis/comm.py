@@ -33,6 +33,7 @@ from boostjax.analysis import hlo, memory
 from boostjax.config import (
     LOW_RANK_KINDS,
     MODEL,
+    PROJECTION_GROUPS,
     REMAT,
     TP_STRATEGIES,
     Config,
@@ -264,8 +265,10 @@ def expected_per_layer(model: ModelConfig, strategy: str, tokens: int, dtype: st
     stats = 2 if strategy == "btp" else 0
     item = _ITEMSIZE[dtype]
     fwd = tokens * (per_token * item + stats * 4)
+    gathered = _gathered_elements_per_token(model, strategy)
     return {"forward_elements_per_token": per_token, "stats_per_token": stats,
-            "forward_bytes": fwd, "step_bytes": fwd + tokens * per_token * item}
+            "forward_bytes": fwd, "step_bytes": fwd + tokens * per_token * item,
+            "forward_allgather_elements_per_token": gathered, "forward_allgather_bytes": tokens * gathered * item}
 
 
 def _psum_elements_per_token(model: ModelConfig, strategy: str) -> int:
@@ -281,6 +284,16 @@ def _psum_elements_per_token(model: ModelConfig, strategy: str) -> int:
         if len(matrix) == 2 and split.get(axes[name][matrix[0]]) == MODEL:
             total += math.prod(shape) // shape[matrix[0]]
     return total
+
+
+def _gathered_elements_per_token(model: ModelConfig, strategy: str) -> int:
+    """Elements per token the forward of one block all-gathers: under BTP (the residual stream split
+    along d) a dense o / down kept in a low-rank model (`dense_in` axes) reads all heads or d_ff columns."""
+    split = rules.STRATEGIES[strategy].rules
+    if split.get("embed") != MODEL:
+        return 0
+    axes = param_axes(model, block=True)
+    return sum(shape[0] for name, shape in param_shapes(model, block=True).items() if axes[name][0] == "dense_in")
 
 
 def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int, strategy: str, remat: str = "none",
@@ -354,6 +367,9 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
         "seq": seq, "dtype": dtype, "remat": remat, "n_layers": m.n_layers,
         "model": {k: getattr(m, k) for k in ("d_model", "n_layers", "n_heads", "kv_heads", "d_ff", "rank",
                                               "vocab_size")},
+        # per projection group: its rank, or "dense" (a group whose factors would not be smaller)
+        "ranks": {g: m.group_rank(g) if m.group_low_rank(g) else "dense" for g in PROJECTION_GROUPS}
+        if m.low_rank else {},
         "allreduce_count": ar["step"]["count"],
         "allreduce_bytes": ar["step"]["bytes"],
         "allreduce_bytes_compiled": ar["step"]["bytes_compiled"],

@@ -33,29 +33,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, flag_of
+from boostjax.config import PROJECTION_GROUPS, Config, ConfigError, ModelConfig, TrainConfig, flag_of
 from boostjax.data.source import Source
 from boostjax.data.tokenizers import TOKENIZER_FILE, load_tokenizer, same_tokenizer, tokenizer_kind
 from boostjax.interop import hf
-from boostjax.models.llama import LLaMA, param_shapes
+from boostjax.models.llama import LLaMA, param_shapes, projections
 from boostjax.runs.folder import RunFolder
 
 SOURCE_FIELD = "train.init_from_hf"
 REPORT_FILE = "init_report.json"
 # model fields a run from a checkpoint chooses itself; every other one is the checkpoint's
-CHOSEN: frozenset[str] = frozenset({"kind", "rank", "attention", "attention_block"})
-# (block, our dense name, report name, low-rank factor A name, its group index, factor B name, its group index)
-PROJECTIONS: tuple[tuple[str, str, str, str, int | None, str, int | None], ...] = (
-    ("attn", "w_q", "q", "a_qkv", 0, "b_q", None),
-    ("attn", "w_k", "k", "a_qkv", 1, "b_kv", 0),
-    ("attn", "w_v", "v", "a_qkv", 2, "b_kv", 1),
-    ("attn", "w_o", "o", "a_o", None, "b_o", None),
-    ("mlp", "w_gate", "gate", "a_gate_up", 0, "b_gate_up", 0),
-    ("mlp", "w_up", "up", "a_gate_up", 1, "b_gate_up", 1),
-    ("mlp", "w_down", "down", "a_down", None, "b_down", None),
-)
-
-
+CHOSEN: frozenset[str] = frozenset({"kind", "rank", "rank_attn", "rank_kv", "rank_mlp", "auto_dense", "attention",
+                                    "attention_block"})
 def _err(msg: str) -> ConfigError:
     return ConfigError(f"{SOURCE_FIELD}: {msg}")
 
@@ -113,13 +102,15 @@ def _as_source(src: ModelConfig) -> ModelConfig:
 
 
 def _check_rank(m: ModelConfig) -> None:
-    if not m.low_rank or not isinstance(m.rank, int):  # a rank of the wrong type: validate names it
-        return
-    dense = param_shapes(dataclasses.replace(m, kind="llama"), block=True)  # [in, out] of each projection
-    name, (i, o) = min(((short, dense[f"{blk}.{w}"]) for blk, w, short, *_ in PROJECTIONS), key=lambda kv: min(kv[1]))
-    if m.rank > min(i, o):
-        raise ConfigError(f"model.rank: r={m.rank} exceeds min(in, out)={min(i, o)} of the checkpoint's {name} "
-                          f"projection [{i}, {o}]; fix: pass --rank <= {min(i, o)}")
+    """The group ranks against the checkpoint's shapes (`validate_model`'s rule, named for the checkpoint)."""
+    if not m.low_rank or not all(isinstance(getattr(m, f), int) for f in ("rank", "rank_attn", "rank_kv", "rank_mlp")):
+        return  # a rank of the wrong type: validate names it
+    for g in PROJECTION_GROUPS:
+        (i, o), r = m.group_shape(g), m.group_rank(g)
+        name = f"rank_{g}" if getattr(m, f"rank_{g}") else "rank"
+        if m.group_low_rank(g) and r > min(i, o):
+            raise ConfigError(f"model.{name}: r={r} exceeds min(in, out)={min(i, o)} of the checkpoint's {g} "
+                              f"projections [{i}, {o}]; fix: pass {flag_of(name)} <= {min(i, o)}")
 
 
 def resolve_config(cfg: Config, explicit: Iterable[str] | None = None) -> Config:
@@ -205,19 +196,25 @@ def _summary(errs: Mapping[str, float]) -> dict[str, Any]:
             "by_projection": {p: float(np.mean(v)) for p, v in by.items()}}
 
 
+def rank_report(m: ModelConfig) -> dict[str, Any]:
+    """What a low-rank model factorises: `{"ranks": {group: r or "dense"}, "dense": [projections kept
+    dense]}` (a group whose rank-r factors would not be smaller than its dense matrix stays dense)."""
+    return {"ranks": {g: m.group_rank(g) if m.group_low_rank(g) else "dense" for g in PROJECTION_GROUPS},
+            "dense": [p for p, proj in projections(m).items() if proj.a is None]}
+
+
 def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: int = 0) -> tuple[dict, dict]:
     """Low-rank params of `cfg` (kind svd/cola/lax) factored from the pure params dict of the dense
-    LLaMA of the same shapes, and the report: `{"kind", "rank", "matrices": {"layers.i.attn.q": rel.
-    error, ...}, "mean", "max", "by_projection"}` (see the module docstring for the split)."""
-
-
+    LLaMA of the same shapes, and the report: `{"kind", "rank", "ranks", "dense", "matrices":
+    {"layers.i.attn.q": rel. error, ...}, "mean", "max", "by_projection"}` (see the module docstring
+    for the split; projections of a group kept dense are copied, and listed under "dense")."""
     if not isinstance(cfg, ModelConfig) or not cfg.low_rank:
         raise ConfigError(f"lowrank_from_dense: need a ModelConfig of kind svd, cola or lax, got "
                           f"{getattr(cfg, 'kind', type(cfg).__name__)!r}; fix: pass ModelConfig(kind='svd', rank=r, ...)")
     _check_rank(cfg)
     dense_cfg = dataclasses.replace(cfg, kind="llama")
     check_params(dense_cfg, dense_params, "lowrank_from_dense: dense_params")
-    like = param_shapes(cfg)
+    like, table = param_shapes(cfg), projections(cfg)
     rng = np.random.default_rng(seed)
     errs: dict[str, float] = {}
     out: dict[str, Any] = {k: dense_params[k] for k in like if "." not in k}
@@ -226,13 +223,17 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
     for i in range(cfg.n_layers):
         dense = layers[i] if i in layers else layers[str(i)]
         layer: dict[str, dict[str, Any]] = {blk: {"norm": dense[blk]["norm"]} for blk in ("attn", "mlp")}
-        for blk, w_name, short, a_name, a_i, b_name, b_i in PROJECTIONS:
-            a, b, errs[f"layers.{i}.{blk}.{short}"] = _factor(dense[blk][w_name], cfg.kind, cfg.rank, rng)
-            for name, idx, val, axis in ((a_name, a_i, a, 1), (b_name, b_i, b, 0)):
+        for short, proj in table.items():
+            w = dense[proj.blk][proj.dense]
+            if proj.a is None:  # a group whose factors would not be smaller: kept dense
+                layer[proj.blk][proj.dense] = np.asarray(w, np.float32)
+                continue
+            a, b, errs[f"layers.{i}.{proj.blk}.{short}"] = _factor(w, cfg.kind, cfg.group_rank(proj.group), rng)
+            for (name, idx), val, axis in ((proj.a, a, 1), (proj.b, b, 0)):
                 if idx is None:
-                    layer[blk][name] = val
-                else:  # grouped tensors: a_qkv [d, 3, r] / a_gate_up [d, 2, r] / b_kv [2, r, ke] / b_gate_up
-                    layer[blk].setdefault(name, {})[idx] = (val, axis)
+                    layer[proj.blk][name] = val
+                else:  # grouped tensors: a_qkv [d, 3, r] / a_kv / a_gate_up [d, 2, r] / b_kv [2, r, ke] / b_gate_up
+                    layer[proj.blk].setdefault(name, {})[idx] = (val, axis)
         for blk in ("attn", "mlp"):
             for name, v in list(layer[blk].items()):
                 if isinstance(v, dict):
@@ -242,7 +243,7 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
         out["layers"][i] = layer
     check_params(cfg, out, "lowrank_from_dense")  # the grouped layout is the model's
     out = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), out)
-    return out, {"kind": cfg.kind, "rank": cfg.rank, "matrices": errs, **_summary(errs)}
+    return out, {"kind": cfg.kind, "rank": cfg.rank, **rank_report(cfg), "matrices": errs, **_summary(errs)}
 
 
 def _leaves(tree: Any) -> dict[str, tuple[int, ...]]:
@@ -291,7 +292,7 @@ def initial_params(cfg: Config, init: Any = None) -> tuple[dict, dict]:
         source = {"source": "python", "format": "params"}
     if not m.low_rank or _fits(m, dense):
         check_params(m, dense, "train.init")
-        return dense, {**source, "kind": m.kind, **({"rank": m.rank} if m.low_rank else {})}
+        return dense, {**source, "kind": m.kind, **({"rank": m.rank, **rank_report(m)} if m.low_rank else {})}
     if not _fits(dataclasses.replace(m, kind="llama"), dense):
         raise ConfigError(f"train.init: the params fit neither this {m.kind} model nor the dense llama of its "
                           "shapes; fix: pass the params of a model with this ModelConfig (or its kind='llama' twin)")
@@ -316,13 +317,23 @@ def _pure(init: Any) -> Any:
     return init
 
 
+def fresh_report(m: ModelConfig) -> dict[str, Any]:
+    """The report of a random start of a low-rank model: its group ranks and the projections kept dense."""
+    return {"source": "random init", "format": "init", "kind": m.kind, "rank": m.rank, **rank_report(m)}
+
+
 def summary_line(report: Mapping[str, Any]) -> str:
-    """One line: where the weights came from and, for a factored start, the reconstruction errors."""
+    """One line: where the weights came from, the group ranks and the projections kept dense, and for a
+    factored start the reconstruction errors."""
     head = f"initialised {report['kind']} from {report['source']}"
+    if "ranks" in report:
+        ranks = ", ".join(f"{g} {r}" for g, r in report["ranks"].items())
+        dense = ", ".join(report["dense"])
+        head += f" (ranks: {ranks}" + (f"; kept dense, their factors would not be smaller: {dense})" if dense else ")")
     if "matrices" not in report:
         return head
     by = " ".join(f"{p} {e:.3f}" for p, e in report["by_projection"].items())
-    return (f"{head} (rank {report['rank']}): relative reconstruction error over {len(report['matrices'])} "
+    return (f"{head}: relative reconstruction error over {len(report['matrices'])} "
             f"matrices mean {report['mean']:.4f} max {report['max']:.4f}; per projection {by}")
 
 

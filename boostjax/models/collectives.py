@@ -64,14 +64,25 @@ class Collectives:
         if ss is None:
             (z,) = self._psum("latent", z)
             return checkpoint_name(z, name)
-        if self.psum_at == "latent" and self.axis is not None and z.dtype == ss.dtype:
-            lead = z.shape[: ss.ndim - 1]
-            both = jnp.concatenate([z.reshape(*lead, -1), ss], axis=-1)
-            both = jax.lax.psum(both, self.axis)
-            z, ss = both[..., :-1].reshape(z.shape), both[..., -1:]
+        (z,), ss = self.reduce_latents((z,), ss, name=name)
+        return z, ss
+
+    def reduce_latents(self, zs, ss, *, name: str):
+        """`reduce_latent` of several partial down-projections of one normed input (`zs`: arrays
+        `[..., *]` of one leading shape, e.g. a block's low-rank latents and the outputs of the
+        projections that stay dense) and their common Σx²: still one collective under BTP, the fp32
+        buffers flattened per token and concatenated. Returns `(zs, ss)`, each tagged `name`."""
+        zs = tuple(zs)
+        if self.psum_at == "latent" and self.axis is not None and all(z.dtype == ss.dtype for z in zs):
+            lead = ss.shape[:-1]
+            flat = [z.reshape(*lead, -1) for z in zs]
+            both = jax.lax.psum(jnp.concatenate([*flat, ss], axis=-1), self.axis)
+            cuts = [sum(f.shape[-1] for f in flat[:k]) for k in range(1, len(flat) + 1)]
+            parts = jnp.split(both, cuts, axis=-1)
+            zs, ss = tuple(p.reshape(z.shape) for p, z in zip(parts, zs)), parts[-1]
         else:
-            z, ss = self._psum("latent", z, ss)
-        return checkpoint_name(z, name), checkpoint_name(ss, name + "_stats")
+            *zs, ss = self._psum("latent", *zs, ss)
+        return tuple(checkpoint_name(z, name) for z in zs), checkpoint_name(ss, name + "_stats")
 
     def reduce_up(self, y):
         (y,) = self._psum("up", y)
@@ -88,6 +99,21 @@ class Collectives:
     def reduce_row(self, y):
         (y,) = self._psum("row", y)
         return y
+
+    def local_columns(self, y):
+        """BTP: this device's contiguous `1/TP` slice of the last axis of a replicated `y` (a projection
+        kept dense in a low-rank model: its psum'd output, cut to the local heads or d_ff columns)."""
+        if self.features_sharded and self.axis is not None:
+            n = y.shape[-1] // jax.lax.axis_size(self.axis)
+            return jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index(self.axis) * n, n, axis=y.ndim - 1)
+        return y
+
+    def gather_columns(self, x):
+        """BTP: the full last axis of a column-sharded `x` (the local heads or d_ff columns), the input
+        of a dense `o` or `down` kept in a low-rank model, whose columns are this device's `d/TP`."""
+        if self.features_sharded and self.axis is not None:
+            return jax.lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True)
+        return x
 
     def gather_features(self, x_btd):
         """Gather the d-sharded residual stream once, before the LM head."""

@@ -97,6 +97,8 @@ AXES: dict[str, str] = {
     "embed_vocab": "the embedding table's rows (looked up by token id)",
     "features": "d_model of the final-normed features (full width: gathered before the head)",
     "cross": "LaX's latent-crossing gates",
+    "dense_out": "the output of a projection kept dense in a low-rank model (never split)",
+    "dense_in": "the input of a dense o / down kept in a low-rank model (never split)",
     "layers": "the leading layer axis of stacked layers (a pipeline's state)",
 }
 
@@ -145,8 +147,23 @@ def grouped_up(hs: Sequence[Float[Array, "b t r"]], b_grk: Float[Array, "g r k"]
     return tuple(y_gbtk[i] for i in range(len(hs)))
 
 
+def _dense_axes(cfg: ModelConfig, out: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    """Logical axes of a dense (input-side, output-side) projection pair with hidden axis `out`: the
+    llama kind's Megatron layout, or for a group kept dense in a low-rank model `dense_out`/`dense_in`
+    (never split: under BTP the input side is row-parallel like an A, the output side column-parallel
+    like a B, so the residual stream stays sharded along d)."""
+    if cfg.low_rank:
+        return ("embed", "dense_out"), ("dense_in", "embed")
+    return ("embed", out), (out, "embed")
+
+
 class Attention(nnx.Module):
     """Pre-norm causal self-attention (RoPE, optional grouped-query heads).
+
+    Each projection group (`ModelConfig.group_low_rank`: q and o, k and v) is low-rank or dense. The
+    down-projections of the low-rank groups share the block's one Online-RMSNorm collective (`a_qkv
+    [d, 3, r]` when q and k/v have one rank, else `a_q [d, r]` and `a_kv [d, 2, r_kv]`); in a low-rank
+    model a dense k/v (or q) joins that collective too and keeps its local heads.
 
     LaX (https://arxiv.org/abs/2505.21732, `kind="lax"`): zero-initialised scalar gates cross the
     latents inside the block, `h_k += c0 h_q`, `h_v += c1 h_k`, `h_o += c2 h_v` (MLP: `h_up += c0 h_gate`,
@@ -156,24 +173,66 @@ class Attention(nnx.Module):
     and a LayerNorm; this intra-layer, scalar-gated chain is our variant."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, r, std = cfg.d_model, cfg.rank, cfg.init_std
+        d, std = cfg.d_model, cfg.init_std
         he, ke = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         self.cfg = cfg
+        self.lr_q, self.lr_kv = cfg.group_low_rank("attn"), cfg.group_low_rank("kv")
+        r, r_kv = cfg.group_rank("attn"), cfg.group_rank("kv")
         self.norm = _declared(jnp.ones((d,), jnp.float32), ("embed",))
-        if cfg.low_rank:  # CoLA's init (`cola_std`); k/v read as the dense [d, kv_heads*head_dim] projections
-            s_q, s_kv, s_o = cola_std(r, d, he), cola_std(r, d, ke), cola_std(r, he, d)
+        # CoLA's init (`cola_std`); k/v read as the dense [d, kv_heads*head_dim] projections
+        s_q, s_kv, s_o = cola_std(r, d, he), cola_std(r_kv, d, ke), cola_std(r, he, d)
+        (q_in, q_out), (kv_in, _) = _dense_axes(cfg, "heads"), _dense_axes(cfg, "kv")
+        if self.lr_q and self.lr_kv and r == r_kv:
             self.a_qkv = _param(rngs, (d, 3, r), jnp.array([s_q, s_kv, s_kv])[:, None], ("embed", "group", "rank"))
+        else:
+            if self.lr_q:
+                self.a_q = _param(rngs, (d, r), s_q, ("embed", "rank"))
+            else:
+                self.w_q = _param(rngs, (d, he), std, q_in)
+            if self.lr_kv:
+                self.a_kv = _param(rngs, (d, 2, r_kv), s_kv, ("embed", "group", "rank"))
+            else:
+                self.w_k = _param(rngs, (d, ke), std, kv_in)
+                self.w_v = _param(rngs, (d, ke), std, kv_in)
+        if self.lr_q:
             self.b_q = _param(rngs, (r, he), s_q, ("rank", "heads"))
-            self.b_kv = _param(rngs, (2, r, ke), s_kv, ("group", "rank", "kv"))
             self.a_o = _param(rngs, (he, r), s_o, ("heads", "rank"))
             self.b_o = _param(rngs, (r, d), s_o, ("rank", "embed"))
-            if cfg.kind == "lax":  # latent crossing gates: k <- q, v <- k, o <- v
-                self.cross = _declared(jnp.zeros((3,), jnp.float32), ("cross",))
         else:
-            self.w_q = _param(rngs, (d, he), std, ("embed", "heads"))
-            self.w_k = _param(rngs, (d, ke), std, ("embed", "kv"))
-            self.w_v = _param(rngs, (d, ke), std, ("embed", "kv"))
-            self.w_o = _param(rngs, (he, d), std, ("heads", "embed"))
+            self.w_o = _param(rngs, (he, d), std, q_out)
+        if self.lr_kv:
+            self.b_kv = _param(rngs, (2, r_kv, ke), s_kv, ("group", "rank", "kv"))
+        if cfg.kind == "lax" and self.lr_q:  # latent crossing gates: k <- q, v <- k, o <- v (one rank: validated)
+            self.cross = _declared(jnp.zeros((3,), jnp.float32), ("cross",))
+
+    def _qkv(self, x_btd, coll: Collectives):
+        """q, k, v `[b, t, local heads x e]` of the block input, and (LaX) the v latent `o` crosses from."""
+        cfg = self.cfg
+        if not cfg.low_rank:  # the llama kind: Megatron column-parallel GEMMs
+            xn_btd = coll.to_column_parallel(ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps))
+            return (*(checkpoint_name(xn_btd @ w[...], "qkv") for w in (self.w_q, self.w_k, self.w_v)), None)
+        grouped = hasattr(self, "a_qkv")
+        mats = ((self.a_qkv[...],) if grouped else
+                (self.a_q[...] if self.lr_q else self.w_q[...],
+                 *((self.a_kv[...],) if self.lr_kv else (self.w_k[...], self.w_v[...]))))
+        zs = ops.online_norm_many(x_btd, self.norm[...], mats, coll, d_model=cfg.d_model, eps=cfg.norm_eps,
+                                  name="qkv_latent")
+        sigma = _sigma(cfg.kind)
+        if grouped:
+            hq, hk, hv = (sigma(zs[0][:, :, i]) for i in range(3))
+        else:
+            hq = sigma(zs[0]) if self.lr_q else None
+            hk, hv = (sigma(zs[1][:, :, i]) for i in range(2)) if self.lr_kv else (None, None)
+        if cfg.kind == "lax" and hq is not None:  # each crossing adds its source's POST-crossing latent
+            c = self.cross[...].astype(x_btd.dtype)
+            hk = hk + c[0] * hq
+            hv = hv + c[1] * hk
+        q = coll.reduce_up(hq @ self.b_q[...]) if self.lr_q else coll.local_columns(zs[0])
+        if self.lr_kv:
+            k, v = grouped_up((hk, hv), self.b_kv[...], coll)
+        else:
+            k, v = (coll.local_columns(z) for z in zs[-2:])
+        return q, k, v, hv
 
     def __call__(self, x_btd, cos_te, sin_te, coll: Collectives, segments_bt=None, *,
                  cache=None) -> Float[Array, "b t d"]:
@@ -182,20 +241,7 @@ class Attention(nnx.Module):
         step's keys and values written in (one sequence per row: `segments_bt` must be None)."""
         cfg, e = self.cfg, self.cfg.head_dim
         b, t, _ = x_btd.shape
-        if cfg.low_rank:
-            sigma = _sigma(cfg.kind)
-            z_btgr = ops.online_norm_down(x_btd, self.norm[...], self.a_qkv[...], coll,
-                                          d_model=cfg.d_model, eps=cfg.norm_eps, name="qkv_latent")
-            hq, hk, hv = (sigma(z_btgr[:, :, i]) for i in range(3))
-            if cfg.kind == "lax":  # each crossing adds its source's POST-crossing latent (see `Attention`)
-                c = self.cross[...].astype(x_btd.dtype)
-                hk = hk + c[0] * hq
-                hv = hv + c[1] * hk
-            q = coll.reduce_up(hq @ self.b_q[...])
-            k, v = grouped_up((hk, hv), self.b_kv[...], coll)
-        else:
-            xn_btd = coll.to_column_parallel(ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps))
-            q, k, v = (checkpoint_name(xn_btd @ w[...], "qkv") for w in (self.w_q, self.w_k, self.w_v))
+        q, k, v, hv = self._qkv(x_btd, coll)
         q_bthe = ops.apply_rope(q.reshape(b, t, -1, e), cos_te, sin_te)
         k_btke = ops.apply_rope(k.reshape(b, t, -1, e), cos_te, sin_te)
         if cache is not None:
@@ -205,12 +251,14 @@ class Attention(nnx.Module):
         else:
             o_btx = ops.causal_attention(q_bthe, k_btke, v.reshape(b, t, -1, e), impl=cfg.attention,
                                          block=cfg.attention_block, segments_bt=segments_bt).reshape(b, t, -1)
-        if cfg.low_rank:
+        if self.lr_q:
             h_btr = coll.reduce_latent(o_btx @ self.a_o[...], name="o_latent")
             h_btr = _sigma(cfg.kind)(h_btr)
             if cfg.kind == "lax":
                 h_btr = h_btr + self.cross[...].astype(x_btd.dtype)[2] * hv
             y_btd = coll.reduce_up(h_btr @ self.b_o[...])
+        elif cfg.low_rank:  # a dense o in a low-rank model: all heads in, this device's d columns out
+            y_btd = coll.gather_columns(o_btx) @ self.w_o[...]
         else:
             y_btd = coll.reduce_row(o_btx @ self.w_o[...])
         return y_btd if cache is None else (y_btd, cache)
@@ -218,13 +266,15 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     """Pre-norm gated MLP: `down(hidden)`, `hidden = mlp_hidden(cfg, gate(x), up(x))`: SwiGLU
-    `silu(gate) * up` for dense llama and svd, CoLA's `gate * up` for cola/lax (σ in the latents)."""
+    `silu(gate) * up` for dense llama and svd, CoLA's `gate * up` for cola/lax (σ in the latents).
+    Low-rank unless `ModelConfig.group_low_rank("mlp")` keeps it dense."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, f, r, std = cfg.d_model, cfg.d_ff, cfg.rank, cfg.init_std
+        d, f, r, std = cfg.d_model, cfg.d_ff, cfg.group_rank("mlp"), cfg.init_std
         self.cfg = cfg
+        self.low_rank = cfg.group_low_rank("mlp")
         self.norm = _declared(jnp.ones((d,), jnp.float32), ("embed",))
-        if cfg.low_rank:  # CoLA's init (`cola_std`) with the dense layers' (d_in, d_out)
+        if self.low_rank:  # CoLA's init (`cola_std`) with the dense layers' (d_in, d_out)
             s_gu, s_down = cola_std(r, d, f), cola_std(r, f, d)
             self.a_gate_up = _param(rngs, (d, 2, r), s_gu, ("embed", "group", "rank"))
             self.b_gate_up = _param(rngs, (2, r, f), s_gu, ("group", "rank", "ff"))
@@ -233,13 +283,14 @@ class MLP(nnx.Module):
             if cfg.kind == "lax":  # up <- gate, down <- up
                 self.cross = _declared(jnp.zeros((2,), jnp.float32), ("cross",))
         else:
-            self.w_gate = _param(rngs, (d, f), std, ("embed", "ff"))
-            self.w_up = _param(rngs, (d, f), std, ("embed", "ff"))
-            self.w_down = _param(rngs, (f, d), std, ("ff", "embed"))
+            ax_in, ax_out = _dense_axes(cfg, "ff")
+            self.w_gate = _param(rngs, (d, f), std, ax_in)
+            self.w_up = _param(rngs, (d, f), std, ax_in)
+            self.w_down = _param(rngs, (f, d), std, ax_out)
 
     def __call__(self, x_btd, coll: Collectives) -> Float[Array, "b t d"]:
         cfg = self.cfg
-        if cfg.low_rank:
+        if self.low_rank:
             sigma = _sigma(cfg.kind)
             z_btgr = ops.online_norm_down(x_btd, self.norm[...], self.a_gate_up[...], coll,
                                           d_model=cfg.d_model, eps=cfg.norm_eps, name="gate_up_latent")
@@ -247,16 +298,22 @@ class MLP(nnx.Module):
             if cfg.kind == "lax":
                 hu = hu + self.cross[...].astype(x_btd.dtype)[0] * hg
             gate, up = grouped_up((hg, hu), self.b_gate_up[...], coll)
+        elif cfg.low_rank:  # dense in a low-rank model: row-parallel like an A (one collective), local columns
+            zs = ops.online_norm_many(x_btd, self.norm[...], (self.w_gate[...], self.w_up[...]), coll,
+                                      d_model=cfg.d_model, eps=cfg.norm_eps, name="gate_up_latent")
+            gate, up = (coll.local_columns(z) for z in zs)
         else:
             xn_btd = coll.to_column_parallel(ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps))
             gate = checkpoint_name(xn_btd @ self.w_gate[...], "gate_up")
             up = checkpoint_name(xn_btd @ self.w_up[...], "gate_up")
         hidden_btf = checkpoint_name(mlp_hidden(cfg, gate, up), "mlp_hidden")
-        if cfg.low_rank:
+        if self.low_rank:
             h_btr = _sigma(cfg.kind)(coll.reduce_latent(hidden_btf @ self.a_down[...], name="down_latent"))
             if cfg.kind == "lax":
                 h_btr = h_btr + self.cross[...].astype(x_btd.dtype)[1] * hu
             return coll.reduce_up(h_btr @ self.b_down[...])
+        if cfg.low_rank:
+            return coll.gather_columns(hidden_btf) @ self.w_down[...]
         return coll.reduce_row(hidden_btf @ self.w_down[...])
 
 
@@ -371,6 +428,34 @@ class LLaMA(nnx.Module):
              coll: Collectives = LOCAL, remat: str | Callable | None | RematSchedule = "none", *,
              segments: Int[Array, "b t"] | None = None) -> Float[Array, ""]:
         return vocab_parallel_cross_entropy(self(tokens_bt, coll, remat, segments=segments), targets_bt, coll)
+
+
+class Projection(NamedTuple):
+    """Where one dense projection of a block lives in the parameters of `LLaMA(cfg)`: block `blk`, the
+    dense weight `dense` `[in, out]`, and when factorised its `a` `[in, r]` and `b` `[r, out]`, each a
+    name and, in a grouped tensor, its index along the group axis (`a_qkv [d, 3, r]`: 1 of the
+    second axis; `b_kv [2, r, ke]`: 0 of the first)."""
+
+    blk: str
+    dense: str
+    group: str
+    a: tuple[str, int | None] | None
+    b: tuple[str, int | None] | None
+
+
+def projections(cfg: ModelConfig) -> dict[str, Projection]:
+    """Every projection of a block (q, k, v, o, gate, up, down) and where `LLaMA(cfg)` keeps it: the
+    layout `Attention` and `MLP` create (`Projection.a` None = kept dense)."""
+    grouped = cfg.group_low_rank("attn") and cfg.group_low_rank("kv") and cfg.group_rank("attn") == cfg.group_rank("kv")
+    rows = {"q": ("attn", "w_q", "attn", ("a_qkv", 0) if grouped else ("a_q", None), ("b_q", None)),
+            "k": ("attn", "w_k", "kv", ("a_qkv", 1) if grouped else ("a_kv", 0), ("b_kv", 0)),
+            "v": ("attn", "w_v", "kv", ("a_qkv", 2) if grouped else ("a_kv", 1), ("b_kv", 1)),
+            "o": ("attn", "w_o", "attn", ("a_o", None), ("b_o", None)),
+            "gate": ("mlp", "w_gate", "mlp", ("a_gate_up", 0), ("b_gate_up", 0)),
+            "up": ("mlp", "w_up", "mlp", ("a_gate_up", 1), ("b_gate_up", 1)),
+            "down": ("mlp", "w_down", "mlp", ("a_down", None), ("b_down", None))}
+    return {p: Projection(blk, w, g, *((a, b) if cfg.group_low_rank(g) else (None, None)))
+            for p, (blk, w, g, a, b) in rows.items()}
 
 
 def resolve_remat(remat: Any) -> Callable | None:

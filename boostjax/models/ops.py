@@ -41,11 +41,30 @@ def online_norm_down(
     Under BTP, `x` and `g` hold this device's `d/TP` slice and `A` its rows: the partial products
     and the partial `Σ x²` are summed by one collective. The statistics stay in fp32.
     """
+    (z_btgr,) = online_norm_many(x_btd, g_d, (a_dgr,), coll, d_model=d_model, eps=eps, name=name)
+    return z_btgr
+
+
+def online_norm_many(
+    x_btd: Float[Array, "b t d"],
+    g_d: Float[Array, " d"],
+    mats: tuple[Float[Array, "d ..."], ...],
+    coll: Collectives,
+    *,
+    d_model: int,
+    eps: float,
+    name: str,
+) -> tuple[Float[Array, "b t ..."], ...]:
+    """`RMSNorm(x) @ M` for each matrix `M [d, ...]` of `mats` (low-rank down-projections `[d, g, r]`
+    or `[d, r]`, dense projections `[d, out]` kept in a low-rank model), Online-RMSNorm style: under
+    BTP every partial product and the partial `Σ x²` ride in one collective."""
     ss_bt1 = jnp.sum(jnp.square(x_btd.astype(jnp.float32)), axis=-1, keepdims=True)
-    z_btgr = jnp.einsum("btd,dgr->btgr", x_btd * g_d.astype(x_btd.dtype), a_dgr)
-    z_btgr, ss_bt1 = coll.reduce_latent(z_btgr, ss_bt1, name=name)
-    inv_bt11 = jax.lax.rsqrt(ss_bt1 / d_model + eps)[..., None]
-    return (z_btgr.astype(jnp.float32) * inv_bt11).astype(x_btd.dtype)
+    xg_btd = x_btd * g_d.astype(x_btd.dtype)
+    zs = tuple(jnp.tensordot(xg_btd, m, axes=1) for m in mats)
+    zs, ss_bt1 = coll.reduce_latents(zs, ss_bt1, name=name)
+    inv_bt1 = jax.lax.rsqrt(ss_bt1 / d_model + eps)
+    return tuple((z.astype(jnp.float32) * inv_bt1.reshape(*inv_bt1.shape, *(1,) * (z.ndim - 3))).astype(x_btd.dtype)
+                 for z in zs)
 
 
 def rope_inv_freq(cfg: ModelConfig, seq: int) -> np.ndarray:

@@ -61,7 +61,9 @@ def block_graph(cfg: ModelConfig, seq: int, attention: str = "materialized") -> 
     """
     if attention not in ATTENTION:
         raise ValueError(f"attention: {attention!r}; fix: one of {ATTENTION}")
-    d, r, f, hd = cfg.d_model, cfg.rank, cfg.d_ff, cfg.head_dim
+    d, f, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
+    r, rkv, rm = (cfg.group_rank(g) for g in ("attn", "kv", "mlp"))  # q/o, k/v, MLP ranks
+    rqkv = r + 2 * rkv
     hq, hkv = cfg.n_heads * hd, cfg.kv_heads * hd
     attn_flops = 2.0 * seq * cfg.n_heads * hd  # QKᵀ and PV, halved for the causal mask
     probs = cfg.n_heads * (seq if attention == "materialized" else 1)
@@ -70,9 +72,9 @@ def block_graph(cfg: ModelConfig, seq: int, attention: str = "materialized") -> 
     g: dict[str, _Node] = {"boundary": _Node(d, 0.0, (), True)}
     if cfg.low_rank:
         g["n1"] = _Node(d, 0.0, ("boundary",), False)
-        g["qkv_latent"] = _Node(3 * r, 2.0 * d * 3 * r, ("n1",), True, fp32=1)
-        g["qkv_act"] = _Node(3 * r, 0.0, ("qkv_latent",), False, extra=3 * r * silu + 2 * r * lax)
-        g["qkv"] = _Node(hq + 2 * hkv, 2.0 * r * (hq + 2 * hkv), ("qkv_act",), False, extra=hq)
+        g["qkv_latent"] = _Node(rqkv, 2.0 * d * rqkv, ("n1",), True, fp32=1)
+        g["qkv_act"] = _Node(rqkv, 0.0, ("qkv_latent",), False, extra=rqkv * silu + 2 * r * lax)
+        g["qkv"] = _Node(hq + 2 * hkv, 2.0 * (r * hq + rkv * 2 * hkv), ("qkv_act",), False, extra=hq)
     else:
         g["n1"] = _Node(d, 0.0, ("boundary",), False, fp32=1)
         g["qkv"] = _Node(hq + 2 * hkv, 2.0 * d * (hq + 2 * hkv), ("n1",), True, extra=hq)
@@ -83,18 +85,18 @@ def block_graph(cfg: ModelConfig, seq: int, attention: str = "materialized") -> 
         g["o_act"] = _Node(r * silu, 0.0, ("o_latent",), False, extra=r * silu + r * lax)
         g["mid"] = _Node(d, 2.0 * r * d, ("boundary", "o_act"), True)
         g["n2"] = _Node(d, 0.0, ("mid",), False)
-        g["gate_up_latent"] = _Node(2 * r, 2.0 * d * 2 * r, ("n2",), True, fp32=1)
-        g["gate_up_act"] = _Node(2 * r, 0.0, ("gate_up_latent",), False, extra=2 * r * silu + r * lax)
-        g["gate_up"] = _Node(2 * f, 2.0 * r * 2 * f, ("gate_up_act",), False)
+        g["gate_up_latent"] = _Node(2 * rm, 2.0 * d * 2 * rm, ("n2",), True, fp32=1)
+        g["gate_up_act"] = _Node(2 * rm, 0.0, ("gate_up_latent",), False, extra=2 * rm * silu + rm * lax)
+        g["gate_up"] = _Node(2 * f, 2.0 * rm * 2 * f, ("gate_up_act",), False)
     else:
         g["mid"] = _Node(d, 2.0 * hq * d, ("boundary", "attn_out"), True)
         g["n2"] = _Node(d, 0.0, ("mid",), False, fp32=1)
         g["gate_up"] = _Node(2 * f, 2.0 * d * 2 * f, ("n2",), True)
     g["mlp_hidden"] = _Node(f, 0.0, ("gate_up",), True, extra=2 * f if cfg.gated_silu else f)
     if cfg.low_rank:
-        g["down_latent"] = _Node(r, 2.0 * f * r, ("mlp_hidden",), True)
-        g["down_act"] = _Node(r * silu, 0.0, ("down_latent",), False, extra=r * silu + r * lax)
-        g["out"] = _Node(d, 2.0 * r * d, ("mid", "down_act"), False)
+        g["down_latent"] = _Node(rm, 2.0 * f * rm, ("mlp_hidden",), True)
+        g["down_act"] = _Node(rm * silu, 0.0, ("down_latent",), False, extra=rm * silu + rm * lax)
+        g["out"] = _Node(d, 2.0 * rm * d, ("mid", "down_act"), False)
     else:
         g["out"] = _Node(d, 2.0 * f * d, ("mid", "mlp_hidden"), False)
     return g

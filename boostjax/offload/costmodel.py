@@ -79,12 +79,20 @@ def local_model(cfg: ModelConfig, strategy: str = "none", tp: int = 1) -> ModelC
     shards divided by tp (ValueError when one does not divide); the head width is kept."""
     if strategy not in STRATEGY_DIMS:
         raise ValueError(f"strategy: unknown strategy {strategy!r}; fix: one of {', '.join(STRATEGY_DIMS)}")
+    if cfg.dense_groups:
+        raise ValueError(f"model: the cost model reads blocks whose projections are all factorised, but the "
+                         f"{'/'.join(cfg.dense_groups)} projections stay dense (their rank saves no parameters); "
+                         f"fix: lower {' / '.join(flag_of('rank_' + g) for g in cfg.dense_groups)} or plan the "
+                         "llama kind")
     if tp == 1 or not STRATEGY_DIMS[strategy]:
         return cfg
     values = {"d_model": cfg.d_model, "n_heads": cfg.n_heads, "n_kv_heads": cfg.kv_heads, "d_ff": cfg.d_ff,
-              "rank": cfg.rank}
-    over = {}
-    for dim in STRATEGY_DIMS[strategy]:
+              "rank": cfg.rank, **(rules.rank_sizes(cfg) if cfg.low_rank else {})}
+    over: dict[str, int] = {"auto_dense": False} if cfg.low_rank else {}  # the global model's factorisation
+    dims = [f for f in STRATEGY_DIMS[strategy] if f != "rank"]
+    if "rank" in STRATEGY_DIMS[strategy]:  # every factorised group's rank
+        dims += list(rules.rank_sizes(cfg)) if cfg.low_rank else ["rank"]
+    for dim in dims:
         if values[dim] % tp:
             raise ValueError(f"model.{dim}: {values[dim]} is not divisible by the TP size {tp} ({strategy}); "
                              f"fix: choose {flag_of(dim)} a multiple of {tp} or a smaller model axis")

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import (DATA, LOW_RANK_KINDS, MODEL, MODEL_KINDS, STAGE, ConfigError, MeshShape, ModelConfig, as_mesh,
+from boostjax.config import (DATA, LOW_RANK_KINDS, MODEL, MODEL_KINDS, PROJECTION_GROUPS, STAGE, ConfigError, MeshShape, ModelConfig, as_mesh,
                              flag_of)
 from boostjax.models.collectives import Collectives
 from boostjax.models.llama import AXES, param_axes, param_shapes
@@ -59,7 +59,7 @@ def _rules(split: tuple[str, ...], axes: tuple[str, ...]) -> dict[str, str | Non
 
 
 _DENSE = ("embed", "heads", "kv", "ff", "vocab", "embed_vocab", "features")
-_LOW_RANK = (*_DENSE, "rank", "group", "cross")
+_LOW_RANK = (*_DENSE, "rank", "group", "cross", "dense_out", "dense_in")
 
 STRATEGIES: dict[str, Strategy] = {
     "none": Strategy(_rules((), tuple(AXES)), Collectives(), MODEL_KINDS),
@@ -163,7 +163,21 @@ def split_sizes(strategy: str, model_cfg: ModelConfig) -> dict[str, int]:
     """The model dimensions the strategy splits over the `model` mesh axis (each must divide by the TP
     size): {ModelConfig field: size}, in `AXIS_SIZES` order."""
     rules = STRATEGIES[strategy].rules
-    return {f: size(model_cfg) for a, (f, size) in AXIS_SIZES.items() if rules.get(a) == MODEL}
+    out: dict[str, int] = {}
+    for a, (f, size) in AXIS_SIZES.items():
+        if rules.get(a) == MODEL:
+            out.update(rank_sizes(model_cfg) if a == "rank" else {f: size(model_cfg)})
+    return out
+
+
+def rank_sizes(m: ModelConfig) -> dict[str, int]:
+    """The ranks of the factorised projection groups by the field that sets each (`rank`, or an override
+    `rank_attn` / `rank_kv` / `rank_mlp`): what a strategy splitting `rank` must divide."""
+    out: dict[str, int] = {}
+    for g in PROJECTION_GROUPS:
+        if m.group_low_rank(g):
+            out.setdefault(f"rank_{g}" if getattr(m, f"rank_{g}") else "rank", m.group_rank(g))
+    return out
 
 
 def check_strategy(model: ModelConfig, strategy: str, tp: int, where: str = "train") -> None:

@@ -163,6 +163,8 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
             start_from = pretrained.initial_params(cfg, init)
         elif init is not None:
             _say(f"resuming from the checkpoints in {folder.checkpoints}; the init= params are not used")
+        report = start_from[1] if start_from is not None else (
+            pretrained.fresh_report(cfg.model) if not run.resuming and cfg.model.low_rank else None)
         graphdef, like = abstract_model(cfg)
         fns = build_step_fns(cfg, graphdef, like)  # checks strategy, mesh and shapes on shapes alone
         _stop_early(stop, folder)
@@ -190,10 +192,10 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
                 folder.write_config(cfg, start, run.changes)
                 install_run_tokenizer(folder.path, source)  # load_tokenizer(run folder) gives the run's
                 pretrained.copy_tokenizer(pretrained.source_tokenizer(cfg, source), folder.path)
-                if start_from is not None:
-                    pretrained.write_report(folder.path, start_from[1])
-            if start_from is not None:
-                _say(pretrained.summary_line(start_from[1]))
+                if report is not None:
+                    pretrained.write_report(folder.path, report)
+            if report is not None:
+                _say(pretrained.summary_line(report))
             metrics = folder.trim_metrics(start, write=multihost.is_main_process())
             # 7. the loop
             result = _loop(cfg, graphdef, fns, ckpt, folder, stop, data, state, start, metrics, corpus,
