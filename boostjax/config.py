@@ -385,7 +385,8 @@ class TrainConfig:
                                    "per token and a token attends only to its own document (needs data with "
                                    "documents: the built-in corpus, a folder or a tokenised folder)")
     # boostjax.interop.pretrained: a Hugging Face LLaMA folder a new run starts from ("" = random init)
-    init_from_hf: str = option("", "start a new run from a Hugging Face LLaMA folder (its shapes; --model "
+    init_from_hf: str = option("", "start a new run from a Hugging Face LLaMA folder or a Llama .gguf file "
+                                   "(needs boostjax[gguf]) (its shapes; --model "
                                    "svd/cola/lax --rank r factors each projection by truncated SVD; "
                                    "init_report.json holds the errors); '' = random init")
 

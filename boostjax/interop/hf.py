@@ -7,6 +7,9 @@ stores them `[in, out]`, so every projection and the head are transposed on the 
 rotate-half RoPE and fp32 RMSNorm statistics, so logits agree to fp32 rounding. The config side
 (RoPE scaling, head width, tied embeddings, token ids) is `boostjax.interop.hf_config`.
 
+`read_hf` / `read_tensors` / `from_hf` also take a Llama `.gguf` file (`boostjax.interop.gguf_in`:
+dequantized to fp32 by transformers' GGUF loader, the `gguf` extra).
+
 Low-rank kinds (cola, svd, lax) have no Hugging Face LLaMA layout and are refused by `to_hf`.
 """
 
@@ -29,6 +32,7 @@ from tokenizers import Tokenizer
 
 from boostjax.config import ConfigError, ModelConfig
 from boostjax.data.tokenizers import load_tokenizer
+from boostjax.interop import gguf_in
 from boostjax.interop.hf_config import (
     GENERATION_NAME,
     TOKENIZER_CONFIG_NAME,
@@ -349,7 +353,10 @@ def _shards(folder: pathlib.Path) -> list[pathlib.Path]:
 
 
 def read_tensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
-    """Every tensor of a folder's `model.safetensors`, or of the shards its index lists."""
+    """Every tensor of a folder's `model.safetensors`, or of the shards its index lists (or of a Llama
+    `.gguf`, dequantized to fp32, under the Hugging Face names)."""
+    if gguf_in.is_gguf(path):
+        return gguf_in.read_gguf(path)[1]
     folder = pathlib.Path(path)
     if not folder.is_dir():
         raise ValueError(f"from_hf: {folder} is not a folder; fix: pass a Hugging Face model folder "
@@ -377,9 +384,13 @@ def read_tensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def read_hf(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, Any]]:
-    """`(ModelConfig, pure fp32 params dict)` of a Hugging Face LLaMA / Mistral folder (fp32 or bf16 weights).
+    """`(ModelConfig, pure fp32 params dict)` of a Hugging Face LLaMA / Mistral folder (fp32 or bf16 weights),
+    or of a Llama `.gguf` file (any quantization, dequantized to fp32: `gguf_in`).
 
     bos/eos/pad ids come from config.json, or `generation_config.json` where config.json has none."""
+    if gguf_in.is_gguf(path):
+        cfg, tensors = gguf_in.read_gguf(path)
+        return cfg, params_from_hf(cfg, tensors)
     folder = pathlib.Path(path)
     if not (folder / CONFIG_NAME).is_file():
         raise ValueError(f"from_hf: no {CONFIG_NAME} in {folder}; fix: pass a Hugging Face model folder")
@@ -402,7 +413,7 @@ def read_hf(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, Any]]:
 
 
 def from_hf(path: str | pathlib.Path) -> LLaMA:
-    """A dense fp32 boostjax `LLaMA` holding the weights of a Hugging Face LLaMA folder."""
+    """A dense fp32 boostjax `LLaMA` holding the weights of a Hugging Face LLaMA folder (or `.gguf` file)."""
     cfg, params = read_hf(path)
     return build_model(cfg, params)
 

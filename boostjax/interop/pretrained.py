@@ -36,7 +36,7 @@ from flax import nnx
 from boostjax.config import PROJECTION_GROUPS, Config, ConfigError, ModelConfig, TrainConfig, flag_of
 from boostjax.data.source import Source
 from boostjax.data.tokenizers import TOKENIZER_FILE, load_tokenizer, same_tokenizer, tokenizer_kind
-from boostjax.interop import hf
+from boostjax.interop import gguf_in, hf
 from boostjax.models.llama import LLaMA, param_shapes, projections
 from boostjax.runs.folder import RunFolder
 
@@ -53,6 +53,11 @@ def source_config(path: str) -> ModelConfig:
     """The dense `ModelConfig` of a Hugging Face folder, from its `config.json` alone (no weights are
     read); ConfigError naming `train.init_from_hf` when the folder cannot be a checkpoint."""
 
+    if gguf_in.is_gguf(path):  # a llama.cpp file: its metadata
+        try:
+            return gguf_in.read_gguf_config(path)
+        except ValueError as e:
+            raise _err(" ".join(str(e).removeprefix("from_hf: ").split())) from None
     folder = pathlib.Path(path)
     if not folder.exists():
         raise _err(f"{folder} does not exist; fix: pass a Hugging Face model folder (config.json, model.safetensors)")
@@ -283,7 +288,8 @@ def initial_params(cfg: Config, init: Any = None) -> tuple[dict, dict]:
             src_cfg, dense = hf.read_hf(path)
         except ValueError as e:
             raise _err(" ".join(str(e).split())) from None
-        source: dict[str, Any] = {"source": str(path.resolve()), "format": "huggingface"}
+        source: dict[str, Any] = {"source": str(path.resolve()),
+                                  "format": "gguf" if gguf_in.is_gguf(path) else "huggingface"}
         if dataclasses.replace(_as_source(src_cfg), **{k: getattr(m, k) for k in CHOSEN}) != m:
             raise _err(f"the weights of {path} have other shapes than its config.json says; fix: re-export "
                        "the checkpoint")
