@@ -658,7 +658,9 @@ def init_folder(tmp_path):
     ("damaged", [], "train.init_from_hf", "not a readable safetensors file"),
     ("ok", ["--d-model", "32"], "model.d_model", "contradicts the checkpoint"),
     ("ok", ["--preset", "60m"], "train.init_from_hf", "drop --preset"),
-    ("ok", ["--model", "svd", "--rank", "17"], "model.rank", "--rank <= 16"),
+    ("ok", ["--model", "svd", "--rank", "17", "--no-auto-dense"], "model.rank", "--rank <= 16"),
+    ("ok", ["--model", "svd", "--rank", "17"], "model.rank", "every projection would stay dense"),
+    ("ok", ["--model", "svd", "--rank", "4", "--rank-kv", "-1"], "model.rank_kv", "must be >= 0"),
     ("tokenizers", ["--data", "DATA"], "train.init_from_hf", "was tokenised with"),
 ])
 def test_init_from_hf_refused(capsys, tmp_path, init_folder, case, flags, field, needle):

@@ -295,8 +295,10 @@ def test_cost_model_parameters_are_the_models(kind, tie):
     from boostjax.models.llama import LLaMA, param_shapes
     from boostjax.optim.adam8bit import adam8bit
 
+    # untied: every projection factorised (r 16); tied: r 32 keeps q/o [64, 64] and k/v [64, 32] dense
     cfg = ModelConfig(kind=kind, vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=160,
-                      rank=32, tie_embeddings=tie)
+                      rank=32 if tie else 16, tie_embeddings=tie)
+    assert cfg.dense_groups == (("attn", "kv") if tie and kind != "llama" else ())
     shapes = param_shapes(cfg)
     layer = sum(math.prod(s) for k, s in shapes.items() if k.startswith("layers.0."))
     outside = sum(math.prod(s) for k, s in shapes.items() if not k.startswith("layers."))

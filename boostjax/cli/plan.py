@@ -47,7 +47,8 @@ MAX_MEMORY_GB = 1e6  # a petabyte: anything larger is a typo (and 1e300 GB overf
 MAX_TIME_LIMIT_S = 7 * 24 * 3600.0
 MAX_PLAN_LAYERS = 1024  # the CP-SAT model grows with L^2 (512 layers: 11 s and 0.6 GB to build)
 # the run's flags, as `boostjax train` takes them: the model, the batch, and what shapes the optimizer state
-RUN_FLAGS = ("kind", "n_layers", "d_model", "d_ff", "n_heads", "n_kv_heads", "rank", "vocab_size",
+RUN_FLAGS = ("kind", "n_layers", "d_model", "d_ff", "n_heads", "n_kv_heads", "rank", "rank_attn", "rank_kv", "rank_mlp",
+             "auto_dense", "vocab_size",
              "batch", "seq", "dtype", "optimizer", "rot_source", "rot_geometry", "rot_max_dim", "strategy", "mesh")
 
 

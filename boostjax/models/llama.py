@@ -194,14 +194,16 @@ class Attention(nnx.Module):
             else:
                 self.w_k = _param(rngs, (d, ke), std, kv_in)
                 self.w_v = _param(rngs, (d, ke), std, kv_in)
+        # creation order = the order of the random draws: b_q, b_kv, then o (older runs' inits unchanged)
         if self.lr_q:
             self.b_q = _param(rngs, (r, he), s_q, ("rank", "heads"))
+        if self.lr_kv:
+            self.b_kv = _param(rngs, (2, r_kv, ke), s_kv, ("group", "rank", "kv"))
+        if self.lr_q:
             self.a_o = _param(rngs, (he, r), s_o, ("heads", "rank"))
             self.b_o = _param(rngs, (r, d), s_o, ("rank", "embed"))
         else:
             self.w_o = _param(rngs, (he, d), std, q_out)
-        if self.lr_kv:
-            self.b_kv = _param(rngs, (2, r_kv, ke), s_kv, ("group", "rank", "kv"))
         if cfg.kind == "lax" and self.lr_q:  # latent crossing gates: k <- q, v <- k, o <- v (one rank: validated)
             self.cross = _declared(jnp.zeros((3,), jnp.float32), ("cross",))
 

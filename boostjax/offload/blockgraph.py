@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from boostjax.config import ATTENTION_MEMORY, ModelConfig
+from typing import Mapping
+
+from boostjax.config import ATTENTION_MEMORY, PROJECTION_GROUPS, ModelConfig
 
 ALL = "all"  # inner option: no remat for the layer (every tensor the backward needs is kept)
 BOUNDARY = "boundary"  # inner option: keep only the block input, recompute the whole block
@@ -40,7 +42,8 @@ class _Node:
 ATTENTION = ATTENTION_MEMORY  # ("materialized", "flash"), named once in boostjax.config
 
 
-def block_graph(cfg: ModelConfig, seq: int, attention: str = "materialized") -> dict[str, _Node]:
+def block_graph(cfg: ModelConfig, seq: int, attention: str = "materialized",
+                lowrank: Mapping[str, bool] | None = None) -> dict[str, _Node]:
     """The tensors of one block as `boostjax.models.llama` computes them (insertion order = forward
     order), keyed by name; `boundary` = input. Derived from the model code, per token:
 
@@ -63,43 +66,61 @@ def block_graph(cfg: ModelConfig, seq: int, attention: str = "materialized") -> 
         raise ValueError(f"attention: {attention!r}; fix: one of {ATTENTION}")
     d, f, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
     r, rkv, rm = (cfg.group_rank(g) for g in ("attn", "kv", "mlp"))  # q/o, k/v, MLP ranks
-    rqkv = r + 2 * rkv
     hq, hkv = cfg.n_heads * hd, cfg.kv_heads * hd
     attn_flops = 2.0 * seq * cfg.n_heads * hd  # QKᵀ and PV, halved for the causal mask
     probs = cfg.n_heads * (seq if attention == "materialized" else 1)
     silu = 0 if cfg.kind == "svd" else 1  # SiLU between the factors (CoLA, LaX); none for SVD
     lax = int(cfg.kind == "lax")  # LaX's crossing sums `h + c·h'` are GEMM inputs beside the SiLU outputs
+    lr = decisions(cfg) if lowrank is None else dict(lowrank)
+    lq, lkv, lm = (lr[k] for k in ("attn", "kv", "mlp"))
+    # in a low-rank kind every input side is an Online-RMSNorm product (`ops.online_norm_many`): the
+    # latents of the factorised groups and the full outputs of the dense ones, tagged `*_latent`
+    wq, wkv = (r if lq else hq), (rkv if lkv else hkv)  # per-token width of q's / k's part of qkv_latent
+    acts = (r if lq else 0) + (2 * rkv if lkv else 0)  # latents that go through σ
     g: dict[str, _Node] = {"boundary": _Node(d, 0.0, (), True)}
     if cfg.low_rank:
         g["n1"] = _Node(d, 0.0, ("boundary",), False)
-        g["qkv_latent"] = _Node(rqkv, 2.0 * d * rqkv, ("n1",), True, fp32=1)
-        g["qkv_act"] = _Node(rqkv, 0.0, ("qkv_latent",), False, extra=rqkv * silu + 2 * r * lax)
-        g["qkv"] = _Node(hq + 2 * hkv, 2.0 * (r * hq + rkv * 2 * hkv), ("qkv_act",), False, extra=hq)
+        g["qkv_latent"] = _Node(wq + 2 * wkv, 2.0 * d * (wq + 2 * wkv), ("n1",), True, fp32=1)
+        up = 2.0 * ((r * hq if lq else 0) + (rkv * 2 * hkv if lkv else 0))
+        if acts:
+            g["qkv_act"] = _Node(acts, 0.0, ("qkv_latent",), False, extra=acts * silu + 2 * r * lax)
+        g["qkv"] = _Node(hq + 2 * hkv, up, ("qkv_act" if acts else "qkv_latent",), False, extra=hq)
     else:
         g["n1"] = _Node(d, 0.0, ("boundary",), False, fp32=1)
         g["qkv"] = _Node(hq + 2 * hkv, 2.0 * d * (hq + 2 * hkv), ("n1",), True, extra=hq)
     g["attn_probs"] = _Node(0, attn_flops / 2, ("qkv",), False, fp32=probs)
     g["attn_out"] = _Node(hq, attn_flops / 2, ("qkv", "attn_probs"), True)
-    if cfg.low_rank:
+    if cfg.low_rank and lq:
         g["o_latent"] = _Node(r, 2.0 * hq * r, ("attn_out",), True)
         g["o_act"] = _Node(r * silu, 0.0, ("o_latent",), False, extra=r * silu + r * lax)
         g["mid"] = _Node(d, 2.0 * r * d, ("boundary", "o_act"), True)
+    else:
+        g["mid"] = _Node(d, 2.0 * hq * d, ("boundary", "attn_out"), True)
+    if cfg.low_rank and lm:
         g["n2"] = _Node(d, 0.0, ("mid",), False)
         g["gate_up_latent"] = _Node(2 * rm, 2.0 * d * 2 * rm, ("n2",), True, fp32=1)
         g["gate_up_act"] = _Node(2 * rm, 0.0, ("gate_up_latent",), False, extra=2 * rm * silu + rm * lax)
         g["gate_up"] = _Node(2 * f, 2.0 * rm * 2 * f, ("gate_up_act",), False)
+    elif cfg.low_rank:  # a dense MLP in a low-rank kind: gate/up are the Online-RMSNorm product itself
+        g["n2"] = _Node(d, 0.0, ("mid",), False)
+        g["gate_up_latent"] = _Node(2 * f, 2.0 * d * 2 * f, ("n2",), True, fp32=1)
     else:
-        g["mid"] = _Node(d, 2.0 * hq * d, ("boundary", "attn_out"), True)
         g["n2"] = _Node(d, 0.0, ("mid",), False, fp32=1)
         g["gate_up"] = _Node(2 * f, 2.0 * d * 2 * f, ("n2",), True)
-    g["mlp_hidden"] = _Node(f, 0.0, ("gate_up",), True, extra=2 * f if cfg.gated_silu else f)
-    if cfg.low_rank:
+    g["mlp_hidden"] = _Node(f, 0.0, ("gate_up" if "gate_up" in g else "gate_up_latent",), True,
+                            extra=2 * f if cfg.gated_silu else f)
+    if cfg.low_rank and lm:
         g["down_latent"] = _Node(rm, 2.0 * f * rm, ("mlp_hidden",), True)
         g["down_act"] = _Node(rm * silu, 0.0, ("down_latent",), False, extra=rm * silu + rm * lax)
         g["out"] = _Node(d, 2.0 * rm * d, ("mid", "down_act"), False)
     else:
         g["out"] = _Node(d, 2.0 * f * d, ("mid", "mlp_hidden"), False)
     return g
+
+
+def decisions(cfg: ModelConfig) -> dict[str, bool]:
+    """Which projection groups of `cfg` are factorised (`ModelConfig.group_low_rank`), by group."""
+    return {g: cfg.group_low_rank(g) for g in PROJECTION_GROUPS}
 
 
 def _bwd_needs(g: dict[str, _Node]) -> tuple[str, ...]:
@@ -117,15 +138,16 @@ def _bwd_needs(g: dict[str, _Node]) -> tuple[str, ...]:
     return tuple(n for n in g if n in needs and n != "boundary")
 
 
-def activation_names(cfg: ModelConfig) -> tuple[str, ...]:
-    """The `checkpoint_name` tags inside one block of this model kind."""
-    return tuple(n for n, node in block_graph(cfg, 1).items() if node.named)
+def activation_names(cfg: ModelConfig, lowrank: Mapping[str, bool] | None = None) -> tuple[str, ...]:
+    """The `checkpoint_name` tags inside one block of this model kind (and these factorised groups)."""
+    return tuple(n for n, node in block_graph(cfg, 1, lowrank=lowrank).items() if node.named)
 
 
-def default_inner_options(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+def default_inner_options(cfg: ModelConfig, lowrank: Mapping[str, bool] | None = None) -> dict[str, tuple[str, ...]]:
     """Inner-option menu: option name -> named tensors saved on device (besides the boundary)."""
     if cfg.low_rank:
-        lat = ("qkv_latent", "o_latent", "gate_up_latent", "down_latent")
+        names = activation_names(cfg, lowrank)
+        lat = tuple(n for n in ("qkv_latent", "o_latent", "gate_up_latent", "down_latent") if n in names)
         return {ALL: (), "latents_attn": lat + ("attn_out", "mid"), "latents": lat, BOUNDARY: ()}
     return {ALL: (), "attn": ("qkv", "attn_out"), "attn_out": ("attn_out",), BOUNDARY: ()}
 
@@ -141,10 +163,10 @@ def _kept_bytes(node: _Node, dtype_bytes: int) -> float:
 
 
 def recompute_cost(cfg: ModelConfig, seq: int, saved: Iterable[str] | None, dtype_bytes: int = 2,
-                   attention: str = "materialized") -> tuple[float, float]:
+                   attention: str = "materialized", lowrank: Mapping[str, bool] | None = None) -> tuple[float, float]:
     """(recomputed FLOPs per token, saved bytes per token) when the block saves `saved`
     (None = no remat: everything the backward reads is kept, companions included)."""
-    g = block_graph(cfg, seq, attention)
+    g = block_graph(cfg, seq, attention, lowrank)
     needs = _bwd_needs(g)
     if saved is None:
         return 0.0, sum(_kept_bytes(g[n], dtype_bytes) for n in needs)
@@ -162,5 +184,5 @@ def recompute_cost(cfg: ModelConfig, seq: int, saved: Iterable[str] | None, dtyp
     return float(sum(g[n].flops for n in redo)), sum(_saved_bytes(g[n], dtype_bytes) for n in saved_set - {"boundary"})
 
 
-__all__ = ["ALL", "ATTENTION", "BOUNDARY", "activation_names", "block_graph", "default_inner_options",
+__all__ = ["ALL", "ATTENTION", "BOUNDARY", "activation_names", "block_graph", "decisions", "default_inner_options",
            "recompute_cost"]

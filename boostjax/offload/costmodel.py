@@ -41,7 +41,7 @@ from boostjax.models.flops import flops_per_token
 from boostjax.models.llama import param_axes, param_shapes
 from boostjax.runtime.hardware import HardwareProfile, get_profile
 from boostjax.offload.blockgraph import (ALL, ATTENTION, BOUNDARY, _bwd_needs, _saved_bytes, activation_names,
-                                        block_graph, default_inner_options, recompute_cost)
+                                        block_graph, decisions, default_inner_options, recompute_cost)
 from boostjax.offload.optstate import OptimizerBytes
 from boostjax.sharding import rules
 
@@ -79,11 +79,6 @@ def local_model(cfg: ModelConfig, strategy: str = "none", tp: int = 1) -> ModelC
     shards divided by tp (ValueError when one does not divide); the head width is kept."""
     if strategy not in STRATEGY_DIMS:
         raise ValueError(f"strategy: unknown strategy {strategy!r}; fix: one of {', '.join(STRATEGY_DIMS)}")
-    if cfg.dense_groups:
-        raise ValueError(f"model: the cost model reads blocks whose projections are all factorised, but the "
-                         f"{'/'.join(cfg.dense_groups)} projections stay dense (their rank saves no parameters); "
-                         f"fix: lower {' / '.join(flag_of('rank_' + g) for g in cfg.dense_groups)} or plan the "
-                         "llama kind")
     if tp == 1 or not STRATEGY_DIMS[strategy]:
         return cfg
     values = {"d_model": cfg.d_model, "n_heads": cfg.n_heads, "n_kv_heads": cfg.kv_heads, "d_ff": cfg.d_ff,
@@ -190,25 +185,25 @@ def layer_cost(cfg: ModelConfig, batch: int, seq: int, hw: HardwareProfile, dtyp
     output's cotangent and two cotangents of the largest tensor (the one arriving and the one passed on)."""
     if batch <= 0 or seq <= 0:
         raise ValueError(f"batch/seq: must be positive, got batch={batch} seq={seq}; fix: pass positive sizes")
-    local = local_model(cfg, strategy, tp)
+    local, lowrank = local_model(cfg, strategy, tp), decisions(cfg)  # the whole model decides what is factorised
     n_params = param_count_per_layer(cfg, strategy, tp)
     if opt_bytes is None:
         opt_bytes = opt_state_bytes_per_layer(cfg, eight_bit, strategy, tp)
     cfg = local
     tokens = batch * seq
-    g = block_graph(cfg, seq, attention)
+    g = block_graph(cfg, seq, attention, lowrank)
     rate = hw.flops_per_s
     fwd_flops = sum(n.flops for n in g.values()) * tokens
     act = {name: _saved_bytes(n, dtype_bytes) * tokens for name, n in g.items()}
     needs = _bwd_needs(g)
-    full = recompute_cost(cfg, seq, None, dtype_bytes, attention)[1] * tokens
-    menu = default_inner_options(cfg) if options is None else options
+    full = recompute_cost(cfg, seq, None, dtype_bytes, attention, lowrank)[1] * tokens
+    menu = default_inner_options(cfg, lowrank) if options is None else options
     opts: dict[str, tuple[tuple[str, ...], float, float]] = {}
     for name, saved in menu.items():
         if name == ALL:
-            opts[name] = (activation_names(cfg)[1:], full, 0.0)
+            opts[name] = (activation_names(cfg, lowrank)[1:], full, 0.0)
             continue
-        rc_flops, per_token = recompute_cost(cfg, seq, saved, dtype_bytes, attention)
+        rc_flops, per_token = recompute_cost(cfg, seq, saved, dtype_bytes, attention, lowrank)
         opts[name] = (tuple(saved), per_token * tokens, rc_flops * tokens / rate)
     biggest = max(act[n] for n in needs)
     return LayerCost(
@@ -403,13 +398,15 @@ def planned_for(cfg: ModelConfig, batch: int, seq: int, dtype_bytes: int, eight_
     return (("model.kind", cfg.kind), ("model.vocab_size", cfg.vocab_size), ("model.d_model", cfg.d_model),
             ("model.n_layers", cfg.n_layers), ("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.kv_heads),
             ("model.d_ff", cfg.d_ff), ("model.rank", cfg.rank if cfg.low_rank else 0),
+            *((f"model.rank_{g}", getattr(cfg, f"rank_{g}") if cfg.low_rank else 0) for g in ("attn", "kv", "mlp")),
             ("train.batch", batch), ("train.seq", seq),
             ("train.dtype", PLAN_DTYPES.get(dtype_bytes, f"{dtype_bytes}-byte")),
             ("train.optimizer", name), ("attention", attention),
             ("train.strategy", strategy), ("train.mesh", _mesh_key(mesh))) + state
 
 
-PLANNED_FOR_DEFAULTS: dict[str, object] = {"train.strategy": "none", "train.mesh": ""}
+PLANNED_FOR_DEFAULTS: dict[str, object] = {"train.strategy": "none", "train.mesh": "", "model.rank_attn": 0,
+                                           "model.rank_kv": 0, "model.rank_mlp": 0}
 """What a `planned_for` record that predates a key means (plan files written before meshes)."""
 
 
