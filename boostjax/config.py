@@ -40,6 +40,8 @@ RotGeometry = Literal["bilateral", "unilateral"]
 # what the offload cost model assumes attention keeps (`boostjax plan --attention`, boostjax.offload.blockgraph):
 # the [t, t] probabilities, or a fused kernel's per-row log-sum-exp only
 AttentionMemory = Literal["materialized", "flash"]
+# how --init-from-hf factors a dense projection for a low-rank kind (`boostjax.interop.pretrained`)
+InitFactor = Literal["svd", "whitened"]
 ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 ATTENTION: tuple[str, ...] = get_args(Attention)
 MODEL_KINDS: tuple[str, ...] = get_args(ModelKind)
@@ -60,6 +62,8 @@ ROT_SOURCES: tuple[str, ...] = get_args(RotSource)
 ROT_ORDERS: tuple[str, ...] = get_args(RotOrder)
 ROT_GEOMETRIES: tuple[str, ...] = get_args(RotGeometry)
 ATTENTION_MEMORY: tuple[str, ...] = get_args(AttentionMemory)
+INIT_FACTORS: tuple[str, ...] = get_args(InitFactor)
+DEFAULT_CALIB_TOKENS: int = 8192  # --calib-tokens 0
 # Sizes past which a number is a typo, not a run: token positions and ids are int32 in the step, and a
 # materialised attention of a longer sequence has more than 2^40 scores per head and sequence.
 MAX_SEQ_LEN: int = 1 << 20
@@ -387,8 +391,17 @@ class TrainConfig:
     # boostjax.interop.pretrained: a Hugging Face LLaMA folder a new run starts from ("" = random init)
     init_from_hf: str = option("", "start a new run from a Hugging Face LLaMA folder or a Llama .gguf file "
                                    "(needs boostjax[gguf]) (its shapes; --model "
-                                   "svd/cola/lax --rank r factors each projection by truncated SVD; "
-                                   "init_report.json holds the errors); '' = random init")
+                                   "svd/cola/lax --rank r factors each projection by truncated SVD, or see "
+                                   "--init-factor; init_report.json holds the errors); '' = random init")
+    init_factor: InitFactor = option(
+        "svd", "how a low-rank --model factors the pretrained weights (--init-from-hf): svd (truncated SVD of each "
+               "weight) or whitened (SVD-LLM's truncation-aware whitening: the truncation that least changes each "
+               "projection's output on the model's own activations on --calib-tokens tokens of --data; needs "
+               "--data)")
+    calib_tokens: int = option(
+        0, f"--init-factor whitened: the tokens at the start of --data's training split whose activations the "
+           f"factors are fitted to; 0 = {DEFAULT_CALIB_TOKENS} (or the whole split when it is shorter); "
+           "--init-factor svd reads none")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mesh", as_mesh(self.mesh))  # the one parse of a mesh string
@@ -714,6 +727,27 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _validate_pipeline(t)
     _validate_observe(t)
     _validate_doc_mask(t, m)
+    _validate_init_factor(t, m)
+
+
+def _validate_init_factor(t: TrainConfig, m: ModelConfig) -> None:
+    """--init-factor / --calib-tokens (`boostjax.interop.pretrained`; the data's size: `check_calibration`
+    there, whether anything is factored at all: `boostjax.training.prepare.configure`)."""
+    flag, calib = flag_of("init_factor"), flag_of("calib_tokens")
+    _need(t.init_factor in INIT_FACTORS, f"train.init_factor: {t.init_factor!r}; fix: pass {flag} "
+                                         f"{' or '.join(INIT_FACTORS)}")
+    _need(t.calib_tokens >= 0, f"train.calib_tokens: must be >= 0 (0 = {DEFAULT_CALIB_TOKENS}), got "
+                               f"{t.calib_tokens}; fix: pass {calib} N with N >= 1")
+    if t.init_factor != "whitened":
+        _need(t.calib_tokens == 0, f"train.calib_tokens: {t.calib_tokens} calibration tokens, but {flag} "
+                                   f"{t.init_factor} reads no data; fix: drop {calib} or pass {flag} whitened")
+        return
+    _need(m.low_rank, f"train.init_factor: whitened factors pretrained weights for a low-rank model, and "
+                      f"{flag_of('kind')} {m.kind} keeps them dense; fix: pass {flag_of('kind')} svd, cola or lax, "
+                      f"or drop {flag}")
+    _need(bool(t.data), f"train.init_factor: whitened fits the factors to activations on {flag_of('data')}, and "
+                        f"none is given (the built-in corpus is bytes, not the checkpoint's tokens); fix: pass "
+                        f"{flag_of('data')} with text tokenised for the checkpoint, or {flag} svd")
 
 
 def _validate_observe(t: TrainConfig) -> None:

@@ -26,17 +26,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from boostjax.config import PROJECTION_GROUPS, Config, ConfigError, ModelConfig, TrainConfig, flag_of
-from boostjax.data.source import Source
+from boostjax.config import (DEFAULT_CALIB_TOKENS, PROJECTION_GROUPS, Config, ConfigError, ModelConfig, TrainConfig,
+                             flag_of)
+from boostjax.data.corpus import Corpus
+from boostjax.data.source import Source, open_source
 from boostjax.data.tokenizers import TOKENIZER_FILE, load_tokenizer, same_tokenizer, tokenizer_kind
-from boostjax.interop import gguf_in, hf
+from boostjax.interop import calibration, gguf_in, hf
 from boostjax.models.llama import LLaMA, param_shapes, projections
 from boostjax.runs.folder import RunFolder
 
@@ -174,22 +176,90 @@ def svd(w_io: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.asarray(u), np.asarray(s), np.asarray(vt)
 
 
+def _split(a_ik: np.ndarray, b_ko: np.ndarray, kind: str, r: int, rng: np.random.Generator
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """The stored factors of the rank-k map `A_k B_k`: as they are for svd (k = r); for cola/lax (k = r // 2)
+    the ± pairs `[A_k, -A_k]`, `[B_k; -B_k]` (silu(z) - silu(-z) = z), an odd r's free column a random
+    A column and a zero B row (no effect at init)."""
+    if kind == "svd":
+        return a_ik.astype(np.float32), b_ko.astype(np.float32)
+    a, b = np.concatenate([a_ik, -a_ik], axis=1), np.concatenate([b_ko, -b_ko], axis=0)
+    if r % 2:  # one free column: a random A column and a zero B row change nothing at init
+        col = rng.normal(size=(a.shape[0], 1)) * a.shape[0] ** -0.5
+        a = np.concatenate([a, col], axis=1)
+        b = np.concatenate([b, np.zeros((1, b.shape[1]))], axis=0)
+    return a.astype(np.float32), b.astype(np.float32)
+
+
 def _factor(w_io: Any, kind: str, r: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, float]:
-    """(A [in, r], B [r, out], relative error of the map at init) of one matrix."""
+    """(A [in, r], B [r, out], relative error of the map at init) of one matrix: truncated SVD."""
     u, s, vt = svd(w_io)
     k = r if kind == "svd" else r // 2
     root = np.sqrt(s[:k])
-    a, b = u[:, :k] * root, root[:, None] * vt[:k]
-    if kind != "svd":
-        a, b = np.concatenate([a, -a], axis=1), np.concatenate([b, -b], axis=0)
-        if r % 2:  # one free column: a random A column and a zero B row change nothing at init
-            col = rng.normal(size=(u.shape[0], 1)) * u.shape[0] ** -0.5
-            a = np.concatenate([a, col], axis=1)
-            b = np.concatenate([b, np.zeros((1, vt.shape[1]))], axis=0)
+    a, b = _split(u[:, :k] * root, root[:, None] * vt[:k], kind, r, rng)
     s64 = s.astype(np.float64)
     total = float(np.sum(s64**2))
     err = float(np.sqrt(np.sum(s64[k:] ** 2) / total)) if total > 0 else 0.0
-    return a.astype(np.float32), b.astype(np.float32), err
+    return a, b, err
+
+
+RIDGE = 1e-6  # the whitening's Gram gets RIDGE * mean(diag G) * I (x10 until the Cholesky succeeds)
+
+
+def whitening(gram_ii: Any) -> np.ndarray:
+    """Lower-triangular S with S Sᵀ = G + λ I (float64), λ = RIDGE · mean(diag G), raised tenfold until
+    the Cholesky factorisation succeeds: channels the calibration never excited cannot blow up S⁻ᵀ."""
+    g = np.asarray(gram_ii, np.float64)
+    g = (g + g.T) / 2
+    scale = float(np.mean(np.diag(g))) or 1.0
+    for k in range(12):
+        try:
+            return np.linalg.cholesky(g + RIDGE * 10**k * scale * np.eye(len(g)))
+        except np.linalg.LinAlgError:
+            continue
+    raise ValueError("whitening: the calibration Gram matrix is not finite; fix: check the checkpoint's weights")
+
+
+def factor_whitened(w_io: Any, gram_ii: Any, kind: str, r: int, rng: np.random.Generator
+                    ) -> tuple[np.ndarray, np.ndarray, float]:
+    """(A [in, r], B [r, out], relative weight error `‖W − A_k B_k‖_F / ‖W‖_F`) of one matrix, truncated
+    where its OUTPUT error on inputs with Gram matrix `gram_ii` (XᵀX, any scale) is least (SVD-LLM's
+    truncation-aware whitening, https://arxiv.org/abs/2403.07378): G = S Sᵀ (`whitening`), Sᵀ W = U Σ Vᵀ,
+    `A_k B_k = S⁻ᵀ U_k Σ_k V_kᵀ`, the best rank-k approximation of x W in the norm `‖X ·‖_F`. Each column
+    pair is scaled so `‖A_j‖ = ‖B_j‖` (the map unchanged; as the plain SVD's balanced split, which it
+    equals when G ∝ I). svd takes k = r, cola/lax the ± pairs of k = r // 2 (`_split`). In float64."""
+    w = np.asarray(w_io, np.float64)
+    s_ii = whitening(gram_ii)
+    u, sig, vt = np.linalg.svd(s_ii.T @ w, full_matrices=False)
+    k = r if kind == "svd" else r // 2
+    a = np.linalg.solve(s_ii.T, u[:, :k])  # S⁻ᵀ U_k
+    b = sig[:k, None] * vt[:k]
+    a_norm, b_norm = np.linalg.norm(a, axis=0), np.linalg.norm(b, axis=1)
+    c = np.sqrt(np.divide(b_norm, a_norm, out=np.ones_like(b_norm), where=(a_norm > 0) & (b_norm > 0)))
+    a, b = a * c, b / c[:, None]
+    total = float(np.linalg.norm(w))
+    err = float(np.linalg.norm(w - a @ b) / total) if total > 0 else 0.0
+    a32, b32 = _split(a, b, kind, r, rng)
+    return a32, b32, err
+
+
+# (matrix name "layers.i.attn.q", W [in, out], kind, rank, rng) -> (A [in, r], B [r, out], weight error)
+Factor = Callable[[str, Any, str, int, np.random.Generator], tuple[np.ndarray, np.ndarray, float]]
+
+
+def plain_factor(name: str, w_io: Any, kind: str, r: int, rng: np.random.Generator
+                 ) -> tuple[np.ndarray, np.ndarray, float]:
+    """The `Factor` of `--init-factor svd`: each matrix's truncated SVD (`_factor`)."""
+    return _factor(w_io, kind, r, rng)
+
+
+def whitened_factor(grams: Mapping[tuple[int, str], Any]) -> Factor:
+    """The `Factor` of `--init-factor whitened`: `factor_whitened` with the Gram matrix of the matrix's
+    input, `grams[(layer, input)]` (`boostjax.interop.calibration.input_grams`)."""
+    def factor(name: str, w_io: Any, kind: str, r: int, rng: np.random.Generator):
+        _, i, _, short = name.split(".")
+        return factor_whitened(w_io, grams[int(i), calibration.INPUT_OF[short]], kind, r, rng)
+    return factor
 
 
 def _summary(errs: Mapping[str, float]) -> dict[str, Any]:
@@ -208,11 +278,13 @@ def rank_report(m: ModelConfig) -> dict[str, Any]:
             "dense": [p for p, proj in projections(m).items() if proj.a is None]}
 
 
-def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: int = 0) -> tuple[dict, dict]:
+def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: int = 0,
+                       factor: Factor = plain_factor) -> tuple[dict, dict]:
     """Low-rank params of `cfg` (kind svd/cola/lax) factored from the pure params dict of the dense
     LLaMA of the same shapes, and the report: `{"kind", "rank", "ranks", "dense", "matrices":
     {"layers.i.attn.q": rel. error, ...}, "mean", "max", "by_projection"}` (see the module docstring
-    for the split; projections of a group kept dense are copied, and listed under "dense")."""
+    for the split; projections of a group kept dense are copied, and listed under "dense"). `factor`
+    factors one matrix: `plain_factor` (truncated SVD) or `whitened_factor(grams)`."""
     if not isinstance(cfg, ModelConfig) or not cfg.low_rank:
         raise ConfigError(f"lowrank_from_dense: need a ModelConfig of kind svd, cola or lax, got "
                           f"{getattr(cfg, 'kind', type(cfg).__name__)!r}; fix: pass ModelConfig(kind='svd', rank=r, ...)")
@@ -233,7 +305,8 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
             if proj.a is None:  # a group whose factors would not be smaller: kept dense
                 layer[proj.blk][proj.dense] = np.asarray(w, np.float32)
                 continue
-            a, b, errs[f"layers.{i}.{proj.blk}.{short}"] = _factor(w, cfg.kind, cfg.group_rank(proj.group), rng)
+            matrix = f"layers.{i}.{proj.blk}.{short}"
+            a, b, errs[matrix] = factor(matrix, w, cfg.kind, cfg.group_rank(proj.group), rng)
             for (name, idx), val, axis in ((proj.a, a, 1), (proj.b, b, 0)):
                 if idx is None:
                     layer[proj.blk][name] = val
@@ -277,10 +350,12 @@ def check_params(m: ModelConfig, params: Any, what: str) -> None:
 # ------------------------------------------------------------------------------------ training
 
 
-def initial_params(cfg: Config, init: Any = None) -> tuple[dict, dict]:
+def initial_params(cfg: Config, init: Any = None, corpus: Corpus | None = None) -> tuple[dict, dict]:
     """The params a fresh run starts from, and the report to write beside it: the checkpoint of
     `cfg.train.init_from_hf` (dense, or factored for a low-rank kind), or `init` (a pure params dict
-    or an `LLaMA` of `cfg.model`, or for a low-rank kind the dense params of the same shapes)."""
+    or an `LLaMA` of `cfg.model`, or for a low-rank kind the dense params of the same shapes).
+    `corpus`: the run's data; a factored start then reports each matrix's output error on held-out
+    tokens (`factored`), and `--init-factor whitened` needs it (its calibration tokens)."""
     m = cfg.model
     if cfg.train.init_from_hf:
         path = pathlib.Path(cfg.train.init_from_hf)
@@ -302,8 +377,61 @@ def initial_params(cfg: Config, init: Any = None) -> tuple[dict, dict]:
     if not _fits(dataclasses.replace(m, kind="llama"), dense):
         raise ConfigError(f"train.init: the params fit neither this {m.kind} model nor the dense llama of its "
                           "shapes; fix: pass the params of a model with this ModelConfig (or its kind='llama' twin)")
-    params, report = lowrank_from_dense(m, dense, seed=cfg.train.seed)
+    params, report = factored(cfg, dense, corpus)
     return params, {**source, **report}
+
+
+HELDOUT_TOKENS = 4096  # the output errors' tokens: the start of the validation split
+
+
+def calib_tokens(t: TrainConfig, train_tokens: int) -> int:
+    """The calibration tokens `--init-factor whitened` reads: `--calib-tokens`, or for 0 the default
+    (`DEFAULT_CALIB_TOKENS`, at most the training split)."""
+    return t.calib_tokens or min(DEFAULT_CALIB_TOKENS, train_tokens)
+
+
+def check_calibration(cfg: Config, data: Source) -> None:
+    """`--calib-tokens` within `--data`'s training split (ConfigError otherwise; reads the split's size:
+    memory-mapped token files, text read as bytes)."""
+    t = cfg.train
+    if t.init_factor != "whitened" or not t.calib_tokens:
+        return
+    n = len(open_source(data).train)
+    if t.calib_tokens > n:
+        raise ConfigError(f"train.calib_tokens: {t.calib_tokens} calibration tokens exceed the {n} tokens of the "
+                          f"training split of {data.name}; fix: pass {flag_of('calib_tokens')} {n} or fewer "
+                          f"(0 = {DEFAULT_CALIB_TOKENS} or the whole split)")
+
+
+def factored(cfg: Config, dense: Mapping[str, Any], corpus: Corpus | None) -> tuple[dict, dict]:
+    """`lowrank_from_dense` of `cfg.model` by `cfg.train.init_factor`, the report with, given `corpus`,
+    `"output"`: each factored matrix's output error `‖X W − f(X)‖_F / ‖X W‖_F` on the first
+    `HELDOUT_TOKENS` tokens of the validation split (`calibration.output_errors`); whitened fits the
+    first `calib_tokens` tokens of the training split (rows of `cfg.train.seq`)."""
+    m, t = cfg.model, cfg.train
+    dense_cfg = dataclasses.replace(m, kind="llama")
+    base, extra = plain_factor, {"init_factor": t.init_factor}
+    if t.init_factor == "whitened":
+        if corpus is None:
+            raise ConfigError("train.init_factor: whitened needs the run's data for its calibration tokens; fix: "
+                              "pass the corpus (train() does), or init_factor='svd'")
+        n = calib_tokens(t, len(corpus.train))
+        base = whitened_factor(calibration.input_grams(dense_cfg, dense, corpus.train[:n], t.seq))
+        extra["calibration"] = {"tokens": n, "seq": t.seq, "slice": f"training split, tokens [0, {n})"}
+    factors: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def factor(name: str, w_io: Any, kind: str, r: int, rng: np.random.Generator):
+        a, b, err = base(name, w_io, kind, r, rng)
+        factors[name] = (a, b)
+        return a, b, err
+
+    params, report = lowrank_from_dense(m, dense, seed=t.seed, factor=factor)
+    if corpus is not None:
+        held = corpus.val[:HELDOUT_TOKENS]
+        errs = calibration.output_errors(dense_cfg, m.kind, dense, held, t.seq, factors)
+        extra["output"] = {"tokens": len(held), "seq": t.seq, "slice": f"validation split, tokens [0, {len(held)})",
+                           "matrices": errs, **_summary(errs)}
+    return params, {**report, **extra}
 
 
 def _fits(m: ModelConfig, params: Any) -> bool:
@@ -339,8 +467,15 @@ def summary_line(report: Mapping[str, Any]) -> str:
     if "matrices" not in report:
         return head
     by = " ".join(f"{p} {e:.3f}" for p, e in report["by_projection"].items())
-    return (f"{head}: relative reconstruction error over {len(report['matrices'])} "
+    how = f" ({report['init_factor']})" if "init_factor" in report else ""
+    line = (f"{head}{how}: relative reconstruction error over {len(report['matrices'])} "
             f"matrices mean {report['mean']:.4f} max {report['max']:.4f}; per projection {by}")
+    if "output" not in report:
+        return line
+    out = report["output"]
+    by = " ".join(f"{p} {e:.3f}" for p, e in out["by_projection"].items())
+    return (f"{line}; output error on {out['tokens']} held-out tokens mean {out['mean']:.4f} max {out['max']:.4f}; "
+            f"per projection {by}")
 
 
 def write_report(folder: pathlib.Path, report: Mapping[str, Any]) -> pathlib.Path:

@@ -5,7 +5,8 @@ so a job checks it once.
 In order: the fields (`boostjax.config.validate`), the hardware profile, what the placement can run
 (`boostjax.placement.check`: strategy and mesh against the shapes, pipeline stages, an offload plan),
 the data (`boostjax.data.source`: it reads a token file once, in chunks) and last, with
-`--init-from-hf`, the checkpoint's tokenizer against a tokenised folder's.
+`--init-from-hf`, the checkpoint's tokenizer against a tokenised folder's and `--calib-tokens` against
+the data's training split.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from boostjax import placement
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, mark_validated
 from boostjax.config import validate as validate_fields
 from boostjax.data.source import Source, check_source, resolve_source
-from boostjax.interop.pretrained import check_source_tokenizer
+from boostjax.interop.pretrained import check_calibration, check_source_tokenizer
 from boostjax.runtime.hardware import check_hardware
 
 
@@ -42,4 +43,5 @@ def validate(cfg: Config) -> Config:
     placement.check(cfg)
     source = check_run_data(cfg.train, cfg.model)
     check_source_tokenizer(cfg, source)
+    check_calibration(cfg, source)
     return mark_validated(cfg)

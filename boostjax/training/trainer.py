@@ -160,7 +160,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         # 6. the state: fresh, from pretrained weights, or restored from the newest checkpoint
         start_from = None
         if not run.resuming and (t.init_from_hf or init is not None):  # read (and factored) before any compile
-            start_from = pretrained.initial_params(cfg, init)
+            start_from = pretrained.initial_params(cfg, init, corpus)
         elif init is not None:
             _say(f"resuming from the checkpoints in {folder.checkpoints}; the init= params are not used")
         report = start_from[1] if start_from is not None else (
