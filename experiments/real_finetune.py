@@ -233,14 +233,14 @@ def rank_flags(m, ranks: dict[str, int | None]) -> dict[str, int]:
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What every row shares (the results JSON records it; a rerun resumes only with the same)."""
-    steps: int = 40
+    steps: int = 30
     seq: int = 256
     batch: int = 2
     lr: float = 2e-4
-    warmup: int = 4
+    warmup: int = 3
     eval_every: int = 5
     eval_batches: int = 2
-    calib_tokens: int = 8192  # --init-factor whitened
+    calib_tokens: int = 4096  # --init-factor whitened
     seed: int = 0
     new_tokens: int = 32  # generated per prompt (greedy)
     budgets: tuple[float, ...] = (0.75, 0.5, 0.3)
@@ -499,10 +499,11 @@ def zero_shot(ctx: Context, row: Row) -> dict:
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def fine_tune(ctx: Context, row: Row) -> dict:
+def fine_tune(ctx: Context, row: Row, memory: dict | None = None) -> dict:
     """One trained row: its start (evaluated here), `boostjax.train` from it with held-out evaluations every
-    `eval_every` steps, the compiled step's peak memory, continuations. A row whose run folder has a
-    checkpoint resumes from it (its start's scores are in <row>.start.json)."""
+    `eval_every` steps, the compiled step's peak memory (`memory`: that of an earlier row of the same
+    model, whose step is the same program), continuations. A row whose run folder has a checkpoint
+    resumes from it (its start's scores are in <row>.start.json)."""
     import jax
 
     from boostjax import train, validate
@@ -538,7 +539,7 @@ def fine_tune(ctx: Context, row: Row) -> dict:
     logged = [m for m in metrics if "tokens_per_s" in m]
     med = sorted(m["step_s"] for m in logged)[len(logged) // 2] if logged else float("nan")
     t2 = time.perf_counter()
-    mem = memory_parts(train_step_compiled(tcfg))
+    mem = memory or memory_parts(train_step_compiled(tcfg))
     t3 = time.perf_counter()
     gens = continuations(result.model, ctx.tok, ctx.s.new_tokens)
     t4 = time.perf_counter()
@@ -824,7 +825,9 @@ def main(argv: list[str] | None = None) -> None:
             results_io.log(f"{row.name}: skipped, this boostjax has no {', '.join(missing)} (rerun once it has)")
             continue
         results_io.log(f"{row.name}: {row.label}" + (f": {command_of(flags)}" if row.kind else ""))
-        r = zero_shot(ctx, row) if row.kind is None else fine_tune(ctx, row)
+        twin = next((r for r in res["rows"].values() if r.get("kind") == row.kind and r.get("budget") == row.budget
+                     and "memory" in r), None)  # the same model from the other start: the same step
+        r = zero_shot(ctx, row) if row.kind is None else fine_tune(ctx, row, twin and twin["memory"])
         res["rows"][row.name] = r
         res["wall_s"] = round(res["wall_s"] + r["wall_s"], 1)
         save()
