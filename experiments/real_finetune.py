@@ -27,17 +27,13 @@ converted model and the tokenised text are kept in experiments/.cache/ (git-igno
 
 from __future__ import annotations
 
-import os
-
-# one BLAS thread: XLA's own threads use the cores (as experiments/staleness.py)
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
 import argparse
 import dataclasses
 import importlib
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import shutil
 import subprocess
@@ -300,8 +296,8 @@ def train_flags(row: Row, s: Settings, hf: pathlib.Path, data: pathlib.Path, m) 
 
 
 def missing_features(flags: dict[str, Any]) -> list[str]:
-    """The fields of `flags` this boostjax does not have yet (contract.md's per-group ranks, the
-    whitened start), named by their flags."""
+    """The fields of `flags` this boostjax does not have (an older one: the per-group ranks, the whitened
+    start), named by their flags."""
     from boostjax.config import ModelConfig, TrainConfig
 
     have = {f.name for f in dataclasses.fields(ModelConfig)} | {f.name for f in dataclasses.fields(TrainConfig)}
@@ -309,13 +305,14 @@ def missing_features(flags: dict[str, Any]) -> list[str]:
 
 
 def command_of(flags: dict[str, Any]) -> str:
-    """`boostjax train ...` with these fields (booleans as --x / --no-x)."""
-    from boostjax.config import flag_of
+    """`boostjax train ...` with these fields, run from the repository's root (paths under it relative)."""
+    from boostjax.config import flag_of, negated_flag_of
 
     parts = ["boostjax", "train"]
     for k, v in flags.items():
-        f = flag_of(k)
-        parts += [f] if v is True else ["--no-" + f[2:]] if v is False else [f, str(v)]
+        if isinstance(v, str) and v.startswith(str(HERE.parent) + os.sep):
+            v = os.path.relpath(v, HERE.parent)
+        parts += [flag_of(k)] if v is True else [negated_flag_of(k)] if v is False else [flag_of(k), str(v)]
     return " ".join(parts)
 
 
