@@ -450,13 +450,9 @@ def make_context(s: Settings, hf: pathlib.Path, data: pathlib.Path, meta: dict, 
 def initial_params(cfg, corpus):
     """The params and report the trainer would start `cfg` from (`boostjax.interop.pretrained`): the
     checkpoint, factored for a low-rank kind (whitened on the run's training tokens)."""
-    import inspect
-
     from boostjax.interop import pretrained
 
-    if "corpus" in inspect.signature(pretrained.initial_params).parameters:
-        return pretrained.initial_params(cfg, None, corpus)
-    return pretrained.initial_params(cfg, None)  # a boostjax without --init-factor
+    return pretrained.initial_params(cfg, None, corpus)
 
 
 def init_summary(report: dict) -> dict:
@@ -522,11 +518,12 @@ def fine_tune(ctx: Context, row: Row, memory: dict | None = None) -> dict:
         t_init = time.perf_counter() - t0
         start = {"before": ctx.held.scores(eval_loss(cfg, params, ctx.held)), "init": init_summary(report),
                  "init_s": round(t_init, 1), "start_s": round(time.perf_counter() - t0, 1)}
+        (ctx.runs / f"{row.name}.init_report.json").write_text(json.dumps(report, indent=1) + "\n")
         start_file.write_text(json.dumps(start, indent=1) + "\n")
     # the trainer starts from these params (init=), so the factoring above is not done twice; the run
-    # folder's config therefore names no checkpoint, and <row>.start.json keeps the start's report
-    tcfg = validate(Config(cfg.model, dataclasses.replace(cfg.train, init_from_hf="", **(
-        {"init_factor": "svd", "calib_tokens": 0} if hasattr(cfg.train, "init_factor") else {}))))
+    # folder's config therefore names no checkpoint: <row>.init_report.json beside it is the start's report
+    tcfg = validate(Config(cfg.model, dataclasses.replace(cfg.train, init_from_hf="", init_factor="svd",
+                                                          calib_tokens=0)))
     t1 = time.perf_counter()
     result = train(tcfg, init=params)
     del params
