@@ -27,13 +27,19 @@ converted model and the tokenised text are kept in experiments/.cache/ (git-igno
 
 from __future__ import annotations
 
+import os
+
+# Single-threaded OpenBLAS, set before numpy loads it: the whitened start's numpy SVDs took 304 s instead of
+# 66 s (calibration 1,024 tokens, SVD 50 %) with OpenBLAS's threads on this 2-core machine shared with
+# another job (as experiments/staleness.py found for small QR/eigh); XLA's own threads are not affected.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import argparse
 import dataclasses
 import importlib
 import importlib.util
 import json
 import math
-import os
 import pathlib
 import shutil
 import subprocess
@@ -810,7 +816,9 @@ def main(argv: list[str] | None = None) -> None:
                  "val_tokens": meta["splits"]["val"]["tokens"], "val_bytes": meta["splits"]["val"]["bytes"]},
         "held_out": {"targets": ctx.held.targets, "bytes": ctx.held.bytes},
         "budgets": budgets, "prompts": list(PROMPTS),
-        "choices": CHOICES if not args.quick else ["- `--quick`: a smoke run, a few steps per row."],
+        "choices": (CHOICES if not args.quick else ["- `--quick`: a smoke run, a few steps per row."])
+        + ([f"- set on the command line: {', '.join(f'{k} {v}' for k, v in overrides(args).items())}"]
+           if overrides(args) else []),
         "command": results_io.command_line("real_finetune", argv)})
     res.setdefault("rows", {})
     res["wall_s"] = res.get("wall_s", 0.0)
