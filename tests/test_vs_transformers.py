@@ -39,6 +39,9 @@ def test_smoke_run_same_inputs_and_ratios(tmp_path):
     assert res["real"]["shape"]["kv_heads"] == 2 and res["machine"]["torch_threads"] >= 1
     md = (tmp_path / "vs_transformers.md").read_text()
     assert "x transformers" in md and "Real model: hf" in md and res["machine"]["isa"] in md
+    (tmp_path / "vs_transformers.md").unlink()  # --render rewrites the report from the JSON alone
+    assert vt.main(["--render", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "vs_transformers.md").read_text() == md
 
 
 def test_missing_real_folder_is_one_line_skip(tmp_path, capsys):
