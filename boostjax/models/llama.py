@@ -142,9 +142,13 @@ def grouped_up(hs: Sequence[Float[Array, "b t r"]], b_grk: Float[Array, "g r k"]
 
     The group axis leads (`gbtr,grk->gbtk`): a dot's batch axes must be the major ones, so with the
     group in the middle (`btgr,grk->btgk`) XLA transposes the latents, the outputs and both of their
-    gradients around every GEMM; leading, the stack and the unstack are contiguous copies."""
-    y_gbtk = coll.reduce_up(jnp.einsum("gbtr,grk->gbtk", jnp.stack(hs, 0), b_grk))
-    return tuple(y_gbtk[i] for i in range(len(hs)))
+    gradients around every GEMM; leading, the stack and the unstack are contiguous copies. b and t are
+    flattened into one row axis (`gnr,grk->gnk`), so each weight gradient contracts one axis (see
+    `ops.matmul`)."""
+    b, t, r = hs[0].shape
+    h_gnr = jnp.stack(hs, 0).reshape(len(hs), b * t, r)
+    y_gnk = coll.reduce_up(jnp.einsum("gnr,grk->gnk", h_gnr, b_grk))
+    return tuple(y_gnk[i].reshape(b, t, -1) for i in range(len(hs)))
 
 
 def _dense_axes(cfg: ModelConfig, out: str) -> tuple[tuple[str, str], tuple[str, str]]:
@@ -417,9 +421,9 @@ class LLaMA(nnx.Module):
         return ops.rms_norm(coll.gather_features(x_btd), self.norm[...], self.cfg.norm_eps)
 
     def logits(self, xn_btd: Float[Array, "b t d"]) -> Float[Array, "b t v"]:
-        if self.cfg.tie_embeddings:
-            return jnp.einsum("btd,vd->btv", xn_btd, self.embed[...], preferred_element_type=jnp.float32)
-        return jnp.einsum("btd,dv->btv", xn_btd, self.head[...], preferred_element_type=jnp.float32)
+        """fp32 logits, one 2-D GEMM (`ops.matmul`); tied: against the embedding transposed."""
+        w_dv = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
+        return ops.matmul(xn_btd, w_dv, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
                  remat: str | Callable | None | RematSchedule = "none", *,

@@ -19,6 +19,20 @@ from boostjax.models import attention
 from boostjax.models.collectives import Collectives
 
 
+def matmul(x: Float[Array, "... i"], w: Float[Array, "i ..."], *,
+           preferred_element_type=None) -> Float[Array, "... o"]:
+    """`tensordot(x, w, 1)` (x's last axis against w's first) as one 2-D GEMM `[rows, i] @ [i, cols]`,
+    the leading axes of both flattened and restored.
+
+    Written on `[b, t, i]`, the weight gradient `x^T dy` contracts b and t at once, and XLA's CPU dot
+    decomposer makes such a dot canonical with a transposed copy of one operand (a `[o, t·b]` copy of
+    `dy` in front of every weight-gradient GEMM of the backward, the logits' `[v, t·b]` included). On
+    the 2-D form every gradient is a plain 2-D dot that reads both operands in place."""
+    rows_i = x.reshape(-1, x.shape[-1])
+    y = jnp.matmul(rows_i, w.reshape(w.shape[0], -1), preferred_element_type=preferred_element_type)
+    return y.reshape(*x.shape[:-1], *w.shape[1:])
+
+
 def rms_norm(x_btd: Float[Array, "b t d"], g_d: Float[Array, " d"], eps: float) -> Float[Array, "b t d"]:
     """`g ⊙ x / rms(x)` with the statistics in fp32 (Hugging Face LLaMA's order of operations)."""
     xf = x_btd.astype(jnp.float32)
@@ -60,7 +74,7 @@ def online_norm_many(
     BTP every partial product and the partial `Σ x²` ride in one collective."""
     ss_bt1 = jnp.sum(jnp.square(x_btd.astype(jnp.float32)), axis=-1, keepdims=True)
     xg_btd = x_btd * g_d.astype(x_btd.dtype)
-    zs = tuple(jnp.tensordot(xg_btd, m, axes=1) for m in mats)
+    zs = tuple(matmul(xg_btd, m) for m in mats)
     zs, ss_bt1 = coll.reduce_latents(zs, ss_bt1, name=name)
     inv_bt1 = jax.lax.rsqrt(ss_bt1 / d_model + eps)
     return tuple((z.astype(jnp.float32) * inv_bt1.reshape(*inv_bt1.shape, *(1,) * (z.ndim - 3))).astype(x_btd.dtype)
@@ -134,7 +148,7 @@ def causal_attention(
     """Causal softmax attention with grouped-query heads (h a multiple of k); softmax in fp32.
 
     `impl` (`ModelConfig.attention`, resolved by `attention.resolve`): `xla` materialises the fp32
-    scores `[b, k, g, t, t]` (the reference the others are tested against); `cudnn` is cuDNN's flash
+    scores `[b, k, g·t, t]` (the reference the others are tested against); `cudnn` is cuDNN's flash
     attention; `chunked` is blockwise attention with `block`-position tiles (`attention.chunked_attention`),
     which for `t <= block` is one tile, the whole `t x t` anyway, and runs the reference instead.
     The output is tagged `attn_out` for remat and offload policies.
@@ -147,16 +161,23 @@ def causal_attention(
     if impl == "cudnn":
         return checkpoint_name(attention.cudnn_attention(q_bthe, k_btke, v_btke), "attn_out")
     kv = k_btke.shape[2]
-    q_btkge = q_bthe.reshape(b, t, kv, h // kv, e)
-    s_bkgts = jnp.einsum("btkge,bske->bkgts", q_btkge, k_btke, preferred_element_type=jnp.float32)
-    s_bkgts = s_bkgts / jnp.sqrt(jnp.float32(e))
+    g = h // kv
+    # n = (g, t): the g query heads of a kv head stacked along the rows, so both products are batched
+    # GEMMs over (b, k) whose outputs come out in the order the next step reads them (written as
+    # `btkge,bske->bkgts`, the degenerate g = 1 axis made XLA CPU copy the scores through a transpose)
+    q_bkne = q_bthe.reshape(b, t, kv, g, e).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, e)
+    k_bkse, v_bkse = k_btke.transpose(0, 2, 1, 3), v_btke.transpose(0, 2, 1, 3)
+    s_bkns = jnp.einsum("bkne,bkse->bkns", q_bkne, k_bkse, preferred_element_type=jnp.float32)
+    s_bkns = s_bkns / jnp.sqrt(jnp.float32(e))
     mask_ts = jnp.tril(jnp.ones((t, t), dtype=bool))
-    if segments_bt is not None:  # [b, 1, 1, t, s]: same document and causal
-        mask_ts = mask_ts & (segments_bt[:, None, None, :, None] == segments_bt[:, None, None, None, :])
-    s_bkgts = jnp.where(mask_ts, s_bkgts, jnp.finfo(jnp.float32).min)
-    p_bkgts = jax.nn.softmax(s_bkgts, axis=-1).astype(v_btke.dtype)
-    o_btkge = jnp.einsum("bkgts,bske->btkge", p_bkgts, v_btke)
-    return checkpoint_name(o_btkge.reshape(b, t, h * e), "attn_out").reshape(b, t, h, e)
+    if segments_bt is not None:  # [b, 1, t, s]: same document and causal
+        mask_ts = mask_ts & (segments_bt[:, None, :, None] == segments_bt[:, None, None, :])
+    mask_ns = jnp.tile(mask_ts, (g, 1)) if g > 1 else mask_ts  # the same rows for each of the g heads
+    s_bkns = jnp.where(mask_ns, s_bkns, jnp.finfo(jnp.float32).min)
+    p_bkns = jax.nn.softmax(s_bkns, axis=-1).astype(v_btke.dtype)
+    o_bkne = jnp.einsum("bkns,bkse->bkne", p_bkns, v_bkse)
+    o_btx = o_bkne.reshape(b, kv, g, t, e).transpose(0, 3, 1, 2, 4).reshape(b, t, h * e)
+    return checkpoint_name(o_btx, "attn_out").reshape(b, t, h, e)
 
 
 def embed_lookup(table_vd: Float[Array, "v d"], tokens_bt: Int[Array, "b t"]) -> Float[Array, "b t d"]:
