@@ -49,7 +49,7 @@ def _model(kind: str, seed: int = 0, **kw) -> LLaMA:
 @pytest.mark.parametrize("kind,extra", [
     ("llama", dict(rope_type="llama3", rope_factor=8.0, rope_original_max_len=16, attn_head_dim=16,
                    tie_embeddings=True)),
-    ("cola", {}), ("svd", {}), ("lax", {})])
+    ("cola", {}), ("svd", {}), ("lax", {}), ("cola", dict(rank_kv=64, rank_mlp=4))])  # k/v dense, MLP at rank 4
 def test_cached_logits_equal_full_forward(kind, extra):
     """Prefill 5 tokens, then a 2-token chunk, then one token per step (a scan, as in decoding): the
     logits at every position equal the full causal forward's (grouped-query heads: 4 query, 2 kv;
