@@ -63,7 +63,7 @@ ROT_ORDERS: tuple[str, ...] = get_args(RotOrder)
 ROT_GEOMETRIES: tuple[str, ...] = get_args(RotGeometry)
 ATTENTION_MEMORY: tuple[str, ...] = get_args(AttentionMemory)
 INIT_FACTORS: tuple[str, ...] = get_args(InitFactor)
-DEFAULT_CALIB_TOKENS: int = 8192  # --calib-tokens 0
+DEFAULT_CALIB_TOKENS: int = 32768  # --calib-tokens 0
 # Sizes past which a number is a typo, not a run: token positions and ids are int32 in the step, and a
 # materialised attention of a longer sequence has more than 2^40 scores per head and sequence.
 MAX_SEQ_LEN: int = 1 << 20

@@ -153,6 +153,11 @@ def test_factored_start_deterministic_and_reported():
     assert r1["output"]["mean"] < plain["output"]["mean"], (r1["output"]["mean"], plain["output"]["mean"])
     assert r1["mean"] >= plain["mean"]  # plain SVD is the best in the weight norm
     assert "output error on 100 held-out tokens" in pretrained.summary_line({"source": "x", **r1})
+    # a group kept dense (kv at rank 16: its factors would not be smaller) is copied, not factored or reported
+    kv_dense = replace(cfg, model=replace(cfg.model, rank_kv=16))
+    p3, r3 = pretrained.factored(kv_dense, dense, corpus)
+    assert r3["dense"] == ["k", "v"] and len(r3["output"]["matrices"]) == 10
+    np.testing.assert_array_equal(p3["layers"][1]["attn"]["w_k"], dense["layers"][1]["attn"]["w_k"])
 
 
 # ------------------------------------------------------------------------------ the command line
@@ -206,7 +211,7 @@ def test_train_whitened_from_hf(capsys, tmp_path, checkpoint, ids):
     argv = [*RUN, "--init-from-hf", str(checkpoint), "--model", "svd", "--rank", "4", "--init-factor", "whitened",
             "--calib-tokens", "900", "--data", str(ids), "--out", str(run)]
     assert main(argv) == 0
-    assert "whitened): relative reconstruction error" in capsys.readouterr().err
+    assert "whitened factoring: relative reconstruction error" in capsys.readouterr().err
     report = json.loads((run / pretrained.REPORT_FILE).read_text())
     assert report["init_factor"] == "whitened" and report["calibration"] == {
         "tokens": 900, "seq": 16, "slice": "training split, tokens [0, 900)"}

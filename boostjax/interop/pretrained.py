@@ -16,9 +16,14 @@ gets its factors from a truncated SVD of each dense projection `W [in, out] = U 
   `A` column and a zero `B` row: no effect at step 0, trainable). LaX's crossing gates start at zero.
   The MLP keeps the checkpoint's `silu(gate) * up` (`only_lr_act=False`), not CoLA's `gate * up`.
 
+`--init-factor whitened` (`factor_whitened`) truncates by output instead of weight error: the same
+splits of `S⁻ᵀ U_k Σ_k V_kᵀ`, where `Sᵀ W = U Σ Vᵀ` and `S Sᵀ` is the Gram matrix of the projection's
+inputs on calibration tokens (`boostjax.interop.calibration`; SVD-LLM, https://arxiv.org/abs/2403.07378).
+
 The report gives, per matrix, `‖W − W_eff‖_F / ‖W‖_F` where `W_eff` is the linear map the factored
 projection computes at initialisation (`A B` for svd, `U_m Σ_m V_mᵀ` for cola/lax), from the
-singular values: `sqrt(Σ_{j>k} σ_j² / Σ_j σ_j²)`.
+singular values: `sqrt(Σ_{j>k} σ_j² / Σ_j σ_j²)` (whitened: computed from `W_eff`); given the run's
+data, also `‖X W − f(X)‖_F / ‖X W‖_F` on held-out inputs X (`"output"`, f the factored map).
 """
 
 from __future__ import annotations
@@ -467,7 +472,7 @@ def summary_line(report: Mapping[str, Any]) -> str:
     if "matrices" not in report:
         return head
     by = " ".join(f"{p} {e:.3f}" for p, e in report["by_projection"].items())
-    how = f" ({report['init_factor']})" if "init_factor" in report else ""
+    how = f", {report['init_factor']} factoring" if "init_factor" in report else ""
     line = (f"{head}{how}: relative reconstruction error over {len(report['matrices'])} "
             f"matrices mean {report['mean']:.4f} max {report['max']:.4f}; per projection {by}")
     if "output" not in report:
