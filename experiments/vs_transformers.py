@@ -418,8 +418,8 @@ NOTES = [
     "transposing an operand (`copy_bitcast_fusion` `[1376, 1024]` per MLP projection, `[8192, 1024]` (32 MB) "
     "for the logits). `boostjax.models.ops.matmul` runs the product as one 2-D GEMM over the flattened rows, "
     "whose gradients are plain 2-D dots that read their operands in place; the logits, the Online-RMSNorm "
-    "down-projections and `grouped_up` (now `gnr,grk->gnk`) use it. The dense q/k/v/o and gate/up/down "
-    "products inside `Attention` / `MLP` need the same one-token edit (`a @ w` -> `ops.matmul(a, w)`).",
+    "down-projections, `grouped_up` (now `gnr,grk->gnk`) and every projection inside `Attention` / `MLP` "
+    "(`a @ w` -> `ops.matmul(a, w)`) use it.",
     "- **Fixed: the attention scores copied through a transpose.** Written `btkge,bske->bkgts`, the "
     "degenerate g = 1 axis (no grouped-query heads) made XLA copy the `[b, h, t, t]` scores through a "
     "transpose in the scale+mask fusion, forward and backward. `ops.causal_attention` now stacks the g query "
