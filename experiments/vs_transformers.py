@@ -418,18 +418,19 @@ NOTES = [
     "transposing an operand (`copy_bitcast_fusion` `[1376, 1024]` per MLP projection, `[8192, 1024]` (32 MB) "
     "for the logits). `boostjax.models.ops.matmul` runs the product as one 2-D GEMM over the flattened rows, "
     "whose gradients are plain 2-D dots that read their operands in place; the logits, the Online-RMSNorm "
-    "down-projections and `grouped_up` (now `gnr,grk->gnk`) use it. The dense q/k/v/o and gate/up/down "
-    "products inside `Attention` / `MLP` need the same one-token edit (`a @ w` -> `ops.matmul(a, w)`).",
+    "down-projections, `grouped_up` (now `gnr,grk->gnk`) and every projection inside `Attention` / `MLP` "
+    "(`a @ w` -> `ops.matmul(a, w)`) use it.",
     "- **Fixed: the attention scores copied through a transpose.** Written `btkge,bske->bkgts`, the "
     "degenerate g = 1 axis (no grouped-query heads) made XLA copy the `[b, h, t, t]` scores through a "
     "transpose in the scale+mask fusion, forward and backward. `ops.causal_attention` now stacks the g query "
     "heads of each kv head along the rows (`[b, k, g·t, e]`), so both products are batched GEMMs whose "
     "outputs come out in the order the next step reads them (also for g > 1).",
     "- **Measured in one process, interleaved, CPU time per step** (shared machine, 8-10 rounds; median "
-    "and range of the per-round ratio): attention layout 1.06 (0.92-1.10); 2-D logits 1.04 (1.00-1.13); "
-    "all of this branch: dense 1.09 (0.99-1.16), CoLA 1.35 (1.26-1.44); with the `Attention` / `MLP` edit "
-    "as well: dense 1.28 (1.20-1.40). Every variant gave the same loss and gradient norm to the last bit "
-    "(or within 1 ulp) on the same batch.",
+    "and range of the per-round ratio to the former code): attention layout 1.06 (0.92-1.10); 2-D logits "
+    "1.04 (1.00-1.13); everything above: dense 1.09 (0.99-1.16) on two cores, 1.05 (1.00-1.09) pinned to "
+    "one, CoLA 1.35 (1.26-1.44) / 1.30 (1.22-1.46); with the `Attention` / `MLP` edit as well: dense 1.28 "
+    "(1.20-1.40) / 1.32 (1.27-1.45), CoLA 1.45 (1.33-1.56) on one core. Every variant gave the same loss and "
+    "gradient norm to the last bit (or within 1 ulp) on the same batch.",
     "- **Tried, not kept**: XLA CPU without YNNPACK dot fusions (`xla_cpu_experimental_ynn_fusion_type=''`: "
     "0.95), oneDNN dot fusions instead (0.96), `xla_cpu_prefer_vector_width=512` (no change, and it moves "
     "the loss by rounding), the concurrency-optimised scheduler (0.94 wall), causal query blocks that skip "

@@ -216,7 +216,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         if not cfg.low_rank:  # the llama kind: Megatron column-parallel GEMMs
             xn_btd = coll.to_column_parallel(ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps))
-            return (*(checkpoint_name(xn_btd @ w[...], "qkv") for w in (self.w_q, self.w_k, self.w_v)), None)
+            return (*(checkpoint_name(ops.matmul(xn_btd, w[...]), "qkv") for w in (self.w_q, self.w_k, self.w_v)), None)
         grouped = hasattr(self, "a_qkv")
         mats = ((self.a_qkv[...],) if grouped else
                 (self.a_q[...] if self.lr_q else self.w_q[...],
@@ -233,7 +233,7 @@ class Attention(nnx.Module):
             c = self.cross[...].astype(x_btd.dtype)
             hk = hk + c[0] * hq
             hv = hv + c[1] * hk
-        q = coll.reduce_up(hq @ self.b_q[...]) if self.lr_q else coll.local_columns(zs[0])
+        q = coll.reduce_up(ops.matmul(hq, self.b_q[...])) if self.lr_q else coll.local_columns(zs[0])
         if self.lr_kv:
             k, v = grouped_up((hk, hv), self.b_kv[...], coll)
         else:
@@ -258,15 +258,15 @@ class Attention(nnx.Module):
             o_btx = ops.causal_attention(q_bthe, k_btke, v.reshape(b, t, -1, e), impl=cfg.attention,
                                          block=cfg.attention_block, segments_bt=segments_bt).reshape(b, t, -1)
         if self.lr_q:
-            h_btr = coll.reduce_latent(o_btx @ self.a_o[...], name="o_latent")
+            h_btr = coll.reduce_latent(ops.matmul(o_btx, self.a_o[...]), name="o_latent")
             h_btr = _sigma(cfg.kind)(h_btr)
             if cfg.kind == "lax":
                 h_btr = h_btr + self.cross[...].astype(x_btd.dtype)[2] * hv
-            y_btd = coll.reduce_up(h_btr @ self.b_o[...])
+            y_btd = coll.reduce_up(ops.matmul(h_btr, self.b_o[...]))
         elif cfg.low_rank:  # a dense o in a low-rank model: all heads in, this device's d columns out
-            y_btd = coll.gather_columns(o_btx) @ self.w_o[...]
+            y_btd = ops.matmul(coll.gather_columns(o_btx), self.w_o[...])
         else:
-            y_btd = coll.reduce_row(o_btx @ self.w_o[...])
+            y_btd = coll.reduce_row(ops.matmul(o_btx, self.w_o[...]))
         return y_btd if cache is None else (y_btd, cache)
 
 
@@ -310,17 +310,17 @@ class MLP(nnx.Module):
             gate, up = (coll.local_columns(z) for z in zs)
         else:
             xn_btd = coll.to_column_parallel(ops.rms_norm(x_btd, self.norm[...], cfg.norm_eps))
-            gate = checkpoint_name(xn_btd @ self.w_gate[...], "gate_up")
-            up = checkpoint_name(xn_btd @ self.w_up[...], "gate_up")
+            gate = checkpoint_name(ops.matmul(xn_btd, self.w_gate[...]), "gate_up")
+            up = checkpoint_name(ops.matmul(xn_btd, self.w_up[...]), "gate_up")
         hidden_btf = checkpoint_name(mlp_hidden(cfg, gate, up), "mlp_hidden")
         if self.low_rank:
-            h_btr = _sigma(cfg.kind)(coll.reduce_latent(hidden_btf @ self.a_down[...], name="down_latent"))
+            h_btr = _sigma(cfg.kind)(coll.reduce_latent(ops.matmul(hidden_btf, self.a_down[...]), name="down_latent"))
             if cfg.kind == "lax":
                 h_btr = h_btr + self.cross[...].astype(x_btd.dtype)[1] * hu
-            return coll.reduce_up(h_btr @ self.b_down[...])
+            return coll.reduce_up(ops.matmul(h_btr, self.b_down[...]))
         if cfg.low_rank:
-            return coll.gather_columns(hidden_btf) @ self.w_down[...]
-        return coll.reduce_row(hidden_btf @ self.w_down[...])
+            return ops.matmul(coll.gather_columns(hidden_btf), self.w_down[...])
+        return coll.reduce_row(ops.matmul(hidden_btf, self.w_down[...]))
 
 
 class Block(nnx.Module):
