@@ -274,6 +274,11 @@ class ModelConfig:
         return self.low_rank and not (self.auto_dense and self.group_rank(group) * (i + o) >= i * o)
 
     @property
+    def group_ranks(self) -> dict[str, int | str]:
+        """Each projection group's rank, or "dense" for a group kept dense (what reports print)."""
+        return {g: self.group_rank(g) if self.group_low_rank(g) else "dense" for g in PROJECTION_GROUPS}
+
+    @property
     def dense_groups(self) -> tuple[str, ...]:
         """The projection groups of a low-rank kind that stay dense (empty for llama: nothing to report)."""
         return tuple(g for g in PROJECTION_GROUPS if self.low_rank and not self.group_low_rank(g))

@@ -33,7 +33,6 @@ from boostjax.analysis import hlo, memory
 from boostjax.config import (
     LOW_RANK_KINDS,
     MODEL,
-    PROJECTION_GROUPS,
     REMAT,
     TP_STRATEGIES,
     Config,
@@ -368,8 +367,7 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
         "model": {k: getattr(m, k) for k in ("d_model", "n_layers", "n_heads", "kv_heads", "d_ff", "rank",
                                               "vocab_size")},
         # per projection group: its rank, or "dense" (a group whose factors would not be smaller)
-        "ranks": {g: m.group_rank(g) if m.group_low_rank(g) else "dense" for g in PROJECTION_GROUPS}
-        if m.low_rank else {},
+        "ranks": m.group_ranks if m.low_rank else {},
         "allreduce_count": ar["step"]["count"],
         "allreduce_bytes": ar["step"]["bytes"],
         "allreduce_bytes_compiled": ar["step"]["bytes_compiled"],

@@ -279,7 +279,7 @@ def _summary(errs: Mapping[str, float]) -> dict[str, Any]:
 def rank_report(m: ModelConfig) -> dict[str, Any]:
     """What a low-rank model factorises: `{"ranks": {group: r or "dense"}, "dense": [projections kept
     dense]}` (a group whose rank-r factors would not be smaller than its dense matrix stays dense)."""
-    return {"ranks": {g: m.group_rank(g) if m.group_low_rank(g) else "dense" for g in PROJECTION_GROUPS},
+    return {"ranks": m.group_ranks,
             "dense": [p for p, proj in projections(m).items() if proj.a is None]}
 
 
