@@ -8,19 +8,46 @@ the factored model on the first --eval-tokens tokens of --data's validation spli
 windows of --seq), the mean relative weight error and the mean held-out output error of its matrices
 (init_report.json's "mean" and "output" "mean"); the dense checkpoint's loss first, and the uniform
 guess ln(vocab). Whitened fits the first --calib-tokens tokens of the training split (rows of --seq).
+
+CoLA's split of the whitened factors (--cola-split): boostjax's ± pairs (r // 2 directions, exact
+through SiLU) against the linearised split, all r directions with `A_j · c_j`, `B_j · 2 / c_j` and
+`c_j = EPS / rms_j` (rms_j: latent j's root mean square on the calibration inputs, from the Gram
+matrix), `silu(c z) · 2 / c = z + c z² / 2 + ...`; with --finetune N each split is then trained N
+AdamW steps (batch 4, lr 1e-3, no warmup; validation loss every 4 steps on 2 batches).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import pathlib
+import tempfile
 import time
 from dataclasses import replace
+
+import numpy as np
 
 from boostjax.config import Config, TrainConfig
 from boostjax.data import load_corpus
 from boostjax.inference.evaluation import evaluate
-from boostjax.interop import hf, pretrained
+from boostjax.interop import calibration, hf, pretrained
+from boostjax.training.trainer import train
+
+
+def linearised(grams, eps: float) -> pretrained.Factor:
+    """The whitened rank-r factors (all r directions) scaled into SiLU's near-linear range per column."""
+    whitened = pretrained.whitened_factor(grams)
+
+    def factor(name, w_io, kind, r, rng):
+        a, b, err = whitened(name, w_io, "svd", r, rng)
+        _, i, _, short = name.split(".")
+        g = grams[int(i), calibration.INPUT_OF[short]]
+        a64 = a.astype(np.float64)
+        c = eps / np.maximum(np.sqrt(np.einsum("ij,ik,kj->j", a64, g, a64)), 1e-30)
+        return (a * c).astype(np.float32), (b * (2 / c)[:, None]).astype(np.float32), err
+
+    return factor
 
 
 def main() -> None:
@@ -33,6 +60,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512, help="tokens per row (calibration and evaluation)")
     ap.add_argument("--eval-tokens", type=int, default=8192, help="validation tokens evaluated")
     ap.add_argument("--batch", type=int, default=4, help="evaluation rows per call")
+    ap.add_argument("--cola-split", type=float, default=0.0, metavar="EPS",
+                    help="compare CoLA's splits of the whitened start (first --calib-tokens), linearised at EPS")
+    ap.add_argument("--finetune", type=int, default=0, metavar="N", help="with --cola-split: N training steps each")
     args = ap.parse_args()
 
     src_cfg, dense = hf.read_hf(args.hf)
@@ -45,6 +75,9 @@ def main() -> None:
 
     print(f"{args.hf}, rank {args.rank}; {len(val)} held-out tokens of {args.data} (validation split), "
           f"windows of {args.seq}; uniform guess ln({src_cfg.vocab_size}) = {math.log(src_cfg.vocab_size):.2f} nats\n")
+    if args.cola_split:
+        cola_split(args, src_cfg, dense, corpus, loss)
+        return
     print("| kind | factoring | calibration tokens | weight error (mean) | held-out output error (mean) | "
           "loss (nats) | perplexity | factoring s |\n|---|---|---|---|---|---|---|---|", flush=True)
     dense_loss, dense_ppl = loss(src_cfg, dense)
@@ -60,6 +93,35 @@ def main() -> None:
             lo, ppl = loss(m, params)
             print(f"| {kind} | {factor} | {n or '-'} | {report['mean']:.4f} | {report['output']['mean']:.4f} | "
                   f"{lo:.3f} | {ppl:.1f} | {took:.0f} |", flush=True)
+
+
+def cola_split(args, src_cfg, dense, corpus, loss) -> None:
+    n = int(args.calib_tokens.split(",")[0])
+    m = replace(src_cfg, kind="cola", rank=args.rank, only_lr_act=False)
+    grams = calibration.input_grams(dataclasses.replace(src_cfg, kind="llama"), dense, corpus.train[:n], args.seq)
+    held = corpus.val[:pretrained.HELDOUT_TOKENS]
+    print(f"| CoLA split of the whitened start ({n} calibration tokens) | held-out output error (mean) | loss (nats) | "
+          f"validation loss after steps 4, 8, ... of {args.finetune} |\n|---|---|---|---|", flush=True)
+    for name, factor in (("± pairs", pretrained.whitened_factor(grams)),
+                         (f"linearised, eps {args.cola_split}", linearised(grams, args.cola_split))):
+        factors = {}
+
+        def keep(matrix, w_io, kind, r, rng, factor=factor):
+            a, b, err = factor(matrix, w_io, kind, r, rng)
+            factors[matrix] = (a, b)
+            return a, b, err
+
+        params, _ = pretrained.lowrank_from_dense(m, dense, factor=keep)
+        errs = calibration.output_errors(dataclasses.replace(m, kind="llama"), "cola", dense, held, args.seq, factors)
+        curve = ""
+        if args.finetune:
+            with tempfile.TemporaryDirectory() as out:
+                t = TrainConfig(steps=args.finetune, batch=4, seq=args.seq, lr=1e-3, warmup=0, eval_every=4,
+                                eval_batches=2, data=args.data, out=str(pathlib.Path(out) / "run"), progress=False,
+                                tensorboard=False, ckpt_every=args.finetune)
+                res = train(Config(m, t), init=params)
+            curve = ", ".join(f"{r['val_loss']:.3f}" for r in res.metrics if "val_loss" in r)
+        print(f"| {name} | {np.mean(list(errs.values())):.4f} | {loss(m, params)[0]:.3f} | {curve} |", flush=True)
 
 
 if __name__ == "__main__":

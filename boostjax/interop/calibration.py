@@ -170,4 +170,4 @@ def output_errors(cfg: ModelConfig, kind: str, params: Mapping[str, Any], tokens
     for rows in token_rows(tokens, seq):
         for k, s in jax.device_get(_error_sums(cfg, kind, params, jnp.asarray(rows), with_w)).items():
             sums[k] = sums.get(k, 0.0) + np.asarray(s, np.float64)
-    return {k: float(np.sqrt(e / ref)) if ref > 0 else 0.0 for k, (e, ref) in sums.items()}
+    return {k: float(np.sqrt(e / ref)) if ref > 0 else 0.0 for k, (e, ref) in ((k, sums[k]) for k in factors)}
