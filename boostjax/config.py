@@ -37,6 +37,8 @@ PipelineSchedule = Literal["gpipe", "1f1b"]
 RotSource = Literal["second", "first"]
 RotOrder = Literal["previous", "current"]
 RotGeometry = Literal["bilateral", "unilateral"]
+# what one gradient-clipping norm covers: every parameter, or (an asynchronous pipeline) each stage's own
+ClipScope = Literal["global", "stage"]
 # what the offload cost model assumes attention keeps (`boostjax plan --attention`, boostjax.offload.blockgraph):
 # the [t, t] probabilities, or a fused kernel's per-row log-sum-exp only
 AttentionMemory = Literal["materialized", "flash"]
@@ -61,6 +63,9 @@ PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 ROT_SOURCES: tuple[str, ...] = get_args(RotSource)
 ROT_ORDERS: tuple[str, ...] = get_args(RotOrder)
 ROT_GEOMETRIES: tuple[str, ...] = get_args(RotGeometry)
+CLIP_SCOPES: tuple[str, ...] = get_args(ClipScope)
+# PipeDream-LR's correction outlives the warmup by this factor (the reference: 7 epochs against 3 of warmup)
+DELAY_TC_PER_WARMUP: float = 7 / 3
 ATTENTION_MEMORY: tuple[str, ...] = get_args(AttentionMemory)
 INIT_FACTORS: tuple[str, ...] = get_args(InitFactor)
 DEFAULT_CALIB_TOKENS: int = 32768  # --calib-tokens 0
@@ -310,7 +315,11 @@ class TrainConfig:
     weight_decay: float = option(0.01, "decoupled (AdamW-style) weight decay", resume="mutable")
     b1: float = option(0.9, "Adam beta1: EMA factor of the first moment, in [0, 1)", resume="mutable")
     b2: float = option(0.95, "Adam beta2: EMA factor of the second moment, in [0, 1)", resume="mutable")
-    clip: float = option(1.0, "global-norm gradient clipping threshold; 0 disables it", resume="mutable")
+    clip: float = option(1.0, "gradient clipping threshold (global norm, or each stage's with --clip-scope "
+                              "stage); 0 disables it", resume="mutable")
+    clip_scope: ClipScope = option("global", "what one clipping norm covers: global (every parameter) or stage "
+                                             "(each --pipeline-delay stage clips its own parameters, as every "
+                                             "device of an asynchronous pipeline does)", resume="mutable")
     dtype: Dtype = option("float32", "compute dtype; parameters and optimizer state stay fp32", resume="mutable")
     out: str = option("runs/default", "run folder (config.json, metrics.jsonl, checkpoints/); an existing run "
                                       "there is resumed", resume="ignored")
@@ -365,8 +374,13 @@ class TrainConfig:
                     "projects (the basis-rotation reference code)")
     stage_aware_refresh: bool = option(False, "rotation under --pipeline-delay: stages with a larger delay "
                                               "refresh their basis more often", resume="mutable")
-    delay_lr_tc: int = option(1000, "pipedream-lr: steps until the delay-scaled learning rate reaches lr "
-                                    "(reference: 7 of 250 epochs = 2.8 %)", resume="mutable")
+    delay_lr_tc: int = option(0, "pipedream-lr: steps T_c until the delay-scaled learning rate reaches lr; 0 = "
+                                 "7/3 of the warmup (the reference: 7 epochs of correction, 3 of warmup)",
+                              resume="follow-stored")
+    nesterov_psi: float = option(-1.0, "nesterov: torch NAdam's momentum_decay psi (mu_t = b1 (1 - 0.96^(psi t) "
+                                       "/ 2)); -1 = scaled to the run so mu_t reaches 0.9 at 4 % of --steps, as "
+                                       "torch's 0.004 does in the reference's ~250k-step run",
+                                 resume="follow-stored", legacy=0.004)
     offload_plan: str = option("", "plan.json from boostjax plan (made with this run's flags): per-layer "
                                    "remat/offload policies, host-resident parameters and optimizer states; '' = "
                                    "none", resume="mutable")
@@ -470,6 +484,19 @@ def field_default(name: str) -> Any:
 
 def warmup_steps(t: TrainConfig) -> int:
     return t.warmup if t.warmup >= 0 else t.steps // 20
+
+
+def delay_lr_tc_steps(t: TrainConfig) -> int:
+    """PipeDream-LR's T_c: `--delay-lr-tc`, or (0) 7/3 of the warmup, at least 1 step."""
+    return t.delay_lr_tc if t.delay_lr_tc > 0 else max(1, round(DELAY_TC_PER_WARMUP * warmup_steps(t)))
+
+
+def nesterov_psi(t: TrainConfig, b1: float = 0.99, mu: float = 0.9, at: float = 0.04) -> float:
+    """torch NAdam's momentum_decay: `--nesterov-psi`, or (-1) the psi with which mu_t = b1 (1 - 0.96^(psi t)
+    / 2) reaches `mu` at `at` x steps (torch's 0.004 reaches 0.9 at step ~10.4k, 4 % of a 250k-step run)."""
+    if t.nesterov_psi >= 0:
+        return t.nesterov_psi
+    return math.log(2 * (1 - mu / b1)) / (math.log(0.96) * max(1.0, at * t.steps))
 
 
 @dataclass(frozen=True)
@@ -721,9 +748,19 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _need(t.rot_order == "previous" or t.rot_source == "second",
           f"train.rot_order: 'current' needs rot_source 'second' (got {t.rot_source!r}); "
           f"fix: pass {flag_of('rot_source')} second or {flag_of('rot_order')} previous")
-    for name in ("rot_refresh", "rot_max_dim", "delay_lr_tc"):
+    for name in ("rot_refresh", "rot_max_dim"):
         v = getattr(t, name)
         _need(v > 0, f"train.{name}: must be positive, got {v}; fix: pass {flag_of(name)} N with N >= 1")
+    _need(t.delay_lr_tc >= 0, f"train.delay_lr_tc: must be >= 0 (0 = 7/3 of the warmup), got {t.delay_lr_tc}; "
+                              f"fix: pass {flag_of('delay_lr_tc')} 0 or N >= 1")
+    _need(t.nesterov_psi == -1 or 0 <= t.nesterov_psi < 1e3,
+          f"train.nesterov_psi: {t.nesterov_psi} must be -1 (scaled to the run) or in [0, 1000); fix: pass "
+          f"{flag_of('nesterov_psi')} -1 or e.g. 0.004")
+    _need(t.clip_scope in CLIP_SCOPES, f"train.clip_scope: {t.clip_scope!r}; fix: pass {flag_of('clip_scope')} "
+                                       f"{' or '.join(CLIP_SCOPES)}")
+    _need(t.clip_scope == "global" or t.optimizer != "adam8bit",
+          f"train.clip_scope: 'stage' with adam8bit, whose clipping is fused and global; fix: pass "
+          f"{flag_of('clip_scope')} global or another {flag_of('optimizer')}")
     _need(0.0 <= t.rot_beta < 1.0, f"train.rot_beta: {t.rot_beta} outside [0, 1); fix: pass e.g. "
                                    f"{flag_of('rot_beta')} 0.95")
     _need(1 <= t.init_timeout <= MAX_INIT_TIMEOUT,

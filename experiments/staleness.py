@@ -5,19 +5,26 @@ default corpus (stdlib sources, byte tokens) with every optimizer at S in {1, 2,
 asynchronous pipeline emulated by `boostjax.optim.delay` (stage s computes its gradient on weights
 S-1-s updates old, weight stashing). Every run sees the same initial weights and the same batches.
 
-Measure: the per-step training loss (at the stale weights the gradient is computed on), smoothed by
-a trailing mean over `window` steps. Targets are per optimizer (basis rotation,
-https://arxiv.org/abs/2602.03515, compares each method with its own synchronous run):
-  headline: L* = the final smoothed loss of the optimizer's own S_max run; slowdown(S) = first step
-            its S-run reaches L* / first step its S = 1 run reaches L*;
-  also:     the optimizer's own S = 1 smoothed loss at 50 % and 65 % of the budget (`extra_fracs`).
-A run that never gets there (or diverges) is reported as "> steps" (slowdown: a lower bound).
+Measure, as the paper's curves are drawn: the held-out loss on a fixed validation set (`n_eval`
+batches) every `eval_every` steps and at the last step, at the current weights; the per-step training
+loss (at the stale weights the gradient is computed on) stays in the JSON. Targets are per optimizer
+(basis rotation, https://arxiv.org/abs/2602.03515, compares each method with its own synchronous run):
+  headline: L* = the final held-out loss of the optimizer's own S_max run; slowdown(S) = first
+            evaluation at which its S-run reaches L* / the same for its S = 1 run; beside it the budget
+            reading, the S_max run counted as needing its whole budget (budget / S = 1's first step);
+  also:     the optimizer's own S = 1 held-out loss at 50 % and 65 % of the budget (`extra_fracs`).
+A run that never gets there (or diverges) is reported as "> steps" (slowdown: a lower bound). Results
+stored without held-out curves (`eval_every` 0: older runs) are read with the earlier rule, a trailing
+mean of `window` training losses.
 
-Regimes: "default" (lr 3e-4, 2000 steps, 10 % warmup: AsyncPP's lr) and "harsh" (lr 1e-3, 1000
-steps, 5 % warmup). PipeDream-LR's correction fades over T_c = 7/250 of the run (the basis-rotation
-README's 250 epochs with --lr_correction_epoch 7; AsyncPP's own 50-epoch run used 7/50).
+Regimes: "default" (lr 3e-4, 3000 steps, 10 % warmup: AsyncPP's lr) and "harsh" (lr 1e-3, 1000
+steps, 5 % warmup). The baselines at the authors' operating point, scaled to the run: PipeDream-LR's
+correction fades over T_c = 7/3 of the warmup (the reference: 7 epochs of correction, 3 of warmup);
+Nesterov's momentum decay psi makes mu_t reach 0.9 at 4 % of the run (torch's 0.004 does at ~10k of
+the reference's ~250k steps); every stage clips its own gradients (`clip_scope` "stage"), as the
+reference's pipeline stages do.
 
-    python experiments/staleness.py --jobs 2                 # full: 6 optimizers x 6 depths (~1 h)
+    python experiments/staleness.py --jobs 2                 # full: every optimizer x 6 depths (hours)
     python experiments/staleness.py --quick                  # minutes-long smoke version
     python experiments/staleness.py --regime harsh           # -> staleness_harsh.{json,md,png}
     python experiments/staleness.py --render experiments/results/staleness_harsh.json   # tables again
@@ -49,7 +56,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from boostjax.config import Config, ModelConfig, TrainConfig
+from boostjax.config import DELAY_TC_PER_WARMUP, Config, ModelConfig, TrainConfig, nesterov_psi
 from boostjax.training.checks import validate
 from boostjax.data import BatchIterator, eval_batches, load_corpus
 from boostjax.placement import local_loss_fn
@@ -62,20 +69,26 @@ import results_io
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "adamw": ("PipeDream (AdamW + stashing)", {"optimizer": "adamw"}),
     "pipedream-lr": ("PipeDream-LR", {"optimizer": "pipedream-lr"}),
-    "nesterov": ("Nesterov (torch NAdam, mu_t schedule)", {"optimizer": "nesterov"}),
+    "nesterov": ("Nesterov (torch NAdam, mu_t schedule scaled to the run)", {"optimizer": "nesterov"}),
     "rotation": ("Basis rotation (bilateral, 2nd-order)", {"optimizer": "rotation"}),
     "rotation-sa": ("Basis rotation + stage-aware refresh", {"optimizer": "rotation", "stage_aware_refresh": True}),
     "rotation-ref": ("Basis rotation, reference order (refresh with G_t first)",
                      {"optimizer": "rotation", "rot_order": "current"}),
 }
 PAPER = {"baselines_slowdown_32": (4.24, 5.81), "rotation_slowdown_32": 1.27}
+# rows that are not in the basis-rotation paper: what they are and where they come from
+DEVIATIONS: dict[str, str] = {}
 # the earlier baselines (Nesterov as optax.nadamw, PipeDream-LR's T_c = 50 %), which runs recorded without
 # `tc_frac` in their settings used
-LEGACY = {"warmup_frac": 0.05, "tc_frac": 0.5, "legacy_baselines": True}
+LEGACY = {"warmup_frac": 0.05, "tc_frac": 0.5, "legacy_baselines": True, "nesterov_psi": 0.004,
+          "clip_scope": "global", "eval_every": 0}
+# what a results JSON written before these settings existed ran with: torch's psi, global clipping, no
+# held-out curves (the smoothed-training-loss rule)
+BEFORE_HELDOUT = {"nesterov_psi": 0.004, "clip_scope": "global", "eval_every": 0}
 LEGACY_LABELS = {"nesterov": "Nesterov (old: optax.nadamw, constant b1 0.99)",
                  "pipedream-lr": "PipeDream-LR (old: T_c = 50 %)"}
 REGIMES: dict[str, dict[str, Any]] = {
-    "default": {"lr": 3e-4, "steps": 2000, "warmup_frac": 0.1},
+    "default": {"lr": 3e-4, "steps": 3000, "warmup_frac": 0.1},
     "harsh": {"lr": 1e-3, "steps": 1000, "warmup_frac": 0.05},
 }
 
@@ -89,17 +102,20 @@ class Settings:
     d_model: int = 32
     n_heads: int = 4
     d_ff: int = 96
-    steps: int = 2000
+    steps: int = 3000
     batch: int = 8
     seq: int = 32
     lr: float = 3e-4
     warmup_frac: float = 0.1  # linear warmup over this fraction of the steps, then cosine to 0.1 lr
-    tc_frac: float = 7 / 250  # PipeDream-LR: the delay correction fades over this fraction of the steps
+    tc_frac: float = 0.0  # PipeDream-LR: T_c as a fraction of the steps; 0 = 7/3 of the warmup
+    nesterov_psi: float = -1.0  # torch NAdam's momentum decay; -1 = mu_t reaches 0.9 at 4 % of the run
+    clip_scope: str = "stage"  # each stage clips its own gradients (the reference), or "global"
+    eval_every: int = 50  # held-out loss every N steps (0: none, the smoothed-training-loss rule)
     seed: int = 0
     window: int = 20  # trailing-mean window of the smoothed loss
     extra_fracs: tuple[float, ...] = (0.5, 0.65)  # targets: own S = 1 smoothed loss at these fractions
     fetch_every: int = 20
-    n_eval: int = 4  # validation batches for the final loss
+    n_eval: int = 16  # validation batches (of batch x seq tokens) of every held-out loss
     jobs: int = 2  # runs in parallel processes (each XLA CPU step here is nearly single-threaded)
     legacy_baselines: bool = False  # runs made with the earlier Nesterov (optax.nadamw) and T_c = 50 %
     extra: dict = field(default_factory=dict)  # other TrainConfig overrides shared by every run
@@ -110,7 +126,12 @@ class Settings:
 
     @property
     def t_c(self) -> int:
-        return max(1, round(self.steps * self.tc_frac))
+        share = self.steps * self.tc_frac if self.tc_frac > 0 else DELAY_TC_PER_WARMUP * self.warmup
+        return max(1, round(share))
+
+    @property
+    def psi(self) -> float:
+        return nesterov_psi(TrainConfig(steps=self.steps, nesterov_psi=self.nesterov_psi))
 
     def config(self, opt: str, n_stages: int) -> Config:
         model = ModelConfig(kind="llama", d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
@@ -120,13 +141,14 @@ class Settings:
         train = TrainConfig(steps=self.steps, batch=self.batch, seq=self.seq, seed=self.seed, lr=self.lr,
                             b1=0.9, b2=0.999, weight_decay=0.01, clip=1.0, min_lr_ratio=0.1, warmup=self.warmup,
                             rot_refresh=10, rot_source="second", rot_geometry="bilateral",
-                            delay_lr_tc=self.t_c, pipeline_delay=n_stages, progress=False)
+                            delay_lr_tc=self.t_c, nesterov_psi=self.psi, clip_scope=self.clip_scope,
+                            pipeline_delay=n_stages, progress=False)
         train = replace(train, **{**OPTIMIZERS[opt][1], **self.extra})
         return validate(Config(model, train))
 
 
 QUICK = Settings(optimizers=("adamw", "pipedream-lr", "nesterov", "rotation", "rotation-ref"), stages=(1, 4, 8),
-                 n_layers=8, steps=120, window=10, n_eval=2)
+                 n_layers=8, steps=120, window=10, n_eval=2, eval_every=20)
 
 
 def label(s: Settings, opt: str) -> str:
@@ -138,6 +160,8 @@ def settings_from_json(d: dict) -> Settings:
     """The `Settings` of a results JSON; runs recorded without `tc_frac` get `LEGACY`'s baselines."""
     known = {f.name for f in fields(Settings)}
     kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in known}
+    if "eval_every" not in d:
+        kw = {**BEFORE_HELDOUT, **kw}
     if "tc_frac" not in d:
         kw = {**LEGACY, **kw, "legacy_baselines": True,
               "regime": "harsh" if kw.get("lr") == 1e-3 else kw.get("regime", "default")}
@@ -154,10 +178,34 @@ def trailing_mean(x: Sequence[float], window: int) -> np.ndarray:
     return (c[i] - c[lo]) / (i - lo)
 
 
-def steps_to_target(smoothed: np.ndarray, target: float) -> int | None:
-    """1-indexed first step whose smoothed loss is <= target (None if never, NaN counts as never)."""
-    hit = np.flatnonzero(np.nan_to_num(smoothed, nan=np.inf) <= target)
-    return int(hit[0]) + 1 if hit.size else None
+def steps_to_target(curve: "np.ndarray | tuple[np.ndarray, np.ndarray]", target: float) -> int | None:
+    """First step at which `curve` is <= target (None if never, NaN counts as never). `curve`: (steps,
+    losses), or losses at steps 1, 2, ... (a smoothed training curve)."""
+    steps, values = curve if isinstance(curve, tuple) else (np.arange(1, len(curve) + 1), curve)
+    hit = np.flatnonzero(np.nan_to_num(np.asarray(values, np.float64), nan=np.inf) <= target)
+    return int(steps[hit[0]]) if hit.size else None
+
+
+def heldout(s: Settings) -> bool:
+    """Whether the rule reads held-out losses (else the trailing mean of the training losses)."""
+    return s.eval_every > 0
+
+
+def rule_curve(s: Settings, r: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, losses) the rule reads: the held-out losses at their evaluation steps, or the trailing
+    mean of `window` training losses at every step (results stored without held-out curves)."""
+    if heldout(s):
+        vals = [np.nan if v is None else v for v in r.get("val_losses", [])]
+        return np.asarray(r.get("val_steps", []), np.int64), np.asarray(vals, np.float64)
+    sm = trailing_mean(r["losses"], s.window)
+    return np.arange(1, len(sm) + 1), sm
+
+
+def value_at(curve: tuple[np.ndarray, np.ndarray], step: int) -> float:
+    """The curve's value at its last point at or before `step` (NaN when there is none)."""
+    steps, values = curve
+    k = np.searchsorted(steps, step, side="right") - 1
+    return float(values[k]) if k >= 0 else float("nan")
 
 
 # ----------------------------------------------------------------------------- running
@@ -172,7 +220,8 @@ def _context(s: Settings) -> tuple:
         ref = s.config("adamw", 1)
         graphdef, params0 = init_model(ref)
         eval_fn = jax.jit(local_loss_fn(ref, graphdef))
-        val = [jax.device_put(b) for b in eval_batches(corpus.val, s.batch, s.seq, s.n_eval, vocab_size=256)]
+        parts = eval_batches(corpus.val, s.batch, s.seq, s.n_eval, vocab_size=256)
+        val = jax.device_put({k: np.concatenate([b[k] for b in parts]) for k in parts[0]})  # one fixed set
         _CTX[key] = (corpus, graphdef, jax.device_get(params0), eval_fn, val)
     return _CTX[key]
 
@@ -188,12 +237,20 @@ def run_one(s: Settings, opt: str, n_stages: int) -> dict:
     step = fns.compile(state, data.batch_at(0))
     compile_s = time.perf_counter() - t0
     losses: list[float] = []
+    val_steps: list[int] = []
+    val_losses: list[float] = []
     pending: list[Any] = []
     diverged = False
+    eval_s = 0.0
     t0 = time.perf_counter()
     for k in range(1, s.steps + 1):
         state, m = step(state, fns.put_batch(data.next()))
         pending.append(m["loss"])
+        if s.eval_every and (k % s.eval_every == 0 or k == s.steps):
+            t_eval = time.perf_counter()
+            val_steps.append(k)
+            val_losses.append(float(eval_fn(state.params, val)))
+            eval_s += time.perf_counter() - t_eval
         if k % s.fetch_every == 0 or k == s.steps:
             fetched = [float(v) for v in jax.device_get(pending)]
             losses.extend(fetched)
@@ -201,10 +258,14 @@ def run_one(s: Settings, opt: str, n_stages: int) -> dict:
             if not all(math.isfinite(v) for v in fetched):
                 diverged = True  # recorded as never reaching the target
                 break
-    train_s = time.perf_counter() - t0
-    final_val = float("nan") if diverged else float(np.mean([float(eval_fn(state.params, b)) for b in val]))
+    train_s = time.perf_counter() - t0 - eval_s
+    if diverged or not val_losses:
+        final_val = float("nan") if diverged else float(eval_fn(state.params, val))
+    else:
+        final_val = round(val_losses[-1], 6)
     return {"optimizer": opt, "stages": n_stages, "losses": [round(v, 5) for v in losses], "diverged": diverged,
-            "compile_s": round(compile_s, 2), "train_s": round(train_s, 2),
+            "val_steps": val_steps, "val_losses": [round(v, 6) if math.isfinite(v) else None for v in val_losses],
+            "compile_s": round(compile_s, 2), "train_s": round(train_s, 2), "eval_s": round(eval_s, 2),
             "step_ms": round(1000 * train_s / max(len(losses), 1), 1), "final_val_loss": final_val}
 
 
@@ -266,45 +327,51 @@ def run_all(s: Settings, log=print, done: Sequence[dict] = (), partial: pathlib.
 
 
 # ----------------------------------------------------------------------------- analysis
-def _row(s: Settings, r: dict, curve: np.ndarray, target: float | None, own: int | None,
+def _row(s: Settings, r: dict, curve: tuple[np.ndarray, np.ndarray], target: float | None, own: int | None,
          adamw_first: int | None) -> dict:
     n = steps_to_target(curve, target) if target is not None else None
     iters = n if n is not None else s.steps  # lower bound when not reached
+    smax = r["stages"] == max(s.stages)
+    train = trailing_mean(r["losses"], s.window)
     return {
         "optimizer": r["optimizer"], "label": label(s, r["optimizer"]), "stages": r["stages"],
         "target_loss": target, "iters_to_target": n, "reached": n is not None, "lower_bound": n is None,
         "diverged": r["diverged"],
         "slowdown": iters / own if own and target is not None else None,
+        # the budget reading: the S_max run counted as needing its whole budget to reach its own final loss
+        "slowdown_budget": s.steps / own if smax and own and target is not None else None,
         "slowdown_vs_adamw_s1": iters / adamw_first if adamw_first and target is not None else None,
-        "final_train_loss": float(curve[-1]) if len(curve) and not r["diverged"] else float("nan"),
+        "final_train_loss": float(train[-1]) if len(train) and not r["diverged"] else float("nan"),
         "final_val_loss": r["final_val_loss"], "compile_s": r["compile_s"], "train_s": r["train_s"],
         "step_ms": r["step_ms"],
     }
 
 
 def summarize(s: Settings, runs: list[dict], frac: float | None = None) -> dict:
-    """Per-optimizer targets and slowdowns vs the optimizer's own S = 1 run.
+    """Per-optimizer targets and slowdowns vs the optimizer's own S = 1 run, on `rule_curve`.
 
-    `frac=None` (headline): target = final smoothed loss of the optimizer's own S_max run (None when
-    that run diverged); else the own S = 1 smoothed loss at `frac` of the budget. "vs AdamW S = 1"
-    divides by the first step AdamW's S = 1 run reaches the same target (extra information)."""
+    `frac=None` (headline): target = the final value of the optimizer's own S_max curve (None when that
+    run diverged); else the own S = 1 curve at `frac` of the budget. "vs AdamW S = 1" divides by the
+    first step AdamW's S = 1 run reaches the same target (extra information)."""
     smax = max(s.stages)
-    sm = {(r["optimizer"], r["stages"]): trailing_mean(r["losses"], s.window) for r in runs}
+    curves = {(r["optimizer"], r["stages"]): rule_curve(s, r) for r in runs}
     at = max(1, round((frac or 1.0) * s.steps))
     targets: dict[str, float | None] = {}
     for o in dict.fromkeys(r["optimizer"] for r in runs):
-        curve = sm.get((o, smax)) if frac is None else sm.get((o, 1))
-        ok = curve is not None and len(curve) >= (s.steps if frac is None else at)
-        value = float(curve[-1] if frac is None else curve[at - 1]) if ok else float("nan")
+        c = curves.get((o, smax)) if frac is None else curves.get((o, 1))
+        ok = c is not None and len(c[0]) > 0 and c[0][-1] >= (s.steps if frac is None else at)
+        value = (float(c[1][-1]) if frac is None else value_at(c, at)) if ok else float("nan")
         targets[o] = value if math.isfinite(value) else None
     rows = []
     for r in runs:
         o, target = r["optimizer"], targets[r["optimizer"]]
-        own = steps_to_target(sm[(o, 1)], target) if target is not None and (o, 1) in sm else None
-        adamw = steps_to_target(sm[("adamw", 1)], target) if target is not None and ("adamw", 1) in sm else None
-        rows.append(_row(s, r, sm[(o, r["stages"])], target, own, adamw))
-    return {"rule": "own S_max final loss" if frac is None else f"own S=1 loss at {frac:.0%}", "target_frac": frac,
-            "targets": targets, "rows": rows}
+        own = steps_to_target(curves[(o, 1)], target) if target is not None and (o, 1) in curves else None
+        adamw = (steps_to_target(curves[("adamw", 1)], target)
+                 if target is not None and ("adamw", 1) in curves else None)
+        rows.append(_row(s, r, curves[(o, r["stages"])], target, own, adamw))
+    what = "held-out" if heldout(s) else "smoothed"
+    return {"rule": f"own S_max final {what} loss" if frac is None else f"own S=1 {what} loss at {frac:.0%}",
+            "target_frac": frac, "targets": targets, "rows": rows}
 
 
 def _slow(row: dict | None, key: str = "slowdown") -> str:
@@ -320,29 +387,49 @@ def _find(summary: dict, opt: str, n: int) -> dict | None:
 
 def settings_lines(s: Settings) -> list[str]:
     cfg = s.config("rotation", 1).train
+    psi = s.psi
+    reach = math.log(2 * (1 - 0.9 / 0.99)) / (math.log(0.96) * psi)  # the step mu_t reaches 0.9
     nesterov = ("optax.nadamw, constant b1 0.99 (the earlier definition)" if s.legacy_baselines else
-                "torch.optim.NAdam: b1 0.99, b2 0.999, momentum_decay 0.004 (mu_t = 0.99(1 - 0.5*0.96^(0.004 t))), "
-                "decoupled weight decay")
+                f"torch.optim.NAdam: b1 0.99, b2 0.999, momentum_decay psi {psi:.4g} (mu_t = 0.99(1 - 0.5*0.96^(psi t)) "
+                f"reaches 0.9 at step {reach:.0f}, {reach / s.steps:.1%} of the run), decoupled weight decay")
+    tc_note = ("the earlier setting" if s.legacy_baselines else
+               f"{s.tc_frac:.1%} of the run" if s.tc_frac > 0 else
+               f"7/3 of the {s.warmup}-step warmup, as the reference's 7 epochs of correction against 3 of warmup")
+    clip = ("each stage clips its own gradients (the reference's per-stage `clip_grad_norm_`)"
+            if s.clip_scope == "stage" else "one global norm")
+    measure = (f"held-out loss on {s.n_eval} fixed validation batches ({s.n_eval * s.batch * s.seq} tokens) every "
+               f"{s.eval_every} steps and at the last, at the current weights" if heldout(s) else
+               f"trailing mean of {s.window} steps of the training loss the pipeline reports")
     return [
         f"- regime `{s.regime}`: {s.steps} steps, lr {s.lr:g}, linear warmup {s.warmup} steps "
-        f"({s.warmup_frac:.0%}), cosine to 0.1 lr; betas (0.9, 0.999), eps 1e-8, weight decay 0.01, clip 1.0",
+        f"({s.warmup_frac:.0%}), cosine to 0.1 lr; betas (0.9, 0.999), eps 1e-8, weight decay 0.01, clip 1.0: {clip}",
         f"- model: dense LLaMA, {s.n_layers} layers, d_model {s.d_model}, {s.n_heads} heads, d_ff {s.d_ff}; "
         f"batch {s.batch} x seq {s.seq} bytes of the stdlib-sources corpus; seed {s.seed} (same init and batches "
-        f"for every run); final validation loss over {s.n_eval} batches",
+        f"for every run)",
         f"- stages S: {', '.join(map(str, s.stages))}; stage s of S computes its gradient on weights S-1-s "
         "updates old (weight stashing, `boostjax.optim.delay`)",
-        f"- PipeDream-LR: lr / τ^(1 - min(t/T_c, 1)) per stage (τ its delay), T_c = {s.t_c} steps "
-        f"({s.tc_frac:.1%} of the run"
-        + ("; the earlier setting" if s.legacy_baselines else
-           ": the basis-rotation README's 250 epochs with --lr_correction_epoch 7; AsyncPP's own run: 7/50 = 14 %") + ")",
+        f"- PipeDream-LR: lr / τ^(1 - min(t/T_c, 1)) per stage (τ its delay), T_c = {s.t_c} steps ({tc_note})",
         f"- Nesterov: {nesterov}",
         f"- basis rotation: bilateral, 2nd-order (Gram) source, refresh every {cfg.rot_refresh} steps, "
         f"Gram EMA β {cfg.rot_beta:g}; order 'previous' (project G_t on bases from G_<=t-1, SOAP) unless "
         "'reference order' (Gram EMA with G_t, refresh at step 1 and t % 10 == 0, then project, as the "
         "authors' `BasisRotation.step`); stage-aware: deeper-delayed stages refresh more often",
-        f"- smoothing: trailing mean of {s.window} steps of the training loss the pipeline reports; "
-        f"extra targets at {', '.join(f'{f:.0%}' for f in s.extra_fracs)} of the budget",
+        f"- measured: {measure}; extra targets at {', '.join(f'{f:.0%}' for f in s.extra_fracs)} of the budget",
     ]
+
+
+def rule_lines(s: Settings) -> list[str]:
+    smax = max(s.stages)
+    what = "held-out loss" if heldout(s) else "smoothed training loss"
+    at = "first evaluation" if heldout(s) else "first step"
+    return [
+        f"Per optimizer (each compared with its own synchronous run): headline target L* = the final {what} of "
+        f"its S = {smax} run; slowdown(S) = {at} at which its S-run's {what} <= L* / the same for its S = 1 run. "
+        f"Budget reading: the S = {smax} run counted as needing its whole budget, {s.steps} / the S = 1 run's "
+        f"{at} at L*. Extra targets: its own S = 1 {what} at a fraction of the budget. '> budget' marks runs "
+        "that never reach the target (slowdown then a lower bound, budget / iters(S = 1)); diverged runs never "
+        "reach it. 'vs AdamW S=1' divides by the step AdamW's S = 1 run reaches the same target (extra "
+        "information only)."]
 
 
 def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command: str, platform: str,
@@ -374,27 +461,26 @@ def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command
         "corpus, vs the paper's 32-layer n_embd-384 GPT on OpenWebText (block 512), on many GPUs; the pipeline "
         "is emulated (exact stale gradients), not run.",
         f"- {s.steps} steps vs 250 epochs; warmup {s.warmup_frac:.0%} (reference: 3 of 250 epochs = 1.2 %; "
-        "AsyncPP 3 of 50); clip 1.0 (reference README 1; AsyncPP 10).",
+        "AsyncPP 3 of 50); clip 1.0 (reference README 1; AsyncPP 10)"
+        + ("; global-norm clipping (the reference clips per stage)." if s.clip_scope == "global" else "."),
+        *([f"- {DEVIATIONS[o]}" for o in s.optimizers if o in DEVIATIONS]),
         "",
         "## Rule",
         "",
-        "Per optimizer (each compared with its own synchronous run): headline target L* = the final smoothed "
-        f"loss of its S = {smax} run; slowdown(S) = first step its S-run's smoothed loss <= L* / first step its "
-        "S = 1 run's <= L*. Extra targets: its own S = 1 smoothed loss at a fraction of the budget. "
-        "'> budget' marks runs that never reach the target (slowdown then a lower bound, budget / iters(S = 1)); "
-        "diverged runs never reach it. 'vs AdamW S=1' divides by the step AdamW's S = 1 run reaches the same "
-        "target (extra information only).",
+        *rule_lines(s),
         "",
         f"## Slowdown from S = 1 to S = {smax}, beside the paper (32 stages)",
         "",
-        "| optimizer | L* (own S_max final) | " + " | ".join(f"own S=1 @ {e['target_frac']:.0%}" for e in extras)
-        + " | paper (S = 32) |",
-        "|---|" + "---:|" * (len(extras) + 2),
+        "| optimizer | L* (own S_max final) | budget reading | "
+        + " | ".join(f"own S=1 @ {e['target_frac']:.0%}" for e in extras) + " | paper (S = 32) |",
+        "|---|" + "---:|" * (len(extras) + 3),
     ]
     lo, hi = PAPER["baselines_slowdown_32"]
     for opt in s.optimizers:
-        cells = [_slow(_find(e, opt, smax)) for e in [main, *extras]]
-        paper = f"{PAPER['rotation_slowdown_32']:.2f}x" if opt.startswith("rotation") else f"{lo}-{hi}x (baselines)"
+        head = _find(main, opt, smax)
+        cells = [_slow(head), _slow(head, "slowdown_budget"), *(_slow(_find(e, opt, smax)) for e in extras)]
+        paper = (f"{PAPER['rotation_slowdown_32']:.2f}x" if opt.startswith("rotation") else
+                 "not in the paper" if opt in DEVIATIONS else f"{lo}-{hi}x (baselines)")
         lines.append(f"| {label(s, opt)} | " + " | ".join(cells) + f" | {paper} |")
     lines += ["", "## Every run (headline rule)", "",
               "| optimizer | S | L* | iters to L* | slowdown vs own S=1 | vs AdamW S=1 | "
@@ -431,9 +517,8 @@ def plot(s: Settings, main: dict, runs: list[dict]):
                      fillstyle="none" if r["lower_bound"] else "full")
         for r in runs:
             if r["optimizer"] == opt and r["stages"] in (1, smax):
-                sm = trailing_mean(r["losses"], s.window)
-                ax2.plot(np.arange(1, len(sm) + 1), sm, "-" if r["stages"] > 1 else ":", color=color, lw=1.2,
-                         label=f"{opt} S={r['stages']}")
+                x, y = rule_curve(s, r)
+                ax2.plot(x, y, "-" if r["stages"] > 1 else ":", color=color, lw=1.2, label=f"{opt} S={r['stages']}")
         if main["targets"].get(opt) is not None:
             ax2.axhline(main["targets"][opt], color=color, lw=0.6, ls="--")
     ax1.set_xscale("log", base=2)
@@ -444,9 +529,9 @@ def plot(s: Settings, main: dict, runs: list[dict]):
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
     ax2.set_xlabel("step")
-    ax2.set_ylabel(f"training loss (trailing mean, {s.window} steps)")
+    ax2.set_ylabel("held-out loss" if heldout(s) else f"training loss (trailing mean, {s.window} steps)")
     ax2.set_title(f"(b) loss curves, S=1 (dotted) and S={smax} (solid); dashed: L*", fontsize=10)
-    lows = [float(np.nanmin(trailing_mean(r["losses"], s.window))) for r in runs if r["losses"]]
+    lows = [float(np.nanmin(rule_curve(s, r)[1])) for r in runs if len(rule_curve(s, r)[1])]
     tops = [t for t in main["targets"].values() if t is not None]
     ax2.set_ylim(min(lows, default=0.0) - 0.05, max(tops, default=3.0) + 1.0)
     ax2.legend(fontsize=7, ncol=2)
@@ -554,7 +639,10 @@ def _check_settings(p: argparse.ArgumentParser, s: Settings) -> None:
     """Refuse bad settings in one line (exit 2) before anything is written or compiled."""
     bad = [f"--{flag}: {value} must lie in {span}" for flag, value, ok, span in (
         ("warmup-frac", s.warmup_frac, 0 <= s.warmup_frac < 1, "[0, 1)"),
-        ("tc-frac", s.tc_frac, 0 < s.tc_frac <= 1, "(0, 1]"),
+        ("tc-frac", s.tc_frac, 0 <= s.tc_frac <= 1, "[0, 1] (0 = 7/3 of the warmup)"),
+        ("nesterov-psi", s.nesterov_psi, s.nesterov_psi == -1 or 0 <= s.nesterov_psi < 1e3, "-1 or [0, 1000)"),
+        ("eval-every", s.eval_every, s.eval_every >= 0, "[0, ...) (0 = the smoothed-training-loss rule)"),
+        ("n-eval", s.n_eval, s.n_eval >= 1, "[1, ...)"),
         ("extra-fracs", s.extra_fracs, all(0 < f <= 1 for f in s.extra_fracs), "(0, 1]"),
         ("steps", s.steps, s.steps >= 1, "[1, ...)")) if not ok]
     unknown = [o for o in s.optimizers if o not in OPTIMIZERS]
@@ -580,10 +668,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--extra-fracs", help="comma list of fractions of the budget for the own-S=1 targets ('' for none)")
     p.add_argument("--reuse", type=pathlib.Path, help="earlier results JSON (same settings) whose runs to keep")
     p.add_argument("--rerun", default="", help="with --reuse: comma list of optimizers to run again")
-    for flag, kind in (("layers", int), ("d-model", int), ("heads", int), ("d-ff", int), ("steps", int),
-                       ("batch", int), ("seq", int), ("lr", float), ("warmup-frac", float), ("tc-frac", float),
-                       ("seed", int), ("window", int), ("n-eval", int), ("jobs", int)):
-        p.add_argument(f"--{flag}", type=kind)
+    p.add_argument("--clip-scope", choices=("global", "stage"),
+                   help="gradient clipping: each stage's own norm (the reference; default) or one global norm")
+    for flag, kind, what in (
+            ("layers", int, "model layers (32)"), ("d-model", int, "model width (32)"), ("heads", int, "heads (4)"),
+            ("d-ff", int, "MLP width (96)"), ("steps", int, "the budget (regime default)"),
+            ("batch", int, "sequences per step (8)"), ("seq", int, "tokens per sequence (32)"),
+            ("lr", float, "peak learning rate (regime default)"),
+            ("warmup-frac", float, "linear warmup as a fraction of the steps (regime default)"),
+            ("tc-frac", float, "PipeDream-LR's T_c as a fraction of the steps (0 = 7/3 of the warmup)"),
+            ("nesterov-psi", float, "torch NAdam's momentum decay (-1 = mu_t reaches 0.9 at 4 %% of the run)"),
+            ("eval-every", int, "held-out loss every N steps (50; 0 = the smoothed-training-loss rule)"),
+            ("seed", int, "seed of the init and the batch order (0)"),
+            ("window", int, "trailing-mean window of the training-loss curve (20)"),
+            ("n-eval", int, "validation batches of every held-out loss (16)"),
+            ("jobs", int, "runs in parallel processes (2)")):
+        p.add_argument(f"--{flag}", type=kind, help=what)
     args = p.parse_args(argv)
     command = results_io.command_line("staleness", argv)
     log = functools.partial(print, flush=True)

@@ -256,3 +256,46 @@ def test_rotation_with_stage_aware_refresh_in_delayed_training():
         losses.append(float(metrics["loss"]))
     assert np.all(np.isfinite(losses)) and int(state.delay.step) == 5
     assert rotated_state(state.opt_state).basis_l["layers"][0]["w"].shape == (D, D)
+
+
+def test_clip_by_stage_norm_by_hand_and_one_stage_is_global():
+    """Stage 0 holds `embed` (norm 5: scaled to 1/5) and layer 0 of the stack; stage 1 holds layer 1 and
+    the head (norm 0.5: under the threshold, untouched)."""
+    from boostjax.optim.pipedream import clip_by_stage_norm
+
+    g = {"embed": jnp.asarray([3.0, 0.0]), "layers": jnp.asarray([[0.0, 4.0], [0.3, 0.0]]),
+         "head": jnp.asarray([0.0, 0.4])}
+    stages = {"embed": 0, "layers": (0, 1), "head": 1}
+    out, _ = clip_by_stage_norm(stages, 2, 1.0).update(g, clip_by_stage_norm(stages, 2, 1.0).init(g))
+    np.testing.assert_allclose(out["embed"], [0.6, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(out["layers"], [[0.0, 0.8], [0.3, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(out["head"], [0.0, 0.4], rtol=1e-6)
+    one = jax.tree.map(lambda s: 0 if isinstance(s, int) else (0, 0), stages, is_leaf=lambda s: isinstance(s, tuple))
+    got, _ = clip_by_stage_norm(one, 1, 1.0).update(g, None)
+    want, _ = optax.clip_by_global_norm(1.0).update(g, optax.clip_by_global_norm(1.0).init(g))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_by_stage_norm(stages, 2, 0.0)
+
+
+def test_stage_clip_scope_in_the_registry_clips_each_stage():
+    """`clip_scope="stage"` is per-stage clipping, then the optimizer: with one stage's gradient 1e4 times
+    the others, that stage alone is brought to the threshold (global clipping would shrink all four)."""
+    from boostjax.optim.pipedream import clip_by_stage_norm
+
+    params = _params()
+    stages = assign_stages(params, N_LAYERS, 4)
+    g = jax.tree.map(jnp.ones_like, params)
+    g["embed"] = g["embed"] * 1e4
+    clipped, _ = clip_by_stage_norm(stages, 4, 1.0).update(g, None)
+    sq = {}
+    for leaf, sid in zip(jax.tree.leaves(clipped), jax.tree.structure(params).flatten_up_to(stages)):
+        for s, x in ([(s, leaf[i]) for i, s in enumerate(sid)] if isinstance(sid, tuple) else [(sid, leaf)]):
+            sq[s] = sq.get(s, 0.0) + float(jnp.sum(x * x))
+    unclipped = {s: v for s, v in sq.items() if s != 0}
+    assert abs(sq[0] ** 0.5 - 1.0) < 1e-5 and all(v ** 0.5 > 1.0 for v in unclipped.values()), sq
+    opt = make_optimizer("adamw", lr=1e-2, clip=1.0, clip_scope="stage", stages_tree=stages, n_stages=4)
+    want = optax.chain(clip_by_stage_norm(stages, 4, 1.0), optax.adamw(1e-2, weight_decay=0.01))
+    _close(opt.update(g, opt.init(params), params)[0], want.update(g, want.init(params), params)[0], atol=0)
+    with pytest.raises(ValueError, match="clip_scope"):
+        make_optimizer("adam8bit", clip=1.0, clip_scope="stage", stages_tree=stages, n_stages=4)

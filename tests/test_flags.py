@@ -73,12 +73,14 @@ def test_the_resume_sets_follow_the_fields():
         "steps", "lr", "min_lr_ratio", "warmup", "weight_decay", "b1", "b2", "clip", "dtype", "out",
         "ckpt_every", "keep_ckpts", "log_every", "eval_every", "eval_batches", "strategy", "mesh",
         "microbatches", "pipeline_schedule", "zero", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh",
-        "delay_lr_tc", "offload_plan", "progress", "coordinator", "num_processes", "process_id", "init_timeout",
+        "clip_scope", "offload_plan", "progress", "coordinator", "num_processes", "process_id", "init_timeout",
         "tensorboard", "profile", "hardware"}
     assert folder.MUTABLE_MODEL == {"attention", "attention_block", "bos_token_id", "eos_token_ids", "pad_token_id"}
     assert folder.IGNORED == {"out", "progress", "coordinator", "num_processes", "process_id"}
     assert folder.FOLLOW_STORED == {"only_lr_act", "norm_eps", "auto_dense"}
     assert folder.LEGACY_MODEL == {"only_lr_act": False, "auto_dense": False}
+    assert folder.FOLLOW_STORED_TRAIN == {"delay_lr_tc", "nesterov_psi"}
+    assert folder.LEGACY_TRAIN == {"nesterov_psi": 0.004}
 
 
 def test_a_field_without_help_or_with_an_unknown_policy_is_refused():

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from boostjax.config import TrainConfig
@@ -72,3 +73,18 @@ def test_state_specs_moments_follow_params_counters_replicated():
     assert len(inner) == 1
     st = inner[0]
     assert st.mu == specs and st.nu == specs and st.count == P() and st.mu_product == P()
+
+
+def test_run_scaled_momentum_decay_and_pipedream_lr_tc():
+    """psi -1: mu_t = 0.99 (1 - 0.96^(psi t) / 2) reaches 0.9 at 4 % of the run (t = 120 of 3000), as
+    torch's 0.004 does at step ~10.4k of the reference's ~250k; T_c 0 = 7/3 of the warmup."""
+    from boostjax.config import delay_lr_tc_steps, nesterov_psi
+    from boostjax.optim.registry import hyper
+
+    t = TrainConfig(steps=3000, warmup=300)
+    psi = nesterov_psi(t)
+    assert 0.99 * (1 - 0.5 * 0.96 ** (psi * 120)) == pytest.approx(0.9, rel=1e-9)
+    assert 0.99 * (1 - 0.5 * 0.96 ** (0.004 * 10440)) == pytest.approx(0.9, abs=2e-5)
+    assert nesterov_psi(TrainConfig(nesterov_psi=0.004)) == 0.004
+    assert delay_lr_tc_steps(t) == 700 and delay_lr_tc_steps(TrainConfig(delay_lr_tc=56)) == 56
+    assert hyper(t).momentum_decay == psi and hyper(t).t_c == 700

@@ -19,7 +19,8 @@ def test_helpers_and_per_optimizer_targets():
     assert st.steps_to_target(np.array([5.0, np.nan, 3.0, 2.0]), 3.0) == 3
     assert st.steps_to_target(np.array([5.0, np.nan]), 3.0) is None
     # two optimizers, S in {1, 4}, window 1: each gets its own L* = its S = 4 final loss
-    s = st.Settings(optimizers=("adamw", "rotation"), stages=(1, 4), steps=6, window=1, extra_fracs=(0.5,))
+    s = st.Settings(optimizers=("adamw", "rotation"), stages=(1, 4), steps=6, window=1, extra_fracs=(0.5,),
+                    eval_every=0)  # the smoothed-training-loss rule (results stored without held-out curves)
     run = lambda o, n, xs: {"optimizer": o, "stages": n, "losses": xs, "diverged": False,  # noqa: E731
                             "final_val_loss": 0.0, "compile_s": 0.0, "train_s": 0.0, "step_ms": 0.0}
     runs = [run("adamw", 1, [6, 5, 4, 3, 2, 1]), run("adamw", 4, [6, 6, 5, 5, 4, 4]),
@@ -36,16 +37,41 @@ def test_helpers_and_per_optimizer_targets():
     assert rows[("adamw", 4)]["slowdown"] == 5 / 3 and rows[("rotation", 1)]["slowdown"] == 1.0
 
 
+def test_heldout_rule_and_budget_reading_by_hand():
+    """Held-out losses every 2 steps of 8: L* = the S = 4 run's final held-out loss (3.0); S = 1 reaches
+    it at its evaluation of step 4, S = 4 at step 6 (its step-8 value is the target itself): slowdown
+    6 / 4; the budget reading counts S = 4 as needing all 8 steps: 8 / 4. The training losses do not
+    enter (they say the opposite here)."""
+    st = _load()
+    s = st.Settings(optimizers=("adamw",), stages=(1, 4), steps=8, eval_every=2, extra_fracs=(0.5,))
+    run = lambda n, val: {"optimizer": "adamw", "stages": n, "losses": [1.0] * 8, "diverged": False,  # noqa: E731
+                          "val_steps": [2, 4, 6, 8], "val_losses": val, "final_val_loss": val[-1],
+                          "compile_s": 0.0, "train_s": 0.0, "step_ms": 0.0}
+    runs = [run(1, [4.0, 2.9, 2.5, 2.0]), run(4, [5.0, 4.0, 3.0, 3.0])]
+    main = st.summarize(s, runs)
+    rows = {r["stages"]: r for r in main["rows"]}
+    assert main["targets"] == {"adamw": 3.0} and main["rule"] == "own S_max final held-out loss"
+    assert rows[4]["iters_to_target"] == 6 and rows[4]["slowdown"] == 6 / 4 and rows[4]["slowdown_budget"] == 8 / 4
+    assert rows[1]["slowdown_budget"] is None
+    half = st.summarize(s, runs, 0.5)  # own S = 1 held-out loss at step 4: 2.9, S = 4 never gets there
+    rows = {r["stages"]: r for r in half["rows"]}
+    assert half["targets"] == {"adamw": 2.9} and rows[4]["lower_bound"] and rows[4]["slowdown"] == 8 / 4
+    diverged = [runs[0], {**run(4, [5.0, None]), "val_steps": [2, 4], "diverged": True}]
+    assert st.summarize(s, diverged)["targets"] == {"adamw": None}  # no S_max final loss: no target
+
+
 def test_quick_run_resumes_and_writes_finite_results(tmp_path, capsys):
     st = _load()
     flags = ["--quick", "--out", str(tmp_path), "--layers", "2", "--stages", "1,2", "--steps", "12",
              "--optimizers", "adamw,rotation-ref", "--window", "3", "--n-eval", "1", "--seq", "16", "--batch", "2",
+             "--eval-every", "4",
              "--jobs", "1", "--extra-fracs", "0.5", "--lr", "1e-3", "--name", "staleness"]
     s = st.replace(st.QUICK, optimizers=("adamw", "rotation-ref"), stages=(1, 2), n_layers=2, steps=12, window=3,
-                   n_eval=1, seq=16, batch=2, jobs=1, extra_fracs=(0.5,), lr=1e-3)
+                   n_eval=1, seq=16, batch=2, jobs=1, extra_fracs=(0.5,), lr=1e-3, eval_every=4)
     # as if an interrupted invocation had finished this run (made-up losses: one compile less)
     first = {"optimizer": "adamw", "stages": 1, "losses": [5.5 - 0.1 * k for k in range(12)], "diverged": False,
-             "compile_s": 1.0, "train_s": 1.0, "step_ms": 80.0, "final_val_loss": 4.5}
+             "compile_s": 1.0, "train_s": 1.0, "step_ms": 80.0, "final_val_loss": 4.5,
+             "val_steps": [4, 8, 12], "val_losses": [5.2, 4.9, 4.5]}
     (tmp_path / "staleness.partial.jsonl").write_text(
         json.dumps({"settings": st._settings_key(s)}) + "\n" + json.dumps(first) + "\n")
     res = st.main(flags)
@@ -56,7 +82,7 @@ def test_quick_run_resumes_and_writes_finite_results(tmp_path, capsys):
     assert (tmp_path / "staleness.png").stat().st_size > 1000
     assert [e["target_frac"] for e in on_disk["extra_targets"]] == [0.5]
     md = (tmp_path / "staleness.md").read_text()
-    assert "| PipeDream (AdamW + stashing) | 2 |" in md and "T_c = 1 steps" in md and "Gram EMA β 0.95" in md
+    assert "| PipeDream (AdamW + stashing) | 2 |" in md and "T_c = 2 steps" in md and "Gram EMA β 0.95" in md
     rows = {(r["optimizer"], r["stages"]): r for r in on_disk["rows"]}
     assert set(rows) == {("adamw", 1), ("adamw", 2), ("rotation-ref", 1), ("rotation-ref", 2)}
     for r in on_disk["rows"]:
@@ -64,6 +90,7 @@ def test_quick_run_resumes_and_writes_finite_results(tmp_path, capsys):
     assert rows[("adamw", 2)]["reached"] and rows[("adamw", 1)]["slowdown"] == 1.0
     for run in on_disk["runs"]:
         assert len(run["losses"]) == 12 and all(math.isfinite(v) for v in run["losses"])
+        assert run["val_steps"] == [4, 8, 12] and run["val_losses"][-1] == run["final_val_loss"]
         assert run["losses"][-1] < run["losses"][0]  # it trains
     assert on_disk["runs"][0] == json.loads(json.dumps(first))  # the resumed run, not a new one
     # re-render the stored JSON as a result made with the earlier baselines: old baselines named, same runs

@@ -3,6 +3,8 @@
 - PipeDream-LR: the update of a stage with delay τ is divided by `max(τ, 1) ^ (1 - min(t / T_c, 1))`,
                 t = number of updates already applied (0 at the first step, as optax schedules count).
 - Stage-aware refresh: basis-rotation refresh periods proportional to a stage's delay budget.
+- Per-stage clipping: every stage clips the norm of its own gradients, as each device of an
+                asynchronous pipeline does with its parameters (the reference's `clip_grad_norm_` per stage).
 
 A stacked leaf (a pipeline's layers `[L, ...]`) carries a tuple of per-layer stage ids (see
 `assign_stages`): its scale / period is per index of axis 0. PipeDream itself is plain AdamW under
@@ -79,3 +81,49 @@ def stage_refresh_periods(stages_tree: Any, n_stages: int, base: int = 10) -> An
         raise ValueError(f"stage_refresh_periods: base={base!r} must be an int >= 1; fix: e.g. base=10")
     return jax.tree.map(lambda tau: max(1, int(base * (n_stages + 1) / (2 * (1 + tau)) + 0.5)),
                         stage_delays(stages_tree, n_stages))
+
+
+class ClipByStageNormState(NamedTuple):
+    """No state: the per-stage norms are computed from each step's gradients."""
+
+
+def clip_by_stage_norm(stages_tree: Any, n_stages: int, max_norm: float) -> optax.GradientTransformation:
+    """Scale each stage's gradients by `min(1, max_norm / ‖g_stage‖)` (`optax.clip_by_global_norm`'s rule,
+    per stage). `stages_tree`: stage id per leaf (`assign_stages`), a tuple of per-layer ids along axis 0
+    for a stacked leaf. One stage is exactly global-norm clipping."""
+    if not max_norm > 0:
+        raise ValueError(f"clip_by_stage_norm: max_norm={max_norm!r} must be > 0; fix: e.g. 1.0")
+
+    def init_fn(params: Any) -> ClipByStageNormState:
+        del params
+        return ClipByStageNormState()
+
+    def update_fn(updates: Any, state: ClipByStageNormState, params: Any = None):
+        del params
+        treedef = jax.tree.structure(updates)
+        try:
+            ids = treedef.flatten_up_to(stages_tree)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"clip_by_stage_norm: stages_tree does not match the params ({err}); "
+                             "fix: build it with assign_stages(params, n_layers, n_stages)") from None
+        leaves = jax.tree.leaves(updates)
+        sq_s = jnp.zeros([n_stages], jnp.float32)
+        for u, sid in zip(leaves, ids):
+            if isinstance(sid, (tuple, list)):  # a stacked leaf: one row per layer
+                rows = jnp.sum(jnp.square(u.astype(jnp.float32)).reshape(u.shape[0], -1), axis=1)
+                sq_s = sq_s.at[jnp.asarray(sid, jnp.int32)].add(rows)
+            else:
+                sq_s = sq_s.at[int(sid)].add(jnp.sum(jnp.square(u.astype(jnp.float32))))
+        norm_s = jnp.sqrt(sq_s)
+        scale_s = jnp.where(norm_s < max_norm, 1.0, max_norm / jnp.maximum(norm_s, 1e-30))
+
+        def clip(u: Array, sid: Any) -> Array:
+            if isinstance(sid, (tuple, list)):
+                f = scale_s[jnp.asarray(sid, jnp.int32)].reshape(-1, *([1] * (u.ndim - 1)))
+            else:
+                f = scale_s[int(sid)]
+            return (u * f.astype(u.dtype)).astype(u.dtype)
+
+        return jax.tree.unflatten(treedef, [clip(u, sid) for u, sid in zip(leaves, ids)]), state
+
+    return optax.GradientTransformation(init_fn, update_fn)

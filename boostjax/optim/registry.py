@@ -18,12 +18,12 @@ import jax
 import optax
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import TrainConfig
+from boostjax.config import TrainConfig, delay_lr_tc_steps, nesterov_psi
 from boostjax.optim.adam8bit import QTensor, adam8bit
 from boostjax.optim import rotation
 from boostjax.optim.delay import stage_delays
 from boostjax.optim.nadam_torch import torch_nadamw
-from boostjax.optim.pipedream import scale_by_stage_delay, stage_refresh_periods
+from boostjax.optim.pipedream import clip_by_stage_norm, scale_by_stage_delay, stage_refresh_periods
 from boostjax.optim.schedule import lr_schedule
 
 
@@ -39,6 +39,7 @@ class Hyper:
     eps: float = 1e-8
     weight_decay: float = 0.01
     clip: float = 0.0
+    clip_scope: str = "global"
     stages: Any = None
     n_stages: int = 1
     t_c: int = 1000
@@ -117,19 +118,29 @@ def make(name: str, lr: optax.ScalarOrSchedule, h: Hyper, params_like: Any = Non
                          f"fix: use one of {', '.join([*OPTIMIZERS, *ALIASES])}")
     if h.clip < 0:
         raise ValueError(f"make_optimizer: clip={h.clip} must be >= 0 (0 disables); fix: e.g. clip=1.0")
-    if spec.needs_stages(h) and h.stages is None:
+    stage_clip = h.clip > 0 and h.clip_scope == "stage"
+    if h.clip_scope not in ("global", "stage") or (stage_clip and spec.fused_clip):
+        raise ValueError(f"make_optimizer: clip_scope={h.clip_scope!r} with {name!r}; fix: 'global', or 'stage' "
+                         "with an optimizer that does not fuse its clipping")
+    if (spec.needs_stages(h) or stage_clip) and h.stages is None:
         if h.n_stages > 1 or params_like is None:
             raise ValueError(f"make_optimizer: {name!r} with stage information needs stages_tree; "
                              "fix: pass stages_tree=assign_stages(params, n_layers, n_stages) and n_stages")
         h = replace(h, stages=_zero_stages(params_like))  # one stage: every delay is 0
     opt = spec.make(lr, h)
-    return optax.chain(optax.clip_by_global_norm(h.clip), opt) if h.clip > 0 and not spec.fused_clip else opt
+    if h.clip <= 0 or spec.fused_clip:
+        return opt
+    clip = clip_by_stage_norm(h.stages, h.n_stages, h.clip) if stage_clip else optax.clip_by_global_norm(h.clip)
+    return optax.chain(clip, opt)
 
 
 def hyper(t: TrainConfig, *, rotation_mask: Any = None, stages: Any = None) -> Hyper:
-    """The hyperparameters of `t` (eps, Nesterov's b1 and momentum decay keep their defaults: not configurable)."""
-    return Hyper(b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, clip=t.clip, stages=stages,
-                 n_stages=t.pipeline_delay, t_c=t.delay_lr_tc, source=t.rot_source, geometry=t.rot_geometry,
+    """The hyperparameters of `t` (eps and Nesterov's b1 keep their defaults: not configurable; T_c and
+    Nesterov's momentum decay resolved from the run's length, `delay_lr_tc_steps` / `nesterov_psi`)."""
+    h0 = Hyper()
+    return Hyper(b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, clip=t.clip, clip_scope=t.clip_scope, stages=stages,
+                 n_stages=t.pipeline_delay, t_c=delay_lr_tc_steps(t),
+                 momentum_decay=nesterov_psi(t, h0.nesterov_b1), source=t.rot_source, geometry=t.rot_geometry,
                  refresh_every=t.rot_refresh, stage_aware_refresh=t.stage_aware_refresh, order=t.rot_order, basis_beta=t.rot_beta,
                  max_dim=t.rot_max_dim, rotation_mask=rotation_mask)
 
@@ -178,7 +189,7 @@ def make_optimizer(
     **kw: Any,
 ) -> optax.GradientTransformation:
     """A named optimizer from keyword hyperparameters (the fields of `Hyper`: b1, b2, eps,
-    weight_decay, clip, n_stages, t_c, nesterov_b1, momentum_decay, source, geometry, refresh_every,
+    weight_decay, clip, clip_scope, n_stages, t_c, nesterov_b1, momentum_decay, source, geometry, refresh_every,
     stage_aware_refresh, order, basis_beta, max_dim, rotation_mask), clipping first when `clip > 0`.
 
     The Python-API counterpart of `build_optimizer` (which reads a `TrainConfig` and injects the

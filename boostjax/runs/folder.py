@@ -52,6 +52,9 @@ LEGACY_MODEL: dict[str, Any] = legacy_values(ModelConfig)
 # Model fields whose default or preset value changed: a CLI resume that does not give the flag keeps the
 # run's stored value (`boostjax.training.prepare.resolve_config`); given, a differing value is refused as usual.
 FOLLOW_STORED: frozenset[str] = fields_with(ModelConfig, "follow-stored")
+# The same for training fields (PipeDream-LR's T_c and Nesterov's momentum decay became scaled to the run).
+FOLLOW_STORED_TRAIN: frozenset[str] = fields_with(TrainConfig, "follow-stored")
+LEGACY_TRAIN: dict[str, Any] = legacy_values(TrainConfig)
 EXPORT_MARK = "boostjax_export"  # key of an exported config.json (transformers keeps unknown keys)
 # Training fields a resume neither checks nor records (where the run is, how a process finds its job).
 IGNORED: frozenset[str] = fields_with(TrainConfig, "ignored")
@@ -92,7 +95,7 @@ def read_run_config(path: pathlib.Path) -> Config:
         # fields of an older or newer boostjax that this version does not know are dropped; a model field
         # added later reads as the value that reproduces the older run (LEGACY_MODEL)
         return Config(ModelConfig(**{**LEGACY_MODEL, **{k: v for k, v in d["model"].items() if k in known_m}}),
-                      TrainConfig(**{k: v for k, v in d["train"].items() if k in known_t}))
+                      TrainConfig(**{**LEGACY_TRAIN, **{k: v for k, v in d["train"].items() if k in known_t}}))
     except TypeError as e:
         raise ConfigError(f"{path}: not a boostjax run configuration ({e}); fix: restore the file, or pass "
                           f"another --out") from None

@@ -39,7 +39,7 @@ from boostjax.models.flops import param_count
 from boostjax.models.llama import abstract_model
 from boostjax.runs import relayout
 from boostjax.runs.checkpoint import step_dirs
-from boostjax.runs.folder import FOLLOW_STORED, RunFolder
+from boostjax.runs.folder import FOLLOW_STORED, FOLLOW_STORED_TRAIN, RunFolder
 from boostjax.runtime import multihost
 from boostjax.runtime.devices import simulate_for_mesh
 from boostjax.training import checks
@@ -84,7 +84,7 @@ def resolve_config(flags: Mapping[str, Any], preset: str | None = None) -> Confi
             model_given["vocab_size"] = vocab
     model = preset_shapes(preset or DEFAULT_PRESET, **model_given)
     train = TrainConfig(**{k: v for k, v in given.items() if k in TRAIN_FIELDS})
-    return Config(follow_stored(model, given, train.out), train)
+    return follow_stored(Config(model, train), given)
 
 
 def data_vocab(data: Any, dtype: Any) -> int | None:
@@ -100,17 +100,21 @@ def data_vocab(data: Any, dtype: Any) -> int | None:
         return None
 
 
-def follow_stored(model: ModelConfig, given: Mapping[str, Any], out: str) -> ModelConfig:
-    """A run folder's stored values of the model fields whose default changed (`FOLLOW_STORED`) when the
-    flags do not give them: the same command resumes a run of an older boostjax unchanged."""
+def follow_stored(cfg: Config, given: Mapping[str, Any]) -> Config:
+    """A run folder's stored values of the fields whose default changed (`FOLLOW_STORED`,
+    `FOLLOW_STORED_TRAIN`) when the flags do not give them: the same command resumes a run of an older
+    boostjax unchanged."""
+    out = cfg.train.out
     try:
         stored = RunFolder(out).stored_config() if isinstance(out, str) and out.strip() else None
     except (OSError, ValueError):  # an unreadable folder or config: opening the run folder names the problem
         stored = None
     if stored is None:
-        return model
-    keep = {k: getattr(stored.model, k) for k in FOLLOW_STORED if k not in given}
-    return dataclasses.replace(model, **keep)
+        return cfg
+    model = dataclasses.replace(cfg.model, **{k: getattr(stored.model, k) for k in FOLLOW_STORED if k not in given})
+    train = dataclasses.replace(cfg.train, **{k: getattr(stored.train, k) for k in FOLLOW_STORED_TRAIN
+                                              if k not in given})
+    return Config(model, train)
 
 
 # ----------------------------------------------------------------------------- 2. validate
