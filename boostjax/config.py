@@ -31,9 +31,11 @@ Strategy = Literal["none", "fullrank-tp", "vanilla-tp", "btp"]
 Dtype = Literal["float32", "bfloat16"]
 DataDtype = Literal["uint16", "uint32"]
 Remat = Literal["none", "full", "lowrank"]
-Optimizer = Literal["adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit"]
+Optimizer = Literal["adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit", "muon"]
 ZeroStage = Literal[0, 1, 3]
 PipelineSchedule = Literal["gpipe", "1f1b"]
+# the delays of the asynchronous-pipeline emulation (`boostjax.optim.delay.stage_delays`)
+DelaySchedule = Literal["pipedream", "2bw"]
 RotSource = Literal["second", "first"]
 RotOrder = Literal["previous", "current"]
 RotGeometry = Literal["bilateral", "unilateral"]
@@ -60,6 +62,7 @@ DATA, STAGE, MODEL = "data", "stage", "model"  # the device mesh's axis names: b
 MESH_AXES: tuple[str, ...] = (DATA, STAGE, MODEL)
 ZERO_STAGES: tuple[int, ...] = get_args(ZeroStage)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+DELAY_SCHEDULES: tuple[str, ...] = get_args(DelaySchedule)
 ROT_SOURCES: tuple[str, ...] = get_args(RotSource)
 ROT_ORDERS: tuple[str, ...] = get_args(RotOrder)
 ROT_GEOMETRIES: tuple[str, ...] = get_args(RotGeometry)
@@ -356,10 +359,15 @@ class TrainConfig:
     optimizer: Optimizer = option(
         "adamw", "optimizer: adamw (optax AdamW; PipeDream under --pipeline-delay), rotation (Adam in a rotated "
                  "Kronecker eigenbasis), pipedream-lr (AdamW, update scaled down by the stage delay), nesterov "
-                 "(torch NAdam), adam8bit (AdamW with block-wise 8-bit moments and fused clipping)")
+                 "(torch NAdam), adam8bit (AdamW with block-wise 8-bit moments and fused clipping), muon (Muon on the hidden "
+                 "matrices, update RMS matched to AdamW's so --lr carries over; AdamW on embeddings, head and "
+                 "vectors)")
     pipeline_delay: int = option(1, "emulate an asynchronous pipeline of S stages (PipeDream's weight "
                                     "stashing): stage s takes its gradient at weights S-1-s updates old; stages "
                                     "are contiguous layer groups (1 = no delay)")
+    delay_schedule: DelaySchedule = option(
+        "pipedream", "delays of --pipeline-delay S: pipedream (stage s is S-1-s updates behind) or 2bw "
+                     "(PipeDream-2BW: every stage one update behind whatever S; double-buffered weights)")
     rot_source: RotSource = option("second", "rotation: the basis from the second moment (EMA of G G^T / G^T G) "
                                              "or the first (the momentum's singular vectors)")
     rot_geometry: RotGeometry = option("bilateral", "rotation: rotate both sides of each matrix, or only the "
@@ -739,6 +747,7 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _need(m.n_layers % t.pipeline_delay == 0,
           f"train.pipeline_delay: {t.pipeline_delay} stages do not divide n_layers={m.n_layers}; "
           f"fix: pass {flag_of('pipeline_delay')} with a divisor of {m.n_layers}")
+    _validate_delay_schedule(t)
     _need(t.rot_source in ROT_SOURCES, f"train.rot_source: {t.rot_source!r}; fix: pass {flag_of('rot_source')} "
                                        f"{' or '.join(ROT_SOURCES)}")
     _need(t.rot_geometry in ROT_GEOMETRIES,
@@ -770,6 +779,18 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _validate_observe(t)
     _validate_doc_mask(t, m)
     _validate_init_factor(t, m)
+
+
+def _validate_delay_schedule(t: TrainConfig) -> None:
+    """--delay-schedule: a known name; the baselines built on PipeDream's per-stage delays refuse 2bw."""
+    flag = flag_of("delay_schedule")
+    _need(t.delay_schedule in DELAY_SCHEDULES, f"train.delay_schedule: {t.delay_schedule!r}; fix: pass {flag} "
+                                               f"{' or '.join(DELAY_SCHEDULES)}")
+    if t.delay_schedule == "2bw" and t.pipeline_delay > 1:
+        _need(t.optimizer != "pipedream-lr" and not t.stage_aware_refresh,
+              f"train.delay_schedule: 2bw gives every stage delay 1, and pipedream-lr / "
+              f"{flag_of('stage_aware_refresh')} scale by PipeDream's per-stage delays; fix: pass {flag} pipedream "
+              f"or another {flag_of('optimizer')} without {flag_of('stage_aware_refresh')}")
 
 
 def _validate_init_factor(t: TrainConfig, m: ModelConfig) -> None:

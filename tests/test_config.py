@@ -57,6 +57,10 @@ def test_invalid_model_configs(model, field):
     (dict(seq=8192), "train.seq"),
     (dict(optimizer="sgd"), "train.optimizer"),
     (dict(pipeline_delay=3), "train.pipeline_delay"),
+    (dict(delay_schedule="1bw"), "train.delay_schedule"),
+    (dict(delay_schedule="2bw", pipeline_delay=2, optimizer="pipedream-lr"), "train.delay_schedule"),
+    (dict(delay_schedule="2bw", pipeline_delay=2, optimizer="rotation", stage_aware_refresh=True),
+     "train.delay_schedule"),
     (dict(pipeline_schedule="1F1B", mesh="stage=2"), "train.pipeline_schedule"),
     (dict(warmup=50, steps=50), "train.warmup"),
     (dict(rot_beta=1.0), "train.rot_beta"),
@@ -142,9 +146,10 @@ def test_literal_fields_are_the_flags_choices():
     for name, names in (("strategy", config.STRATEGIES), ("dtype", config.DTYPES), ("remat", config.REMAT),
                         ("optimizer", config.OPTIMIZERS), ("zero", config.ZERO_STAGES),
                         ("pipeline_schedule", config.PIPELINE_SCHEDULES), ("rot_source", config.ROT_SOURCES),
-                        ("rot_geometry", config.ROT_GEOMETRIES), ("rot_order", config.ROT_ORDERS), ("data_dtype", config.DATA_DTYPES)):
+                        ("rot_geometry", config.ROT_GEOMETRIES), ("rot_order", config.ROT_ORDERS), ("data_dtype", config.DATA_DTYPES),
+                        ("delay_schedule", config.DELAY_SCHEDULES)):
         assert typing.get_args(hints[name]) == names, name
-    assert config.OPTIMIZERS == ("adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit")
+    assert config.OPTIMIZERS == ("adamw", "rotation", "pipedream-lr", "nesterov", "adam8bit", "muon")
     actions = {a.dest: a for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}
     assert tuple(actions["strategy"].choices) == config.STRATEGIES and actions["strategy"].type is str
     assert tuple(actions["zero"].choices) == (0, 1, 3) and actions["zero"].type is int

@@ -193,6 +193,44 @@ def test_emulation_equals_explicit_reference(n_stages):
         assert not np.allclose(np.asarray(plain["embed"]), np.asarray(p["embed"]), atol=1e-4)
 
 
+@pytest.mark.parametrize("n_stages", [1, 4])
+def test_2bw_every_stage_one_step_behind(n_stages):
+    """PipeDream-2BW (`schedule="2bw"`) on a 4-layer model: with S = 4 every leaf keeps a ring of 2
+    versions and step t takes its gradient at θ_{t-1} for every stage (θ_0 at t = 0), against a
+    hand-rolled loop that keeps every version; S = 1 is the synchronous run (no history at all)."""
+    n_layers, params, batches = 4, _params(n_layers=4), _batches(6)
+    stages = assign_stages(params, n_layers, n_stages)
+    lag = min(1, n_stages - 1)
+    assert set(jax.tree.leaves(stage_delays(stages, n_stages, "2bw"))) == {lag}
+    opt = optax.adamw(3e-2, weight_decay=0.01)
+    step = _delayed_step(opt)
+    state = TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), delay_init(params, stages, n_stages, "2bw"))
+    assert {x.shape[0] for x in jax.tree.leaves(state.delay.history)} == {lag + 1}
+    plain = TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), None)
+    grad, update = jax.jit(jax.value_and_grad(_loss)), jax.jit(opt.update)
+    versions, opt_state = [params], opt.init(params)
+    for t, batch in enumerate(batches):
+        at = versions[max(t - lag, 0)]
+        _close(delayed_params(state.delay), at, atol=0, rtol=0)  # every stage reads the version lag steps old
+        loss, g = grad(at, batch)
+        u, opt_state = update(g, opt_state, versions[-1])
+        versions.append(optax.apply_updates(versions[-1], u))
+        state, metrics = step(state, batch)
+        _close(state.params, versions[-1], atol=2e-6, rtol=2e-6)  # as test_emulation_equals_explicit_reference
+        np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=3e-6)
+        plain, _ = step(plain, batch)
+    if n_stages == 1:
+        _close(state.params, plain.params, atol=0, rtol=0)
+    else:  # the one-step delay is real
+        assert not np.allclose(np.asarray(plain.params["embed"]), np.asarray(state.params["embed"]), atol=1e-4)
+    stacked = {"layers": {"w": jnp.zeros((n_layers, 2, 2))}, "head": jnp.zeros((2, 2))}  # a pipeline's layout
+    ds = delay_init(stacked, assign_stages(stacked, n_layers, n_stages), n_stages, "2bw")
+    assert ds.history["layers"]["w"].shape[0] == ds.history["head"].shape[0] == lag + 1
+    assert ds.lags["layers"]["w"].tolist() == [lag] * n_layers
+    with pytest.raises(ValueError, match="schedule '1bw'"):
+        stage_delays(stages, n_stages, "1bw")
+
+
 def test_delayed_params_versions_and_fill_phase():
     """Leaf-level check of the ring buffer: versions are integers pushed as constant arrays."""
     tree = {"embed": jnp.zeros(()), "layers": [jnp.zeros(()), jnp.zeros(())], "head": jnp.zeros(())}

@@ -102,9 +102,10 @@ def test_btp_training_matches_single_device_and_restores_sharded(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("optimizer", ["rotation", "pipedream-lr", "nesterov"])
-def test_delayed_optimizers_train(tmp_path, optimizer):
-    res = _run(tmp_path, optimizer, optimizer=optimizer, pipeline_delay=2, steps=30)
+@pytest.mark.parametrize("optimizer,schedule", [("rotation", "pipedream"), ("pipedream-lr", "pipedream"),
+                                               ("nesterov", "pipedream"), ("muon", "2bw")])
+def test_delayed_optimizers_train(tmp_path, optimizer, schedule):
+    res = _run(tmp_path, optimizer, optimizer=optimizer, pipeline_delay=2, delay_schedule=schedule, steps=30)
     # torch's NAdam (AsyncPP's Nesterov, beta1 0.99) weights the gradient by (1 - mu_t)/(1 - prod mu) -> ~0.5
     # and its un-bias-corrected momentum grows by 1 % a step, so its first 30 steps are ~0.6 of Adam's:
     # measured 0.83 here (rotation and PipeDream-LR stay under 0.8); a run that does not learn stays ~1.0

@@ -16,7 +16,9 @@ of a leaf with depth D sits in slot `u mod D`. A "no stashing" variant is not im
 Stacked layers (a pipeline's `layers` as one Block tree with leaves `[L, ...]`): such a leaf's stage
 is a tuple of per-layer stages; its ring is `max τ + 1` deep and `DelayState.lags` holds its
 per-layer delays (`int32[L]`), so layer l reads version `max(step - τ_l, 0)` of its own row.
-Paper (delays and weight stashing): https://arxiv.org/abs/2602.03515.
+PipeDream-2BW (`schedule="2bw"`, https://arxiv.org/abs/2006.09503): every stage computes on the
+weights one update old whatever S (`θ_{t+1} = θ_t - η·u(∇f(θ_{t-1}))`), so every ring holds 2 versions;
+S = 1 stays synchronous. Paper (delays and weight stashing): https://arxiv.org/abs/2602.03515.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
+
+from boostjax.config import DELAY_SCHEDULES
 
 
 class DelayState(NamedTuple):
@@ -104,20 +108,25 @@ def assign_stages(params: Any, n_layers: int, n_stages: int) -> Any:
     return jax.tree_util.tree_map_with_path(stage, params)
 
 
-def stage_delays(stages_tree: Any, n_stages: int) -> Any:
-    """τ = n_stages - 1 - stage for every leaf (python ints; a tuple of them for a stacked leaf)."""
+def stage_delays(stages_tree: Any, n_stages: int, schedule: str = "pipedream") -> Any:
+    """Every leaf's delay τ (python ints; a tuple of them for a stacked leaf): `n_stages - 1 - stage`
+    (pipedream), or `min(1, n_stages - 1)` for every stage (2bw: PipeDream-2BW's one-step delay)."""
+    if schedule not in DELAY_SCHEDULES:
+        raise ValueError(f"stage_delays: schedule {schedule!r}; fix: one of {', '.join(DELAY_SCHEDULES)}")
+
     def delay(s: Any) -> int:
         s = int(s)
         if not 0 <= s < n_stages:
             raise ValueError(f"stage_delays: stage {s} outside [0, {n_stages}); fix: build stages with the same n_stages")
-        return n_stages - 1 - s
+        return min(1, n_stages - 1) if schedule == "2bw" else n_stages - 1 - s
     return jax.tree.map(delay, stages_tree)
 
 
-def delay_init(params: Any, stages_tree: Any, n_stages: int) -> DelayState:
-    """Every leaf's ring buffer filled with `θ_0` (depth τ+1 from its stage, max τ + 1 when stacked)."""
+def delay_init(params: Any, stages_tree: Any, n_stages: int, schedule: str = "pipedream") -> DelayState:
+    """Every leaf's ring buffer filled with `θ_0` (depth τ+1 from its stage and `schedule`, max τ + 1
+    when stacked)."""
     treedef = jax.tree.structure(params)
-    delays = treedef.flatten_up_to(stage_delays(stages_tree, n_stages))
+    delays = treedef.flatten_up_to(stage_delays(stages_tree, n_stages, schedule))
     depth = [max(d) + 1 if isinstance(d, tuple) else d + 1 for d in delays]
     history = treedef.unflatten([jnp.repeat(jnp.asarray(p)[None], k, axis=0)
                                  for p, k in zip(jax.tree.leaves(params), depth)])

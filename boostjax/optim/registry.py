@@ -22,6 +22,7 @@ from boostjax.config import TrainConfig, delay_lr_tc_steps, nesterov_psi
 from boostjax.optim.adam8bit import QTensor, adam8bit
 from boostjax.optim import rotation
 from boostjax.optim.delay import stage_delays
+from boostjax.optim.muon import muon_adamw
 from boostjax.optim.nadam_torch import torch_nadamw
 from boostjax.optim.pipedream import clip_by_stage_norm, scale_by_stage_delay, stage_refresh_periods
 from boostjax.optim.schedule import lr_schedule
@@ -53,6 +54,10 @@ class Hyper:
     basis_beta: float = 0.95
     max_dim: int = 4096
     rotation_mask: Any = None
+    muon_beta: float = 0.95
+    ns_steps: int = 5
+    muon_nesterov: bool = True
+    muon_rms: float = 0.2
 
 
 def _adamw(lr: optax.ScalarOrSchedule, h: Hyper) -> optax.GradientTransformation:
@@ -79,6 +84,11 @@ def _adam8bit(lr: optax.ScalarOrSchedule, h: Hyper) -> optax.GradientTransformat
     return adam8bit(lr, b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=h.weight_decay, clip=h.clip)
 
 
+def _muon(lr: optax.ScalarOrSchedule, h: Hyper) -> optax.GradientTransformation:
+    return muon_adamw(lr, beta=h.muon_beta, ns_steps=h.ns_steps, nesterov=h.muon_nesterov, rms=h.muon_rms,
+                      b1=h.b1, b2=h.b2, eps=h.eps, weight_decay=h.weight_decay, mask=h.rotation_mask)
+
+
 @dataclass(frozen=True)
 class OptimizerDef:
     """`make(lr, hyper)`: the optimizer after clipping; `fused_clip`: it clips itself (global norm,
@@ -101,6 +111,7 @@ OPTIMIZERS: dict[str, OptimizerDef] = {
     "nesterov": OptimizerDef("Nesterov (torch NAdam, mu_t schedule): b1 0.99, decoupled weight decay", _nesterov),
     "adam8bit": OptimizerDef("AdamW with block-wise 8-bit moments and fused clipping", _adam8bit, fused_clip=True,
                              replicated=frozenset(QTensor._fields)),
+    "muon": OptimizerDef("Muon (Newton-Schulz, AdamW-matched RMS) on hidden matrices, AdamW on the rest", _muon),
 }
 # names accepted by `make_optimizer` besides the registry keys (the name a user passed before)
 ALIASES: dict[str, str] = {"pipedream": "adamw"}
@@ -135,8 +146,9 @@ def make(name: str, lr: optax.ScalarOrSchedule, h: Hyper, params_like: Any = Non
 
 
 def hyper(t: TrainConfig, *, rotation_mask: Any = None, stages: Any = None) -> Hyper:
-    """The hyperparameters of `t` (eps and Nesterov's b1 keep their defaults: not configurable; T_c and
-    Nesterov's momentum decay resolved from the run's length, `delay_lr_tc_steps` / `nesterov_psi`)."""
+    """The hyperparameters of `t` (eps, Nesterov's b1, Muon's β, Newton–Schulz steps, Nesterov flag and RMS
+    keep their defaults: not configurable; T_c and Nesterov's momentum decay resolved from the run's
+    length, `delay_lr_tc_steps` / `nesterov_psi`)."""
     h0 = Hyper()
     return Hyper(b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, clip=t.clip, clip_scope=t.clip_scope, stages=stages,
                  n_stages=t.pipeline_delay, t_c=delay_lr_tc_steps(t),
@@ -190,7 +202,8 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """A named optimizer from keyword hyperparameters (the fields of `Hyper`: b1, b2, eps,
     weight_decay, clip, clip_scope, n_stages, t_c, nesterov_b1, momentum_decay, source, geometry, refresh_every,
-    stage_aware_refresh, order, basis_beta, max_dim, rotation_mask), clipping first when `clip > 0`.
+    stage_aware_refresh, order, basis_beta, max_dim, rotation_mask, muon_beta, ns_steps, muon_nesterov,
+    muon_rms), clipping first when `clip > 0`.
 
     The Python-API counterpart of `build_optimizer` (which reads a `TrainConfig` and injects the
     learning rate). Names: the registry's, and "pipedream" (= "adamw", delays come from the

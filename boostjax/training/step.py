@@ -145,7 +145,7 @@ def step_layout(cfg: Config, graphdef, params_like: Any, placement: Placement | 
         history = None
         if t.pipeline_delay > 1:
             stages = delay.assign_stages(params, cfg.model.n_layers, t.pipeline_delay)
-            history = delay.delay_init(params_dev, stages, t.pipeline_delay)
+            history = delay.delay_init(params_dev, stages, t.pipeline_delay, t.delay_schedule)
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params_dev), history)
 
     like = jax.eval_shape(init_state, state_like)
