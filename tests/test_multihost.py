@@ -204,6 +204,7 @@ def test_scheduler_variables_give_the_process_group(nodefile):
 @pytest.mark.parametrize("environ, match", [
     ({k: v for k, v in _slurm(8, 5, 1).items() if k != "SLURM_NTASKS"}, "SLURM_NTASKS: not set"),
     (_slurm(8, "x", 1), "SLURM_PROCID: 'x' is not a non-negative integer"),
+    (_slurm(8, 5, 1, SLURM_STEP_NODELIST=""), "SLURM_STEP_NODELIST: .. names no node"),
     (_slurm(8, 8, 0), r"slurm: this process.s id 8 is not in \[0, 8\)"),
     (_slurm(8, 5, 1, JAX_COORDINATOR_PORT="http"), "JAX_COORDINATOR_PORT: 'http' is not a TCP port"),
     (_slurm(8, 5, 3, CUDA_VISIBLE_DEVICES="0,1"), "CUDA_VISIBLE_DEVICES: local rank 3 drives GPU 3 "),

@@ -35,7 +35,8 @@ from typing import Callable, Mapping
 
 from boostjax.config import ConfigError, MeshShape, validate_process_mesh
 
-ENV_VARS: tuple[str, str, str] = ("BOOSTJAX_COORDINATOR", "BOOSTJAX_NUM_PROCESSES", "BOOSTJAX_PROCESS_ID")  # before any entry
+# read before any entry (boostjax.runtime.multihost.resolve): a group given by hand
+ENV_VARS: tuple[str, str, str] = ("BOOSTJAX_COORDINATOR", "BOOSTJAX_NUM_PROCESSES", "BOOSTJAX_PROCESS_ID")
 DEFAULT_PORT = 61440
 ADDRESS, PORT = "JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT"  # JAX's own overrides, honoured by every entry
 
@@ -111,8 +112,10 @@ def _slurm(environ: Mapping[str, str]) -> Placement:
     names = ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
     n, i, local = (_int(environ, (name,), what, SLURM_FIX)[1] for name, what in
                    zip(names, ("the process count", "this process's id", "its rank on its node")))
-    return Placement(first_host(environ["SLURM_STEP_NODELIST"]), job_port(environ.get("SLURM_JOB_ID", "")),
-                     n, i, local)
+    host = first_host(environ["SLURM_STEP_NODELIST"])
+    if not host and n > 1 and not environ.get(ADDRESS, "").strip():
+        raise ConfigError(f"SLURM_STEP_NODELIST: {environ['SLURM_STEP_NODELIST']!r} names no node; fix: {SLURM_FIX}")
+    return Placement(host, job_port(environ.get("SLURM_JOB_ID", "")), n, i, local)
 
 
 def _slurm_emulate(n: int, i: int, nodes: int, port: int, folder: Path) -> dict[str, str]:
