@@ -394,9 +394,9 @@ class TrainConfig:
                                    "none", resume="mutable")
     progress: bool = option(True, "progress bars on stderr (--no-progress: none, e.g. in log files)",
                             resume="ignored")
-    # multi-host (boostjax.runtime.multihost): all three, or none to read SLURM / Open MPI / BOOSTJAX_* variables
+    # multi-host (boostjax.runtime.multihost): all three, or none to read BOOSTJAX_* or a scheduler's variables
     coordinator: str = option("", "multi-host: HOST:PORT of process 0's coordination service ('' = from "
-                                  "BOOSTJAX_COORDINATOR or SLURM / Open MPI)", resume="ignored")
+                                  "BOOSTJAX_COORDINATOR or a SLURM / mpiexec / Kubernetes job)", resume="ignored")
     num_processes: int = option(0, "multi-host: processes in the job (0 = from the environment, 1 process if "
                                    "none; 1 = force one)", resume="ignored")
     process_id: int = option(-1, "multi-host: this process's index, 0..num_processes-1 (-1 = from the "
@@ -893,7 +893,7 @@ def validate_processes(coordinator: str, num_processes: int, process_id: int, me
         return
     missing = [name for name, ok in zip(names, given) if not ok]
     _need(not missing, f"{missing[0] if missing else ''}: a multi-host job needs {flags} together; "
-                       "fix: pass all three (or none of them under SLURM / Open MPI, which JAX reads itself)")
+                       "fix: pass all three (or none of them in a SLURM, mpiexec or Kubernetes job, which is read from its variables)")
     host, sep, port = coordinator.rpartition(":")
     _need(bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
           f"{c_name}: {coordinator!r} is not HOST:PORT; fix: pass process 0's address and a free port, "

@@ -40,7 +40,8 @@ SLOW_FIRST = (
 
 
 def pytest_collection_modifyitems(items):
-    """Moves the SLOW_FIRST tests to the front, in that order (none of them uses a module-scoped fixture,
-    so nothing is set up twice); every other test keeps its place."""
+    """Moves the SLOW_FIRST tests to the front, in that order; every other test keeps its place. (Only
+    test_multihost's first job shares a module-scoped fixture, its single-process reference, with
+    tests collected later: a worker that runs both computes it once, the other worker once more.)"""
     rank = {nodeid: i for i, nodeid in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))

@@ -316,6 +316,9 @@ def test_comm_dump_hlo_is_checked_before_compiling(capsys, tmp_path):
     (["launch", "--", "train", "--mesh", "data=200", "--batch", "200"], "train.mesh"),
     (["launch", "--", "train", "--mesh", "data=2", "--lr", "nan"], "train.lr"),
     (["launch", "--", "train", "--mesh", "data=2", "--lr", "x"], "train.lr"),
+    (["launch", "--nodes", "2", "--", "train", "--mesh", "data=2"], "launch.nodes"),
+    (["launch", "--scheduler", "slurm", "--nodes", "3", "--", "train", "--mesh", "data=2"], "launch.nodes"),
+    (["launch", "--scheduler", "k8s", "--nodes", "1", "--", "train", "--mesh", "data=2"], "launch.nodes"),
 ])
 def test_launch_starts_nothing_on_bad_input(capsys, monkeypatch, argv, field):
     monkeypatch.setattr(boostjax.runtime.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))

@@ -2,6 +2,10 @@
 coordinator (`boostjax.runtime.launch.launch_local`).
 
     boostjax launch --num-processes 2 -- train --mesh data=2,model=2 --strategy btp --out runs/mh
+    boostjax launch -n 2 --scheduler slurm --nodes 1 -- train --mesh data=2,model=2 --out runs/mh
+
+With --scheduler the processes get no multi-host flags but the variables of that scheduler's job
+(SLURM tasks, mpiexec ranks under PBS, Kubernetes JobSet pods) and find their place from them.
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ def check_launch(args: argparse.Namespace) -> list[str]:
         if why:
             raise ConfigError(f"launch.port: port {args.port} {why} on this host; fix: pass another --port, or drop "
                               "it to use a free one")
+    if args.scheduler is None and args.nodes is not None:
+        raise ConfigError("launch.nodes: --nodes places the processes of an emulated job; fix: add --scheduler "
+                          "slurm (or mpiexec), or drop --nodes")
+    if args.nodes is not None and (args.nodes < 1 or n % args.nodes):
+        raise ConfigError(f"launch.nodes: {n} processes do not split evenly over {args.nodes} nodes; fix: pass "
+                          f"--nodes dividing {n}")
+    if args.scheduler == "k8s" and args.nodes not in (None, n):
+        raise ConfigError(f"launch.nodes: a Kubernetes job runs one process per pod; fix: drop --nodes (or pass "
+                          f"--nodes {n})")
     rest = list(args.command_line)
     if rest and rest[0] == "--":
         rest = rest[1:]
@@ -69,7 +82,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return 2 if e.code not in (0, None) else 0
     from boostjax.runtime.launch import launch_local
 
-    results = launch_local(rest, args.num_processes, port=args.port)
+    results = launch_local(rest, args.num_processes, port=args.port, scheduler=args.scheduler, nodes=args.nodes)
     bad = [r for r in results if r.returncode != 0]
     for r in bad:
         print(f"boostjax: process {r.process_id} exited with status {r.returncode}", file=sys.stderr)
@@ -78,8 +91,15 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Add `boostjax launch` to the CLI's subcommands."""
+    from boostjax.runtime.schedulers import BY_NAME  # imports no JAX
     p = sub.add_parser("launch", help="run a multi-host job as N local CPU processes (loopback coordinator)")
     p.add_argument("-n", "--num-processes", type=int, default=2, help="processes (default: 2)")
     p.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--scheduler", choices=list(BY_NAME), default=None,
+                   help="pass each process the variables of this scheduler's job instead of the multi-host flags "
+                        "(emulates srun, PBS mpiexec, a Kubernetes JobSet; default: the flags)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="with --scheduler: emulated nodes (loopback addresses) the processes are spread over "
+                        "(default: one process per node)")
     p.add_argument("command_line", nargs=argparse.REMAINDER, help="-- train FLAGS (without the multi-host flags)")
     p.set_defaults(func=_cmd_launch)

@@ -5,7 +5,9 @@
 runs `boostjax train ... --coordinator 127.0.0.1:PORT --num-processes 2 --process-id I` for I = 0, 1
 on a free port, each on its share of simulated CPU devices (JAX_PLATFORMS=cpu unless set), with
 gloo collectives between them: the code path of a real multi-node job, testable without a cluster.
-Output lines are prefixed with the process id; if one process fails the others are stopped.
+With `scheduler` ("slurm", "mpiexec", "k8s") no flags are passed: each process gets the variables that
+scheduler's launcher would set instead (`boostjax.runtime.schedulers.emulated_env`, `nodes` loopback
+nodes), and finds its place in the job from them as it would in the real job. Output lines are prefixed with the process id; if one process fails the others are stopped.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
+
+from boostjax.runtime.schedulers import emulated_env, scheduler_variables
 
 
 @dataclass(frozen=True)
@@ -36,10 +42,11 @@ def free_port() -> int:
 
 def launch_local(args: Sequence[str], num_processes: int = 2, *, port: int | None = None,
                  env: dict[str, str] | None = None, timeout: float | None = None,
-                 echo: bool = True) -> list[ProcessResult]:
+                 echo: bool = True, scheduler: str | None = None, nodes: int | None = None) -> list[ProcessResult]:
     """Run `python -m boostjax.cli *args` as `num_processes` processes of one job; wait for all.
 
-    `args` is a `train` command line without the three multi-host flags, which are added here. A
+    `args` is a `train` command line without the three multi-host flags, which are added here (or,
+    with `scheduler`, that scheduler's variables on `nodes` nodes, default one process per node). A
     process that exits non-zero (or a `timeout` in seconds) stops the others. With `echo`, output
     lines are printed as they come, prefixed `[I]`.
     """
@@ -51,11 +58,26 @@ def launch_local(args: Sequence[str], num_processes: int = 2, *, port: int | Non
     port = port or free_port()
     base_env = {**os.environ, **(env or {})}
     base_env.setdefault("JAX_PLATFORMS", "cpu")
+    with tempfile.TemporaryDirectory(prefix="boostjax-launch-") as folder:
+        if scheduler is None:
+            commands = [[*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(num_processes),
+                         "--process-id", str(i)] for i in range(num_processes)]
+            envs = [base_env] * num_processes
+        else:  # a real job's variables must not leak into the emulated one
+            clean = {k: v for k, v in base_env.items() if k not in scheduler_variables()}
+            commands = [list(args)] * num_processes
+            envs = [{**clean, **emulated_env(scheduler, num_processes, i, nodes or num_processes, port, Path(folder))}
+                    for i in range(num_processes)]
+        return _run(commands, envs, timeout, echo)
+
+
+def _run(commands: list[list[str]], envs: list[dict[str, str]], timeout: float | None,
+         echo: bool) -> list[ProcessResult]:
+    """Start `python -m boostjax.cli COMMAND` per process, wait for all (see `launch_local`)."""
     procs, outputs, readers = [], [], []
-    for i in range(num_processes):
-        cmd = [sys.executable, "-m", "boostjax.cli", *args, "--coordinator", f"127.0.0.1:{port}",
-               "--num-processes", str(num_processes), "--process-id", str(i)]
-        proc = subprocess.Popen(cmd, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for i, (args, env) in enumerate(zip(commands, envs)):
+        cmd = [sys.executable, "-m", "boostjax.cli", *args]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: list[str] = []
         reader = threading.Thread(target=_pump, args=(proc, lines, f"[{i}] " if echo else None), daemon=True)
         reader.start()

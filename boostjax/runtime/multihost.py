@@ -5,7 +5,9 @@ only when it was not run for this config (`is_set_up`). It finds the process gro
 
 1. the flags / `TrainConfig` fields `--coordinator HOST:PORT --num-processes N --process-id I`;
 2. the variables `BOOSTJAX_COORDINATOR`, `BOOSTJAX_NUM_PROCESSES`, `BOOSTJAX_PROCESS_ID`;
-3. a SLURM (`srun`) or Open MPI (`mpirun`) job of more than one task, detected by JAX itself;
+3. the variables of a SLURM (`srun`), `mpiexec` (PBS / Cray PALS, MPICH, Open MPI) or Kubernetes
+   JobSet job of more than one process (`boostjax.runtime.schedulers`, which also picks the GPUs of
+   its node each process drives);
 
 and otherwise runs as one process (`--num-processes 1` forces that). On CPU it simulates the
 process's share of the mesh's devices and uses gloo for cross-process collectives.
@@ -24,36 +26,18 @@ import re
 import socket
 import sys
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import jax
-from jax._src import (
-    clusters,  # JAX's own cluster detection (importing it starts no backend)
-)
 from jax.experimental import multihost_utils
 
 from boostjax.config import (
     ConfigError,
-    MeshShape,
     TrainConfig,
-    validate_process_mesh,
     validate_processes,
 )
 from boostjax.runtime.devices import _FLAG, _backend_started, simulate_devices
-
-ENV_VARS: tuple[str, str, str] = ("BOOSTJAX_COORDINATOR", "BOOSTJAX_NUM_PROCESSES", "BOOSTJAX_PROCESS_ID")
-AUTO_CLUSTERS: tuple[str, ...] = ("slurm", "ompi")  # JAX cluster environments read from variables only
-
-
-@dataclass(frozen=True)
-class ProcessGroup:
-    """Where this process sits in a multi-host job."""
-
-    num_processes: int
-    process_id: int
-    coordinator: str | None  # None: JAX reads it from the cluster environment
-    source: str  # "flags", "env", or the JAX cluster name ("slurm", "ompi")
+from boostjax.runtime.schedulers import ENV_VARS, ProcessGroup, detect
 
 
 def _env_int(environ: Mapping[str, str], name: str, unset: int) -> int:
@@ -64,18 +48,6 @@ def _env_int(environ: Mapping[str, str], name: str, unset: int) -> int:
         return int(raw)
     except ValueError:
         raise ConfigError(f"{name}: {raw!r} is not an integer; fix: export {name}=N or unset it") from None
-
-
-def _cluster_group(mesh: MeshShape | None) -> ProcessGroup | None:
-    """A SLURM / Open MPI job of > 1 tasks, as JAX's own auto-detection sees it."""
-    for env in clusters.ClusterEnv._cluster_types:
-        # getattr: jax 0.7's K8sCluster has no `name` (nor a default on the base class)
-        if getattr(env, "name", "") in AUTO_CLUSTERS and env.is_env_present():
-            n, i = env.get_process_count(), env.get_process_id()
-            if n > 1:
-                validate_process_mesh(n, mesh)
-                return ProcessGroup(n, i, None, env.name)
-    return None
 
 
 def resolve(t: TrainConfig, environ: Mapping[str, str] | None = None) -> ProcessGroup | None:
@@ -91,7 +63,7 @@ def resolve(t: TrainConfig, environ: Mapping[str, str] | None = None) -> Process
     if coordinator or n > 0 or i >= 0:
         validate_processes(coordinator, n, i, t.mesh, names=ENV_VARS)
         return None if n == 1 else ProcessGroup(n, i, coordinator, "env")
-    return _cluster_group(t.mesh)
+    return detect(environ, t.mesh)
 
 
 def local_device_count(t: TrainConfig, group: ProcessGroup | None) -> int:
@@ -125,7 +97,7 @@ def setup(t: TrainConfig) -> ProcessGroup | None:
     os.environ["XLA_FLAGS"] = re.sub(_FLAG + r"=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
     if local > 1:
         simulate_devices(local, "train.mesh")
-    if group.coordinator is not None and group.process_id == 0:
+    if group.process_id == 0:
         _check_port_free(group)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _initialize(group, t.init_timeout)
@@ -145,8 +117,16 @@ INIT_GRACE_S = 30  # JAX's own deadline runs this much after ours (it aborts the
 
 
 def _where(group: ProcessGroup) -> str:
-    at = group.coordinator or f"the {group.source} job's coordinator"
-    return f"process {group.process_id} of {group.num_processes} ({at})"
+    return f"process {group.process_id} of {group.num_processes} ({group.coordinator}, from {group.source})"
+
+
+def _address_setting(group: ProcessGroup) -> str:
+    """Where this group's coordinator address is set (a flag, or a variable of every process)."""
+    if group.source == "flags":
+        return "--coordinator HOST:PORT"
+    if group.source == "env":
+        return "BOOSTJAX_COORDINATOR=HOST:PORT"
+    return "JAX_COORDINATOR_ADDRESS=HOST:PORT (or JAX_COORDINATOR_PORT=PORT)"
 
 
 def port_in_use(port: int) -> str | None:
@@ -181,7 +161,7 @@ def _check_port_free(group: ProcessGroup) -> None:
     if why:
         raise ConfigError(f"train.coordinator: port {port} {why} on this host, where process 0 of "
                           f"{group.num_processes} must serve the coordinator; fix: pass a free port in "
-                          f"--coordinator HOST:PORT to every process of the job")
+                          f"{_address_setting(group)} to every process of the job")
 
 
 def _initialize(group: ProcessGroup, timeout: int) -> None:
@@ -193,10 +173,11 @@ def _initialize(group: ProcessGroup, timeout: int) -> None:
     deadline is set `INIT_GRACE_S` later as a backstop. Other failures (e.g. the coordinator's port
     cannot be served) raise, and become a `ConfigError`."""
 
+    n = group.num_processes
+    flags = f" (--process-id 0..{n - 1}, --num-processes {n})" if group.source == "flags" else ""
     msg = (f"train.coordinator: {_where(group)} waited {timeout} s for the job to assemble and gave up "
-           f"(a process never started, or the coordinator is unreachable); fix: start all {group.num_processes} "
-           f"processes (--process-id 0..{group.num_processes - 1}) with the same --coordinator and "
-           f"--num-processes {group.num_processes} within --init-timeout seconds, or raise --init-timeout")
+           f"(a process never started, or the coordinator is unreachable); fix: start all {n} processes{flags} "
+           f"with the same {_address_setting(group)} within --init-timeout seconds, or raise --init-timeout")
     done = threading.Event()
 
     def watchdog() -> None:
@@ -207,16 +188,14 @@ def _initialize(group: ProcessGroup, timeout: int) -> None:
 
     threading.Thread(target=watchdog, name="boostjax-init-watchdog", daemon=True).start()
     try:
-        if group.coordinator is None:  # JAX reads the SLURM / Open MPI environment itself
-            jax.distributed.initialize(initialization_timeout=timeout + INIT_GRACE_S)
-        else:
-            jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id,
-                                       initialization_timeout=timeout + INIT_GRACE_S)
+        ids = list(group.local_device_ids) if group.local_device_ids is not None else None
+        jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id, local_device_ids=ids,
+                                   initialization_timeout=timeout + INIT_GRACE_S)
     except Exception as e:
         why = " ".join(str(e).split())[:200]
         raise ConfigError(f"train.coordinator: {_where(group)} could not join the job ({why}); fix: check "
-                          f"--coordinator (process 0's HOST:PORT, reachable from every process) and "
-                          f"--num-processes {group.num_processes}") from None
+                          f"{_address_setting(group)} (process 0's node, reachable from every process) and "
+                          f"the process count {group.num_processes}") from None
     finally:
         done.set()
 
