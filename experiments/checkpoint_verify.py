@@ -203,16 +203,17 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     work = pathlib.Path(tempfile.mkdtemp(prefix="checkpoint-verify-", dir=args.dir))
-    try:
-        res = {"command": results_io.command_line("checkpoint_verify", argv), "repeats": args.repeats,
-               "hash_mb": args.hash_mb, "machine": f"{os.cpu_count()} CPU cores, "
-               f"blake3 {blake3.__version__}, numpy {np.__version__}",
-               "hashes": hash_rates(work, args.hash_mb, args.repeats),
-               "checkpoints": [checkpoint_times(work, gb, args.repeats) for gb in args.sizes_gb]}
+    res = {"command": results_io.command_line("checkpoint_verify", argv), "repeats": args.repeats,
+           "hash_mb": args.hash_mb, "machine": f"{os.cpu_count()} CPU cores, "
+           f"blake3 {blake3.__version__}, numpy {np.__version__}", "hashes": [], "checkpoints": []}
+    try:  # the results are written after each part, so that a run stopped early keeps what it measured
+        res["hashes"] = hash_rates(work, args.hash_mb, args.repeats)
+        for gb in args.sizes_gb:
+            res["checkpoints"].append(checkpoint_times(work, gb, args.repeats))
+            results_io.write(args.out, "checkpoint_verify", data=res, md=lambda: markdown(res),
+                             command=res["command"], started=t0, echo=gb == args.sizes_gb[-1])
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    results_io.write(args.out, "checkpoint_verify", data=res, md=lambda: markdown(res), command=res["command"],
-                     started=t0)
 
 
 if __name__ == "__main__":
