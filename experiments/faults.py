@@ -6,20 +6,20 @@ interrupted and resumed must end with the uninterrupted run's per-step losses, b
    metrics.jsonl gives the per-step loss (and grad norm, lr, final val loss) records.
 2. Campaign runs: the same command in a fresh run folder, then, over and over: wait (a random time
    after the start, a random number of newly logged steps, or until a checkpoint save is in flight:
-   an `*orbax-checkpoint-tmp*` folder or a step folder without SHA256SUMS), send SIGKILL, SIGINT or
+   an `*orbax-checkpoint-tmp*` folder or a step folder without BLAKE3SUMS), send SIGKILL, SIGINT or
    SIGTERM (SIGINT/SIGTERM sometimes twice), check the exit status (-9 / 130 / 143, or 0 when the
    run had already finished) and stderr, check the folder, maybe damage the newest checkpoint, and
    start the same command again, until the run finishes. The schedule (signals, triggers, damage
    kinds and the choice of files) is drawn from `--seed`; where a fault lands depends on timing.
-3. Damage to the newest checkpoint (when it has SHA256SUMS and an older step exists): flip 64 bytes
+3. Damage to the newest checkpoint (when it has BLAKE3SUMS and an older step exists): flip 64 bytes
    in the middle of its largest file, truncate a random file, delete a random file, delete its
    `data/` item. The next start must name it in one stderr line, move it to checkpoints-aside/ and
-   resume from the next older step. "Delete SHA256SUMS and flip 64 bytes" is applied to a copy of
+   resume from the next older step. "Delete BLAKE3SUMS and flip 64 bytes" is applied to a copy of
    the run folder (a *probe*): such a step is restored unverified by design, so the probe records
    what happened (which restored values changed, whether the losses still match) apart from the
    campaign's counts.
 4. Checks after every stop: metrics.jsonl holds steps 1..k once each, every record identical to
-   the reference; every checkpoint with SHA256SUMS verifies (hashed here, independently of
+   the reference; every checkpoint with BLAKE3SUMS verifies (hashed here, independently of
    boostjax); no checkpoint vanished except by pruning (`--keep-ckpts`) or being moved aside;
    nothing was moved aside that the campaign did not damage; Orbax temporary folders left by a kill
    are gone once the next start has begun a save. At the end of each campaign run the final
@@ -59,13 +59,13 @@ import results_io
 from results_io import log
 from faults_campaign import campaign_run
 from faults_checks import Campaign
-from faults_folder import MANIFEST, _sha256, compare, compare_ok, damage, verify
+from faults_folder import MANIFEST, _blake3, compare, compare_ok, damage, verify
 from faults_plan import DAMAGE_KINDS, QUICK, Settings, draw_damage_kinds
 from faults_process import classify_stderr, run_reference, subprocess_env
 from faults_report import markdown, summarize
 
 # what tests and other scripts use through this module, defined in its siblings
-__all__ = ["DAMAGE_KINDS", "MANIFEST", "QUICK", "Settings", "_sha256", "classify_stderr", "compare", "compare_ok",
+__all__ = ["DAMAGE_KINDS", "MANIFEST", "QUICK", "Settings", "_blake3", "classify_stderr", "compare", "compare_ok",
            "damage", "draw_damage_kinds", "main", "markdown", "run_campaign", "verify"]
 
 

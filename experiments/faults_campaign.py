@@ -1,6 +1,6 @@
 """One campaign run of the fault campaign: start the training command, wait for the fault's moment,
 send the signal(s), check the stop, maybe damage the newest checkpoint, start again, until the run
-finishes; and the probes, copies whose newest checkpoint lost its SHA256SUMS and 64 bytes."""
+finishes; and the probes, copies whose newest checkpoint lost its BLAKE3SUMS and 64 bytes."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def send(c: Campaign, a: Attempt, fault: dict, ignore_saves: set[str]) -> dict:
 
 def maybe_damage(c: Campaign, folder: pathlib.Path, remaining_faults: int, where: str) -> dict | None:
     """After a stop: damage the newest checkpoint with probability (damage left / faults left) when it
-    is eligible (it has SHA256SUMS, or for the probe kind at least exists, and an older step exists)."""
+    is eligible (it has BLAKE3SUMS, or for the probe kind at least exists, and an older step exists)."""
     if c.damage_done >= len(c.damage_plan):
         return None
     left = len(c.damage_plan) - c.damage_done
@@ -73,7 +73,7 @@ def maybe_damage(c: Campaign, folder: pathlib.Path, remaining_faults: int, where
     cks = checkpoints(folder)
     if len(cks) < 2 or (kind != PROBE and not cks[max(cks)]):
         return {"kind": kind, "skipped": f"not eligible now (checkpoints {sorted(cks)}, newest "
-                                         f"{'with' if cks and cks[max(cks)] else 'without'} SHA256SUMS)"}
+                                         f"{'with' if cks and cks[max(cks)] else 'without'} BLAKE3SUMS)"}
     newest = max(cks)
     expect_from = max(st for st in cks if st < newest)
     c.damage_done += 1
@@ -85,7 +85,7 @@ def maybe_damage(c: Campaign, folder: pathlib.Path, remaining_faults: int, where
 
 
 def probe_unverified(c: Campaign, folder: pathlib.Path, step: int, older: int, where: str) -> dict:
-    """Copy the run folder, delete the newest step's SHA256SUMS and flip 64 bytes, run the copy to the
+    """Copy the run folder, delete the newest step's BLAKE3SUMS and flip 64 bytes, run the copy to the
     end: what the restore did (unverified by design), which values changed, whether the losses match."""
     fork = c.scratch / f"probe-{len(c.probes) + 1}"
     shutil.copytree(folder, fork, ignore=shutil.ignore_patterns(".lock"))

@@ -1,21 +1,21 @@
 """A run folder as the fault campaign reads it, independently of boostjax: metrics.jsonl records,
-committed checkpoints and their SHA256SUMS (hashed here), Orbax temporary folders, checkpoints moved
+committed checkpoints and their BLAKE3SUMS (hashed here with the blake3 package), Orbax temporary folders, checkpoints moved
 aside; one checkpoint damaged in place; loss records compared bit for bit with the reference's."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
 import shutil
 import struct
 
+import blake3
 import numpy as np
 
 from faults_plan import PROBE
 
-MANIFEST, TMP, ASIDE = "SHA256SUMS", "orbax-checkpoint-tmp", "checkpoints-aside"
+MANIFEST, TMP, ASIDE = "BLAKE3SUMS", "orbax-checkpoint-tmp", "checkpoints-aside"
 
 
 # ---------------------------------------------------------------------------------- run folder
@@ -58,7 +58,7 @@ def history_start(folder: pathlib.Path, pid: int) -> int | None:
 
 
 def checkpoints(folder: pathlib.Path) -> dict[int, bool]:
-    """{step: has SHA256SUMS} of the committed steps."""
+    """{step: has BLAKE3SUMS} of the committed steps."""
     ck = folder / "checkpoints"
     try:
         names = os.listdir(ck)
@@ -90,7 +90,7 @@ def aside(folder: pathlib.Path) -> list[str]:
 
 
 def saves_in_flight(folder: pathlib.Path, ignore: set[str]) -> set[int]:
-    """Steps being saved: an Orbax temporary folder, or a committed step without SHA256SUMS yet."""
+    """Steps being saved: an Orbax temporary folder, or a committed step without BLAKE3SUMS yet."""
     ck = folder / "checkpoints"
     try:
         names = os.listdir(ck)
@@ -107,25 +107,25 @@ def saves_in_flight(folder: pathlib.Path, ignore: set[str]) -> set[int]:
     return out
 
 
-def _sha256(path: pathlib.Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _blake3(path: pathlib.Path) -> str:
+    return blake3.blake3(path.read_bytes()).hexdigest()
 
 
 def verify(step_dir: pathlib.Path) -> str | None:
-    """Why `step_dir` does not match its SHA256SUMS (None if it does); hashed here, not by boostjax."""
+    """Why `step_dir` does not match its BLAKE3SUMS (None if it does); hashed here, not by boostjax."""
     try:
         entries = [line.split("  ", 1) for line in (step_dir / MANIFEST).read_text().splitlines() if line.strip()]
     except FileNotFoundError:
-        return "no SHA256SUMS"
+        return f"no {MANIFEST}"
     listed = {rel for _, rel in entries}
     on_disk = {p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST}
     if on_disk - listed:
-        return f"files not in SHA256SUMS: {sorted(on_disk - listed)[:3]}"
+        return f"files not in {MANIFEST}: {sorted(on_disk - listed)[:3]}"
     for digest, rel in entries:
         p = step_dir / rel
         if not p.is_file():
             return f"{rel}: missing"
-        if _sha256(p) != digest:
+        if _blake3(p) != digest:
             return f"{rel}: checksum mismatch"
     return None
 
@@ -155,7 +155,7 @@ def damage(step_dir: pathlib.Path, kind: str, rng: np.random.Generator) -> str:
         largest = max(_files(step_dir), key=lambda p: p.stat().st_size)
         size = largest.stat().st_size
         mid = _flip(largest)
-        return f"{'deleted SHA256SUMS; ' if kind == PROBE else ''}inverted bytes {mid}..{mid + 64} of {rel(largest)} ({size} B)"
+        return f"{f'deleted {MANIFEST}; ' if kind == PROBE else ''}inverted bytes {mid}..{mid + 64} of {rel(largest)} ({size} B)"
     if kind == "truncate":
         files = [p for p in _files(step_dir) if p.stat().st_size > 0]
         p = files[rng.integers(len(files))]

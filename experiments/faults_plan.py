@@ -13,7 +13,7 @@ import numpy as np
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
 EXIT = {"SIGKILL": -9, "SIGINT": 130, "SIGTERM": 143}
 IN_PLACE = ("flip", "truncate", "delete-file", "delete-data")  # damage the campaign run's newest checkpoint
-PROBE = "nosums-flip"  # delete SHA256SUMS and flip: applied to a copy of the run folder
+PROBE = "nosums-flip"  # delete BLAKE3SUMS and flip: applied to a copy of the run folder
 DAMAGE_KINDS = (*IN_PLACE, PROBE)
 
 

@@ -35,7 +35,7 @@ FAULT_EXERCISES = {  # what each kind of fault exercises (for the report)
     "double signal": "a second SIGINT/SIGTERM 0-0.3 s after the first, usually while the final checkpoint is written: "
                      "must change nothing (one extra 'again' line)",
     "kill during save": "any signal while an asynchronous save is in flight (an *orbax-checkpoint-tmp* folder, or a "
-                        "committed step whose SHA256SUMS is not written yet)",
+                        "committed step whose checksums are not written yet)",
     "flip": "64 bytes inverted in the middle of the newest checkpoint's largest file (silent bit rot): only the "
             "checksums can see it",
     "truncate": "a random file of the newest checkpoint cut to a random shorter length (a partial copy)",

@@ -27,18 +27,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from boostjax.config import ConfigError
+from boostjax.data import fingerprint
 from boostjax.data.corpus import (
     Corpus,
     _stat,
+    _stdlib_root,
+    _unreadable,
     bin_corpus,
     folder_corpus,
     stdlib_corpus,
+    stdlib_sources,
     text_corpus,
     text_files,
     text_max,
     token_max,
 )
-from boostjax.data.token_folder import FOLDER_FILES, token_folder_corpus, token_meta, vocab_error
+from boostjax.data.token_folder import FOLDER_FILES, token_fingerprint, token_folder_corpus, token_meta, vocab_error
 from boostjax.data.tokenizers import (
     TOKENIZER_FILE,
     ByteTokenizer,
@@ -76,6 +80,25 @@ class Source:
             return None
         tok = self.meta["tokenizer"]
         return ByteTokenizer() if tok == "byte" else load_tokenizer(pathlib.Path(self.path) / tok)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """What the data is, by content (`boostjax.data.fingerprint`), prefixed by how it is read (the
+        same bytes as a .bin token file and as text are other data): ``tokens:blake3:<hex>``. A
+        tokenised folder's comes from its meta.json; the others are hashed on first use (once per
+        process while the files are unchanged)."""
+        try:
+            if self.kind == "tokens":
+                fp = token_fingerprint(self.path, self.meta)
+            elif self.kind == "builtin":
+                fp = fingerprint.of_files(_stdlib_root(), stdlib_sources())
+            elif self.kind == "folder":
+                fp = fingerprint.of_files(pathlib.Path(self.path), text_files(self.path))
+            else:
+                fp = fingerprint.of_file(self.path)
+        except OSError as e:
+            raise _unreadable(e.filename or self.path, e) from None
+        return f"{self.kind}:{fp}"
 
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),

@@ -2,13 +2,14 @@
 
     meta.json          {"format": "boostjax-tokens", "version": 1, "tokenizer": "byte" | "tokenizer.json",
                         "dtype", "vocab_size", "eos_id", "bos_id", "source",
-                        "splits": {"train": {"file", "docs_file", "documents", "tokens", "bytes"}, "val": ...}}
+                        "splits": {"train": {"file", "docs_file", "documents", "tokens", "bytes"}, "val": ...},
+                        "fingerprint": "blake3:<hex>"}   (the token files' content; absent before it existed)
     tokenizer.json     the tokenizer, unless byte level
     train.bin, val.bin raw token ids of that dtype, every document followed by its separator
     train.docs.npy ... int64 start offsets of the documents
 
 `read_token_meta` checks the metadata against the files; `token_folder_corpus` memory-maps the splits
-with their documents' offsets. Every problem is a ValueError of one line naming the file and the fix.
+with their documents' offsets; `token_fingerprint` is the data's identity (`boostjax.data.fingerprint`). Every problem is a ValueError of one line naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pathlib
 
 import numpy as np
 
+from boostjax.data import fingerprint
 from boostjax.data.corpus import MIN_SPLIT_TOKENS, TOKEN_DTYPES, Corpus, _unreadable
 
 META_FILE: str = "meta.json"  # a tokenised data folder is marked by this file
@@ -26,6 +28,8 @@ TOKENS_FORMAT: str = "boostjax-tokens"
 TOKENS_VERSION: int = 1
 SPLITS: tuple[str, ...] = ("train", "val")
 TOKENIZER_FILE: str = "tokenizer.json"  # as in boostjax.data.tokenizers
+# the files whose content is the data, in the order `fingerprint` names them
+FINGERPRINT_FILES: tuple[str, ...] = tuple(f"{s}{ext}" for s in SPLITS for ext in (".bin", ".docs.npy"))
 # every file of a tokenised folder
 FOLDER_FILES: frozenset[str] = frozenset({META_FILE, TOKENIZER_FILE}
                                          | {f"{s}{ext}" for s in SPLITS for ext in (".bin", ".docs.npy")})
@@ -106,6 +110,9 @@ def check_token_meta(p: pathlib.Path, d: object) -> dict:
         raise _meta_error(p, f"tokenizer must be 'byte' or 'tokenizer.json', got {tok!r}")
     if tok != "byte" and not (p / tok).is_file():
         raise _meta_error(p, f"names the tokenizer {tok} but {p / tok} is missing")
+    fp = d.get("fingerprint")
+    if fp is not None and not (isinstance(fp, str) and fingerprint.PATTERN.fullmatch(fp)):
+        raise _meta_error(p, f"fingerprint must be 'blake3:' and 64 hex digits, got {fp!r}")
     splits = d.get("splits")
     if not isinstance(splits, dict) or set(splits) != set(SPLITS):
         raise _meta_error(p, f"splits must name exactly {', '.join(SPLITS)}")
@@ -176,3 +183,18 @@ def check_token_vocab(folder: str | os.PathLike, vocab_size: int) -> dict:
     if err is not None:
         raise err
     return meta
+
+
+def token_fingerprint(folder: str | os.PathLike, meta: dict) -> str:
+    """The content fingerprint of a tokenised folder: the one its ``meta.json`` carries (computed by
+    ``boostjax tokenize`` as it wrote the files), or, for a folder written before fingerprints
+    existed, its token files hashed now (``meta.json`` is not rewritten: the folder may be shared or
+    read-only; tokenising again stores it)."""
+    if meta.get("fingerprint"):
+        return meta["fingerprint"]
+    p = pathlib.Path(folder)
+    files = [p / n for n in FINGERPRINT_FILES]
+    try:
+        return fingerprint.of_files(p, files)
+    except OSError as e:
+        raise _unreadable(pathlib.Path(e.filename or p), e) from None

@@ -16,7 +16,8 @@ byte level), ``train.bin`` / ``val.bin`` (raw ids; every document is followed by
 end-of-document id, or by the bytes ``"\\n\\n"`` at byte level) and ``train.docs.npy`` / ``val.docs.npy``
 (int64 start offsets). ``bytes`` per split counts the UTF-8 bytes its tokens stand for (the documents and,
 at byte level, their separators; an end-of-document token stands for none), so bits per byte are
-comparable between tokenizers. Everything is written under temporary names and renamed into place with
+comparable between tokenizers. ``fingerprint`` in ``meta.json`` is the content of the four token files
+(`boostjax.data.fingerprint`), hashed as they are written. Everything is written under temporary names and renamed into place with
 ``meta.json`` last: a crash never leaves a ``meta.json`` describing incomplete files.
 """
 
@@ -28,13 +29,15 @@ import pathlib
 import re
 from typing import Callable, Iterable, Iterator
 
+import blake3
 import numpy as np
 from tqdm.auto import tqdm
 
 from boostjax.config import ConfigError
-from boostjax.data import corpus
+from boostjax.data import corpus, fingerprint
 from boostjax.data.source import resolve_source
 from boostjax.data.token_folder import (
+    FINGERPRINT_FILES,
     FOLDER_FILES,
     META_FILE,
     SPLITS,
@@ -234,7 +237,8 @@ def check_out(out: str | os.PathLike) -> bool:
 
 
 class _Writer:
-    """Token ids and document offsets of one split, appended to temporary files in the output folder."""
+    """Token ids and document offsets of one split, appended to temporary files in the output folder
+    and hashed as they are written (the folder's fingerprint costs no second read)."""
 
     def __init__(self, folder: pathlib.Path, name: str, dtype: str):
         self.name, self.dtype = name, np.dtype(dtype)
@@ -242,11 +246,13 @@ class _Writer:
         self.f = open(self.tmp, "wb")
         self.starts: list[int] = []
         self.tokens = self.bytes = 0
+        self.hash = blake3.blake3()
 
     def add(self, ids: np.ndarray, sep: np.ndarray, n_bytes: int) -> None:
         self.starts.append(self.tokens)
-        self.f.write(ids.astype(self.dtype).tobytes())
-        self.f.write(sep.astype(self.dtype).tobytes())
+        for part in (ids.astype(self.dtype).tobytes(), sep.astype(self.dtype).tobytes()):
+            self.f.write(part)
+            self.hash.update(part)
         self.tokens += len(ids) + len(sep)
         self.bytes += n_bytes
 
@@ -318,17 +324,21 @@ def tokenize_corpus(data: str | os.PathLike, out: str | os.PathLike, tokenizer: 
                     writers["val" if is_val(i, n_docs, val_every) else "train"].add(ids, sep, n + sep_bytes)
                     bar.update(n)
                     i += 1
+        digests: dict[str, str] = {}
         for w in writers.values():
             w.close()
             docs_tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{w.name}.docs.npy"
             tmp_files.append(docs_tmp)
             with open(docs_tmp, "wb") as f:
                 np.save(f, np.asarray(w.starts, dtype=np.int64), allow_pickle=False)
+            digests[f"{w.name}.bin"] = w.hash.hexdigest()
+            digests[f"{w.name}.docs.npy"] = blake3.blake3(docs_tmp.read_bytes()).hexdigest()
         kind = "byte" if isinstance(tok, ByteTokenizer) else TOKENIZER_FILE
         meta = {"format": TOKENS_FORMAT, "version": TOKENS_VERSION, "tokenizer": kind, "dtype": dtype,
                 "vocab_size": int(tok.vocab_size), "eos_id": getattr(tok, "eos_id", None),
                 "bos_id": getattr(tok, "bos_id", None), "source": str(pathlib.Path(data).absolute()),
-                "splits": {s: w.meta() for s, w in writers.items()}}
+                "splits": {s: w.meta() for s, w in writers.items()},
+                "fingerprint": fingerprint.of_digests((n, digests[n]) for n in FINGERPRINT_FILES)}
         tok_tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{TOKENIZER_FILE}"
         if kind != "byte":
             tmp_files.append(tok_tmp)

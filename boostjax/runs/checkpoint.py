@@ -4,9 +4,14 @@ A checkpoint `checkpoints/<step>/` holds the parameters, the optimizer state (Or
 in the training layout: per layer, or with the layers stacked `[L, ...]` under a pipeline) and the
 data iterator's position (`JsonSave`). On top of Orbax:
 
-- **Checksums.** When a save has committed, `SHA256SUMS` (the `sha256sum` format: `sha256sum -c`
-  checks it by hand) lists every file of the step with its digest. Before a restore every listed
-  file is hashed again; a missing, truncated or changed file makes the checkpoint *damaged*.
+- **Checksums.** When a save has committed, `BLAKE3SUMS` (the `b3sum` format: `b3sum -c BLAKE3SUMS`
+  checks it by hand) lists every file of the step with its BLAKE3 digest (`boostjax.runs.digest`:
+  several GB/s per core, so the disk is the limit). Before a restore every listed file is hashed
+  again; a missing, truncated or changed file makes the checkpoint *damaged*. In a multi-process job
+  each process hashes only the files it wrote (`ocdbt.process_<i>/`, listed in its own
+  `BLAKE3SUMS.process_<i>`; process 0 also the shared ones) and, before a restore, only those of its
+  index; the processes then agree on the verdict. Steps written by an older boostjax carry
+  `SHA256SUMS` instead, verified the same way.
 - **Fallback.** `restore_latest` walks from the newest step to the oldest and restores the first one
   that verifies and that Orbax can read; the damaged ones it passed are reported (and, by the
   writer, moved aside to `checkpoints-aside/`, never deleted).
@@ -14,15 +19,16 @@ data iterator's position (`JsonSave`). On top of Orbax:
   step) and only then deleted, so a kill never leaves a half-deleted step where a restore looks.
   Orbax's own temporary folders of an interrupted save are removed when a writer opens the folder.
 
-A step without `SHA256SUMS` (written by an older boostjax, or the process died between the commit
-and the checksums) is restored unverified, with a note.
+A step without checksums (written by an older boostjax, or the process died between the commit
+and the checksums), or with files that no checksum file lists (a process of the job died before
+writing its part), is restored unverified, with a note.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pathlib
+import re
 import shutil
 import sys
 import threading
@@ -33,8 +39,13 @@ import jax
 import orbax.checkpoint as ocp
 
 from boostjax.models.stacking import unstack_layers
+from boostjax.runs import digest
+from boostjax.runtime import multihost
 
-MANIFEST = "SHA256SUMS"
+MANIFEST = "BLAKE3SUMS"  # `b3sum` format; process i > 0 of a multi-process save writes BLAKE3SUMS.process_<i>
+LEGACY_MANIFEST = "SHA256SUMS"  # what boostjax wrote before (`sha256sum` format): read, never written
+_PART = re.compile(r"BLAKE3SUMS(?:\.process_\d+)?")
+_PROCESS_DIR = re.compile(r"(?:ocdbt\.)?process_(\d+)")  # a folder or file Orbax writes from one process
 TRASH = ".trash"
 ASIDE = "checkpoints-aside"  # sibling of checkpoints/: damaged or non-finite steps, kept for inspection
 
@@ -81,52 +92,102 @@ def _intify(tree: Any) -> Any:
     return tree
 
 
-def _sha256(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+def owner(rel: str, count: int) -> int:
+    """The process whose part of the manifest lists the file `rel` of a step saved by `count` processes:
+    Orbax writes `ocdbt.process_<i>/` and `array_metadatas/process_<i>` from process i (taken modulo
+    `count` when a job of another size reads them); every other file is process 0's."""
+    for part in rel.split("/"):
+        m = _PROCESS_DIR.fullmatch(part)
+        if m:
+            return int(m.group(1)) % count
+    return 0
+
+
+def _is_manifest(name: str) -> bool:
+    return name.startswith(MANIFEST) or name.startswith(LEGACY_MANIFEST)
 
 
 def _files(step_dir: pathlib.Path) -> list[pathlib.Path]:
-    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and not _is_manifest(p.name))
 
 
-def write_manifest(step_dir: pathlib.Path) -> None:
-    """`SHA256SUMS` of every file under `step_dir`, replaced in one step (never half written)."""
-    lines = [f"{_sha256(p)}  {p.relative_to(step_dir).as_posix()}\n" for p in _files(step_dir)]
-    tmp = step_dir / (MANIFEST + ".tmp")
+def manifest_name(process: int) -> str:
+    """`BLAKE3SUMS` of process 0 (the only one of a single-process save), `BLAKE3SUMS.process_<i>` of the others."""
+    return MANIFEST if process == 0 else f"{MANIFEST}.process_{process}"
+
+
+def write_manifest(step_dir: pathlib.Path, process: int = 0, count: int = 1) -> None:
+    """This process's part of the step's checksums: the BLAKE3 digest of every file under `step_dir`
+    it wrote (`owner`), in the `b3sum` format, replaced in one step (never half written). A process
+    that wrote nothing writes no part, except process 0, whose `BLAKE3SUMS` marks the step checksummed."""
+    files = [p for p in _files(step_dir) if owner(p.relative_to(step_dir).as_posix(), count) == process]
+    if not files and process != 0:
+        return
+    lines = digest.tree_lines(step_dir, files)
+    name = manifest_name(process)
+    tmp = step_dir / (name + ".tmp")
     with open(tmp, "w") as f:
         f.writelines(lines)
         f.flush()
         os.fsync(f.fileno())
-    tmp.replace(step_dir / MANIFEST)
+    tmp.replace(step_dir / name)
 
 
-def verify_manifest(step_dir: pathlib.Path) -> str | None:
-    """Why `step_dir` is damaged (a file missing or changed since its save), or None if it verifies.
-    Raises FileNotFoundError when the step has no manifest (nothing to verify against)."""
-    manifest = step_dir / MANIFEST
-    try:
-        text = manifest.read_text()
-    except FileNotFoundError:
-        raise
-    except (OSError, UnicodeDecodeError) as e:
-        return f"{MANIFEST} unreadable ({e.__class__.__name__})"
-    entries = [line.split("  ", 1) for line in text.splitlines() if line.strip()]
-    if not entries or any(len(e) != 2 or len(e[0]) != 64 for e in entries):
-        return f"{MANIFEST} is malformed"
-    for digest, rel in entries:
-        path = step_dir / rel
+def _manifest_parts(step_dir: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
+    """(algorithm, path) of the step's checksum files: `BLAKE3SUMS` and its per-process parts, or the
+    `SHA256SUMS` of an older boostjax."""
+    parts = [(digest.BLAKE3, p) for p in sorted(step_dir.glob(MANIFEST + "*")) if _PART.fullmatch(p.name)]
+    legacy = step_dir / LEGACY_MANIFEST
+    return parts or ([(digest.SHA256, legacy)] if legacy.is_file() else [])
+
+
+def read_manifest(step_dir: pathlib.Path) -> tuple[list[tuple[str, str, str]], str | None]:
+    """((algorithm, digest, relative path) of every listed file, why the checksums cannot be read or None).
+    Raises FileNotFoundError when the step has none (nothing to verify against)."""
+    parts = _manifest_parts(step_dir)
+    if not parts:
+        raise FileNotFoundError(step_dir / MANIFEST)
+    entries: list[tuple[str, str, str]] = []
+    for algo, path in parts:
         try:
-            if _sha256(path) != digest:
-                return f"{rel}: checksum mismatch"
-        except FileNotFoundError:
-            return f"{rel}: missing"
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            return [], f"{path.name} unreadable ({e.__class__.__name__})"
+        rows = [line.split("  ", 1) for line in text.splitlines() if line.strip()]
+        if (path.name in (MANIFEST, LEGACY_MANIFEST) and not rows) or any(
+                len(r) != 2 or len(r[0]) != digest.HEX_LEN[algo] for r in rows):
+            return [], f"{path.name} is malformed"
+        entries += [(algo, d, rel) for d, rel in rows]
+    return entries, None
+
+
+def verify_manifest(step_dir: pathlib.Path, process: int = 0, count: int = 1) -> tuple[str | None, bool]:
+    """(why `step_dir` is damaged, a listed file missing or changed since its save, or None; whether
+    its checksums cover every file). Process `process` of `count` hashes only the listed files it
+    owns (`owner`): the processes of a job share the work. Raises FileNotFoundError when the step has
+    no checksums."""
+    entries, why = read_manifest(step_dir)
+    if why is not None:
+        return why, True
+    listed = {rel for _, _, rel in entries}
+    complete = all(p.relative_to(step_dir).as_posix() in listed for p in _files(step_dir))
+    mine = [(algo, d, rel) for algo, d, rel in entries if owner(rel, count) == process]
+    for algo in {a for a, _, _ in mine}:
+        group = [(d, rel) for a, d, rel in mine if a == algo]
+        for d, rel in group:  # a missing file is named before any hashing
+            if not (step_dir / rel).is_file():
+                return f"{rel}: missing", complete
+        try:
+            got = digest.file_digests([step_dir / rel for _, rel in group], algo)
         except OSError as e:
-            return f"{rel}: unreadable ({e.strerror or e.__class__.__name__})"
-    return None
+            rel = pathlib.Path(e.filename).relative_to(step_dir).as_posix() if e.filename else "a listed file"
+            if isinstance(e, FileNotFoundError):
+                return f"{rel}: missing", complete
+            return f"{rel}: unreadable ({e.strerror or e.__class__.__name__})", complete
+        for (d, rel), g in zip(group, got):
+            if g != d:
+                return f"{rel}: checksum mismatch", complete
+    return None, complete
 
 
 def _reason(e: BaseException) -> str:
@@ -172,11 +233,13 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def verify(self, step: int) -> tuple[str | None, bool]:
-        """(why the step is damaged or None, whether it had checksums to verify against)."""
+        """(why the step is damaged or None, whether checksums covered all its files). In a job of
+        several processes each hashes its share and every process gets the same answer (a collective)."""
         try:
-            return verify_manifest(self.directory / str(step)), True
+            why, complete = verify_manifest(self.directory / str(step), jax.process_index(), jax.process_count())
         except FileNotFoundError:
-            return None, False
+            why, complete = None, False
+        return multihost.first_of_processes(why), complete
 
     # ---------------------------------------------------------------------------------- saving
 
@@ -192,9 +255,9 @@ class Checkpointer:
 
     def _finish(self, step: int) -> None:
         try:
-            self._mgr.wait_until_finished()
+            self._mgr.wait_until_finished()  # committed, on every process (Orbax syncs them)
+            write_manifest(self.directory / str(step), jax.process_index(), jax.process_count())
             if self.primary:
-                write_manifest(self.directory / str(step))
                 self._prune(step)
         except BaseException as e:
             self._finish_error = e

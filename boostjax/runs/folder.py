@@ -9,11 +9,17 @@
     runs/x/profile/             jax.profiler traces asked for with --profile START:STOP
     runs/x/.lock                held (fcntl) by the process that trains in the folder
 
+`config.json` also carries `data_fingerprint`, the content of the run's `--data`
+(`boostjax.data.fingerprint`; absent in runs of an older boostjax).
+
 `RunFolder.check_target` refuses, before anything is written, a path that is a file or lies under
 one, a folder that holds something other than a boostjax run (an exported Hugging Face model, a
 user's files), and a folder or `checkpoints/` that cannot be written. `lock` takes the folder for one
 process. `check_resume` compares the stored configuration with the new one: a field that a resumed
-run cannot change (`FIXED`) is refused with the old and new value; the others are recorded.
+run cannot change (`FIXED`) is refused with the old and new value; the others are recorded. The data
+is compared by content where the run stored its fingerprint: the same data at another path is
+accepted (the new path is recorded), other data at the same path is refused; a run without one
+compares the `--data` paths as before.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ FOLLOW_STORED: frozenset[str] = fields_with(ModelConfig, "follow-stored")
 # The same for training fields (PipeDream-LR's T_c and Nesterov's momentum decay became scaled to the run).
 FOLLOW_STORED_TRAIN: frozenset[str] = fields_with(TrainConfig, "follow-stored")
 LEGACY_TRAIN: dict[str, Any] = legacy_values(TrainConfig)
+DATA_FINGERPRINT = "data_fingerprint"  # key of config.json beside "model" and "train"
 EXPORT_MARK = "boostjax_export"  # key of an exported config.json (transformers keeps unknown keys)
 # Training fields a resume neither checks nor records (where the run is, how a process finds its job).
 IGNORED: frozenset[str] = fields_with(TrainConfig, "ignored")
@@ -265,16 +272,46 @@ class RunFolder:
         except FileNotFoundError:
             return None
 
-    def check_resume(self, old: Config | None, new: Config, resuming: bool) -> dict[str, list]:
+    def stored_data_fingerprint(self) -> str | None:
+        """The `data_fingerprint` of config.json; None when the run stored none (an older boostjax)."""
+        try:
+            d = read_json_file(self.config_path, "run configuration")
+        except FileNotFoundError:
+            return None
+        fp = d.get(DATA_FINGERPRINT) if isinstance(d, dict) else None
+        return fp if isinstance(fp, str) and fp else None
+
+    def check_data(self, old: Config, new: Config, fingerprints: tuple[str | None, str], resuming: bool) -> bool | None:
+        """Whether the new `--data` is the run's data by content (None: the run stored no fingerprint).
+        Other data where the checkpoints' data was (at the same path or not) is refused (ConfigError)
+        when resuming."""
+        stored, now = fingerprints
+        if stored is None:
+            return None
+        if stored != now and resuming:
+            where = "the same path" if old.train.data == new.train.data else f"{old.train.data!r}"
+            raise ConfigError(
+                f"train.data: {new.train.data!r} holds other data than the checkpoints in {self.path} were "
+                f"trained on (at {where}; content {now[:32]}..., the run's {stored[:32]}...); fix: pass "
+                f"{flag_of('data')} with the run's data (any path), or another --out for a new run")
+        return stored == now
+
+    def check_resume(self, old: Config | None, new: Config, resuming: bool,
+                     fingerprints: tuple[str | None, str] | None = None) -> dict[str, list]:
         """The fields that differ from the stored config ({"train.lr": [old, new], ...}); raises
-        ConfigError for a field a resumed run cannot change."""
+        ConfigError for a field a resumed run cannot change. `fingerprints` (the stored and the new
+        data's, `stored_data_fingerprint`) make `--data` compared by content (`check_data`)."""
         if old is None:
             return {}
+        same_data = self.check_data(old, new, fingerprints, resuming) if fingerprints else None
         changes: dict[str, list] = {}
         for section, a, b in (("model", old.model, new.model), ("train", old.train, new.train)):
             for f in dataclasses.fields(a):
                 va, vb = getattr(a, f.name), getattr(b, f.name)
                 if va == vb or (section == "train" and f.name in IGNORED):
+                    continue
+                if section == "train" and f.name == "data" and same_data is not None:
+                    changes["train.data"] = [va, vb]  # compared by content above: moved, or a new run's data
                     continue
                 fixed = f.name not in (MUTABLE_MODEL if section == "model" else MUTABLE)
                 if resuming and fixed:
@@ -287,10 +324,14 @@ class RunFolder:
                 changes[f"{section}.{f.name}"] = [va, vb]
         return changes
 
-    def write_config(self, cfg: Config, start_step: int, changes: dict[str, list]) -> None:
-        """config.json (atomically) and one line of config_history.jsonl."""
+    def write_config(self, cfg: Config, start_step: int, changes: dict[str, list],
+                     data_fingerprint: str | None = None) -> None:
+        """config.json (atomically, with the data's fingerprint) and one line of config_history.jsonl."""
+        d = cfg.to_dict()
+        if data_fingerprint:
+            d[DATA_FINGERPRINT] = data_fingerprint
         tmp = self.path / (CONFIG + ".tmp")
-        tmp.write_text(cfg.to_json() + "\n")
+        tmp.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
         tmp.replace(self.config_path)
         rec = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "start_step": start_step, "pid": os.getpid(), "changed": changes}

@@ -29,6 +29,7 @@ import threading
 from typing import Any, Callable, Mapping
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 from boostjax.config import (
@@ -247,3 +248,22 @@ def host_copy(tree: Any) -> Any:
         return jax.device_get(tree)
 
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+TEXT_BYTES: int = 1024  # the longest text `first_of_processes` carries (UTF-8 bytes; longer is cut)
+
+
+def first_of_processes(text: str | None) -> str | None:
+    """The first `text` that is not None, in process order (e.g. why one process's share of a checkpoint
+    failed its checksums), so that every process decides the same; a collective: every process calls it.
+    `text` itself in a single-process run."""
+
+    if jax.process_count() == 1:
+        return text
+    raw = (text or "").encode()[:TEXT_BYTES]
+    row = np.zeros(TEXT_BYTES + 1, np.uint8)
+    row[0] = text is not None
+    row[1:1 + len(raw)] = np.frombuffer(raw, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(row))
+    got = next((r for r in rows.reshape(-1, TEXT_BYTES + 1) if r[0]), None)
+    return None if got is None else bytes(got[1:]).rstrip(b"\0").decode(errors="replace")

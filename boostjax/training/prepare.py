@@ -184,6 +184,7 @@ class Resume:
     resuming: bool  # the folder holds checkpoints
     changes: dict[str, list]  # the fields that differ from the stored ones
     convert: bool  # the checkpoints' layer layout is converted (`boostjax.runs.relayout`)
+    data_fingerprint: str  # the content of --data (`boostjax.data.fingerprint`), stored in config.json
 
 
 def stacked_layers(t: TrainConfig) -> bool:
@@ -202,14 +203,21 @@ def check_layout(folder: RunFolder, old: Config, cfg: Config) -> bool:
 
 def open_run(folder: RunFolder, cfg: Config) -> Resume:
     """The stored configuration and checkpoints of `folder` (held by this process): a field a resumed run
-    cannot change, a layout the optimizer state cannot be converted to, or a tokenised folder of another
-    tokenizer than the run's is refused (ConfigError, nothing written)."""
+    cannot change, a layout the optimizer state cannot be converted to, other data than the run's (by
+    content, where the run stored its fingerprint) or a tokenised folder of another tokenizer than the
+    run's is refused (ConfigError, nothing written). The run's data at another path is accepted, in one
+    line."""
     old = folder.stored_config()
     resuming = bool(step_dirs(folder.checkpoints))
-    changes = folder.check_resume(old, cfg, resuming)
+    src = data_source(cfg)
+    fingerprint = src.fingerprint
+    changes = folder.check_resume(old, cfg, resuming, (folder.stored_data_fingerprint(), fingerprint))
+    if resuming and old is not None and "train.data" in changes:
+        say(f"the data at {src.name} is the data this run was trained on at {old.train.data or 'the stdlib'} "
+            f"(the same content, {fingerprint.split(':', 1)[1][:24]}...); resuming with it")
     convert = resuming and old is not None and check_layout(folder, old, cfg)
-    check_run_tokenizer(folder.path, data_source(cfg), resuming)  # a resumed run keeps its tokenizer
-    return Resume(old, resuming, changes, convert)
+    check_run_tokenizer(folder.path, src, resuming)  # a resumed run keeps its tokenizer
+    return Resume(old, resuming, changes, convert, fingerprint)
 
 
 # ----------------------------------------------------------------------------- 5. the data

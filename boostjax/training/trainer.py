@@ -189,7 +189,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
                                                   else (0, params, opt_state, True))
             state = from_checkpoint(start, params, opt_state, state)
             if multihost.is_main_process():
-                folder.write_config(cfg, start, run.changes)
+                folder.write_config(cfg, start, run.changes, run.data_fingerprint)
                 install_run_tokenizer(folder.path, source)  # load_tokenizer(run folder) gives the run's
                 pretrained.copy_tokenizer(pretrained.source_tokenizer(cfg, source), folder.path)
                 if report is not None:
