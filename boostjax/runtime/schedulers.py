@@ -162,7 +162,7 @@ def _mpi(environ: Mapping[str, str]) -> Placement:
 
 
 def _mpi_emulate(n: int, i: int, nodes: int, port: int, folder: Path) -> dict[str, str]:
-    """Cray PALS `mpiexec -n N --ppn N/nodes` under PBS (ALCF Polaris)."""
+    """Cray PALS mpiexec under PBS (ALCF Polaris): N ranks, N/nodes of them per node."""
     per = n // nodes
     nodefile = folder / "pbs_nodefile"
     nodefile.write_text("".join(f"{h}\n" for h in _loopback(nodes)))
