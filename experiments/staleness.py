@@ -443,7 +443,7 @@ def rule_lines(s: Settings) -> list[str]:
 
 
 def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command: str, platform: str,
-             reused: Sequence[str] = (), rendered: str = "", resumed: int = 0) -> str:
+             reused: Sequence[str] = (), rendered: str = "", resumed: int = 0, sources: Sequence[dict] = ()) -> str:
     smax = max(s.stages)
     lines = [f"# Staleness experiment ({s.regime} regime): iterations to a target loss vs pipeline depth", ""]
     if s.legacy_baselines:
@@ -460,6 +460,9 @@ def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command
         + (f"; {resumed} run(s) were finished by an interrupted earlier invocation (resumed from the partial "
            "file; their time is not in this wall time)" if resumed else "") + ".  ",
         *([f"Tables re-rendered by `{rendered}`.  "] if rendered else []),
+        *(["", "The runs came from these invocations, side by side on the same machine:", "",
+           *[f"- `{src['command']}`: {', '.join(src['optimizers'])}, wall time {src['wall_s'] / 60:.1f} min"
+             for src in sources if src.get("wall_s") is not None]] if sources else []),
         "",
         "## Settings", "", *settings_lines(s), "",
         "## Deviations from the paper (https://arxiv.org/abs/2602.03515) and its code",
@@ -605,20 +608,31 @@ def write_results(s: Settings, runs: list[dict], out: pathlib.Path, name: str, *
               "paper": PAPER, "reused_from": reused_from, "rendered_by": rendered or None, "resumed_runs": resumed,
               **main, "extra_targets": extras, "runs": runs}
     results_io.write(out, name, data=_finite_or_none(result), figure=lambda: plot(s, main, runs),
-                     md=lambda: markdown(s, main, extras, wall_s, command, platform, reused, rendered, resumed))
+                     md=lambda: markdown(s, main, extras, wall_s, command, platform, reused, rendered, resumed,
+                                         sources=(reused_from or {}).get("files", ())))
     return result
 
 
 def run_experiment(s: Settings, out: pathlib.Path, command: str = "", log=print,
-                   reuse: pathlib.Path | None = None, rerun: Sequence[str] = (), name: str = "staleness") -> dict:
+                   reuse: Sequence[pathlib.Path] = (), rerun: Sequence[str] = (), name: str = "staleness") -> dict:
     """Run every (optimizer, S), write <name>.{json,md,png} under `out`; returns the JSON object.
 
-    `reuse`: an earlier results JSON with the same settings; its runs of optimizers not in `rerun`
-    are taken as they are (recorded as `reused_from`). Finished runs go to <name>.partial.jsonl as
+    `reuse`: earlier results JSONs with the same settings (e.g. invocations that ran some optimizers
+    each, side by side); their runs of optimizers not in `rerun` are taken as they are (recorded as
+    `reused_from`, with each file's command and wall time). Finished runs go to <name>.partial.jsonl as
     they come; a rerun with the same settings resumes from there."""
     _check(s)
     out.mkdir(parents=True, exist_ok=True)
-    kept = reusable_runs(s, reuse, rerun) if reuse else []
+    if isinstance(reuse, (str, pathlib.Path)):
+        reuse = [pathlib.Path(reuse)]
+    kept, sources = [], []
+    for path in reuse:
+        have = {(k["optimizer"], k["stages"]) for k in kept}
+        runs_i = [r for r in reusable_runs(s, path, rerun) if (r["optimizer"], r["stages"]) not in have]
+        kept += runs_i
+        old = json.loads(pathlib.Path(path).read_text())
+        sources.append({"file": str(path), "command": old.get("command"), "wall_s": old.get("wall_s"),
+                        "optimizers": sorted({r["optimizer"] for r in runs_i})})
     partial = out / f"{name}.partial.jsonl"
     resumed = [r for r in load_partial(s, partial, log) if (r["optimizer"], r["stages"]) not in
                {(k["optimizer"], k["stages"]) for k in kept}]
@@ -630,7 +644,7 @@ def run_experiment(s: Settings, out: pathlib.Path, command: str = "", log=print,
     platform = f"{os.cpu_count()} CPU cores, jax {jax.__version__} on {jax.devices()[0].platform}"
     reused = sorted({r["optimizer"] for r in kept})
     result = write_results(s, runs, out, name, command=command, wall_s=wall_s, platform=platform,
-                           reused_from={"file": str(reuse), "optimizers": reused} if kept else None,
+                           reused_from={"files": sources, "optimizers": reused} if kept else None,
                            resumed=len(resumed))
     partial.unlink(missing_ok=True)
     return result
@@ -676,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--optimizers", help=f"comma list from {','.join(OPTIMIZERS)}")
     p.add_argument("--stages", help="comma list of stage counts (must include 1 and divide --layers)")
     p.add_argument("--extra-fracs", help="comma list of fractions of the budget for the own-S=1 targets ('' for none)")
-    p.add_argument("--reuse", type=pathlib.Path, help="earlier results JSON (same settings) whose runs to keep")
+    p.add_argument("--reuse", help="comma list of earlier results JSONs (same settings) whose runs to keep")
     p.add_argument("--rerun", default="", help="with --reuse: comma list of optimizers to run again")
     p.add_argument("--clip-scope", choices=("global", "stage"),
                    help="gradient clipping: each stage's own norm (the reference; default) or one global norm")
@@ -697,9 +711,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = p.parse_args(argv)
     command = results_io.command_line("staleness", argv)
     log = functools.partial(print, flush=True)
-    for path in ("render", "reuse"):
-        if getattr(args, path) is not None and not getattr(args, path).is_file():
-            p.error(f"--{path}: {getattr(args, path)} is not a file; fix: pass a results JSON written by this script")
+    reuse = [pathlib.Path(x.strip()) for x in (args.reuse or "").split(",") if x.strip()]
+    for flag, path in [("render", args.render), *(("reuse", x) for x in reuse)]:
+        if path is not None and not path.is_file():
+            p.error(f"--{flag}: {path} is not a file; fix: pass a results JSON written by this script")
     if args.render is not None:
         return render(args.render, pathlib.Path(args.out), command)
     names = {"layers": "n_layers", "heads": "n_heads"}
@@ -715,7 +730,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     name = args.name or "_".join(["staleness", *([args.regime] if args.regime != "default" else []),
                                   *(["quick"] if args.quick else [])])
     rerun = tuple(x.strip() for x in args.rerun.split(",") if x.strip())
-    return run_experiment(s, pathlib.Path(args.out), command, log=log, reuse=args.reuse, rerun=rerun, name=name)
+    return run_experiment(s, pathlib.Path(args.out), command, log=log, reuse=reuse, rerun=rerun, name=name)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,15 @@ def test_quick_run_resumes_and_writes_finite_results(tmp_path, capsys):
         assert run["val_steps"] == [4, 8, 12] and run["val_losses"][-1] == run["final_val_loss"]
         assert run["losses"][-1] < run["losses"][0]  # it trains
     assert on_disk["runs"][0] == json.loads(json.dumps(first))  # the resumed run, not a new one
+    # invocations side by side: their results JSONs combined by --reuse (a list), nothing trained again
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "staleness.json").write_text(json.dumps(
+        {**on_disk, "runs": [r for r in on_disk["runs"] if r["optimizer"] == "adamw"], "wall_s": 60.0}))
+    both = st.main([*flags[:flags.index("--name")], "--name", "combined", "--reuse",
+                    f"{tmp_path / 'a' / 'staleness.json'},{tmp_path / 'staleness.json'}"])
+    assert both["runs"] == on_disk["runs"] and both["targets"] == on_disk["targets"]
+    assert [src["optimizers"] for src in both["reused_from"]["files"]] == [["adamw"], ["rotation-ref"]]
+    assert "wall time 1.0 min" in (tmp_path / "combined.md").read_text()
     # re-render the stored JSON as a result made with the earlier baselines: old baselines named, same runs
     old = {**on_disk, "settings": {k: v for k, v in on_disk["settings"].items() if k not in ("tc_frac", "warmup_frac")}}
     (tmp_path / "old" ).mkdir()
