@@ -381,7 +381,9 @@ def test_multihost_peer_that_never_starts(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("boostjax: error: train.coordinator: "), r.stderr
     assert f"127.0.0.1:{port}" in lines[0] and "of 2" in lines[0] and "--init-timeout" in lines[0]
-    assert time.monotonic() - t0 < 60
+    # far below the 300 s C++ abort; the margin is for the process start under load (85 s measured at a load
+    # average of 15 on 2 cores, with a 2 s --init-timeout)
+    assert time.monotonic() - t0 < 200
     assert not (tmp_path / "run").exists()
 
 
