@@ -163,7 +163,11 @@ QUICK = Settings(optimizers=("adamw", "pipedream-lr", "nesterov", "rotation", "r
 
 def label(s: Settings, opt: str) -> str:
     """The optimizer's row label (runs made with the earlier baselines name them)."""
-    return LEGACY_LABELS.get(opt, OPTIMIZERS[opt][0]) if s.legacy_baselines else OPTIMIZERS[opt][0]
+    if s.legacy_baselines:
+        return LEGACY_LABELS.get(opt, OPTIMIZERS[opt][0])
+    if opt == "nesterov" and s.nesterov_psi >= 0:
+        return f"Nesterov (torch NAdam, psi {s.nesterov_psi:g})"
+    return OPTIMIZERS[opt][0]
 
 
 def settings_from_json(d: dict) -> Settings:
