@@ -351,7 +351,9 @@ def _row(s: Settings, r: dict, curve: tuple[np.ndarray, np.ndarray], target: flo
         "optimizer": r["optimizer"], "label": label(s, r["optimizer"]), "stages": r["stages"],
         "target_loss": target, "iters_to_target": n, "reached": n is not None, "lower_bound": n is None,
         "diverged": r["diverged"],
-        "slowdown": iters / own if own and target is not None else None,
+        # the S = 1 run never reaches a target this run does: the slowdown is below n / budget
+        "slowdown": (iters / own if own else n / s.steps if n is not None else None) if target is not None else None,
+        "upper_bound": target is not None and not own and n is not None,
         # the budget reading: the S_max run counted as needing its whole budget to reach its own final loss
         "slowdown_budget": s.steps / own if smax and own and target is not None else None,
         "slowdown_vs_adamw_s1": iters / adamw_first if adamw_first and target is not None else None,
@@ -392,7 +394,9 @@ def _slow(row: dict | None, key: str = "slowdown") -> str:
     if row is None:
         return "-"
     v = row[key]
-    return "n/a" if v is None else (f">{v:.2f}x" if row["lower_bound"] else f"{v:.2f}x")
+    if v is None:
+        return "n/a"
+    return f">{v:.2f}x" if row["lower_bound"] else f"<{v:.2f}x" if row.get("upper_bound") else f"{v:.2f}x"
 
 
 def _find(summary: dict, opt: str, n: int) -> dict | None:

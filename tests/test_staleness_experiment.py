@@ -56,6 +56,8 @@ def test_heldout_rule_and_budget_reading_by_hand():
     half = st.summarize(s, runs, 0.5)  # own S = 1 held-out loss at step 4: 2.9, S = 4 never gets there
     rows = {r["stages"]: r for r in half["rows"]}
     assert half["targets"] == {"adamw": 2.9} and rows[4]["lower_bound"] and rows[4]["slowdown"] == 8 / 4
+    faster = st.summarize(s, [run(1, [4.0, 3.5, 3.2, 3.1]), run(4, [4.0, 3.0, 2.8, 2.6])])["rows"][1]
+    assert faster["upper_bound"] and faster["slowdown"] == 8 / 8 and st._slow(faster) == "<1.00x"  # S = 1 never gets there
     diverged = [runs[0], {**run(4, [5.0, None]), "val_steps": [2, 4], "diverged": True}]
     assert st.summarize(s, diverged)["targets"] == {"adamw": None}  # no S_max final loss: no target
 
