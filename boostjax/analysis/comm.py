@@ -31,6 +31,7 @@ import numpy as np
 
 from boostjax.analysis import hlo, memory
 from boostjax.config import (
+    DATA,
     LOW_RANK_KINDS,
     MODEL,
     REMAT,
@@ -62,6 +63,7 @@ class _Compiled:
     step_cost: dict[str, float] | None = None  # `compiled.cost_analysis()` of the step (per device)
     parts: dict[str, int] | None = None  # `memory.memory_parts` of the step: peak and its parts
     fwd_emitted: int = 0  # all-reduces JAX emits in the forward loss (StableHLO, before XLA combines any)
+    unsplit: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (name, shape) of the gradients left whole over data
 
 
 def model_for(model: ModelConfig, strategy: str) -> ModelConfig:
@@ -106,7 +108,8 @@ def _build(model: ModelConfig, mesh: MeshShape | None, batch: int, seq: int, str
         out = _Compiled(step_c.as_text(), fwd_c.as_text() if fwd_c else "", memory.memory_fields(step_c),
                         memory.memory_fields(fwd_c) if fwd_c else {}, step_cost=_cost(step_c),
                         parts=memory.memory_parts(abstract),
-                        fwd_emitted=fwd_l.as_text().count('"stablehlo.all_reduce"') if fwd_l else 0)
+                        fwd_emitted=fwd_l.as_text().count('"stablehlo.all_reduce"') if fwd_l else 0,
+                        unsplit=_unsplit(abstract.params, abstract.grads))
     if with_residuals:  # what the forward keeps for the backward (the remat policy decides it)
         loss_fn = abstract.loss_fn
         res_c = jax.jit(lambda p, b: jax.vjp(loss_fn, p, b)[1]).lower(p_sds, b_sds).compile(opts)
@@ -148,6 +151,42 @@ def compiled_step(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: in
     `.step_memory`. The forward loss alone is not compiled (`.fwd_text` is empty)."""
     return _build(model_for(model, strategy), as_mesh(mesh, "comm.mesh"), batch, seq, strategy, remat, dtype,
                   step=True, with_residuals=False, forward=False)
+
+
+def _unsplit(params: Any, grads: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of every gradient whose sharding does not split it over `data`."""
+    if grads is None:
+        return ()
+    out = []
+    for (path, a), g in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(grads)):
+        if not any(DATA in (s if isinstance(s, tuple) else (s,)) for s in g.spec):
+            out.append(("/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), tuple(a.shape)))
+    return tuple(out)
+
+
+def ring_bytes(c: hlo.Collective) -> float:
+    """Bytes one device sends for collective `c` in a ring over its group of n devices: an all-reduce
+    `2(n-1)/n` x its result, a reduce-scatter `(n-1)` x its result (`(n-1)/n` x its input, half an
+    all-reduce of the same input), an all-gather or all-to-all `(n-1)/n` x its result, a permute its result."""
+    n = c.group_size
+    factor = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1, "all-gather": (n - 1) / n,
+              "all-to-all": (n - 1) / n}.get(c.kind, 1.0)
+    return factor * c.logical_bytes
+
+
+def _data_parallel(cs: list[hlo.Collective], mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:
+    """The collectives over `data` alone, per kind (count, result bytes, `ring_bytes`), and the ring
+    bytes of the reductions among them (all-reduce + reduce-scatter: the data-parallel gradient)."""
+    kinds: dict[str, dict[str, int]] = {}
+    for c in cs:
+        if c.trivial or _axes(c, mesh_shape, names) != DATA:
+            continue
+        s = kinds.setdefault(c.kind, {"count": 0, "bytes": 0, "ring_bytes": 0})
+        s["count"] += 1
+        s["bytes"] += c.logical_bytes
+        s["ring_bytes"] += round(ring_bytes(c))
+    reduce = sum(kinds.get(k, {}).get("ring_bytes", 0) for k in ("all-reduce", "reduce-scatter"))
+    return {"reduce_ring_bytes": reduce, "collectives": dict(sorted(kinds.items()))}
 
 
 def _axes(c: hlo.Collective, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> str:
@@ -324,7 +363,14 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
     mesh axis), `temp_bytes` / `memory` (`compiled.memory_analysis()` of the whole step),
     `residual_bytes` (per device, what the forward saves for the backward: the remat policy's
     effect), `gemms` (one block's forward GEMMs: K, intensity) and `expected_per_layer`
-    (the analytic volume, see `expected_per_layer`). With `dump_hlo=DIR`, writes
+    (the analytic volume, see `expected_per_layer`).
+
+    `data_parallel`: the step's collectives over `data` alone (`collectives`: count, result `bytes`
+    and `ring_bytes` per kind, `ring_bytes`: what one device sends in a ring) and `reduce_ring_bytes`,
+    their reductions (the gradient's all-reduce, or ZeRO's reduce-scatter: half the bytes). With
+    `zero` >= 1 on `data` > 1 also the same step compiled with ZeRO 0 (`zero0_reduce_ring_bytes`), the
+    ratio `reduce_vs_zero0` (1/2, plus the share of `unsplit_gradients`: the leaves no dimension of
+    which divides by `data`, all-reduced whole, and the scalar loss and norms), and those leaves. With `dump_hlo=DIR`, writes
     `DIR/<strategy>.hlo.txt` (step) and `DIR/<strategy>.fwd.hlo.txt` (forward loss).
     """
     mesh = as_mesh(mesh, "comm.mesh")  # a `--mesh` string is read here, once
@@ -360,6 +406,14 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
     tokens = batch // mesh.data * seq  # tokens in one device's all-reduce
     exp = expected_per_layer(m, strategy, tokens, dtype)
     lay = lambda a, b, k: ar[a][k] - ar[b][k]  # noqa: E731
+    dp = _data_parallel(cs["step"], shape, names) | {"zero": train_fields.get("zero", 0), "data": mesh.data}
+    if dp["zero"] >= 1 and mesh.data > 1:  # the same step replicated (ZeRO 0), for the comparison
+        zero0 = tuple(sorted({**train_fields, "zero": 0}.items()))
+        ref = _data_parallel(hlo.collectives(_compile(m, mesh, batch, seq, strategy, remat, dtype, train=zero0)
+                                             .step_text), shape, names)
+        dp |= {"zero0_reduce_ring_bytes": ref["reduce_ring_bytes"],
+               "reduce_vs_zero0": dp["reduce_ring_bytes"] / ref["reduce_ring_bytes"] if ref["reduce_ring_bytes"] else 0.0,
+               "unsplit_gradients": {name: list(s) for name, s in full.unsplit}}
     fwd_layer, step_layer = lay("fwd2", "fwd1", "bytes"), lay("step2", "step1", "bytes")
     return {
         "strategy": strategy, "kind": m.kind, "mesh": str(mesh), "tp": mesh.model, "batch": batch,
@@ -392,6 +446,7 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
         "other_collectives": _others(cs["step"]),
         "forward_other_collectives": _others(cs["fwd"]),
         "other_collectives_per_layer": _diff_others(_others(cs["step2"]), _others(cs["step1"])),
+        "data_parallel": dp,
         **{k: full.parts[k] for k in MEMORY_KEYS},
         "train": dict(train_fields),
         "temp_bytes": full.step_memory.get("temp_bytes", 0),

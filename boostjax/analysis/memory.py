@@ -60,6 +60,7 @@ class AbstractStep:
     batch: dict
     loss_fn: Any  # the placement's loss(params, batch), for forward-only compiles
     mesh: Any
+    grads: Any = None  # the gradients' shardings (`Layout.grads`: ZeRO's split over data; mesh only)
 
 
 def device_bytes(tree: Any) -> int:
@@ -116,7 +117,8 @@ def train_step_compiled(cfg: Config, compiler_options: dict | None = None) -> Ab
     if compiler_options is None and jax.default_backend() == "cpu":
         compiler_options = FAST_CPU
     opt_sds = (state_sds.step, state_sds.opt_state, state_sds.delay)
-    return AbstractStep(lowered.compile(compiler_options), state_sds.params, opt_sds, b_sds, lay.placement.loss_fn, mesh)
+    return AbstractStep(lowered.compile(compiler_options), state_sds.params, opt_sds, b_sds, lay.placement.loss_fn, mesh,
+                        lay.grads)
 
 
 def memory_parts(step: AbstractStep) -> dict[str, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -57,7 +58,20 @@ def _table(reports: dict[str, dict[str, Any]]) -> str:
                  "collective bytes per device, one direction; peak = memory_analysis() argument + output - alias + "
                  "temp per device = weights + optimizer state + activations (temporaries, gradients, batch); "
                  "GiB = 2^30)")
+    lines += [_zero_line(name, r["data_parallel"]) for name, r in reports.items() if "reduce_vs_zero0" in r["data_parallel"]]
     return "\n".join(lines)
+
+
+def _zero_line(name: str, dp: dict[str, Any]) -> str:
+    """What ZeRO's reduce-scatter saves: the gradient's reduction over data against ZeRO 0's all-reduce."""
+    names: dict[str, int] = {}
+    for n in dp["unsplit_gradients"]:  # one entry per leaf of every layer: layers/*/attn/norm x L
+        key = re.sub(r"^layers/\d+/", "layers/*/", n)
+        names[key] = names.get(key, 0) + 1
+    whole = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in names.items()) or "none"
+    return (f"{name} zero {dp['zero']}: the gradient's reduction over data={dp['data']} sends "
+            f"{dp['reduce_ring_bytes'] / 2**20:.3f} MiB per device (ring) = {dp['reduce_vs_zero0']:.4f} x zero 0's "
+            f"all-reduce ({dp['zero0_reduce_ring_bytes'] / 2**20:.3f} MiB); leaves left whole (all-reduced): {whole}")
 
 
 def _comm_error(e: ConfigError) -> ConfigError:

@@ -9,7 +9,7 @@ memory kinds and remat schedule on top of any of them. `boostjax.placement.choos
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import jax
 from jax.sharding import Mesh, NamedSharding, Sharding
@@ -48,6 +48,11 @@ class Placement(Protocol):
     def place(self, role: Role, specs: Any, like: Any) -> Any: ...  # sharding per leaf (None: unconstrained)
 
     def loss_fn(self, params: Any, batch: dict) -> jax.Array: ...  # mean loss; params in device memory
+
+    # (params, batch) -> (loss, grads), the gradient already reduced over `data` onto the "grads"
+    # shardings and the batch's `grad_accum` micro-batches summed (ZeRO's reduce-scatter), or None:
+    # the step differentiates `loss_fn`
+    grad_fn: Callable[[Any, dict], tuple[jax.Array, Any]] | None
 
 
 class Canonical:

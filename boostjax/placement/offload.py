@@ -110,3 +110,7 @@ class Offloaded:
     @property
     def loss_fn(self):
         return self.base.loss_fn
+
+    @property
+    def grad_fn(self):
+        return self.base.grad_fn

@@ -61,6 +61,8 @@ class Pipeline(TensorParallel):
     def info(self) -> dict:
         return pipeline_info(self.cfg.train)
 
+    grad_fn = None  # the step differentiates the pipelined loss: its gradient is all-reduced over data
+
     @cached_property
     def loss_fn(self):
         remat = self.cfg.train.remat if self.remat is None else self.remat

@@ -36,6 +36,7 @@ class SingleDevice(Canonical):
     micro_sharding: None = None
     info: dict = field(default_factory=dict)
     compiler_options: None = None
+    grad_fn: None = None
 
     @property
     def batch_sharding(self) -> SingleDeviceSharding:

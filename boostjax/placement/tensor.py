@@ -15,13 +15,15 @@ from jax.sharding import PartitionSpec as P
 
 from boostjax.config import DATA, MODEL, Config
 from boostjax.models.ops import cast_params
-from boostjax.placement.base import Canonical, Role, is_spec
+from boostjax.placement.base import Canonical, Role, is_spec, named
 from boostjax.sharding.mesh import loss_mesh
-from boostjax.sharding import rules
+from boostjax.sharding import rules, zero
 
 
-def shard_loss_fn(cfg: Config, graphdef, mesh: Mesh, specs: Any, remat: Any) -> Callable[[Any, dict], jax.Array]:
-    """The mean loss over the global batch, computed by `shard_map` with the strategy's collectives."""
+def _local_loss(cfg: Config, graphdef, mesh: Mesh, specs: Any, remat: Any) -> tuple[Callable, Mesh, P, Any]:
+    """`(local, inner mesh, rows spec, specs)`: the loss of one device's rows under the strategy's
+    collectives (`local(params, inputs_bt, targets_bt, segments_bt=None)`), the mesh its `shard_map`
+    runs over, and the parameters' specs there (all replicated on a `model` axis of size 1)."""
     coll = rules.STRATEGIES[cfg.train.strategy].collectives
     if mesh.shape[MODEL] == 1:
         coll = rules.STRATEGIES["none"].collectives
@@ -30,18 +32,42 @@ def shard_loss_fn(cfg: Config, graphdef, mesh: Mesh, specs: Any, remat: Any) -> 
 
     def local(params, inputs_bt, targets_bt, segments_bt=None):
         model = nnx.merge(graphdef, cast_params(params, cfg.train.dtype))
-        loss = model.loss(inputs_bt, targets_bt, coll, remat, segments=segments_bt)
+        return model.loss(inputs_bt, targets_bt, coll, remat, segments=segments_bt)
+
+    return local, inner, rows, specs
+
+
+def _rows(batch: dict) -> tuple:
+    """The batch's row arrays in `local`'s order (packed documents, `doc_mask`, bring segment ids)."""
+    return (batch["inputs"], batch["targets"]) + ((batch["segments"],) if "segments" in batch else ())
+
+
+def shard_loss_fn(cfg: Config, graphdef, mesh: Mesh, specs: Any, remat: Any) -> Callable[[Any, dict], jax.Array]:
+    """The mean loss over the global batch, computed by `shard_map` with the strategy's collectives."""
+    local, inner, rows, specs = _local_loss(cfg, graphdef, mesh, specs, remat)
+
+    def mean(*args):
+        loss = local(*args)
         return jax.lax.pmean(loss, DATA) if DATA in inner.axis_names else loss
 
-    sharded = jax.shard_map(local, mesh=inner, in_specs=(specs, rows, rows), out_specs=P())
-    with_segments = jax.shard_map(local, mesh=inner, in_specs=(specs, rows, rows, rows), out_specs=P())
+    sharded = jax.shard_map(mean, mesh=inner, in_specs=(specs, rows, rows), out_specs=P())
+    with_segments = jax.shard_map(mean, mesh=inner, in_specs=(specs, rows, rows, rows), out_specs=P())
 
-    def loss_fn(params, batch):  # packed documents (`doc_mask`) bring their segment ids, laid out as the rows
-        if "segments" in batch:
-            return with_segments(params, batch["inputs"], batch["targets"], batch["segments"])
-        return sharded(params, batch["inputs"], batch["targets"])
+    def loss_fn(params, batch):
+        return (with_segments if "segments" in batch else sharded)(params, *_rows(batch))
 
     return loss_fn
+
+
+def shard_grad_fn(cfg: Config, graphdef, mesh: Mesh, specs: Any, split: Any, remat: Any
+                  ) -> Callable[[Any, dict], tuple[jax.Array, Any]]:
+    """`(params, batch) -> (loss, grads)` with ZeRO's gradient (`boostjax.sharding.zero`): every leaf
+    reduce-scattered over `data` onto its spec in `split` (the gradients' ZeRO specs); the batch holds
+    `grad_accum` micro-batches."""
+    local, inner, rows, specs = _local_loss(cfg, graphdef, mesh, specs, remat)
+    f = zero.zero_value_and_grad(local, inner, specs, split, rows, gather=cfg.train.zero >= 3,
+                                 accum=cfg.train.grad_accum, cast=lambda p: cast_params(p, cfg.train.dtype))
+    return lambda params, batch: f(params, *_rows(batch))
 
 
 @dataclass(frozen=True)
@@ -73,20 +99,35 @@ class TensorParallel(Canonical):
     def param_specs(self, state_like: Any) -> Any:
         return rules.param_specs(self.cfg.train.strategy, self.axes)
 
-    def place(self, role: Role, specs: Any, like: Any) -> Any:
-        """NamedShardings of `specs`; ZeRO adds `data` to optimizer state and gradients (stage >= 1)
-        and parameters (stage 3): `rules.data_sharded`."""
+    def zero_specs(self, role: Role, specs: Any, like: Any) -> Any:
+        """`specs` with ZeRO's split over `data` (`rules.data_sharded`): optimizer state and gradients
+        at stage >= 1, parameters at stage 3."""
         zero = self.cfg.train.zero
         split = zero >= 3 if role == "params" else zero >= 1
         data = self.mesh.shape[DATA] if split else 1
-        return jax.tree.map(lambda s, a: NamedSharding(self.mesh, rules.data_sharded(s, a.shape, data)),
-                            specs, like, is_leaf=is_spec)
+        return jax.tree.map(lambda s, a: rules.data_sharded(s, a.shape, data), specs, like, is_leaf=is_spec)
+
+    def place(self, role: Role, specs: Any, like: Any) -> Any:
+        """NamedShardings of `specs` with ZeRO's split (`zero_specs`)."""
+        return named(self.mesh, self.zero_specs(role, specs, like))
 
     @cached_property
     def loss_fn(self):
         remat = self.cfg.train.remat if self.remat is None else self.remat
         specs = self.param_specs(self.to_state_like)
         return shard_loss_fn(self.cfg, self.graphdef, self.mesh, specs, remat)
+
+    @cached_property
+    def grad_fn(self):
+        """The data-parallel gradient, summed over `data` explicitly (`boostjax.sharding.zero`):
+        reduce-scattered where ZeRO (stage >= 1) splits it, all-reduced otherwise. None without a
+        `data` axis of more than one device (the step differentiates `loss_fn`)."""
+        if self.mesh.shape[DATA] == 1:
+            return None
+        remat = self.cfg.train.remat if self.remat is None else self.remat
+        like = self.to_state_like
+        specs = self.param_specs(like)
+        return shard_grad_fn(self.cfg, self.graphdef, self.mesh, specs, self.zero_specs("grads", specs, like), remat)
 
     @cached_property
     def to_state_like(self) -> Any:

@@ -23,6 +23,7 @@ from boostjax.optim import build_optimizer, current_lr, delay, state_specs
 from boostjax.optim.registry import has_lr
 from boostjax.placement import Placement, choose, on_host, to_device, to_home
 from boostjax.sharding import rules
+from boostjax.sharding.zero import micro_batches
 
 
 class TrainState(NamedTuple):
@@ -55,19 +56,9 @@ def optimizer_for(cfg: Config, pl: Placement, state_like: Any) -> optax.Gradient
     return build_optimizer(t, state_like, rotation_mask=rules.rotation_mask(pl.axes), stages=stages)
 
 
-def micro_batches(batch: dict, n: int, sharding: Any = None) -> dict:
-    """A step's batch `[B·N, ...]` as N micro-batches `[N, B, ...]`: row `b·N + i` is row `b` of
-    micro-batch `i`, so each data shard's contiguous rows stay on it (with `sharding` =
-    `P(None, "data")` the split moves no data between devices)."""
-    def split(x):
-        x_nb = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
-        return x_nb if sharding is None else jax.lax.with_sharding_constraint(x_nb, sharding)
-
-    return jax.tree.map(split, batch)
-
-
 def train_step(loss_fn, tx: optax.GradientTransformation, *, accum: int = 1,
-               micro_sharding: Any = None, accum_sharding: Any = None, homes: TrainState | None = None):
+               micro_sharding: Any = None, accum_sharding: Any = None, homes: TrainState | None = None,
+               grad_fn: Callable[[Any, dict], tuple[jax.Array, Any]] | None = None):
     """`step(state, batch) -> (state, metrics)`, the one step every placement trains with.
 
     With `state.delay` (asynchronous pipeline emulation) the gradient is taken at the per-stage
@@ -75,9 +66,12 @@ def train_step(loss_fn, tx: optax.GradientTransformation, *, accum: int = 1,
     host memory move to device memory before the step and back after it, inside the jitted step.
     `accum` N > 1 (gradient accumulation): the batch holds N micro-batches (`micro_batches`); a
     `lax.scan` sums their losses and fp32 gradients (the running sum laid out by `accum_sharding`)
-    and the optimizer applies the mean once.
+    and the optimizer applies the mean once. `grad_fn` (`Placement.grad_fn`, ZeRO's reduce-scattered
+    gradient) replaces all of it: it takes the whole batch, micro-batches included.
     """
     def value_and_grad(at, batch):
+        if grad_fn is not None:
+            return grad_fn(at, batch)
         if accum == 1:
             return jax.value_and_grad(loss_fn)(at, batch)
         keep = (lambda t: t) if accum_sharding is None else (
@@ -176,7 +170,7 @@ def layout_step(cfg: Config, lay: Layout) -> Callable:
     `train_state_shapes` to compile the step abstractly."""
     pl = lay.placement
     return train_step(pl.loss_fn, lay.tx, accum=cfg.train.grad_accum, micro_sharding=pl.micro_sharding,
-                      accum_sharding=lay.grads, homes=lay.homes if lay.hosted else None)
+                      accum_sharding=lay.grads, homes=lay.homes if lay.hosted else None, grad_fn=pl.grad_fn)
 
 
 def build_step_fns(cfg: Config, graphdef, params_like: Any, placement: Placement | None = None) -> StepFns:
