@@ -462,7 +462,8 @@ def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command
                   "default regime; this regime with today's baselines is `--regime harsh`.)", ""]
     lines += [
         f"Command: `{command}`  ",
-        f"Wall time: {wall_s / 60:.1f} min ({platform}, {s.jobs} worker process(es))"
+        (f"Wall time: {wall_s / 60:.1f} min ({platform}, {s.jobs} worker process(es))" if not sources or wall_s > 60
+         else f"This invocation trained nothing ({wall_s:.0f} s, {platform}): it combined the runs below")
         + (f"; the runs of {', '.join(reused)} were reused from an earlier identical-settings run (`--reuse`)"
            if reused else "")
         + (f"; {resumed} run(s) were finished by an interrupted earlier invocation (resumed from the partial "
