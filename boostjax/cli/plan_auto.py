@@ -74,14 +74,20 @@ def _inputs(args: argparse.Namespace):
 
 def run_auto(args: argparse.Namespace) -> int:
     cluster, model, seq, out = _inputs(args)
+    from boostjax.planning.search import checked_space
+
+    dtype = args.dtype or ("float32" if cluster.is_cpu else "bfloat16")
+    checked_space(model, cluster, args.global_batch, seq, dtype, args.optimizer or "adamw")  # before JAX starts
     from boostjax.runtime.devices import simulate_devices, simulated_device_cap
 
-    simulate_devices(min(cluster.devices, simulated_device_cap()), "plan.cluster")  # before JAX starts
+    # before JAX starts: the CPU cluster's devices (calibrated, trained on); else one node's (the model axis)
+    simulate_devices(cluster.devices if cluster.is_cpu else min(cluster.per_node, simulated_device_cap()),
+                     "plan.cluster")
     from boostjax.planning.report import plan_json, summary
     from boostjax.planning.search import plan_auto
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else None
-    res = plan_auto(model, cluster, args.global_batch, seq, dtype=args.dtype, optimizer=args.optimizer or "adamw",
+    res = plan_auto(model, cluster, args.global_batch, seq, dtype=dtype, optimizer=args.optimizer or "adamw",
                     top=args.top, max_compiles=args.max_compiles, preset_name=args.preset, cache_dir=args.cache_dir, log=log)
     doc = plan_json(res, {"model": {k: v for k, v in vars(model).items()}, "preset": args.preset})
     if out is not None:

@@ -28,8 +28,8 @@ from boostjax.planning.cluster import Cluster, parse_cluster, profile_rates
 from boostjax.planning.costs import Hardware
 from boostjax.planning.measure import Key, measure
 from boostjax.planning.predict import predict
-from boostjax.planning.space import (Candidate, commands, enumerate_space, memory_lower_bound, time_lower_bound,
-                                     with_seq)
+from boostjax.planning.space import (Candidate, accepted, commands, enumerate_space, memory_lower_bound,
+                                     time_lower_bound, with_seq)
 from boostjax.runtime.profiles import get_profile
 
 GIB = float(1 << 30)
@@ -51,11 +51,13 @@ class PlanResult:
     search: dict[str, Any]
     calibration: dict[str, Any] | None = None
     rejected: list[dict[str, Any]] = field(default_factory=list)  # compiled but over the budget
+    included: list[dict[str, Any]] = field(default_factory=list)  # plan_auto(include=...): always predicted
 
     def to_json(self) -> dict[str, Any]:
         return {"cluster": self.cluster.text, "hardware": asdict(self.hardware), "eta": self.eta,
                 "budget_bytes_per_device": self.budget_bytes, "search": self.search,
-                "calibration": self.calibration, "candidates": self.candidates, "rejected": self.rejected[:10]}
+                "calibration": self.calibration, "candidates": self.candidates, "rejected": self.rejected[:10],
+                **({"included": self.included} if self.included else {})}
 
 
 def cpu_memory_bytes() -> float:
@@ -63,13 +65,39 @@ def cpu_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def rates(cluster: Cluster, dtype: str) -> tuple[Hardware, float, float, dict | None]:
-    """(machine rates, eta, per-device memory budget, the CPU calibration or None)."""
+def device_budget(cluster: Cluster) -> float:
+    """Bytes a device may hold: MEMORY_FRACTION of its memory (the CPU: of this machine's, over its devices)."""
+    if cluster.is_cpu:
+        return MEMORY_FRACTION * cpu_memory_bytes() / cluster.devices
+    return MEMORY_FRACTION * get_profile(cluster.hardware).device_bytes
+
+
+def rates(cluster: Cluster, dtype: str) -> tuple[Hardware, float, dict | None]:
+    """(machine rates, GEMM efficiency eta, the CPU calibration or None)."""
     if cluster.is_cpu:
         hw, raw = cpu.calibrate(cluster.devices, dtype)
-        return hw, 1.0, MEMORY_FRACTION * cpu_memory_bytes() / cluster.devices, raw
+        return hw, 1.0, raw
     p = get_profile(cluster.hardware)
-    return profile_rates(p), p.gemm_efficiency, MEMORY_FRACTION * p.device_bytes, None
+    return profile_rates(p), p.gemm_efficiency, None
+
+
+def checked_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq: int, dtype: str,
+                  optimizer: str) -> tuple[list[Candidate], dict[str, int]]:
+    """`space.enumerate_space`, refusing (one line) a global batch no data axis of the cluster divides."""
+    space, counts = enumerate_space(with_seq(model, seq), cluster, global_batch, seq, dtype, optimizer)
+    if not space:
+        n = cluster.devices
+        some, _ = enumerate_space(with_seq(model, seq), cluster, n * global_batch, seq, dtype, optimizer)
+        datas = sorted({c.data for c in some})
+        if not datas:
+            raise ConfigError(f"plan.cluster: no data x stage x model split of {n} devices runs this model (its "
+                              "heads, ranks, layers or vocabulary do not divide); fix: pick a device count that "
+                              "divides them, e.g. --cluster 1x1:...")
+        d = datas[0]
+        raise ConfigError(f"plan.global_batch: {global_batch} sequences do not split over any data axis this model "
+                          f"allows on {n} devices (data {datas}); fix: pass --global-batch a multiple of {d}, "
+                          f"e.g. {-(-global_batch // d) * d}")
+    return space, counts
 
 
 def check_inputs(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq: int) -> Cluster:
@@ -87,42 +115,51 @@ def check_inputs(model: ModelConfig, cluster: Cluster | str, global_batch: int, 
 def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq: int, dtype: str | None = None,
               optimizer: str = "adamw", top: int = 5, preset_name: str | None = None, cache_dir: str | None = None,
               hardware: Hardware | None = None, eta: float | None = None, budget_bytes: float | None = None,
-              max_compiles: int = 16, log=None) -> PlanResult:
+              max_compiles: int = 8, include: tuple[Candidate, ...] = (), log=None) -> PlanResult:
     """Rank the configurations of `model` on `cluster` (`"2x8:A100-80GB"`, `"1x8:cpu"`) for `global_batch`
     sequences of `seq` tokens per optimizer step (module docstring). `dtype`: bfloat16 on GPUs, float32
     on the CPU by default. `hardware` / `eta` / `budget_bytes` override the cluster's rates (machine
     rates: on the CPU they are shared by the devices). JAX must see at least the largest model axis's
     devices (simulated on the CPU: `boostjax.runtime.devices.simulate_devices`). Raises ConfigError
-    (one line) on bad input, `NothingFits` when no configuration fits."""
+    (one line) on bad input, `NothingFits` when no configuration fits. `include`: candidates measured and
+    predicted whatever the bounds and the budget say (`PlanResult.included`; ranked too where they fit)."""
     t0 = time.perf_counter()
     cl = check_inputs(model, cluster, global_batch, seq)
     dtype = dtype or ("float32" if cl.is_cpu else "bfloat16")
     model = with_seq(model, seq)
-    space, counts = enumerate_space(model, cl, global_batch, seq, dtype, optimizer)
-    if not space:
-        datas = sorted({cl.devices // (t * p) for t in range(1, cl.devices + 1) if cl.devices % t == 0
-                        for p in range(1, cl.devices // t + 1) if (cl.devices // t) % p == 0})
-        raise ConfigError(f"plan.global_batch: no data x stage x model split of {cl.devices} devices runs "
-                          f"{global_batch} sequences of {seq} tokens with this model (data axes {datas}); "
-                          f"fix: pass --global-batch a multiple of a data size above, e.g. "
-                          f"{global_batch * cl.devices}")
-    hw, eta0, budget0, calib = rates(cl, dtype)
-    hw, eta, budget = hardware or hw, eta if eta is not None else eta0, budget_bytes or budget0
+    space, counts = checked_space(model, cl, global_batch, seq, dtype, optimizer)
+    budget = budget_bytes or device_budget(cl)
     devices = cl.devices
-
-    def device_hw(c: Candidate) -> Hardware:
-        return cpu.shared_rates(hw, c.data * c.stage * c.model) if cl.is_cpu else hw
-
     lb_mem = {c: memory_lower_bound(model, c, seq, dtype, optimizer) for c in space}
     fits = [c for c in space if lb_mem[c] <= budget]
     if not fits:
         c = min(space, key=lambda c: lb_mem[c])
         raise NothingFits(_shortfall(c, lb_mem[c], budget, cl, "at least"))
+    calib = None
+    if hardware is None:
+        hardware, eta0, calib = rates(cl, dtype)
+        eta = eta0 if eta is None else eta
+    hw, eta = hardware, 1.0 if eta is None else eta
+
+    def device_hw(c: Candidate) -> Hardware:
+        return cpu.shared_rates(hw, c.data * c.stage * c.model) if cl.is_cpu else hw
+
     lb_t = {c: time_lower_bound(model, c, seq, global_batch, eta * device_hw(c).peak_flops) for c in fits}
+    def key_of(c: Candidate) -> Key:
+        return Key(model, c.strategy, c.model, c.micro_batch, seq, c.remat, dtype, optimizer, not cl.is_cpu)
+
     groups: dict[Key, list[Candidate]] = {}
     for c in fits:
-        key = Key(model, c.strategy, c.model, c.micro_batch, seq, c.remat, dtype, optimizer, not cl.is_cpu)
-        groups.setdefault(key, []).append(c)
+        groups.setdefault(key_of(c), []).append(c)
+    for c in include:
+        if c not in space:
+            raise ConfigError(f"plan.include: {c.label} is not a valid configuration of this model on {cl.text}; "
+                              "fix: pass one of the enumerated candidates")
+        lb_t.setdefault(c, time_lower_bound(model, c, seq, global_batch, eta * device_hw(c).peak_flops))
+        if c not in groups.setdefault(key_of(c), []):
+            groups[key_of(c)].append(c)
+    forced = {key_of(c) for c in include}
+    included: dict[Candidate, dict] = {}
     order = sorted(groups, key=lambda k: (min(lb_t[c] for c in groups[k]), REMAT_ORDER.index(k.remat),
                                           -k.micro_batch))
     ranked: list[tuple[Candidate, dict]] = []
@@ -130,7 +167,27 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     compiled = cached = 0
     skipped = {"time_bound": 0, "remat_not_needed": 0, "compile_budget": 0}
     overflow: set[tuple] = set()  # (strategy, tp, micro_batch, remat) keys with a candidate over the budget
+    refused = 0
+
+    def keep_accepted(key: Key) -> list[Candidate]:
+        nonlocal refused
+        full = [c for c in groups[key] if accepted(model, c, seq, dtype, optimizer)]
+        refused += len(groups[key]) - len(full)
+        return full
+
     for key in order:
+        if key in forced:
+            groups[key] = keep_accepted(key)
+            m, fresh = measure(key, cache_dir)
+            compiled, cached = compiled + fresh, cached + (not fresh)
+            for c in groups[key]:
+                p = predict(model, c, m, device_hw(c), eta, cl, seq, dtype)
+                (ranked if p["peak_bytes_per_device"] <= budget else rejected).append((c, p))
+                if p["peak_bytes_per_device"] > budget:
+                    overflow.add((key.strategy, key.tp, key.micro_batch, key.remat))
+                if c in include:
+                    included[c] = p
+            continue
         best = sorted(p["step_s"] for _, p in ranked)
         lesser = REMAT_ORDER[:REMAT_ORDER.index(key.remat)]
         lesser = [r for r in lesser if r != "lowrank" or model.low_rank]
@@ -142,6 +199,9 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
             continue
         if compiled >= max_compiles:
             skipped["compile_budget"] += len(groups[key])
+            continue
+        groups[key] = keep_accepted(key)
+        if not groups[key]:
             continue
         m, fresh = measure(key, cache_dir)
         compiled, cached = compiled + fresh, cached + (not fresh)
@@ -156,7 +216,8 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
                 rejected.append((c, p))
                 overflow.add((key.strategy, key.tp, key.micro_batch, key.remat))
     search = {**counts, "valid": len(space), "pruned_memory_bound": len(space) - len(fits),
-              **{f"skipped_{k}": v for k, v in skipped.items()}, "compile_keys": len(groups), "compiled": compiled, "cached": cached,
+              **{f"skipped_{k}": v for k, v in skipped.items()}, "refused_in_full": refused,
+              "compile_keys": len(groups), "compiled": compiled, "cached": cached,
               "predicted": len(ranked) + len(rejected), "fitting": len(ranked), "devices": devices,
               "global_batch": global_batch, "seq": seq, "dtype": dtype, "optimizer": optimizer,
               "wall_s": round(time.perf_counter() - t0, 1)}
@@ -166,9 +227,12 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     ranked.sort(key=lambda cp: (cp[1]["step_s"], cp[1]["peak_bytes_per_device"]))
     rows = [_row(model, c, p, seq, dtype, optimizer, cl, preset_name) for c, p in ranked]
     _why(rows)
+    inc = [{**_row(model, c, included[c], seq, dtype, optimizer, cl, preset_name),
+            "fits": included[c]["peak_bytes_per_device"] <= budget,
+            "rank": next((i for i, r in enumerate(rows, 1) if r["label"] == c.label), None)} for c in include]
     rej = [_row(model, c, p, seq, dtype, optimizer, cl, preset_name)
            for c, p in sorted(rejected, key=lambda cp: cp[1]["step_s"])[:10]]
-    return PlanResult(cl, hw, eta, budget, rows, search, calib, rej)
+    return PlanResult(cl, hw, eta, budget, rows, search, calib, rej, inc)
 
 
 def _row(model, c: Candidate, p: dict, seq, dtype, optimizer, cl, preset_name) -> dict[str, Any]:
@@ -201,4 +265,5 @@ def _shortfall(c: Candidate, need: float, budget: float, cl: Cluster, what: str)
             f"{c.label}, needs {what} {need / GIB:.3g} GiB ({over / GIB:.3g} GiB short); fix: {fix}")
 
 
-__all__ = ["MEMORY_FRACTION", "NothingFits", "PlanResult", "check_inputs", "plan_auto", "rates"]
+__all__ = ["MEMORY_FRACTION", "NothingFits", "PlanResult", "check_inputs", "checked_space", "device_budget",
+           "plan_auto", "rates"]

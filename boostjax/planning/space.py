@@ -6,8 +6,10 @@ optimizer step) is `data x micro_batch x slots`: without stages, `slots` micro-b
 (`--grad-accum`); with stages they are the pipeline's micro-batches (`--microbatches`, GPipe or 1F1B).
 The model axis stays inside one node (TP's per-layer collectives
 between nodes never pay). TP strategies are those serving the model kind (none on a model axis of 1), remat none / lowrank /
-full where the kind allows, ZeRO 0 / 1 / 3 on a data axis > 1. A candidate is kept when
-`config.validate` and `placement.check` accept its `Config`: the same checks `boostjax train` runs.
+full where the kind allows, ZeRO 0 / 1 / 3 on a data axis > 1. A split (mesh, strategy,
+micro-batching) is kept when `config.validate` and `placement.check` accept its `Config` with remat
+none and ZeRO 0 (the shape checks `boostjax train` runs); `accepted` checks each candidate in full
+before it is compiled (`search.plan_auto` drops one it refuses).
 
 Bounds (no compile): `memory_lower_bound` is the fp32 parameters, gradients and AdamW moments of one
 device's share (`param_count / (stage x model)`, divided by data where ZeRO splits them) plus, for
@@ -95,19 +97,22 @@ def enumerate_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq
             rows = global_batch // data
             for strategy in strategies_for(model, tp):
                 for mb in divisors(rows):
+                    base = Candidate(data, stage, tp, strategy, mb, rows // mb, "gpipe" if stage > 1 else "-",
+                                     "none", 0)
+                    ok = accepted(model, base, seq, dtype, optimizer)  # the shape checks: once per split
                     for sched in (("gpipe", "1f1b") if stage > 1 else ("-",)):
                         for remat in remats:
                             for zero in ((0, 1, 3) if data > 1 else (0,)):
-                                c = Candidate(data, stage, tp, strategy, mb, rows // mb, sched, remat, zero)
                                 seen += 1
-                                if _accepted(model, c, seq, dtype, optimizer):
-                                    out.append(c)
+                                if ok:
+                                    out.append(replace(base, schedule=sched, remat=remat, zero=zero))
                                 else:
                                     invalid += 1
     return out, {"enumerated": seen, "invalid": invalid}
 
 
-def _accepted(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str) -> bool:
+def accepted(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str) -> bool:
+    """`boostjax train` accepts the candidate's Config (`config.validate`, `placement.check`)."""
     f = c.train_fields(seq, dtype, optimizer)
     try:
         cfg = validate(Config(model, TrainConfig(**f)))
@@ -196,5 +201,5 @@ def with_seq(model: ModelConfig, seq: int) -> ModelConfig:
     return replace(model, max_seq_len=max(model.max_seq_len, seq))
 
 
-__all__ = ["Candidate", "commands", "divisors", "enumerate_space", "in_flight", "memory_lower_bound",
+__all__ = ["Candidate", "accepted", "commands", "divisors", "enumerate_space", "in_flight", "memory_lower_bound",
            "model_flags", "strategies_for", "time_lower_bound", "train_argv", "with_seq"]
