@@ -70,7 +70,7 @@ _RSS = ("import resource, sys; from boostjax.cli import main; rc = main(sys.argv
         "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
 
 
-def boost_part(cache: str, max_compiles: int) -> dict:
+def boost_part(cache: str, max_compiles: int, setups: tuple[str, ...]) -> dict:
     import scaling_model
     from boostjax.planning.search import plan_auto
     from boostjax.planning.space import Candidate
@@ -79,7 +79,7 @@ def boost_part(cache: str, max_compiles: int) -> dict:
     sm = {r["setup"]: r for r in json.loads((RESULTS / "scaling_model.json").read_text())["rows"]
           if r["table"] == "paper" and r["strategy"] == "btp"}
     rows = []
-    for name, nodes, per, pp, tp in BOOST:
+    for name, nodes, per, pp, tp in (b for b in BOOST if b[0] in setups):
         model = scaling_model.SHAPES[name]
         own = Candidate(1, pp, tp, "btp" if tp > 1 else "none", 1, 4, "1f1b" if pp > 1 else "-", "none", 0)
         t0 = time.perf_counter()
@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", choices=("boost", "cpu", "all"), default="all", help="which validation to run")
     ap.add_argument("--max-compiles", type=int, default=1,
                     help="the planner's own compile budget per BOOST setup, beside BOOST's configuration (boost part)")
+    ap.add_argument("--setups", default="1b,3b,7b,13b", help="BOOST setups to plan, comma-separated (boost part)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved measurement rounds (cpu part)")
     ap.add_argument("--cache", default="/tmp/boostjax-plan-cache", help="compiled-measurement cache folder")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     res = json.loads(path.read_text()) if path.exists() else {}
     t0 = time.perf_counter()
     if args.part in ("boost", "all"):
-        res["boost"] = boost_part(args.cache, args.max_compiles)
+        res["boost"] = boost_part(args.cache, args.max_compiles, tuple(args.setups.split(",")))
     if args.part in ("cpu", "all"):
         res["cpu"] = cpu_part(args.cache, args.rounds)
         res["spearman"] = res["cpu"]["spearman"]

@@ -165,7 +165,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.auto:
         from boostjax.cli.plan_auto import run_auto
 
-        return run_auto(args)
+        return run_auto(args, RUN_FLAGS)
     for flag, value in (("--cluster", args.cluster), ("--global-batch", args.global_batch),
                         ("--cache-dir", args.cache_dir)):
         if value is not None:

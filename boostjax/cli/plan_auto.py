@@ -42,8 +42,7 @@ def check_auto_out(out: str) -> pathlib.Path:
     return p
 
 
-def _inputs(args: argparse.Namespace):
-    from boostjax.cli.plan import RUN_FLAGS
+def _inputs(args: argparse.Namespace, run_flags: tuple[str, ...]):
     from boostjax.planning.cluster import parse_cluster
 
     for name in PICKED:
@@ -65,15 +64,16 @@ def _inputs(args: argparse.Namespace):
     seq = args.seq if args.seq is not None else field_default("seq")
     if seq < 1:
         raise ConfigError(f"plan.seq: must be >= 1, got {seq}; fix: pass {flag_of('seq')} N")
-    model = model_from(args, RUN_FLAGS)
+    model = model_from(args, run_flags)
     model = replace(model, max_seq_len=max(model.max_seq_len, seq))
     validate_model(model)
     out = check_auto_out(args.out) if args.out else None
     return cluster, model, seq, out
 
 
-def run_auto(args: argparse.Namespace) -> int:
-    cluster, model, seq, out = _inputs(args)
+def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
+    """`boostjax plan --auto` (`run_flags`: the model and run flags `boostjax plan` registered)."""
+    cluster, model, seq, out = _inputs(args, run_flags)
     from boostjax.planning.search import checked_space
 
     dtype = args.dtype or ("float32" if cluster.is_cpu else "bfloat16")
