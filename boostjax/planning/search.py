@@ -180,6 +180,9 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
             groups[key] = keep_accepted(key)
             m, fresh = measure(key, cache_dir)
             compiled, cached = compiled + fresh, cached + (not fresh)
+            if log:
+                log(f"{'compiled' if fresh else 'cached'} TP{key.tp} {key.strategy} mb{key.micro_batch} remat "
+                    f"{key.remat} (included; {time.perf_counter() - t0:.0f} s)")
             for c in groups[key]:
                 p = predict(model, c, m, device_hw(c), eta, cl, seq, dtype)
                 (ranked if p["peak_bytes_per_device"] <= budget else rejected).append((c, p))
