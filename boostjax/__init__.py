@@ -36,6 +36,8 @@ _EXPORTS: dict[str, str] = {
     "lowrank_from_dense": "boostjax.interop.pretrained",
     # tensor parallelism and its communication, read from compiled HLO
     "comm_report": "boostjax.analysis.comm",
+    # the whole configuration of a run on a cluster (boostjax plan --auto)
+    "plan_auto": "boostjax.planning.search",
     # pipeline parallelism (mesh axis `stage`)
     "bubble_fraction": "boostjax.sharding.pipeline", "pipeline_info": "boostjax.sharding.pipeline",
     # optimizers

@@ -67,8 +67,8 @@ import numpy as np
 from boostjax.config import Config, ModelConfig, preset
 from boostjax.runtime.hardware import get_profile
 from boostjax.models.flops import flops_per_token, param_count
-from boostjax.analysis import hlo
 from boostjax.analysis.comm import STRATEGIES
+from boostjax.planning.costs import Hardware, program_cost, program_time, split_layers
 
 import results_io
 from results_io import log
@@ -93,20 +93,6 @@ CALIBRATION = ("1b", "fullrank-tp")  # the one point eta is fitted to: no commun
 SHAPES = {**{k: preset(k, vocab_size=VOCAB, tie_embeddings=TIE) for k in ("1b", "3b", "7b", "13b", "30b")},
           "40b": ModelConfig(d_model=8192, n_layers=48, n_heads=64, d_ff=22016, rank=2048, vocab_size=VOCAB,
                              tie_embeddings=TIE)}
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Per-GPU rates the time model charges. Stated assumptions, not fitted (except eta, passed in)."""
-
-    name: str
-    peak_flops: float  # dense bf16 tensor-core peak (boostjax.runtime.hardware profiles)
-    hbm_bytes_per_s: float  # nominal HBM bandwidth
-    hbm_efficiency: float  # fraction of it streaming kernels reach
-    bus_bytes_per_s: float  # NCCL bus bandwidth of an intra-node all-reduce (large messages)
-    alpha_s: float  # per-collective latency (launch + NCCL small-message time)
-    p2p_bytes_per_s: float  # pipeline send/recv between nodes, per GPU
-    p2p_alpha_s: float
 
 
 A100 = Hardware("A100-80GB SXM, NVLink3 4-GPU node (Perlmutter-like), Slingshot 25 GB/s per GPU",
@@ -144,111 +130,23 @@ PAPER_SETUPS = (Setup("1b", 1), Setup("3b", 2), Setup("7b", 4), Setup("13b", 4, 
 BIG_SETUPS = (Setup("30b", 8), Setup("40b", 8, pp=2))
 
 
-# -- what one compiled program costs ------------------------------------------------------------------
-
-def _score_shaped(arrays, seq: int, batch: int) -> bool:
-    """An attention-score array: two sequence-sized dims and at least 2 x batch x seq^2 elements (scores
-    have >= 2 heads per device at every shape here), so [b, s, d] with d = s (7B: 4096) is not one."""
-    return any(sum(1 for s in a.shape if s == seq) >= 2 and a.elements >= 2 * batch * seq * seq for a in arrays)
-
-
-_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
-         "replica-id", "iota", "opt-barrier", "custom-call"}
-# data movement only: the CPU backend upcasts bf16 dots to f32 and picks its own operand layouts, so
-# its programs hold convert / transpose / copy passes a GPU's bf16 cuBLAS GEMMs do not need
-_MOVE = {"parameter", "convert", "bitcast", "transpose", "copy", "reshape", "tuple", "get-tuple-element"}
-
-
-def program_cost(text: str, seq: int, batch: int) -> dict[str, Any]:
-    """GEMMs (FLOPs, bf16 bytes, score-shaped?), other HBM traffic and collectives of one compiled program
-    of `batch` sequences of `seq` tokens."""
-    mod = hlo.parse_module(text)
-    gemm_bodies = {c for c, instrs in mod.computations.items() if any(i.opcode in ("dot", "convolution")
-                                                                     for i in instrs)}
-    move_bodies = {c for c, instrs in mod.computations.items() if all(i.opcode in _MOVE for i in instrs)}
-    gemms = [(g.flops, g.bytes_moved("bf16"), _score_shaped((g.lhs, g.rhs, g.out), seq, batch)) for g in hlo.gemms(mod)]
-    other = scores = moves = 0
-    for comp, instrs in mod.computations.items():
-        caller = mod.caller(comp)
-        if caller is not None and caller.opcode == "fusion":
-            continue  # counted at its fusion instruction
-        for ins in instrs:
-            if ins.opcode in _FREE or ins.opcode in ("dot", "convolution") or any(
-                    ins.opcode.startswith(k) for k in hlo.COLLECTIVE_KINDS):
-                continue
-            if ins.opcode == "fusion" and (ins.attr("calls") or "").lstrip("%") in gemm_bodies:
-                continue  # a dot with fused epilogue: the GEMM roofline charges it
-            ops = [o for o in (mod.lookup(comp, n) for n in ins.operands) if o is not None]
-            arrays = [*ins.results, *(a for o in ops for a in o.results[:1] if o.opcode != "tuple")]
-            nbytes = sum(a.bytes() for a in arrays)
-            if ins.opcode in _MOVE or (ins.opcode == "fusion" and (ins.attr("calls") or "").lstrip("%") in move_bodies):
-                moves += nbytes
-            elif _score_shaped(arrays, seq, batch):
-                scores += nbytes
-            else:
-                other += nbytes
-    colls = [(c.kind, c.logical_bytes, c.group_size) for c in hlo.collectives(mod) if not c.trivial]
-    return {"gemms": gemms, "other_bytes": other, "score_bytes_excluded": scores,
-            "move_bytes_excluded": moves, "collectives": colls}
-
-
-def _coll_time(kind: str, nbytes: int, t: int, hw: Hardware) -> float:
-    if kind == "all-reduce":
-        return hw.alpha_s + 2 * (t - 1) / t * nbytes / hw.bus_bytes_per_s
-    if kind == "all-gather" or kind == "all-to-all":
-        return hw.alpha_s + (t - 1) / t * nbytes / hw.bus_bytes_per_s
-    if kind == "reduce-scatter":
-        return hw.alpha_s + (t - 1) * nbytes / hw.bus_bytes_per_s
-    return hw.alpha_s + nbytes / hw.bus_bytes_per_s  # collective-permute and the rest: one hop
-
-
-def program_time(cost: dict[str, Any], hw: Hardware, eta: float) -> dict[str, float]:
-    """Seconds per component of one program on `hw` with GEMM efficiency `eta`."""
-    rate, bw = eta * hw.peak_flops, hw.hbm_efficiency * hw.hbm_bytes_per_s
-    gemm = sum(f / rate if score else max(f / rate, b / bw) for f, b, score in cost["gemms"])
-    bound = sum(1 for f, b, score in cost["gemms"] if not score and b / bw > f / rate)
-    comm = sum(_coll_time(k, b, t, hw) for k, b, t in cost["collectives"])
-    return {"gemm_s": gemm, "memory_s": cost["other_bytes"] / bw, "comm_s": comm,
-            "gemm_flops": float(sum(f for f, _, _ in cost["gemms"])), "memory_bound_gemms": float(bound),
-            "collectives": float(len(cost["collectives"])), "other_bytes": float(cost["other_bytes"]),
-            "gemm_bytes": float(sum(b for _, b, score in cost["gemms"] if not score)),
-            "score_bytes_excluded": float(cost["score_bytes_excluded"]),
-            "move_bytes_excluded": float(cost["move_bytes_excluded"]),
-            "comm_bytes": float(sum(b for _, b, _ in cost["collectives"]))}
-
+# -- what one compiled program costs: boostjax.planning.costs (program_cost, program_time) ----------
 
 @functools.lru_cache(maxsize=128)
 def _compiled_pair(model: ModelConfig, tp: int, batch: int, seq: int, strategy: str) -> dict[str, Any]:
     """Cost of the training step for `batch` sequences and of its optimizer update alone (same
     layout, gradients shaped as the parameters): the step minus the update is the forward + backward."""
-    import jax
-    import optax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     from boostjax.analysis import memory
     from boostjax.analysis.comm import model_for
     from boostjax.config import as_mesh
-    from boostjax.models.llama import LLaMA
+    from boostjax.planning.measure import update_program
     from boostjax.training.checks import validate
-    from boostjax.training.step import step_layout, train_state_shapes
 
     mesh = as_mesh(f"data=1,model={tp}", "scaling_model.mesh")
     cfg = validate(Config(model_for(model, strategy),
                           memory.train_config(batch, seq, strategy, mesh, "none", "bfloat16")))
     step = memory.train_step_compiled(cfg)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg.model, rngs=nnx.Rngs(0))))
-    lay = step_layout(cfg, graphdef, state.to_pure_dict())
-    sds, _ = train_state_shapes(cfg, graphdef, state.to_pure_dict())
-
-    def update(params, opt_state, grads):  # as `boostjax.training.step.train_step` after its value_and_grad
-        updates, opt_state = lay.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
-
-    out = (lay.homes.params, lay.homes.opt_state, NamedSharding(lay.placement.mesh, P()))
-    opt = jax.jit(update, donate_argnums=(0, 1), out_shardings=out).lower(
-        sds.params, sds.opt_state, sds.params).compile(memory.FAST_CPU)
+    opt = update_program(cfg)
     return {"step": program_cost(step.compiled.as_text(), seq, batch), "opt": program_cost(opt.as_text(), seq, batch),
             "xla": _xla_cost(step.compiled), "xla_opt": _xla_cost(opt)}
 
@@ -267,17 +165,12 @@ def layer_costs(setup: Setup, strategy: str) -> dict[int, dict[str, Any]]:
                               setup.micro_batch, setup.seq, strategy) for n in (1, 2)}
 
 
-def _split(t1: dict[str, float], t2: dict[str, float], layers: float) -> dict[str, float]:
-    """`rest + layers x layer` from the 1- and 2-layer programs."""
-    return {k: (t1[k] - (t2[k] - t1[k])) + layers * (t2[k] - t1[k]) for k in t1}
-
-
 def predict(setup: Setup, strategy: str, hw: Hardware, eta: float, costs: dict | None = None) -> dict[str, Any]:
     """Predicted iteration seconds of `setup` under `strategy` on `hw` (see the module docstring)."""
     costs = costs or layer_costs(setup, strategy)
     per_stage = setup.shape.n_layers / setup.pp
     t = {(n, p): program_time(costs[n][p], hw, eta) for n in (1, 2) for p in ("step", "opt")}
-    step, opt = (_split(t[1, p], t[2, p], per_stage) for p in ("step", "opt"))
+    step, opt = (split_layers(t[1, p], t[2, p], per_stage) for p in ("step", "opt"))
     fb = {k: step[k] - opt[k] for k in step}  # one micro-batch's forward + backward: the step minus its update
     per_layer = {k: t[2, "step"][k] - t[1, "step"][k] for k in ("comm_bytes", "collectives", "memory_bound_gemms")}
     slots = setup.microbatches + setup.pp - 1
@@ -287,7 +180,7 @@ def predict(setup: Setup, strategy: str, hw: Hardware, eta: float, costs: dict |
     p2p_s = 2 * (setup.pp - 1) * (hw.p2p_alpha_s + p2p_bytes / hw.p2p_bytes_per_s)
     parts = {k: slots * fb[k] + opt[k] for k in ("gemm_s", "memory_s", "comm_s")}
     total = sum(parts.values()) + p2p_s
-    xla_opt, xla_step = (_split(costs[1][k], costs[2][k], per_stage) for k in ("xla_opt", "xla"))
+    xla_opt, xla_step = (split_layers(costs[1][k], costs[2][k], per_stage) for k in ("xla_opt", "xla"))
     xla = {k: slots * (xla_step.get(k, 0.0) - xla_opt.get(k, 0.0)) + xla_opt.get(k, 0.0)
            for k in ("flops", "bytes accessed")}
     model_m = replace(m, kind="llama" if strategy == "fullrank-tp" else "cola")

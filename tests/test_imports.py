@@ -110,7 +110,8 @@ LAYERS = {"boostjax": 0, "config": 0,
           "interop": 5, "inference": 5,
           "training": 6,
           "analysis": 7,
-          "cli": 8}
+          "planning": 8,
+          "cli": 9}
 
 
 def _top(mod: str) -> str:

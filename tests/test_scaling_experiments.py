@@ -64,10 +64,12 @@ def test_iteration_is_slots_of_forward_backward_plus_one_optimizer_step(costs, r
 
 
 def test_score_arrays_are_told_from_activations_with_d_equal_to_seq():
-    arr = sm.hlo.parse_shapes
+    from boostjax.analysis.hlo import parse_shapes as arr
+    from boostjax.planning.costs import _score_shaped  # the scaling model's, now the planner's
+
     scores, resid = arr("bf16[1,8,4096,4096]"), arr("bf16[1,4096,4096]")  # 7B: d = s = 4096
-    assert sm._score_shaped(scores, 4096, 1) and not sm._score_shaped(resid, 4096, 1)
-    assert not sm._score_shaped(arr("f32[4,4096,4096]"), 4096, 4)
+    assert _score_shaped(scores, 4096, 1) and not _score_shaped(resid, 4096, 1)
+    assert not _score_shaped(arr("f32[4,4096,4096]"), 4096, 4)
 
 
 def test_calibration_recovers_eta_and_table_has_every_row(costs, rows):

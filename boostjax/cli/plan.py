@@ -42,6 +42,7 @@ from boostjax.config import (ATTENTION_MEMORY, Config, ConfigError, MeshShape, c
 from boostjax.runtime.profiles import ALIASES, PROFILES, get_profile
 
 GB = 1e9
+DEFAULT_HARDWARE = "H800-80GB"
 INSTANCES = ("lazytrain-27b",)
 MAX_MEMORY_GB = 1e6  # a petabyte: anything larger is a typo (and 1e300 GB overflows to inf bytes)
 MAX_TIME_LIMIT_S = 7 * 24 * 3600.0
@@ -60,7 +61,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--instance", default=None, choices=INSTANCES,
                    help="a fixed published instance instead of a model (lazytrain-27b: 64 layers, 0.703 GiB "
                         "boundaries, 21.55 GB activation budget, H800)")
-    g.add_argument("--hardware", default="H800-80GB",
+    g.add_argument("--hardware", default=None,
                    help=f"the GPU the plan prices (its memory, FLOP/s and host link): one of {', '.join(PROFILES)} "
                         f"or an alias ({', '.join(sorted(ALIASES))}) (default: H800-80GB)")
     g.add_argument("--memory-cap", type=float, default=None, metavar="GB",
@@ -76,6 +77,25 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--out", default=None, metavar="PLAN_JSON",
                    help="write the plan here for boostjax train --offload-plan (never replaces a file that is not "
                         "a boostjax plan) (default: not written)")
+    a = p.add_argument_group("auto planning (--auto: the whole configuration on a cluster)")
+    a.add_argument("--auto", action="store_true",
+                   help="pick the mesh, TP strategy, micro-batching, pipeline schedule, remat and ZeRO stage for the "
+                        "model on --cluster, ranked by predicted step time (boostjax.planning); takes the model "
+                        "flags, --seq, --dtype, --optimizer, --global-batch, --cluster, --out, --json")
+    a.add_argument("--cluster", default=None, metavar="NODESxDEVICES:HARDWARE",
+                   help="--auto: the machines, e.g. 2x8:A100-80GB (a hardware profile or alias) or 1x8:cpu (this "
+                        "machine's simulated CPU devices, rates measured by a micro-benchmark)")
+    a.add_argument("--global-batch", type=int, default=None, metavar="N",
+                   help="--auto: sequences per optimizer step over the whole cluster")
+    a.add_argument("--top", type=int, default=5,
+                   help="--auto: candidates planned in full and shown; a configuration whose time bound is slower "
+                        "than the TOP-th is not compiled (default: 5)")
+    a.add_argument("--max-compiles", type=int, default=16, metavar="N",
+                   help="--auto: compile at most N measurements (a TP size, strategy, micro-batch and remat each); "
+                        "candidates past it are counted as skipped (default: 16)")
+    a.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="--auto: keep compiled measurements here as JSON, keyed by configuration, for later plans "
+                        "(default: this process only)")
     p.set_defaults(func=_cmd_plan)
     return p
 
@@ -103,7 +123,7 @@ def instance_from_args(args: argparse.Namespace) -> Any:
         cap = _number(args, "memory_cap", 0.0, MAX_MEMORY_GB, "70") * GB
     _number(args, "time_limit", 0.0, MAX_TIME_LIMIT_S, "60")
     try:
-        hw = get_profile(args.hardware)
+        hw = get_profile(args.hardware or DEFAULT_HARDWARE)
     except ValueError:
         raise ConfigError(f"plan.hardware: unknown profile {args.hardware!r}; fix: pass one of {', '.join(PROFILES)} "
                           f"(or an alias: {', '.join(sorted(ALIASES))})") from None
@@ -142,6 +162,14 @@ def solve(inst: Any, time_limit_s: float) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.auto:
+        from boostjax.cli.plan_auto import run_auto
+
+        return run_auto(args, RUN_FLAGS)
+    for flag, value in (("--cluster", args.cluster), ("--global-batch", args.global_batch),
+                        ("--cache-dir", args.cache_dir)):
+        if value is not None:
+            raise ConfigError(f"plan: {flag} plans a whole configuration; fix: add --auto, or drop {flag}")
     inst = instance_from_args(args)
     from boostjax.offload.planner import BASELINES, PlanInfeasible, baseline_plan
     from boostjax.offload.report import check_out, report, summary, write_plan

@@ -18,6 +18,13 @@ Numbers are per GPU. Sources and assumptions:
 - NVMe: only the workstation profile lists one (2 TB PCIe Gen4 SSD, 5 GB/s). The planner does not place
   tensors on NVMe: JAX has no disk memory kind (`device`, `pinned_host`, `unpinned_host` only).
 - `mfu`: the achievable fraction of `bf16_flops` that turns FLOPs into seconds in the cost model.
+- The auto planner's links (`boostjax.planning`), nominal figures: HBM 3.35 TB/s (H800 SXM), 4.8 TB/s (H200),
+  1.555 / 2.039 TB/s (A100 40 / 80 GB), 936 GB/s (RTX 3090); all-reduce bus bandwidth inside a node
+  (NCCL's large-message figure) 200 GB/s on A100 NVLink3, 360 GB/s on H200 NVLink4/NVSwitch, 160 GB/s on
+  H800 (its NVLink is cut to 400 GB/s), 16 GB/s over PCIe Gen4 between RTX 3090s; between nodes per GPU
+  25 GB/s (A100: Slingshot/HDR-class), 50 GB/s (H800, H200: InfiniBand NDR), 12.5 GB/s (3090: 100 Gb/s
+  Ethernet); collective latency 15 us; GEMM efficiency 0.8 (the scaling model fits 0.80 on BOOST's 1B
+  A100 time). The planner's CPU profile is measured instead (`boostjax.planning.cpu`).
 """
 
 from __future__ import annotations

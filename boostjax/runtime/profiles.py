@@ -27,6 +27,13 @@ class HardwareProfile:
     nvme_bytes: int = 0
     nvme_bytes_per_s: float = 0.0
     mfu: float = 0.5
+    # the auto planner's time model (`boostjax.planning`): stated datasheet / NCCL figures, not measured
+    hbm_bytes_per_s: float = 0.0  # nominal device-memory bandwidth
+    bus_bytes_per_s: float = 0.0  # all-reduce bus bandwidth inside a node (NVLink / PCIe, large messages)
+    inter_bytes_per_s: float = 0.0  # per device between nodes (InfiniBand / Slingshot)
+    alpha_s: float = 15e-6  # per-collective latency
+    gemm_efficiency: float = 0.8  # fraction of bf16 peak a compute-bound GEMM reaches (the scaling model fits
+    # 0.80 on BOOST's 1B A100 iteration time: experiments/scaling_model.py)
 
     @property
     def flops_per_s(self) -> float:
@@ -45,12 +52,17 @@ _GEN4_EFFECTIVE = 20e9  # assumption, see the module docstring
 PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
-        HardwareProfile("H800-80GB", 81559 * MiB, 989.4e12, _GEN5_EFFECTIVE, _GEN5_EFFECTIVE, 1024 * GiB),
-        HardwareProfile("H200-141GB", 143771 * MiB, 989.4e12, _GEN5_EFFECTIVE, _GEN5_EFFECTIVE, 2048 * GiB),
-        HardwareProfile("A100-40GB", 40960 * MiB, 312e12, _GEN4_EFFECTIVE, _GEN4_EFFECTIVE, 1024 * GiB),
-        HardwareProfile("A100-80GB", 81920 * MiB, 312e12, _GEN4_EFFECTIVE, _GEN4_EFFECTIVE, 1024 * GiB),
+        HardwareProfile("H800-80GB", 81559 * MiB, 989.4e12, _GEN5_EFFECTIVE, _GEN5_EFFECTIVE, 1024 * GiB,
+                        hbm_bytes_per_s=3.35e12, bus_bytes_per_s=160e9, inter_bytes_per_s=50e9),
+        HardwareProfile("H200-141GB", 143771 * MiB, 989.4e12, _GEN5_EFFECTIVE, _GEN5_EFFECTIVE, 2048 * GiB,
+                        hbm_bytes_per_s=4.8e12, bus_bytes_per_s=360e9, inter_bytes_per_s=50e9),
+        HardwareProfile("A100-40GB", 40960 * MiB, 312e12, _GEN4_EFFECTIVE, _GEN4_EFFECTIVE, 1024 * GiB,
+                        hbm_bytes_per_s=1.555e12, bus_bytes_per_s=200e9, inter_bytes_per_s=25e9),
+        HardwareProfile("A100-80GB", 81920 * MiB, 312e12, _GEN4_EFFECTIVE, _GEN4_EFFECTIVE, 1024 * GiB,
+                        hbm_bytes_per_s=2.039e12, bus_bytes_per_s=200e9, inter_bytes_per_s=25e9),
         HardwareProfile("RTX3090-24GB", 24576 * MiB, 71e12, _GEN4_EFFECTIVE, _GEN4_EFFECTIVE, 128 * GiB,
-                        nvme_bytes=2_000_000_000_000, nvme_bytes_per_s=5e9),
+                        nvme_bytes=2_000_000_000_000, nvme_bytes_per_s=5e9, hbm_bytes_per_s=936e9,
+                        bus_bytes_per_s=16e9, inter_bytes_per_s=12.5e9),
     )
 }
 

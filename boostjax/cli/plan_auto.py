@@ -1,0 +1,103 @@
+"""`boostjax plan --auto`: the whole configuration of a run on a cluster (`boostjax.planning`).
+
+    boostjax plan --auto --preset 60m --seq 256 --global-batch 16 --cluster 1x8:cpu --out plan.json
+    boostjax plan --auto --preset 7b --seq 4096 --global-batch 64 --cluster 8x8:A100-80GB
+
+Every input is checked before JAX starts (one line, exit 2, nothing written): the cluster string and its
+hardware, the model flags, --global-batch and --seq, --out. `--out` writes the ranked candidates as JSON
+(each with `step_s`, `peak_bytes_per_device`, `train_command`); the terminal shows the table and the
+winner's command lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+from dataclasses import replace
+
+from boostjax.cli.flags import model_from
+from boostjax.config import ConfigError, field_default, flag_of, validate_model
+
+# flags of `boostjax plan` that describe one configuration, which --auto picks itself
+PICKED = ("batch", "strategy", "mesh", "instance", "hardware", "memory_cap")
+
+
+def check_auto_out(out: str) -> pathlib.Path:
+    """--out: a file path in an existing writable folder, not a file other than an earlier auto plan."""
+    p = pathlib.Path(out)
+    if p.is_dir() or not p.parent.is_dir() or not os.access(p.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"plan.out: {out!r} is not a writable file path; fix: pass e.g. --out plan_auto.json in "
+                          "an existing folder")
+    if p.exists():
+        try:
+            ok = "candidates" in json.loads(p.read_text())
+        except (OSError, ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise ConfigError(f"plan.out: {p} exists and is not an auto plan (left untouched); fix: pass another "
+                              "--out")
+    return p
+
+
+def _inputs(args: argparse.Namespace, run_flags: tuple[str, ...]):
+    from boostjax.planning.cluster import parse_cluster
+
+    for name in PICKED:
+        if getattr(args, name, None) not in (None, False):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"plan.auto: {flag} is one configuration's, and --auto picks it; fix: drop {flag} "
+                              "(--cluster names the hardware)")
+    if args.cluster is None:
+        raise ConfigError("plan.cluster: --auto needs the machines; fix: pass --cluster NODESxDEVICES:HARDWARE, "
+                          "e.g. --cluster 1x8:cpu")
+    cluster = parse_cluster(args.cluster)
+    if args.global_batch is None or args.global_batch < 1:
+        raise ConfigError(f"plan.global_batch: --auto needs a positive --global-batch (sequences per optimizer "
+                          f"step), got {args.global_batch}; fix: pass e.g. --global-batch {8 * cluster.devices}")
+    if args.top < 1:
+        raise ConfigError(f"plan.top: must be >= 1, got {args.top}; fix: pass --top 5")
+    if args.max_compiles < 1:
+        raise ConfigError(f"plan.max_compiles: must be >= 1, got {args.max_compiles}; fix: pass --max-compiles 16")
+    seq = args.seq if args.seq is not None else field_default("seq")
+    if seq < 1:
+        raise ConfigError(f"plan.seq: must be >= 1, got {seq}; fix: pass {flag_of('seq')} N")
+    model = model_from(args, run_flags)
+    model = replace(model, max_seq_len=max(model.max_seq_len, seq))
+    validate_model(model)
+    out = check_auto_out(args.out) if args.out else None
+    return cluster, model, seq, out
+
+
+def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
+    """`boostjax plan --auto` (`run_flags`: the model and run flags `boostjax plan` registered)."""
+    cluster, model, seq, out = _inputs(args, run_flags)
+    from boostjax.planning.search import checked_space
+
+    dtype = args.dtype or ("float32" if cluster.is_cpu else "bfloat16")
+    checked_space(model, cluster, args.global_batch, seq, dtype, args.optimizer or "adamw")  # before JAX starts
+    from boostjax.runtime.devices import simulate_devices, simulated_device_cap
+
+    # before JAX starts: the CPU cluster's devices (calibrated, trained on); else one node's (the model axis)
+    simulate_devices(cluster.devices if cluster.is_cpu else min(cluster.per_node, simulated_device_cap()),
+                     "plan.cluster")
+    from boostjax.planning.report import plan_json, summary
+    from boostjax.planning.search import plan_auto
+
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else None
+    res = plan_auto(model, cluster, args.global_batch, seq, dtype=dtype, optimizer=args.optimizer or "adamw",
+                    top=args.top, max_compiles=args.max_compiles, preset_name=args.preset, cache_dir=args.cache_dir, log=log)
+    doc = plan_json(res, {"model": {k: v for k, v in vars(model).items()}, "preset": args.preset})
+    if out is not None:
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        os.replace(tmp, out)
+    print(json.dumps(doc, indent=1, default=str) if args.json else summary(res))
+    if out is not None and not args.json:
+        print(f"plan written to {out}", file=sys.stderr)
+    return 0
+
+
+__all__ = ["check_auto_out", "run_auto"]

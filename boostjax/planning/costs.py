@@ -1,0 +1,125 @@
+"""Seconds from a compiled program: a roofline over its GEMMs, its other memory traffic and its collectives.
+
+`program_cost(text, seq, batch)` reads one compiled program's HLO (per device): every dot's FLOPs and
+bytes (`hlo.gemms`), the operand + result bytes of every other top-level instruction (fusions,
+copies, reductions), and every non-trivial collective (`hlo.collectives`, at its logical element type:
+bf16 where the CPU backend widened it). `program_time(cost, hw, eta)` turns that into seconds on
+`hw`: per dot `max(FLOPs / (eta * peak), bytes / (hbm_efficiency * HBM))`, the other bytes at
+`hbm_efficiency * HBM`, ring collectives `alpha + 2(T-1)/T * bytes / bus` (all-reduce),
+`alpha + (T-1)/T * bytes / bus` (all-gather, all-to-all), `alpha + (T-1) * bytes / bus`
+(reduce-scatter, bytes = its result), `alpha + bytes / bus` (collective-permute); nothing overlaps.
+
+With `fused_attention` (a GPU's flash kernel keeps the scores on chip) the score dots count FLOPs only
+and the score arrays' traffic is excluded, and so are pure convert / transpose / copy passes (the CPU
+backend upcasts bf16 dots to f32 and picks its own layouts; a GPU's bf16 GEMMs need neither). Without
+it (the program is what runs, e.g. on the CPU) every byte counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from boostjax.analysis import hlo
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-device rates the time model charges: stated assumptions, not fitted (eta is passed apart)."""
+
+    name: str
+    peak_flops: float  # dense compute peak of the compute dtype (bf16 tensor cores on a GPU)
+    hbm_bytes_per_s: float  # nominal device-memory bandwidth
+    hbm_efficiency: float  # fraction of it streaming kernels reach
+    bus_bytes_per_s: float  # bus bandwidth of an all-reduce inside a node (large messages)
+    alpha_s: float  # per-collective latency
+    p2p_bytes_per_s: float  # between nodes, per device (pipeline sends, collectives that cross nodes)
+    p2p_alpha_s: float
+
+
+_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
+         "replica-id", "iota", "opt-barrier", "custom-call"}
+_MOVE = {"parameter", "convert", "bitcast", "transpose", "copy", "reshape", "tuple", "get-tuple-element"}
+
+
+def _score_shaped(arrays, seq: int, batch: int) -> bool:
+    """An attention-score array: two sequence-sized dims and at least 2 x batch x seq^2 elements (scores
+    have >= 2 heads per device at every shape planned), so [b, s, d] with d = s is not one."""
+    return any(sum(1 for s in a.shape if s == seq) >= 2 and a.elements >= 2 * batch * seq * seq for a in arrays)
+
+
+def program_cost(text: str, seq: int, batch: int, fused_attention: bool = True,
+                 gemm_dtype: str | None = "bf16") -> dict[str, Any]:
+    """GEMMs `(FLOPs, bytes, score-shaped?)`, other memory traffic and collectives `(kind, bytes, group)` of
+    one compiled program of `batch` sequences of `seq` tokens (per device). `gemm_dtype`: the element
+    type GEMM operands are charged at (None: the HLO's own)."""
+    mod = hlo.parse_module(text)
+    gemm_bodies = {c for c, instrs in mod.computations.items() if any(i.opcode in ("dot", "convolution")
+                                                                     for i in instrs)}
+    move_bodies = {c for c, instrs in mod.computations.items() if all(i.opcode in _MOVE for i in instrs)}
+    gemms = [(g.flops, g.bytes_moved(gemm_dtype),
+              fused_attention and _score_shaped((g.lhs, g.rhs, g.out), seq, batch)) for g in hlo.gemms(mod)]
+    other = scores = moves = 0
+    for comp, instrs in mod.computations.items():
+        caller = mod.caller(comp)
+        if caller is not None and caller.opcode == "fusion":
+            continue  # counted at its fusion instruction
+        for ins in instrs:
+            if ins.opcode in _FREE or ins.opcode in ("dot", "convolution") or any(
+                    ins.opcode.startswith(k) for k in hlo.COLLECTIVE_KINDS):
+                continue
+            if ins.opcode == "fusion" and (ins.attr("calls") or "").lstrip("%") in gemm_bodies:
+                continue  # a dot with fused epilogue: the GEMM roofline charges it
+            ops = [o for o in (mod.lookup(comp, n) for n in ins.operands) if o is not None]
+            arrays = [*ins.results, *(a for o in ops for a in o.results[:1] if o.opcode != "tuple")]
+            nbytes = sum(a.bytes() for a in arrays)
+            moving = ins.opcode in _MOVE or (ins.opcode == "fusion"
+                                             and (ins.attr("calls") or "").lstrip("%") in move_bodies)
+            if fused_attention and moving:
+                moves += nbytes
+            elif fused_attention and _score_shaped(arrays, seq, batch):
+                scores += nbytes
+            else:
+                other += nbytes
+    colls = [(c.kind, c.logical_bytes, c.group_size) for c in hlo.collectives(mod) if not c.trivial]
+    return {"gemms": gemms, "other_bytes": other, "score_bytes_excluded": scores,
+            "move_bytes_excluded": moves, "collectives": colls}
+
+
+def coll_time(kind: str, nbytes: float, t: int, hw: Hardware, bus_bytes_per_s: float | None = None) -> float:
+    """Seconds of one ring collective of `nbytes` (its result) over `t` devices."""
+    bw = bus_bytes_per_s or hw.bus_bytes_per_s
+    if t <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return hw.alpha_s + 2 * (t - 1) / t * nbytes / bw
+    if kind in ("all-gather", "all-to-all"):
+        return hw.alpha_s + (t - 1) / t * nbytes / bw
+    if kind == "reduce-scatter":
+        return hw.alpha_s + (t - 1) * nbytes / bw
+    return hw.alpha_s + nbytes / bw  # collective-permute and the rest: one hop
+
+
+def program_time(cost: dict[str, Any], hw: Hardware, eta: float,
+                 bus_bytes_per_s: float | None = None) -> dict[str, float]:
+    """Seconds per component of one program on `hw` with GEMM efficiency `eta` (`bus_bytes_per_s`: the
+    collectives' bandwidth when not the node's bus, e.g. a model axis across nodes)."""
+    rate, bw = eta * hw.peak_flops, hw.hbm_efficiency * hw.hbm_bytes_per_s
+    gemm = sum(f / rate if score else max(f / rate, b / bw) for f, b, score in cost["gemms"])
+    bound = sum(1 for f, b, score in cost["gemms"] if not score and b / bw > f / rate)
+    comm = sum(coll_time(k, b, t, hw, bus_bytes_per_s) for k, b, t in cost["collectives"])
+    return {"gemm_s": gemm, "memory_s": cost["other_bytes"] / bw, "comm_s": comm,
+            "gemm_flops": float(sum(f for f, _, _ in cost["gemms"])), "memory_bound_gemms": float(bound),
+            "collectives": float(len(cost["collectives"])), "other_bytes": float(cost["other_bytes"]),
+            "gemm_bytes": float(sum(b for _, b, score in cost["gemms"] if not score)),
+            "score_bytes_excluded": float(cost["score_bytes_excluded"]),
+            "move_bytes_excluded": float(cost["move_bytes_excluded"]),
+            "comm_bytes": float(sum(b for _, b, _ in cost["collectives"]))}
+
+
+def split_layers(one: dict[str, float], two: dict[str, float], layers: float) -> dict[str, float]:
+    """`rest + layers x layer` from a 1-layer and a 2-layer program's figures (layer = two - one)."""
+    return {k: (one[k] - (two[k] - one[k])) + layers * (two[k] - one[k]) for k in one}
+
+
+__all__ = ["Hardware", "coll_time", "program_cost", "program_time", "split_layers"]

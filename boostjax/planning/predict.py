@@ -1,0 +1,104 @@
+"""Predicted step time and per-device memory of a candidate, from its compiled measurement.
+
+Time (one optimizer step, per device; nothing overlaps):
+- `slots + stage - 1` slots of one micro-batch's forward + backward on the stage (the compiled step
+  minus its compiled update, `rest + L/stage x layer`; every slot is charged the `rest`: the stage
+  with the head sets the pace), its TP collectives from the HLO at the node's bus bandwidth (between
+  nodes when the model axis spans several);
+- the update once, its compute and memory traffic divided by data under ZeRO >= 1;
+- data-parallel gradient traffic on the stage's fp32 parameter bytes W (read from the compiled step's
+  arguments): ZeRO 0 an all-reduce once per step, ZeRO 1 a reduce-scatter and an all-gather (the same
+  ring volume), ZeRO 3 per slot an all-gather for the forward, one for the backward and a
+  reduce-scatter of the gradients; at the bus, or between nodes when the data axis spans several;
+- pipeline sends: the activation and its gradient across each of the `stage - 1` boundaries once on
+  the critical path (fill and drain), `[micro_batch, seq, width]` in the compute dtype (width
+  d_model / model under BTP, whose residual is sharded; d_model otherwise).
+Bubble fraction `(stage - 1) / (slots + stage - 1)`, GPipe and 1F1B alike.
+
+Memory (bytes per device, from the compiled step's `memory_analysis()` split at L/stage layers):
+weights W and optimizer state O (divided by data under ZeRO 3 and ZeRO >= 1), the step's other
+buffers A - W (activations of one micro-batch, workspace), its layer part times the micro-batches in
+flight (`space.in_flight`), the fp32 gradient W, and one more W as the accumulator when several
+micro-batches add up; under ZeRO 3 the gathered stage parameters (W - W/data) on top.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from boostjax.config import ModelConfig
+from boostjax.models.flops import flops_per_token
+from boostjax.planning.cluster import Cluster
+from boostjax.planning.costs import Hardware, coll_time, program_time, split_layers
+from boostjax.planning.space import ITEMSIZE, Candidate, in_flight
+
+TIME_KEYS = ("gemm_s", "memory_s", "comm_s", "gemm_flops", "comm_bytes", "other_bytes")
+MEM_KEYS = ("weight_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes_per_device")
+
+
+def _bus(cluster: Cluster, hw: Hardware, size: int, inner: int) -> float:
+    return hw.p2p_bytes_per_s if cluster.crosses_nodes(size, inner) else hw.bus_bytes_per_s
+
+
+def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, eta: float, cluster: Cluster,
+            seq: int, dtype: str) -> dict[str, Any]:
+    """Seconds per step and bytes per device of `c` (module docstring); `m` from `measure.measure`,
+    `hw` one device's rates."""
+    layers = model.n_layers / c.stage
+    tp_bus = _bus(cluster, hw, c.model, 1)
+    t = {(n, p): program_time(m[n][p], hw, eta, tp_bus) for n in ("1", "2") for p in ("step", "opt")}
+    step, opt = (split_layers({k: t["1", p][k] for k in TIME_KEYS}, {k: t["2", p][k] for k in TIME_KEYS}, layers)
+                 for p in ("step", "opt"))
+    fb = {k: step[k] - opt[k] for k in TIME_KEYS}
+    mem = split_layers({k: float(m["1"]["memory"][k]) for k in MEM_KEYS},
+                       {k: float(m["2"]["memory"][k]) for k in MEM_KEYS}, layers)
+    per_layer_act = (m["2"]["memory"]["activation_bytes"] - m["2"]["memory"]["weight_bytes"]) - (
+        m["1"]["memory"]["activation_bytes"] - m["1"]["memory"]["weight_bytes"])
+    w, o = mem["weight_bytes"], mem["optimizer_bytes"]
+    d = c.data
+    slots = c.slots + c.stage - 1
+    shard = d if c.zero >= 1 else 1
+    opt_s = (opt["gemm_s"] + opt["memory_s"]) / shard + opt["comm_s"]
+    data_bus = _bus(cluster, hw, d, c.stage * c.model)
+    if d == 1:
+        dp_s, dp_bytes = 0.0, 0.0
+    elif c.zero == 3:
+        ag = coll_time("all-gather", w, d, hw, data_bus)
+        rs = coll_time("reduce-scatter", w / d, d, hw, data_bus)
+        dp_s, dp_bytes = slots * (2 * ag + rs), slots * 3 * w
+    elif c.zero == 1:
+        dp_s = coll_time("reduce-scatter", w / d, d, hw, data_bus) + coll_time("all-gather", w, d, hw, data_bus)
+        dp_bytes = 2 * w
+    else:
+        dp_s, dp_bytes = coll_time("all-reduce", w, d, hw, data_bus), w
+    width = model.d_model // c.model if c.strategy == "btp" else model.d_model
+    p2p_bytes = c.micro_batch * seq * width * ITEMSIZE.get(dtype, 4)
+    stage_bw = _bus(cluster, hw, c.stage, c.model)
+    p2p_s = 2 * (c.stage - 1) * (hw.p2p_alpha_s + p2p_bytes / stage_bw)
+    fb_s = fb["gemm_s"] + fb["memory_s"] + fb["comm_s"]
+    total = slots * fb_s + opt_s + dp_s + p2p_s
+    # memory
+    other = mem["activation_bytes"] - w  # the step's buffers besides its fp32 gradient
+    extra_flight = (in_flight(c) - 1) * max(per_layer_act, 0.0) * layers
+    weights = w / (d if c.zero >= 3 else 1)
+    optim = o / shard
+    accum = w if c.slots > 1 else 0.0
+    gathered = (w - w / d) if c.zero >= 3 else 0.0
+    activations = other + extra_flight + w + accum + gathered
+    devices = c.data * c.stage * c.model
+    tokens = c.data * c.micro_batch * c.slots * seq
+    useful = flops_per_token(model, seq) * tokens / devices
+    return {
+        "step_s": total, "tokens_per_s": tokens / total, "mfu": useful / (total * hw.peak_flops),
+        "peak_bytes_per_device": weights + optim + activations, "weight_bytes": weights, "optimizer_bytes": optim,
+        "activation_bytes": activations,
+        "time_s": {"compute": slots * fb["gemm_s"], "memory": slots * fb["memory_s"], "model_comm": slots * fb["comm_s"],
+                   "optimizer": opt_s, "data_comm": dp_s, "stage_p2p": p2p_s, "bubble": (c.stage - 1) * fb_s},
+        "comm_bytes": {"model": slots * fb["comm_bytes"] + opt["comm_bytes"], "data": dp_bytes,
+                       "stage": 2 * c.slots * p2p_bytes if c.stage > 1 else 0.0},
+        "bubble_fraction": (c.stage - 1) / slots, "fwd_bwd_s_per_slot": fb_s,
+        "gemm_flops_per_device": slots * fb["gemm_flops"] + opt["gemm_flops"],
+    }
+
+
+__all__ = ["predict"]

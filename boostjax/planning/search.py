@@ -1,0 +1,272 @@
+"""`plan_auto`: enumerate, prune by bounds, compile the survivors, rank by predicted step time.
+
+1. `space.enumerate_space`: every configuration of the cluster `boostjax train` accepts.
+2. Memory bound: a candidate whose `memory_lower_bound` exceeds the device budget is dropped.
+3. Branch and bound over compile keys (TP strategy and size, micro-batch rows, remat, dtype: what one
+   compiled measurement covers; data, stages, schedule, accumulation and ZeRO are priced from it): keys
+   are compiled in the order of their candidates' best `time_lower_bound`; once `top` candidates fit,
+   a key whose bound exceeds the `top`-th predicted time is not compiled (its candidates cannot enter
+   the list); a key with remat lowrank (full) is compiled only where the same key with the next lighter
+   remat had a candidate over the budget (remat trades time for memory and is never faster here); and
+   at most `max_compiles` keys are compiled (the rest are counted as skipped by the budget).
+4. `predict.predict` for every candidate of a compiled key; those over the budget are dropped.
+The result is ranked by predicted step time (then by peak memory). When nothing fits,
+`NothingFits` names the smallest shortfall.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from boostjax.config import ConfigError, ModelConfig, validate_model
+from boostjax.planning import cpu
+from boostjax.planning.cluster import Cluster, parse_cluster, profile_rates
+from boostjax.planning.costs import Hardware
+from boostjax.planning.measure import Key, measure
+from boostjax.planning.predict import predict
+from boostjax.planning.space import (Candidate, accepted, commands, enumerate_space, memory_lower_bound,
+                                     time_lower_bound, with_seq)
+from boostjax.runtime.profiles import get_profile
+
+GIB = float(1 << 30)
+REMAT_ORDER = ("none", "lowrank", "full")  # by recomputation: a heavier remat only where a lighter one overflows
+MEMORY_FRACTION = 0.9  # of the device's memory: the rest for the runtime, fragmentation, the input pipeline
+
+
+class NothingFits(ConfigError):
+    """No configuration fits the devices' memory (one line: the smallest shortfall and what would fix it)."""
+
+
+@dataclass
+class PlanResult:
+    cluster: Cluster
+    hardware: Hardware
+    eta: float
+    budget_bytes: float
+    candidates: list[dict[str, Any]]  # fitting, ranked
+    search: dict[str, Any]
+    calibration: dict[str, Any] | None = None
+    rejected: list[dict[str, Any]] = field(default_factory=list)  # compiled but over the budget
+    included: list[dict[str, Any]] = field(default_factory=list)  # plan_auto(include=...): always predicted
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cluster": self.cluster.text, "hardware": asdict(self.hardware), "eta": self.eta,
+                "budget_bytes_per_device": self.budget_bytes, "search": self.search,
+                "calibration": self.calibration, "candidates": self.candidates, "rejected": self.rejected[:10],
+                **({"included": self.included} if self.included else {})}
+
+
+def cpu_memory_bytes() -> float:
+    """This machine's memory (the budget of all its simulated devices together)."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def device_budget(cluster: Cluster) -> float:
+    """Bytes a device may hold: MEMORY_FRACTION of its memory (the CPU: of this machine's, over its devices)."""
+    if cluster.is_cpu:
+        return MEMORY_FRACTION * cpu_memory_bytes() / cluster.devices
+    return MEMORY_FRACTION * get_profile(cluster.hardware).device_bytes
+
+
+def rates(cluster: Cluster, dtype: str) -> tuple[Hardware, float, dict | None]:
+    """(machine rates, GEMM efficiency eta, the CPU calibration or None)."""
+    if cluster.is_cpu:
+        hw, raw = cpu.calibrate(cluster.devices, dtype)
+        return hw, 1.0, raw
+    p = get_profile(cluster.hardware)
+    return profile_rates(p), p.gemm_efficiency, None
+
+
+def checked_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq: int, dtype: str,
+                  optimizer: str) -> tuple[list[Candidate], dict[str, int]]:
+    """`space.enumerate_space`, refusing (one line) a global batch no data axis of the cluster divides."""
+    space, counts = enumerate_space(with_seq(model, seq), cluster, global_batch, seq, dtype, optimizer)
+    if not space:
+        n = cluster.devices
+        some, _ = enumerate_space(with_seq(model, seq), cluster, n * global_batch, seq, dtype, optimizer)
+        datas = sorted({c.data for c in some})
+        if not datas:
+            raise ConfigError(f"plan.cluster: no data x stage x model split of {n} devices runs this model (its "
+                              "heads, ranks, layers or vocabulary do not divide); fix: pick a device count that "
+                              "divides them, e.g. --cluster 1x1:...")
+        d = datas[0]
+        raise ConfigError(f"plan.global_batch: {global_batch} sequences do not split over any data axis this model "
+                          f"allows on {n} devices (data {datas}); fix: pass --global-batch a multiple of {d}, "
+                          f"e.g. {-(-global_batch // d) * d}")
+    return space, counts
+
+
+def check_inputs(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq: int) -> Cluster:
+    """One-line ConfigErrors for the inputs, before anything is compiled."""
+    cl = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    if not (isinstance(global_batch, int) and global_batch >= 1):
+        raise ConfigError(f"plan.global_batch: must be a positive integer, got {global_batch!r}; "
+                          "fix: pass --global-batch N (sequences per optimizer step)")
+    if not (isinstance(seq, int) and seq >= 1):
+        raise ConfigError(f"plan.seq: must be a positive integer, got {seq!r}; fix: pass --seq N")
+    validate_model(model)
+    return cl
+
+
+def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq: int, dtype: str | None = None,
+              optimizer: str = "adamw", top: int = 5, preset_name: str | None = None, cache_dir: str | None = None,
+              hardware: Hardware | None = None, eta: float | None = None, budget_bytes: float | None = None,
+              max_compiles: int = 8, include: tuple[Candidate, ...] = (), log=None) -> PlanResult:
+    """Rank the configurations of `model` on `cluster` (`"2x8:A100-80GB"`, `"1x8:cpu"`) for `global_batch`
+    sequences of `seq` tokens per optimizer step (module docstring). `dtype`: bfloat16 on GPUs, float32
+    on the CPU by default. `hardware` / `eta` / `budget_bytes` override the cluster's rates (machine
+    rates: on the CPU they are shared by the devices). JAX must see at least the largest model axis's
+    devices (simulated on the CPU: `boostjax.runtime.devices.simulate_devices`). Raises ConfigError
+    (one line) on bad input, `NothingFits` when no configuration fits. `include`: candidates measured and
+    predicted whatever the bounds and the budget say (`PlanResult.included`; ranked too where they fit)."""
+    t0 = time.perf_counter()
+    cl = check_inputs(model, cluster, global_batch, seq)
+    dtype = dtype or ("float32" if cl.is_cpu else "bfloat16")
+    model = with_seq(model, seq)
+    space, counts = checked_space(model, cl, global_batch, seq, dtype, optimizer)
+    budget = budget_bytes or device_budget(cl)
+    devices = cl.devices
+    lb_mem = {c: memory_lower_bound(model, c, seq, dtype, optimizer) for c in space}
+    fits = [c for c in space if lb_mem[c] <= budget]
+    if not fits:
+        c = min(space, key=lambda c: lb_mem[c])
+        raise NothingFits(_shortfall(c, lb_mem[c], budget, cl, "at least"))
+    calib = None
+    if hardware is None:
+        hardware, eta0, calib = rates(cl, dtype)
+        eta = eta0 if eta is None else eta
+    hw, eta = hardware, 1.0 if eta is None else eta
+
+    def device_hw(c: Candidate) -> Hardware:
+        return cpu.shared_rates(hw, c.data * c.stage * c.model) if cl.is_cpu else hw
+
+    lb_t = {c: time_lower_bound(model, c, seq, global_batch, eta * device_hw(c).peak_flops) for c in fits}
+    def key_of(c: Candidate) -> Key:
+        return Key(model, c.strategy, c.model, c.micro_batch, seq, c.remat, dtype, optimizer, not cl.is_cpu)
+
+    groups: dict[Key, list[Candidate]] = {}
+    for c in fits:
+        groups.setdefault(key_of(c), []).append(c)
+    for c in include:
+        if c not in space:
+            raise ConfigError(f"plan.include: {c.label} is not a valid configuration of this model on {cl.text}; "
+                              "fix: pass one of the enumerated candidates")
+        lb_t.setdefault(c, time_lower_bound(model, c, seq, global_batch, eta * device_hw(c).peak_flops))
+        if c not in groups.setdefault(key_of(c), []):
+            groups[key_of(c)].append(c)
+    forced = {key_of(c) for c in include}
+    included: dict[Candidate, dict] = {}
+    order = sorted(groups, key=lambda k: (min(lb_t[c] for c in groups[k]), REMAT_ORDER.index(k.remat),
+                                          -k.micro_batch))
+    ranked: list[tuple[Candidate, dict]] = []
+    rejected: list[tuple[Candidate, dict]] = []
+    compiled = cached = 0
+    skipped = {"time_bound": 0, "remat_not_needed": 0, "compile_budget": 0}
+    overflow: set[tuple] = set()  # (strategy, tp, micro_batch, remat) keys with a candidate over the budget
+    refused = 0
+
+    def keep_accepted(key: Key) -> list[Candidate]:
+        nonlocal refused
+        full = [c for c in groups[key] if accepted(model, c, seq, dtype, optimizer)]
+        refused += len(groups[key]) - len(full)
+        return full
+
+    for key in order:
+        if key in forced:
+            groups[key] = keep_accepted(key)
+            m, fresh = measure(key, cache_dir)
+            compiled, cached = compiled + fresh, cached + (not fresh)
+            if log:
+                log(f"{'compiled' if fresh else 'cached'} TP{key.tp} {key.strategy} mb{key.micro_batch} remat "
+                    f"{key.remat} (included; {time.perf_counter() - t0:.0f} s)")
+            for c in groups[key]:
+                p = predict(model, c, m, device_hw(c), eta, cl, seq, dtype)
+                (ranked if p["peak_bytes_per_device"] <= budget else rejected).append((c, p))
+                if p["peak_bytes_per_device"] > budget:
+                    overflow.add((key.strategy, key.tp, key.micro_batch, key.remat))
+                if c in include:
+                    included[c] = p
+            continue
+        best = sorted(p["step_s"] for _, p in ranked)
+        lesser = REMAT_ORDER[:REMAT_ORDER.index(key.remat)]
+        lesser = [r for r in lesser if r != "lowrank" or model.low_rank]
+        if len(best) >= top and min(lb_t[c] for c in groups[key]) > best[top - 1]:
+            skipped["time_bound"] += len(groups[key])
+            continue
+        if lesser and (key.strategy, key.tp, key.micro_batch, lesser[-1]) not in overflow:
+            skipped["remat_not_needed"] += len(groups[key])  # the lighter remat fits or was never compiled
+            continue
+        if compiled >= max_compiles:
+            skipped["compile_budget"] += len(groups[key])
+            continue
+        groups[key] = keep_accepted(key)
+        if not groups[key]:
+            continue
+        m, fresh = measure(key, cache_dir)
+        compiled, cached = compiled + fresh, cached + (not fresh)
+        if log:
+            log(f"{'compiled' if fresh else 'cached'} TP{key.tp} {key.strategy} mb{key.micro_batch} remat "
+                f"{key.remat} ({time.perf_counter() - t0:.0f} s)")
+        for c in groups[key]:
+            p = predict(model, c, m, device_hw(c), eta, cl, seq, dtype)
+            if p["peak_bytes_per_device"] <= budget:
+                ranked.append((c, p))
+            else:
+                rejected.append((c, p))
+                overflow.add((key.strategy, key.tp, key.micro_batch, key.remat))
+    search = {**counts, "valid": len(space), "pruned_memory_bound": len(space) - len(fits),
+              **{f"skipped_{k}": v for k, v in skipped.items()}, "refused_in_full": refused,
+              "compile_keys": len(groups), "compiled": compiled, "cached": cached,
+              "predicted": len(ranked) + len(rejected), "fitting": len(ranked), "devices": devices,
+              "global_batch": global_batch, "seq": seq, "dtype": dtype, "optimizer": optimizer,
+              "wall_s": round(time.perf_counter() - t0, 1)}
+    if not ranked:
+        c, p = min(rejected, key=lambda cp: cp[1]["peak_bytes_per_device"])
+        raise NothingFits(_shortfall(c, p["peak_bytes_per_device"], budget, cl, "a predicted"))
+    ranked.sort(key=lambda cp: (cp[1]["step_s"], cp[1]["peak_bytes_per_device"]))
+    rows = [_row(model, c, p, seq, dtype, optimizer, cl, preset_name) for c, p in ranked]
+    _why(rows)
+    inc = [{**_row(model, c, included[c], seq, dtype, optimizer, cl, preset_name),
+            "fits": included[c]["peak_bytes_per_device"] <= budget,
+            "rank": next((i for i, r in enumerate(rows, 1) if r["label"] == c.label), None)} for c in include]
+    rej = [_row(model, c, p, seq, dtype, optimizer, cl, preset_name)
+           for c, p in sorted(rejected, key=lambda cp: cp[1]["step_s"])[:10]]
+    return PlanResult(cl, hw, eta, budget, rows, search, calib, rej, inc)
+
+
+def _row(model, c: Candidate, p: dict, seq, dtype, optimizer, cl, preset_name) -> dict[str, Any]:
+    return {"label": c.label, **asdict(c), **p, **commands(model, c, seq, dtype, optimizer, cl, preset_name)}
+
+
+_PART_NAMES = {"compute": "more GEMM time", "memory": "more memory traffic", "model_comm": "more TP communication",
+               "optimizer": "a slower optimizer step", "data_comm": "more data-parallel communication",
+               "stage_p2p": "more pipeline sends", "bubble": "a larger pipeline bubble"}
+
+
+def _why(rows: list[dict]) -> None:
+    """`why_slower` of every runner-up: its largest time part over the winner's."""
+    win = rows[0]["time_s"]
+    for r in rows[1:]:
+        delta = {k: r["time_s"][k] - win[k] for k in win}
+        k = max(delta, key=delta.get)
+        r["why_slower"] = (f"{r['step_s'] / rows[0]['step_s'] - 1:+.1%}: {_PART_NAMES[k]} "
+                           f"(+{delta[k] * 1e3:.3g} ms)")
+    rows[0]["why_slower"] = "fastest"
+
+
+def _shortfall(c: Candidate, need: float, budget: float, cl: Cluster, what: str) -> str:
+    over = need - budget
+    more = max(2, math.ceil(need / budget)) * cl.devices
+    fix = (f"more devices (e.g. {max(1, more // cl.per_node)}x{cl.per_node}:{cl.hardware} shards the state "
+           f"further), a smaller --global-batch or --seq (smaller micro-batches), or an offload plan "
+           f"(boostjax plan --mesh {c.mesh} --strategy {c.strategy} ...)")
+    return (f"plan.cluster: no configuration fits {budget / GIB:.3g} GiB per device on {cl.text}; the closest, "
+            f"{c.label}, needs {what} {need / GIB:.3g} GiB ({over / GIB:.3g} GiB short); fix: {fix}")
+
+
+__all__ = ["MEMORY_FRACTION", "NothingFits", "PlanResult", "check_inputs", "checked_space", "device_budget",
+           "plan_auto", "rates"]

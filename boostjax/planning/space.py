@@ -1,0 +1,205 @@
+"""The search space of `boostjax plan --auto`: every configuration that divides a cluster, checked as
+`boostjax train` would check it, with analytic lower bounds on its memory and time.
+
+A `Candidate` uses every device: `data x stage x model = devices`. Its global batch G (sequences per
+optimizer step) is `data x micro_batch x slots`: without stages, `slots` micro-batches are accumulated
+(`--grad-accum`); with stages they are the pipeline's micro-batches (`--microbatches`, GPipe or 1F1B).
+The model axis stays inside one node (TP's per-layer collectives
+between nodes never pay). TP strategies are those serving the model kind (none on a model axis of 1), remat none / lowrank /
+full where the kind allows, ZeRO 0 / 1 / 3 on a data axis > 1. A split (mesh, strategy,
+micro-batching) is kept when `config.validate` and `placement.check` accept its `Config` with remat
+none and ZeRO 0 (the shape checks `boostjax train` runs); `accepted` checks each candidate in full
+before it is compiled (`search.plan_auto` drops one it refuses).
+
+Bounds (no compile): `memory_lower_bound` is the fp32 parameters, gradients and AdamW moments of one
+device's share (`param_count / (stage x model)`, divided by data where ZeRO splits them) plus, for
+every layer of a stage and every micro-batch in flight, the one [micro_batch, seq, d_model / model]
+residual any remat keeps; `time_lower_bound` is the PaLM-convention model FLOPs of one device
+(`flops_per_token x tokens / devices`) stretched by the pipeline's idle slots, at `eta x peak`. Both
+lie below what the compiled model predicts (the HLO does at least those FLOPs and holds at least that
+state), so a candidate over the device memory by its lower bound, or slower by its lower bound than
+the planned list's last entry, is dropped without compiling.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from boostjax import placement
+from boostjax.config import (DEFAULT_PRESET, PRESETS, REMAT, TP_STRATEGIES, Config, ConfigError, ModelConfig,
+                             TrainConfig, flag_of, negated_flag_of, validate)
+from boostjax.models.flops import flops_per_token, param_count
+from boostjax.planning.cluster import Cluster
+from boostjax.sharding.rules import STRATEGIES
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2}
+ADAM_STATE_BYTES = 8  # fp32 mu and nu per parameter (other optimizers: bounded by 0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    data: int
+    stage: int
+    model: int
+    strategy: str
+    micro_batch: int  # rows per data shard in one micro-batch
+    slots: int  # micro-batches per optimizer step (grad accumulation, or pipeline micro-batches)
+    schedule: str  # gpipe / 1f1b with stages; "-" without
+    remat: str
+    zero: int
+
+    @property
+    def mesh(self) -> str:
+        stage = f"stage={self.stage}," if self.stage > 1 else ""
+        return f"data={self.data},{stage}model={self.model}"
+
+    @property
+    def label(self) -> str:
+        parts = [f"D{self.data}", *([f"PP{self.stage} {self.schedule}"] if self.stage > 1 else []),
+                 f"TP{self.model}" + (f" {self.strategy}" if self.model > 1 else ""),
+                 f"mb{self.micro_batch}x{self.slots}", f"remat {self.remat}", f"ZeRO{self.zero}"]
+        return " ".join(parts)
+
+    def train_fields(self, seq: int, dtype: str, optimizer: str) -> dict[str, Any]:
+        """The TrainConfig fields `boostjax train` takes for this candidate."""
+        f: dict[str, Any] = {"seq": seq, "dtype": dtype, "optimizer": optimizer, "strategy": self.strategy,
+                             "mesh": self.mesh, "remat": self.remat, "zero": self.zero}
+        if self.stage > 1:
+            f.update(batch=self.data * self.micro_batch * self.slots, microbatches=self.slots,
+                     pipeline_schedule=self.schedule)
+        else:
+            f.update(batch=self.data * self.micro_batch, grad_accum=self.slots)
+        return f
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def strategies_for(model: ModelConfig, tp: int) -> list[str]:
+    if tp == 1:
+        return ["none"]
+    return [s for s in TP_STRATEGIES if model.kind in STRATEGIES[s].kinds]
+
+
+def enumerate_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq: int, dtype: str,
+                    optimizer: str) -> tuple[list[Candidate], dict[str, int]]:
+    """Every candidate `boostjax train` accepts, and counts (`enumerated`, `invalid`)."""
+    remats = [r for r in REMAT if r != "lowrank" or model.low_rank]
+    out, seen, invalid = [], 0, 0
+    for tp in (t for t in divisors(cluster.devices) if t <= cluster.per_node):  # TP stays inside a node
+        for stage in divisors(cluster.devices // tp):
+            data = cluster.devices // (tp * stage)
+            if global_batch % data:
+                continue
+            rows = global_batch // data
+            for strategy in strategies_for(model, tp):
+                for mb in divisors(rows):
+                    base = Candidate(data, stage, tp, strategy, mb, rows // mb, "gpipe" if stage > 1 else "-",
+                                     "none", 0)
+                    ok = accepted(model, base, seq, dtype, optimizer)  # the shape checks: once per split
+                    for sched in (("gpipe", "1f1b") if stage > 1 else ("-",)):
+                        for remat in remats:
+                            for zero in ((0, 1, 3) if data > 1 else (0,)):
+                                seen += 1
+                                if ok:
+                                    out.append(replace(base, schedule=sched, remat=remat, zero=zero))
+                                else:
+                                    invalid += 1
+    return out, {"enumerated": seen, "invalid": invalid}
+
+
+def accepted(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str) -> bool:
+    """`boostjax train` accepts the candidate's Config (`config.validate`, `placement.check`)."""
+    f = c.train_fields(seq, dtype, optimizer)
+    try:
+        cfg = validate(Config(model, TrainConfig(**f)))
+        placement.check(cfg)
+    except ConfigError:
+        return False
+    return True
+
+
+def in_flight(c: Candidate) -> int:
+    """Micro-batches whose activations a stage holds at once: 1 without stages, all M under GPipe,
+    min(M, stages) under 1F1B."""
+    if c.stage == 1:
+        return 1
+    return c.slots if c.schedule == "gpipe" else min(c.slots, c.stage)
+
+
+def memory_lower_bound(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str) -> float:
+    """Bytes one device holds at least (module docstring)."""
+    share = param_count(model) / (c.stage * c.model)
+    opt = ADAM_STATE_BYTES if optimizer == "adamw" else 0
+    state = share * (4 / (c.data if c.zero >= 3 else 1) + 4 / (c.data if c.zero >= 3 else 1)
+                     + opt / (c.data if c.zero >= 1 else 1))
+    residual = c.micro_batch * seq * model.d_model / c.model * ITEMSIZE.get(dtype, 4)
+    return state + residual * (model.n_layers / c.stage) * in_flight(c)
+
+
+def time_lower_bound(model: ModelConfig, c: Candidate, seq: int, global_batch: int, flops_per_s: float) -> float:
+    """Seconds per optimizer step at least (module docstring); `flops_per_s`: one device's eta x peak."""
+    devices = c.data * c.stage * c.model
+    work = flops_per_token(model, seq) * global_batch * seq / devices
+    stretch = (c.slots + c.stage - 1) / c.slots
+    return work * stretch / flops_per_s
+
+
+def model_flags(model: ModelConfig, preset_name: str | None = None) -> list[str]:
+    """`--preset NAME` and the model flags that differ from it: the model as `boostjax train` takes it."""
+    name = preset_name or DEFAULT_PRESET
+    base = PRESETS[name]
+    out = ["--preset", name]
+    for f in fields(ModelConfig):
+        v = getattr(model, f.name)
+        if v == getattr(base, f.name) or f.name == "max_seq_len":
+            continue
+        if isinstance(v, bool):
+            out.append(flag_of(f.name) if v else negated_flag_of(f.name))
+        else:
+            out += [flag_of(f.name), str(v)]
+    return out
+
+
+def train_argv(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str, cluster: Cluster,
+               preset_name: str | None = None) -> list[str]:
+    """`boostjax train ...` for this candidate on `cluster` (CPU: the materialised attention it was priced with)."""
+    argv = ["boostjax", "train", *model_flags(model, preset_name)]
+    for k, v in c.train_fields(seq, dtype, optimizer).items():
+        default = TrainConfig.__dataclass_fields__[k].default
+        if k in ("batch", "seq", "mesh", "strategy") or v != default:
+            argv += [flag_of(k), str(v)]
+    if seq > model.max_seq_len:
+        argv += [flag_of("max_seq_len"), str(seq)]
+    if cluster.is_cpu and model.attention != "xla":
+        argv += [flag_of("attention"), "xla"]
+    return argv
+
+
+def commands(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str, cluster: Cluster,
+             preset_name: str | None = None) -> dict[str, str]:
+    """`train_command` (one node; with several nodes each runs it with its own process id) and
+    `launch_command` (several processes on this machine: `boostjax launch`), as shell lines."""
+    argv = train_argv(model, c, seq, dtype, optimizer, cluster, preset_name)
+    out = {}
+    if cluster.nodes > 1 and not cluster.is_cpu:
+        argv += [flag_of("coordinator"), "$COORDINATOR:12355", flag_of("num_processes"), str(cluster.nodes),
+                 flag_of("process_id"), "$NODE_RANK"]
+        out["train_command"] = " ".join(shlex.quote(a) if not a.startswith("$") else a for a in argv)
+        return out
+    out["train_command"] = shlex.join(argv)
+    if cluster.nodes > 1:
+        out["launch_command"] = shlex.join(["boostjax", "launch", "--num-processes", str(cluster.nodes), "--",
+                                            *argv[1:]])
+    return out
+
+
+def with_seq(model: ModelConfig, seq: int) -> ModelConfig:
+    return replace(model, max_seq_len=max(model.max_seq_len, seq))
+
+
+__all__ = ["Candidate", "accepted", "commands", "divisors", "enumerate_space", "in_flight", "memory_lower_bound",
+           "model_flags", "strategies_for", "time_lower_bound", "train_argv", "with_seq"]

@@ -1,0 +1,128 @@
+"""`boostjax plan --auto` / `boostjax.plan_auto`: the cluster string, the search space against train's own
+checks, the analytic bounds below the compiled predictions, the ranking and its JSON, the train
+command a candidate prints (train's parser reads back the same configuration), and bad input (one
+line, exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import replace
+
+import pytest
+
+from boostjax.cli import main
+from boostjax.config import ConfigError
+from boostjax.planning.cluster import parse_cluster
+from boostjax.planning.costs import Hardware
+from boostjax.planning.space import enumerate_space, memory_lower_bound, time_lower_bound
+from helpers import MICRO, one_error_line
+
+# a CPU-like machine with round numbers (no calibration run in the tests)
+HW = Hardware("test", 1e10, 1e10, 1.0, 1e9, 1e-5, 1e9, 1e-5)
+MODEL = replace(MICRO, n_layers=2, vocab_size=256)
+
+
+def test_cluster_strings():
+    c = parse_cluster("2x8:a100")
+    assert (c.nodes, c.per_node, c.hardware, c.devices) == (2, 8, "A100-80GB", 16)
+    assert parse_cluster("1x8:CPU").is_cpu
+    assert c.crosses_nodes(2, 8) and not c.crosses_nodes(8, 1) and not c.crosses_nodes(1, 16)
+    for bad, needle in (("2x8", "cannot read"), ("2*8:a100", "cannot read"), ("0x8:a100", ">= 1 node"),
+                        ("1x8:TPU-v9", "unknown hardware")):
+        with pytest.raises(ConfigError, match=needle):
+            parse_cluster(bad)
+
+
+def test_the_space_is_what_train_accepts():
+    space, counts = enumerate_space(MODEL, parse_cluster("1x4:cpu"), 4, 32, "float32", "adamw")
+    assert space and counts["enumerated"] == counts["invalid"] + len(space)
+    for c in space:
+        assert c.data * c.stage * c.model == 4 and c.data * c.micro_batch * c.slots == 4
+        assert (c.strategy == "none") == (c.model == 1) and c.strategy != "fullrank-tp"  # CoLA: no dense TP
+        assert c.zero == 0 or c.data > 1
+        assert (c.schedule == "-") == (c.stage == 1)
+    assert {c.remat for c in space} == {"none", "lowrank", "full"}
+    dense, _ = enumerate_space(replace(MODEL, kind="llama"), parse_cluster("1x4:cpu"), 4, 32, "float32", "adamw")
+    assert {c.strategy for c in dense} == {"none", "fullrank-tp"} and "lowrank" not in {c.remat for c in dense}
+    # the model axis stays inside a node: 2 nodes of 2 devices never get TP4
+    two, _ = enumerate_space(MODEL, parse_cluster("2x2:cpu"), 4, 32, "float32", "adamw")
+    assert max(c.model for c in two) == 2
+
+
+@pytest.fixture(scope="module")
+def planned():
+    from boostjax.planning.search import plan_auto
+
+    return plan_auto(MODEL, "1x4:cpu", 4, 32, hardware=HW, eta=1.0, budget_bytes=1e9, top=3, max_compiles=3)
+
+
+def test_ranked_candidates_with_bounds_below_their_predictions(planned):
+    rows = planned.candidates
+    assert rows and [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    s = planned.search
+    assert s["compiled"] <= 3 and s["fitting"] == len(rows)
+    assert s["valid"] == s["pruned_memory_bound"] + s["skipped_time_bound"] + s["skipped_remat_not_needed"] \
+        + s["skipped_compile_budget"] + s["refused_in_full"] + s["predicted"]
+    for r in rows:
+        for k in ("step_s", "peak_bytes_per_device", "train_command", "tokens_per_s", "mfu", "bubble_fraction"):
+            assert k in r
+        assert r["peak_bytes_per_device"] == pytest.approx(r["weight_bytes"] + r["optimizer_bytes"]
+                                                           + r["activation_bytes"])
+        c = _candidate(r)
+        assert memory_lower_bound(MODEL, c, 32, "float32", "adamw") <= r["peak_bytes_per_device"]
+        flops = HW.peak_flops / (c.data * c.stage * c.model)  # the CPU's rates are shared by its devices
+        assert time_lower_bound(MODEL, c, 32, 4, flops) <= r["step_s"]
+    assert rows[0]["why_slower"] == "fastest" and all("%" in r["why_slower"] for r in rows[1:])
+    json.dumps(planned.to_json())  # serialisable as it is
+
+
+def _candidate(row):
+    from boostjax.planning.space import Candidate
+
+    return Candidate(*(row[k] for k in ("data", "stage", "model", "strategy", "micro_batch", "slots", "schedule",
+                                        "remat", "zero")))
+
+
+def test_the_train_command_is_the_planned_configuration(planned):
+    from boostjax.cli import build_parser
+    from boostjax.cli.train import train_config
+
+    for r in planned.candidates:
+        argv = shlex.split(r["train_command"])
+        assert argv[:2] == ["boostjax", "train"]
+        cfg = train_config(build_parser().parse_args(argv[1:]))
+        t = cfg.train
+        assert (t.sizes.data, t.sizes.stage, t.sizes.model) == (r["data"], r["stage"], r["model"])
+        assert t.batch * t.grad_accum == 4 and t.strategy == r["strategy"] and t.remat == r["remat"]
+        assert t.zero == r["zero"] and cfg.model.attention == "xla"
+        assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.vocab_size) == (32, 2, 256)
+
+
+def test_the_memory_of_one_micro_batch_on_one_device_is_the_compiled_step(planned):
+    from boostjax.analysis.memory import memory_report
+
+    r = next((r for r in planned.candidates if r["data"] == r["stage"] == 1 and r["slots"] == 1), None)
+    if r is None:
+        pytest.skip("no single-micro-batch candidate was planned")
+    got = memory_report(replace(MODEL, attention="xla"), f"data=1,model={r['model']}", r["micro_batch"], 32,
+                        r["strategy"], r["remat"], "float32")
+    assert r["peak_bytes_per_device"] == pytest.approx(got["peak_bytes_per_device"], rel=0.02)
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--cluster", "8:a100"], ("plan.cluster", "cannot read")),
+    (["--cluster", "1x8:B300"], ("plan.cluster", "unknown hardware")),
+    (["--cluster", "2x4:cpu", "--model", "llama", "--n-layers", "1", "--global-batch", "3"],
+     ("plan.global_batch", "data [2, 4, 8]", "multiple of 2, e.g. 4")),
+    (["--cluster", "1x1:RTX3090-24GB", "--preset", "30b", "--global-batch", "1"], ("plan.cluster", "short")),
+    (["--cluster", "1x4:cpu", "--mesh", "data=4"], ("plan.auto", "--mesh")),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, needles):
+    out = tmp_path / "plan.json"
+    base = ["plan", "--auto", "--seq", "32", "--global-batch", "4", "--out", str(out)]
+    if "--preset" not in argv:
+        base += ["--preset", "tiny"]
+    assert main([*base, *argv]) == 2
+    one_error_line(capsys.readouterr().err, *needles)
+    assert not out.exists()
