@@ -7,6 +7,7 @@ of BTP's analytic traffic, on tiny shapes compiled abstractly for simulated CPU 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 import io
 import json
 import math
@@ -332,22 +333,31 @@ def test_btp_with_projections_kept_dense(ranks, dense):
 SMALL = ModelConfig(kind="cola", d_model=32, n_layers=1, n_heads=2, d_ff=64, rank=16, vocab_size=256, max_seq_len=16)
 
 
-@pytest.mark.parametrize("mesh", ["data=2", "data=2,model=2"])
-def test_zero_reduce_scatters_the_gradient_over_data(mesh):
+@pytest.mark.parametrize("mesh,schedule,zeros", [
+    ("data=2", None, (1, 3)),
+    ("data=2,model=2", None, (1, 3)),
+    ("data=2,stage=2", "gpipe", (1,)),
+    ("data=2,stage=2", "1f1b", (1,)),
+])
+def test_zero_reduce_scatters_the_gradient_over_data(mesh, schedule, zeros):
     """ZeRO 1 and 3: every gradient a dimension of which splits over data is reduce-scattered there
     (the HLO's reduce-scatters over `data` carry 1/2 of the fp32 gradient), and the only all-reduce over
     data is of the leaves left whole and the scalars (loss, gradient norm). The reduction's ring bytes
     are half of ZeRO 0's all-reduce plus half the whole leaves' and the scalars (measured 0.5022 on data=2,
-    0.5031 on data=2,model=2: the norm scales, whose one dimension btp keeps for `model`, stay whole)."""
+    0.5031 on data=2,model=2: the norm scales, whose one dimension btp keeps for `model`, stay whole).
+    Pipelines (two layers over `stage`; GPipe's per-device loss, 1F1B's own fp32 sums): 0.5003 and
+    0.5003, the stacked layers' norm scales [2, d] split too."""
     g = None
-    for zero in (1, 3):
-        r = comm.comm_report(SMALL, mesh, B, S, "btp", dtype="float32", zero=zero)
+    model, pipe = (replace(SMALL, n_layers=2), {"pipeline_schedule": schedule}) if schedule else (SMALL, {})
+    for zero in zeros:
+        r = comm.comm_report(model, mesh, B, S, "btp", dtype="float32", zero=zero, **pipe)
         dp = r["data_parallel"]
         g = r["weight_bytes"] if g is None else g  # ZeRO 1: the gradient's bytes per device before the split
         whole = sum(4 * math.prod(s) for s in dp["unsplit_gradients"].values())
         scattered, reduced = dp["collectives"]["reduce-scatter"]["bytes"], dp["collectives"]["all-reduce"]["bytes"]
-        print(f"{mesh} zero={zero}: reduce {dp['reduce_ring_bytes']} B vs zero 0 {dp['zero0_reduce_ring_bytes']} B "
-              f"= {dp['reduce_vs_zero0']:.4f}; reduce-scatter {scattered} B, all-reduce {reduced} B")
+        print(f"{mesh} {schedule} zero={zero}: reduce {dp['reduce_ring_bytes']} B vs zero 0 "
+              f"{dp['zero0_reduce_ring_bytes']} B = {dp['reduce_vs_zero0']:.4f}; reduce-scatter {scattered} B, "
+              f"all-reduce {reduced} B")
         assert g - whole <= 2 * scattered <= g
         assert reduced <= whole + 512
         assert 0.5 <= dp["reduce_vs_zero0"] <= 0.5 + (whole + 512) / dp["zero0_reduce_ring_bytes"]

@@ -40,7 +40,7 @@ def _steps(cfg: Config, steps: int, state=None, start: int = 0):
         shapes = train_state_shapes(cfg, graphdef, params)[0]
         state = jax.device_put(state, jax.tree.map(lambda s: s.sharding, shapes))
     data = BatchIterator(TOKENS, cfg.train.batch * cfg.train.grad_accum, cfg.train.seq, 0, step=start,
-                         vocab_size=MODEL.vocab_size)
+                         vocab_size=cfg.model.vocab_size)
     step = fns.compile(state, data.batch_at(start))
     losses = []
     for _ in range(steps):
@@ -57,18 +57,23 @@ def _per_device(tree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize("mesh,strategy,optimizer,zero,accum", [
-    ("data=2,model=2", "btp", "adamw", 1, 1),
-    ("data=2,model=2", "btp", "rotation", 3, 1),
-    ("data=2,model=2", "btp", "adam8bit", 3, 1),
-    ("data=4", "none", "adamw", 3, 1),
-    ("data=4", "none", "adam8bit", 1, 1),
-    ("data=2", "none", "adamw", 1, 2),
+@pytest.mark.parametrize("mesh,strategy,optimizer,zero,accum,schedule", [
+    ("data=2,model=2", "btp", "adamw", 1, 1, None),
+    ("data=2,model=2", "btp", "rotation", 3, 1, None),
+    ("data=2,model=2", "btp", "adam8bit", 3, 1, None),
+    ("data=4", "none", "adamw", 3, 1, None),
+    ("data=4", "none", "adam8bit", 1, 1, None),
+    ("data=2", "none", "adamw", 1, 2, None),
+    ("data=2,stage=2", "none", "adamw", 1, 1, "gpipe"),
+    ("data=2,stage=2", "none", "adamw", 3, 2, "1f1b"),
+    ("data=2,stage=2,model=2", "btp", "adamw", 1, 1, "1f1b"),
 ])
-def test_sharded_state_steps_equal_the_replicated_steps(mesh, strategy, optimizer, zero, accum):
+def test_sharded_state_steps_equal_the_replicated_steps(mesh, strategy, optimizer, zero, accum, schedule):
     """AdamW and 8-bit Adam: three steps from init equal the replicated run bitwise (the gradients
     reduce-scattered over data instead of all-reduced: the same sums; with `--grad-accum` each device
-    sums its micro-batches' gradients and both layouts reduce once).
+    sums its micro-batches' gradients and both layouts reduce once). Pipelines (two layers over
+    `stage`, two micro-batches): GPipe's loss differentiated per device, 1F1B's own fp32 sums, then
+    the same reduction over data.
     Rotation: its Gram statistics differ by rounding (1e-7) when a matmul is partitioned, and the exact
     `eigh` of these rank-deficient [m, m] statistics turns that into another basis of their null space
     (end to end 1.5e-4 on the parameters; the same sensitivity as test_tp's rotation test), so it is
@@ -76,8 +81,11 @@ def test_sharded_state_steps_equal_the_replicated_steps(mesh, strategy, optimize
     layout, and one more step (4, no refresh) in both layouts."""
     base = TrainConfig(batch=8 // accum, seq=16, strategy=strategy, mesh=mesh, optimizer=optimizer, lr=1e-3,
                        rot_refresh=2, grad_accum=accum, progress=False)
-    sharded = Config(MODEL, replace(base, zero=zero))
-    ref = _steps(Config(MODEL, base), 3)
+    model = MODEL
+    if schedule:
+        model, base = replace(MODEL, n_layers=2), replace(base, pipeline_schedule=schedule, microbatches=2)
+    sharded = Config(model, replace(base, zero=zero))
+    ref = _steps(Config(model, base), 3)
     if optimizer == "rotation":
         state = jax.device_get(ref[5])
         got = _steps(sharded, 1, state, start=3)
@@ -99,7 +107,7 @@ def test_sharded_state_steps_equal_the_replicated_steps(mesh, strategy, optimize
     assert _per_device(got[2]) < 1.1 * _per_device(ref[2]) / data + 2048
     if zero == 3:
         assert _per_device(got[1]) < 1.1 * _per_device(ref[1]) / data + 2048
-        if strategy == "none":  # the loss sees whole parameters: XLA gathers them over data (no model axis)
+        if strategy == "none" and not schedule:  # whole parameters, gathered over data (a pipeline gathers over stage)
             assert "all-gather" in got[3].as_text() and "all-gather" not in ref[3].as_text()
 
 

@@ -9,12 +9,12 @@ from functools import cached_property
 from typing import Any
 
 
-from boostjax.config import MODEL, Config, ConfigError
+from boostjax.config import DATA, MODEL, Config, ConfigError
 from boostjax.placement.tensor import TensorParallel
 from boostjax.sharding import rules
 from boostjax.models.stacking import stack_layers, unstack_layers
-from boostjax.sharding.pipeline import microbatches, pipeline_info, pipeline_loss_fn
-from boostjax.sharding.pipeline_1f1b import onef1b_loss_fn
+from boostjax.sharding.pipeline import microbatches, pipeline_grad_fn, pipeline_info, pipeline_loss_fn
+from boostjax.sharding.pipeline_1f1b import onef1b_grad_fn, onef1b_loss_fn
 
 
 def check_pipeline(cfg: Config) -> None:
@@ -61,8 +61,6 @@ class Pipeline(TensorParallel):
     def info(self) -> dict:
         return pipeline_info(self.cfg.train)
 
-    grad_fn = None  # the step differentiates the pipelined loss: its gradient is all-reduced over data
-
     @cached_property
     def loss_fn(self):
         remat = self.cfg.train.remat if self.remat is None else self.remat
@@ -71,6 +69,19 @@ class Pipeline(TensorParallel):
         if self.cfg.train.pipeline_schedule == "1f1b":  # the same loss; its gradient runs the 1F1B schedule
             loss_fn = onef1b_loss_fn(self.cfg, self.mesh, specs, n_micro, forward=loss_fn, remat=remat)
         return loss_fn
+
+    @cached_property
+    def grad_fn(self):
+        """The schedule's gradient summed over `data` explicitly (`boostjax.sharding.zero`):
+        reduce-scattered where ZeRO (stage >= 1) splits it, all-reduced otherwise. None without a
+        `data` axis of more than one device (the step differentiates `loss_fn`)."""
+        if self.mesh.shape[DATA] == 1:
+            return None
+        remat = self.cfg.train.remat if self.remat is None else self.remat
+        like = self.to_state_like
+        specs, n_micro = self.param_specs(like), microbatches(self.cfg.train)
+        grad_fn = onef1b_grad_fn if self.cfg.train.pipeline_schedule == "1f1b" else pipeline_grad_fn
+        return grad_fn(self.cfg, self.mesh, specs, self.zero_specs("grads", specs, like), n_micro, remat)
 
 
 __all__ = ["Pipeline", "check_pipeline"]

@@ -39,6 +39,7 @@ from boostjax.models.llama import LLaMA, Block, resolve_remat, run_schedule
 from boostjax.models.ops import cast_params
 from boostjax.models.remat import tied_checkpoint
 from boostjax.models.collectives import vocab_parallel_cross_entropy
+from boostjax.sharding import zero
 from boostjax.sharding.mesh import loss_mesh
 from boostjax.sharding.pipeline_1f1b import ring_slots
 from boostjax.sharding.rules import STRATEGIES
@@ -78,9 +79,9 @@ def pipeline_info(t: TrainConfig) -> dict:
 
 
 # -- the pipelined loss ------------------------------------------------------------------------------
-def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int, remat: Any = None
-                     ) -> Callable[[Any, dict], jax.Array]:
-    """The mean loss over the global batch, GPipe-scheduled over `stage` inside `shard_map`.
+def stage_loss(cfg: Config, mesh: Mesh, n_micro: int, remat: Any = None) -> Callable[..., jax.Array]:
+    """`local(params, inputs_bt, targets_bt)`: one device's GPipe-scheduled loss inside a `shard_map`
+    over `mesh` (`data` may be absent), the mean over its data shard's rows (reduced over `stage`).
     `remat`: a policy name (default `cfg.train.remat`), or a per-layer schedule of one stage's
     layers (an offload plan's: every stage applies it to its own layers)."""
     mcfg, stages, tp = cfg.model, mesh.shape[STAGE], mesh.shape[MODEL]
@@ -131,8 +132,33 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int, remat: A
         targets_n = jax.lax.dynamic_slice_in_dim(targets_bt.reshape(b * t), s * n, n)
         logits_1nv = top.logits(top.final_norm(y_nd[None], coll))
         loss = vocab_parallel_cross_entropy(logits_1nv, targets_n[None], coll)  # mean over the stage's share
-        return jax.lax.pmean(loss, tuple(a for a in (DATA, STAGE) if a in inner.axis_names))
+        return jax.lax.pmean(loss, STAGE)
 
+    return local
+
+
+def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int, remat: Any = None
+                     ) -> Callable[[Any, dict], jax.Array]:
+    """The mean loss over the global batch, GPipe-scheduled over `stage` inside `shard_map`
+    (`remat` as in `stage_loss`)."""
     inner, rows = loss_mesh(mesh)  # without a data axis of size 1 (no all-reduce over one device)
-    sharded = jax.shard_map(local, mesh=inner, in_specs=(specs, rows, rows), out_specs=P())
+    local = stage_loss(cfg, mesh, n_micro, remat)
+
+    def mean(*args):
+        loss = local(*args)
+        return jax.lax.pmean(loss, DATA) if DATA in inner.axis_names else loss
+
+    sharded = jax.shard_map(mean, mesh=inner, in_specs=(specs, rows, rows), out_specs=P())
     return lambda params, batch: sharded(params, batch["inputs"], batch["targets"])
+
+
+def pipeline_grad_fn(cfg: Config, mesh: Mesh, specs: Any, split: Any, n_micro: int, remat: Any = None
+                     ) -> Callable[[Any, dict], tuple[jax.Array, Any]]:
+    """`(params, batch) -> (loss, grads)` of the GPipe loss with ZeRO's gradient
+    (`boostjax.sharding.zero`): every leaf reduce-scattered over `data` onto its spec in `split`
+    (all-reduced where `split` leaves it whole); the batch holds `grad_accum` micro-batches."""
+    inner, rows = loss_mesh(mesh)
+    f = zero.zero_value_and_grad(stage_loss(cfg, mesh, n_micro, remat), inner, specs, split, rows,
+                                 gather=cfg.train.zero >= 3, accum=cfg.train.grad_accum,
+                                 cast=lambda p: cast_params(p, cfg.train.dtype))
+    return lambda params, batch: f(params, batch["inputs"], batch["targets"])

@@ -23,8 +23,10 @@ backwards only, so a stage is busy `M (F + B)` out of `(M + P - 1)(F + B)`: the 
 (stage 0's count; SPMD sizes every stage alike) where GPipe's autodiff keeps all `M + P - 1` ticks.
 
 `onef1b_loss_fn` is a `jax.custom_vjp`: its forward runs the whole schedule and returns the loss, its
-backward the saved gradients times the incoming cotangent, so `jax.value_and_grad` in the train step
-is unchanged. Evaluated without a gradient it is GPipe's forward.
+backward the saved gradients times the incoming cotangent, so `jax.value_and_grad` of it is the
+schedule's gradient. Evaluated without a gradient it is GPipe's forward. The schedule sums its
+gradients over `stage`; the sum over `data` is `boostjax.sharding.zero`'s (all-reduced here, and in
+`onef1b_grad_fn`, the train step's gradient on a `data` axis, reduce-scattered where ZeRO splits it).
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from boostjax.config import DATA, MODEL, STAGE, Config
 from boostjax.models import ops
 from boostjax.models.llama import LLaMA, Block, resolve_remat, run_schedule
 from boostjax.models.ops import cast_params
 from boostjax.models.collectives import vocab_parallel_cross_entropy
+from boostjax.sharding import zero
 from boostjax.sharding.mesh import loss_mesh
 from boostjax.sharding.rules import STRATEGIES
 
@@ -53,24 +55,19 @@ def ring_slots(stages: int) -> int:
     return 2 * stages - 1
 
 
-def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """`x` marked varying over `axes` (those it is not varying over already)."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _like(x: jax.Array, ref: jax.Array) -> jax.Array:
     """`x` with the varying axes of `ref` (a scan carry keeps one type)."""
-    return _vary(x, tuple(jax.typeof(ref).mat.varying))
+    return zero.vary(x, tuple(jax.typeof(ref).mat.varying))
 
 
 def onef1b_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int,
                    forward: Callable[[Any, dict], jax.Array], remat: Any = None) -> Callable[[Any, dict], jax.Array]:
     """The mean loss over the global batch whose gradient runs the 1F1B schedule (`forward`: the same
-    loss without a gradient, GPipe's forward; `remat` as in `pipeline.pipeline_loss_fn`)."""
+    loss without a gradient, GPipe's forward; `remat` as in `pipeline.pipeline_loss_fn`); the
+    gradient is all-reduced over `data`."""
     inner, rows = loss_mesh(mesh)  # without a data axis of size 1 (no all-reduce over one device)
-    sharded = jax.shard_map(_local_schedule(cfg, mesh, n_micro, inner.axis_names, remat), mesh=inner,
-                            in_specs=(specs, rows, rows), out_specs=(P(), specs))
+    sharded = zero.reduced_value_and_grad(_local_schedule(cfg, mesh, n_micro, inner.axis_names, remat), inner,
+                                          specs, specs, rows, gather=False)
 
     @jax.custom_vjp
     def loss_fn(params, batch):
@@ -87,13 +84,23 @@ def onef1b_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int,
     return loss_fn
 
 
-def _sum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    return jax.lax.psum(x, axes) if axes else x
+def onef1b_grad_fn(cfg: Config, mesh: Mesh, specs: Any, split: Any, n_micro: int, remat: Any = None
+                   ) -> Callable[[Any, dict], tuple[jax.Array, Any]]:
+    """`(params, batch) -> (loss, grads)` of the 1F1B schedule with ZeRO's gradient
+    (`boostjax.sharding.zero`): every leaf's fp32 sum reduce-scattered over `data` onto its spec in
+    `split` (all-reduced where `split` leaves it whole); the batch holds `grad_accum` micro-batches."""
+    inner, rows = loss_mesh(mesh)
+    f = zero.reduced_value_and_grad(_local_schedule(cfg, mesh, n_micro, inner.axis_names, remat), inner, specs,
+                                    split, rows, gather=cfg.train.zero >= 3, accum=cfg.train.grad_accum,
+                                    cast=lambda p: cast_params(p, cfg.train.dtype))
+    return lambda params, batch: f(params, batch["inputs"], batch["targets"])
 
 
 def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str, ...], remat: Any = None):
     """The per-device 1F1B program: `(params, inputs_bt, targets_bt) -> (loss, grads)` inside a
-    shard_map over `axis_names` (the mesh's, less a `data` axis of size 1)."""
+    shard_map over `axis_names` (the mesh's, less a `data` axis of size 1): the mean loss over this
+    data shard's rows and this device's fp32 share of the global mean's gradient, summed over
+    `stage` but not over `data` (`zero.reduced_value_and_grad` reduces it)."""
     mcfg, stages, tp, data = cfg.model, mesh.shape[STAGE], mesh.shape[MODEL], mesh.shape[DATA]
     coll = STRATEGIES[cfg.train.strategy if tp > 1 else "none"].collectives
     top_def, _ = nnx.split(nnx.eval_shape(lambda: LLaMA(replace(mcfg, n_layers=0), rngs=nnx.Rngs(0))))
@@ -109,7 +116,6 @@ def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str
     dp = (DATA,) if DATA in axis_names else ()  # the data-parallel axis, when it has > 1 device
 
     def local(params, inputs_bt, targets_bt):
-        master = params
         params = cast_params(params, cfg.train.dtype)
         s = jax.lax.axis_index(STAGE)
         b, t = inputs_bt.shape
@@ -118,8 +124,8 @@ def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str
         targets_mn = targets_bt.reshape(n_micro, mb * t)
         cos_te, sin_te = ops.model_rope_tables(mcfg, t)
         # local gradients (no per-tick all-reduce): varying over the axes they are summed over at the end
-        top = {k: _vary(v, (*dp, STAGE)) for k, v in params.items() if k != "layers"}
-        layers = [jax.tree.map(lambda a, j=j: _vary(a[j], dp), params["layers"]) for j in range(per_stage)]
+        top = {k: zero.vary(v, (*dp, STAGE)) for k, v in params.items() if k != "layers"}
+        layers = [jax.tree.map(lambda a, j=j: zero.vary(a[j], dp), params["layers"]) for j in range(per_stage)]
 
         def block(p, x_btd):
             return nnx.merge(block_def, p)(x_btd, cos_te, sin_te, coll)
@@ -197,16 +203,14 @@ def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str
         ring0 = [zeros(res0[k], (n_ring, *res0[k].shape)) for k in ringed]
         acc0 = {k: zeros(v, dtype=f32) for k, v in top.items()}
         acc0["layers"] = [jax.tree.map(lambda a: zeros(a, dtype=f32), p) for p in layers]
-        carry = (zeros(y0), zeros(y0), ring0, acc0, _vary(jnp.zeros((), f32), (*dp, STAGE)))
+        carry = (zeros(y0), zeros(y0), ring0, acc0, zero.vary(jnp.zeros((), f32), (*dp, STAGE)))
         phases = ((0, last, True, False), (last, n_micro, True, True), (n_micro + last, last, False, True))
         for start, length, fwd, bwd in phases:
             body = lambda c, tt, fwd=fwd, bwd=bwd: tick(c, tt, fwd=fwd, bwd=bwd)  # noqa: E731
             carry, _ = jax.lax.scan(body, carry, start + jnp.arange(length))
         _, _, _, acc, loss_sum = carry
-        grads = {k: jax.lax.psum(v, (*dp, STAGE)) for k, v in acc.items() if k != "layers"}
-        stacked = jax.tree.map(lambda *gs: jnp.stack(gs), *acc["layers"])
-        grads["layers"] = _sum(stacked, dp)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, master)
-        return jax.lax.psum(loss_sum, (*dp, STAGE)) * scale, grads
+        grads = {k: jax.lax.psum(v, STAGE) for k, v in acc.items() if k != "layers"}
+        grads["layers"] = jax.tree.map(lambda *gs: jnp.stack(gs), *acc["layers"])
+        return jax.lax.psum(loss_sum, STAGE) / (stages * n_micro), grads
 
     return local

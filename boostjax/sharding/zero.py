@@ -6,7 +6,8 @@ no device holds the whole reduced gradient. A leaf no dimension of which divides
 
 `zero_value_and_grad` is the step's `(loss, grads)` for a loss written per device inside
 `shard_map` (`local(params, *rows)`: the mean over one data shard's rows, already reduced over
-the other mesh axes). With ZeRO-3 (`gather`) the parameters enter split over `data` and are
+the other mesh axes); `reduced_value_and_grad` the same for a per-device `(loss, grads)` (a
+pipeline schedule that sums its gradients itself, 1F1B). With ZeRO-3 (`gather`) the parameters enter split over `data` and are
 all-gathered inside, before the gradient is taken. Gradient accumulation sums the micro-batches'
 unreduced fp32 gradients on each device and reduces once.
 """
@@ -69,48 +70,62 @@ def _gather(p: jax.Array, dim: int | None) -> jax.Array:
     return p if dim is None else jax.lax.all_gather(p, DATA, axis=dim, tiled=True)
 
 
-def zero_value_and_grad(local: Callable[..., jax.Array], mesh: Mesh, specs: Any, split: Any, rows: P, *,
-                        gather: bool, accum: int = 1, cast: Callable[[Any], Any] = lambda p: p
-                        ) -> Callable[..., tuple[jax.Array, Any]]:
+def loss_and_grad(local: Callable[..., jax.Array], data: int) -> Callable[..., tuple[jax.Array, Any]]:
+    """`local_vg(params, *rows) -> (loss, grads)` for `reduced_value_and_grad` from a per-device loss
+    `local` (the mean over one data shard's rows): d(pmean of the loss) / d(this shard's
+    parameters), 1/D of the shard's own gradient."""
+    def value_and_grad(params, *rows_arrays):
+        loss, pullback = jax.vjp(lambda p: local(p, *rows_arrays), params)
+        return loss, pullback(jnp.ones_like(loss) / data)[0]
+
+    return value_and_grad
+
+
+def reduced_value_and_grad(local_vg: Callable[..., tuple[jax.Array, Any]], mesh: Mesh, specs: Any, split: Any,
+                           rows: P, *, gather: bool, accum: int = 1, cast: Callable[[Any], Any] = lambda p: p
+                           ) -> Callable[..., tuple[jax.Array, Any]]:
     """`f(params, *rows_arrays) -> (loss, grads)`: the mean loss over the global batch and its
     gradient, each leaf reduce-scattered over `data` along the dimension its ZeRO spec in `split`
-    gives it (`data_dim`; a spec without `data`: all-reduced) and returned split there. `specs`: the
-    parameters' specs inside `mesh` (no `data`); with `gather` (ZeRO-3) the parameters come in split
-    over `data` too. `accum` N > 1: the rows hold N micro-batches (`micro_batches`), whose fp32
-    gradients are summed on each device before the one reduction. `cast`: the parameters in the
-    compute dtype, taken before the gather and the gradient (so one micro-batch's gradient crosses
-    `data` in that dtype, as the cast's transpose would carry it); the gradients come back in the
-    parameters' own dtype."""
-    data = mesh.shape[DATA]
+    gives it (`data_dim`; a spec without `data`: all-reduced) and returned split there.
+
+    `local_vg(params, *rows) -> (loss, grads)` runs on one device inside `shard_map`: the mean loss
+    over its data shard's rows (already reduced over the other mesh axes) and its share of the
+    global mean's gradient, not yet summed over `data` (`loss_and_grad` of a loss; a pipeline
+    schedule's own sums). `specs`: the parameters' specs inside `mesh` (no `data`); with `gather`
+    (ZeRO-3) the parameters come in split over `data` too. `accum` N > 1: the rows hold N
+    micro-batches (`micro_batches`), whose fp32 gradients are summed on each device before the one
+    reduction. `cast`: the parameters in the compute dtype, taken before the gather and the gradient
+    (so a loss's gradient crosses `data` in that dtype, as the cast's transpose would carry it); the
+    gradients come back in the parameters' own dtype. A `mesh` without a `data` axis: no reduction."""
+    dp = DATA in mesh.axis_names
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    dims = jax.tree.map(lambda z: [data_dim(z)], split, is_leaf=is_spec)  # [dim]: None stays a leaf
+    dims = jax.tree.map(lambda z: [data_dim(z) if dp else None], split, is_leaf=is_spec)  # [dim]: None stays a leaf
     inside = jax.tree.map(lambda s, d: with_data(s, d[0]), specs, dims, is_leaf=is_spec)
 
     def body(master, *rows_arrays):
         params = cast(master)
         if gather:
             params = jax.tree.map(lambda p, d: _gather(p, d[0]), params, dims)
-        params = jax.tree.map(lambda p: vary(p, (DATA,)), params)
-
-        def value_and_grad(mb):  # d(pmean of the loss) / d(this shard's parameters): 1/D per shard
-            loss, pullback = jax.vjp(lambda p: local(p, *mb), params)
-            return loss, pullback(jnp.ones_like(loss) / data)[0]
+        if dp:
+            params = jax.tree.map(lambda p: vary(p, (DATA,)), params)
 
         if accum == 1:
-            loss, grads = value_and_grad(rows_arrays)
+            loss, grads = local_vg(params, *rows_arrays)
         else:
             def add(carry, mb):
                 loss_sum, g_sum = carry
-                loss, g = value_and_grad(mb)
+                loss, g = local_vg(params, *mb)
                 return (loss_sum + loss.astype(jnp.float32),
                         jax.tree.map(lambda s, x: s + x.astype(jnp.float32), g_sum, g)), None
 
             mbs = micro_batches(rows_arrays, accum)
             # the sum starts at zeros varying over the mesh axes each gradient varies over (the scan's carry type)
-            like = jax.eval_shape(value_and_grad, jax.tree.map(lambda x: x[0], mbs))
+            like = jax.eval_shape(lambda mb: local_vg(params, *mb), jax.tree.map(lambda x: x[0], mbs))
             start = jax.tree.map(lambda s: vary(jnp.zeros(s.shape, jnp.float32), tuple(s.manual_axis_type.varying)), like)
             (loss_sum, g_sum), _ = jax.lax.scan(add, start, mbs)
             loss, grads = loss_sum / accum, jax.tree.map(lambda s: s / accum, g_sum)
+        if not dp:
+            return loss, jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
         grads = jax.tree.map(lambda g, d, m: reduce_grad(g, d[0]).astype(m.dtype), grads, dims, master)
         return jax.lax.pmean(loss, DATA), grads
 
@@ -119,3 +134,11 @@ def zero_value_and_grad(local: Callable[..., jax.Array], mesh: Mesh, specs: Any,
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), inside))(params, *rows_arrays)
 
     return value_and_grads
+
+
+def zero_value_and_grad(local: Callable[..., jax.Array], mesh: Mesh, specs: Any, split: Any, rows: P, *,
+                        gather: bool, accum: int = 1, cast: Callable[[Any], Any] = lambda p: p
+                        ) -> Callable[..., tuple[jax.Array, Any]]:
+    """`reduced_value_and_grad` of a per-device loss `local(params, *rows)` (`loss_and_grad`)."""
+    return reduced_value_and_grad(loss_and_grad(local, mesh.shape.get(DATA, 1)), mesh, specs, split, rows,
+                                  gather=gather, accum=accum, cast=cast)
