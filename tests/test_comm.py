@@ -337,7 +337,6 @@ SMALL = ModelConfig(kind="cola", d_model=32, n_layers=1, n_heads=2, d_ff=64, ran
     ("data=2", None, (1, 3)),
     ("data=2,model=2", None, (1, 3)),
     ("data=2,stage=2", "gpipe", (1,)),
-    ("data=2,stage=2", "1f1b", (1,)),
 ])
 def test_zero_reduce_scatters_the_gradient_over_data(mesh, schedule, zeros):
     """ZeRO 1 and 3: every gradient a dimension of which splits over data is reduce-scattered there
@@ -345,8 +344,9 @@ def test_zero_reduce_scatters_the_gradient_over_data(mesh, schedule, zeros):
     data is of the leaves left whole and the scalars (loss, gradient norm). The reduction's ring bytes
     are half of ZeRO 0's all-reduce plus half the whole leaves' and the scalars (measured 0.5022 on data=2,
     0.5031 on data=2,model=2: the norm scales, whose one dimension btp keeps for `model`, stay whole).
-    Pipelines (two layers over `stage`; GPipe's per-device loss, 1F1B's own fp32 sums): 0.5003 and
-    0.5003, the stacked layers' norm scales [2, d] split too."""
+    A pipeline (two layers over `stage`, GPipe's per-device loss): 0.5003, the stacked layers' norm
+    scales [2, d] split too (1F1B: the same 0.5003, measured once; its report compiles ~3 min on 2 busy
+    cores, so tests/test_zero.py checks its steps' HLO instead)."""
     g = None
     model, pipe = (replace(SMALL, n_layers=2), {"pipeline_schedule": schedule}) if schedule else (SMALL, {})
     for zero in zeros:

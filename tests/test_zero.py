@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from boostjax.analysis import comm, hlo
 from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.data import BatchIterator
 from boostjax.sharding.rules import data_sharded
@@ -102,6 +103,11 @@ def test_sharded_state_steps_equal_the_replicated_steps(mesh, strategy, optimize
         assert got[0] == ref[0] and np.array_equal(_flat(got[1]), _flat(ref[1]))
         assert np.array_equal(_flat(got[2]), _flat(ref[2]))
     data = int(mesh.split(",")[0].split("=")[1])
+    if schedule:  # the steps' reductions over data: zero 0 all-reduces, zero >= 1 reduce-scatters, half the bytes
+        m = jax.tree.leaves(got[1])[0].sharding.mesh
+        dp = [comm._data_parallel(hlo.collectives(r[3].as_text()), m.devices.shape, m.axis_names) for r in (got, ref)]
+        assert "reduce-scatter" not in dp[1]["collectives"] and dp[0]["collectives"]["reduce-scatter"]["count"] > 0
+        assert 0.5 <= dp[0]["reduce_ring_bytes"] / dp[1]["reduce_ring_bytes"] < 0.51
     # per device: the optimizer state (and with zero=3 the parameters) 1/D, but for leaves no dimension
     # of which divides by D (norm scales, step counters)
     assert _per_device(got[2]) < 1.1 * _per_device(ref[2]) / data + 2048
