@@ -40,7 +40,7 @@ of `eigh`. The shift leaves the eigenvectors unchanged; what it changes is which
 resolves: directions whose eigenvalues are far above the mean converge to the eigenbasis, while
 directions with eigenvalues at or below it (rank-deficient early Gram matrices, clusters of tiny
 eigenvalues) keep their previous basis, ultimately the identity, instead of a basis chosen by rounding
-(`eigh` of a rank-20 [32, 32] Gram matrix picks its 12-dimensional null-space basis from rounding
+(`eigh` of a rank-22 [32, 32] Gram matrix picks its 10-dimensional null-space basis from rounding
 noise, and Adam's per-coordinate normalisation turns another basis into O(1) other updates). One step
 is then a smooth function of the statistic (its error is noise / (λ + shift), not noise / eigenvalue
 gap), so runs whose gradients differ by rounding (a mesh against one device) keep the same bases.
