@@ -85,7 +85,7 @@ def boost_part(cache: str, max_compiles: int, setups: tuple[str, ...], ignore_me
         t0 = time.perf_counter()
         res = plan_auto(model, f"{nodes}x{per}:A100-80GB", 4, 4096, dtype="bfloat16", eta=eta, top=3,
                         budget_bytes=1e18 if ignore_memory else None,
-                        max_compiles=max_compiles, include=(own,), cache_dir=cache, log=log)
+                        max_compiles=max_compiles, include=(own,), cache_dir=cache, preset_name=name, log=log)
         win, boost = res.candidates[0], res.included[0]
         label = f"{name.upper()} TP{tp}" + (f" PP{pp}" if pp > 1 else "")
         rows.append({"setup": label, "cluster": res.cluster.text, "planner": win["label"],

@@ -5,8 +5,9 @@
 
 Every input is checked before JAX starts (one line, exit 2, nothing written): the cluster string and its
 hardware, the model flags, --global-batch and --seq, --out. `--out` writes the ranked candidates as JSON
-(each with `step_s`, `peak_bytes_per_device`, `train_command`); the terminal shows the table and the
-winner's command lines.
+(each with `step_s`, `peak_bytes_per_device`, `train_command`) and, beside it, the offload plan file of
+each candidate that needs one (its `train_command` passes `--offload-plan` with that path); the
+terminal shows the table and the winner's command lines.
 """
 
 from __future__ import annotations
@@ -71,6 +72,17 @@ def _inputs(args: argparse.Namespace, run_flags: tuple[str, ...]):
     return cluster, model, seq, out
 
 
+def write_offload_plans(rows: list[dict]) -> None:
+    """The offload plan file of every candidate that has one, where its `train_command` reads it (never
+    replacing a file that is not a boostjax plan)."""
+    from boostjax.offload.planfile import Plan
+    from boostjax.offload.report import check_out, write_plan
+
+    for r in rows:
+        if "offload_plan" in r:
+            write_plan(Plan.from_dict(r["offload_plan"]), check_out(r["offload_plan_file"]))
+
+
 def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
     """`boostjax plan --auto` (`run_flags`: the model and run flags `boostjax plan` registered)."""
     cluster, model, seq, out = _inputs(args, run_flags)
@@ -88,9 +100,11 @@ def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else None
     res = plan_auto(model, cluster, args.global_batch, seq, dtype=dtype, optimizer=args.optimizer or "adamw",
-                    top=args.top, max_compiles=args.max_compiles, preset_name=args.preset, cache_dir=args.cache_dir, log=log)
+                    top=args.top, max_compiles=args.max_compiles, preset_name=args.preset, cache_dir=args.cache_dir,
+                    log=log, offload_dir=str(out.parent) if out is not None else ".")
     doc = plan_json(res, {"model": {k: v for k, v in vars(model).items()}, "preset": args.preset})
     if out is not None:
+        write_offload_plans(res.candidates)
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
         os.replace(tmp, out)
@@ -100,4 +114,4 @@ def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
     return 0
 
 
-__all__ = ["check_auto_out", "run_auto"]
+__all__ = ["check_auto_out", "run_auto", "write_offload_plans"]

@@ -165,8 +165,9 @@ def model_flags(model: ModelConfig, preset_name: str | None = None) -> list[str]
 
 
 def train_argv(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str, cluster: Cluster,
-               preset_name: str | None = None) -> list[str]:
-    """`boostjax train ...` for this candidate on `cluster` (CPU: the materialised attention it was priced with)."""
+               preset_name: str | None = None, offload_plan: str | None = None) -> list[str]:
+    """`boostjax train ...` for this candidate on `cluster` (CPU: the materialised attention it was priced
+    with; `offload_plan`: the path of its offload plan file)."""
     argv = ["boostjax", "train", *model_flags(model, preset_name)]
     for k, v in c.train_fields(seq, dtype, optimizer).items():
         default = TrainConfig.__dataclass_fields__[k].default
@@ -176,14 +177,16 @@ def train_argv(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer
         argv += [flag_of("max_seq_len"), str(seq)]
     if cluster.is_cpu and model.attention != "xla":
         argv += [flag_of("attention"), "xla"]
+    if offload_plan:
+        argv += [flag_of("offload_plan"), offload_plan]
     return argv
 
 
 def commands(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str, cluster: Cluster,
-             preset_name: str | None = None) -> dict[str, str]:
+             preset_name: str | None = None, offload_plan: str | None = None) -> dict[str, str]:
     """`train_command` (one node; with several nodes each runs it with its own process id) and
     `launch_command` (several processes on this machine: `boostjax launch`), as shell lines."""
-    argv = train_argv(model, c, seq, dtype, optimizer, cluster, preset_name)
+    argv = train_argv(model, c, seq, dtype, optimizer, cluster, preset_name, offload_plan)
     out = {}
     if cluster.nodes > 1 and not cluster.is_cpu:
         argv += [flag_of("coordinator"), "$COORDINATOR:12355", flag_of("num_processes"), str(cluster.nodes),
