@@ -15,7 +15,8 @@ from boostjax.cli import main
 from boostjax.config import ConfigError
 from boostjax.planning.cluster import parse_cluster
 from boostjax.planning.costs import Hardware
-from boostjax.planning.space import enumerate_space, memory_lower_bound, time_lower_bound
+from boostjax.planning.cpu import shared_rates
+from boostjax.planning.space import comm_lower_bound, enumerate_space, memory_lower_bound, time_lower_bound
 from helpers import MICRO, one_error_line
 
 # a CPU-like machine with round numbers (no calibration run in the tests)
@@ -72,7 +73,10 @@ def test_ranked_candidates_with_bounds_below_their_predictions(planned):
         c = _candidate(r)
         assert memory_lower_bound(MODEL, c, 32, "float32", "adamw") <= r["peak_bytes_per_device"]
         flops = HW.peak_flops / (c.data * c.stage * c.model)  # the CPU's rates are shared by its devices
-        assert time_lower_bound(MODEL, c, 32, 4, flops) <= r["step_s"]
+        hw = shared_rates(HW, c.data * c.stage * c.model)
+        comm = comm_lower_bound(MODEL, c, 32, "float32", parse_cluster("1x4:cpu"), hw)
+        assert comm <= r["time_s"]["data_comm"] + r["time_s"]["stage_p2p"] + 1e-12
+        assert time_lower_bound(MODEL, c, 32, 4, flops) + comm <= r["step_s"]
     assert rows[0]["why_slower"] == "fastest" and all("%" in r["why_slower"] for r in rows[1:])
     json.dumps(planned.to_json())  # serialisable as it is
 

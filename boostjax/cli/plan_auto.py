@@ -60,6 +60,9 @@ def _inputs(args: argparse.Namespace, run_flags: tuple[str, ...]):
                           f"step), got {args.global_batch}; fix: pass e.g. --global-batch {8 * cluster.devices}")
     if args.top < 1:
         raise ConfigError(f"plan.top: must be >= 1, got {args.top}; fix: pass --top 5")
+    if not args.compile_seconds > 0:
+        raise ConfigError(f"plan.compile_seconds: must be > 0, got {args.compile_seconds}; fix: pass "
+                          "--compile-seconds 180")
     if args.max_compiles < 1:
         raise ConfigError(f"plan.max_compiles: must be >= 1, got {args.max_compiles}; fix: pass --max-compiles 16")
     seq = args.seq if args.seq is not None else field_default("seq")
@@ -100,7 +103,7 @@ def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else None
     res = plan_auto(model, cluster, args.global_batch, seq, dtype=dtype, optimizer=args.optimizer or "adamw",
-                    top=args.top, max_compiles=args.max_compiles, preset_name=args.preset, cache_dir=args.cache_dir,
+                    top=args.top, max_compiles=args.max_compiles, compile_seconds=args.compile_seconds, preset_name=args.preset, cache_dir=args.cache_dir,
                     log=log, offload_dir=str(out.parent) if out is not None else ".")
     doc = plan_json(res, {"model": {k: v for k, v in vars(model).items()}, "preset": args.preset})
     if out is not None:

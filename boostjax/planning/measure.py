@@ -128,12 +128,22 @@ def _compile(key: Key) -> dict[str, Any]:
 _MEMO: dict[Key, dict[str, Any]] = {}
 
 
+def _path(key: Key, cache_dir: str | None) -> str | None:
+    return os.path.join(cache_dir, f"{key.digest()}.json") if cache_dir else None
+
+
+def is_cached(key: Key, cache_dir: str | None = None) -> bool:
+    """`measure(key, cache_dir)` would compile nothing."""
+    path = _path(key, cache_dir)
+    return key in _MEMO or bool(path and os.path.exists(path))
+
+
 def measure(key: Key, cache_dir: str | None = None) -> tuple[dict[str, Any], bool]:
     """`{"1": {...}, "2": {...}}` (per layer count: `step` and `opt` program costs, the step's `memory`
     parts) and whether it was compiled now (False: from a cache)."""
     if key in _MEMO:
         return _MEMO[key], False
-    path = os.path.join(cache_dir, f"{key.digest()}.json") if cache_dir else None
+    path = _path(key, cache_dir)
     if path and os.path.exists(path):
         with open(path) as fh:
             _MEMO[key] = json.load(fh)
@@ -149,4 +159,4 @@ def measure(key: Key, cache_dir: str | None = None) -> tuple[dict[str, Any], boo
     return res, True
 
 
-__all__ = ["Key", "measure", "step_program", "update_program"]
+__all__ = ["Key", "is_cached", "measure", "step_program", "update_program"]

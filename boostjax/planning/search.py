@@ -4,11 +4,15 @@
 2. Memory bound: a candidate whose `memory_lower_bound` exceeds the device budget is dropped.
 3. Branch and bound over compile keys (TP strategy and size, micro-batch rows, remat, dtype: what one
    compiled measurement covers; data, stages, schedule, accumulation and ZeRO are priced from it): keys
-   are compiled in the order of their candidates' best `time_lower_bound`; once `top` candidates fit,
+   are compiled in the order of their candidates' best time bound (`time_lower_bound` +
+   `comm_lower_bound`); once `top` candidates fit,
    a key whose bound exceeds the `top`-th predicted time is not compiled (its candidates cannot enter
    the list); a key with remat lowrank (full) is compiled only where the same key with the next lighter
    remat had a candidate over the budget (remat trades time for memory and is never faster here); and
-   at most `max_compiles` keys are compiled (the rest are counted as skipped by the budget).
+   at most `max_compiles` keys are compiled, and none is started once `compile_seconds` have passed
+   since the search began (the rest are counted as skipped by the compile budget; a second plan
+   with the same `cache_dir` reads the compiled ones from the cache, past both budgets, and goes
+   further).
 4. `predict.predict` for every candidate of a compiled key; one over the budget is dropped, unless
    (GPU clusters) `boostjax train` takes an offload plan with it (`offloading.eligible`: no
    accumulation, ZeRO 0, remat none, no stages) and the CP-SAT offload plan of its mesh fits
@@ -36,10 +40,10 @@ from boostjax.planning import cpu
 from boostjax.planning import offloading
 from boostjax.planning.cluster import Cluster, parse_cluster, profile_rates
 from boostjax.planning.costs import Hardware
-from boostjax.planning.measure import Key, measure
+from boostjax.planning.measure import Key, is_cached, measure
 from boostjax.planning.predict import predict
-from boostjax.planning.space import (Candidate, accepted, commands, enumerate_space, memory_lower_bound,
-                                     time_lower_bound, with_seq)
+from boostjax.planning.space import (Candidate, accepted, comm_lower_bound, commands, enumerate_space,
+                                     memory_lower_bound, time_lower_bound, with_seq)
 from boostjax.runtime.profiles import get_profile
 
 GIB = float(1 << 30)
@@ -126,7 +130,8 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
               optimizer: str = "adamw", top: int = 5, preset_name: str | None = None, cache_dir: str | None = None,
               hardware: Hardware | None = None, eta: float | None = None, budget_bytes: float | None = None,
               max_compiles: int = 8, include: tuple[Candidate, ...] = (), log=None, max_offloads: int = 4,
-              offload_time_limit_s: float = 10.0, offload_dir: str = ".") -> PlanResult:
+              offload_time_limit_s: float = 10.0, offload_dir: str = ".",
+              compile_seconds: float | None = None) -> PlanResult:
     """Rank the configurations of `model` on `cluster` (`"2x8:A100-80GB"`, `"1x8:cpu"`) for `global_batch`
     sequences of `seq` tokens per optimizer step (module docstring). `dtype`: bfloat16 on GPUs, float32
     on the CPU by default. `hardware` / `eta` / `budget_bytes` override the cluster's rates (machine
@@ -135,7 +140,8 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     (one line) on bad input, `NothingFits` when no configuration fits. `include`: candidates measured and
     predicted whatever the bounds and the budget say (`PlanResult.included`; ranked too where they fit).
     `max_offloads` / `offload_time_limit_s`: offload plans solved at most / CP-SAT seconds each;
-    `offload_dir`: the folder an offloaded candidate's `train_command` reads its plan file from."""
+    `offload_dir`: the folder an offloaded candidate's `train_command` reads its plan file from;
+    `compile_seconds`: no compile or offload solve starts after that many seconds (None: no limit)."""
     t0 = time.perf_counter()
     cl = check_inputs(model, cluster, global_batch, seq)
     dtype = dtype or ("float32" if cl.is_cpu else "bfloat16")
@@ -162,7 +168,12 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     def device_hw(c: Candidate) -> Hardware:
         return cpu.shared_rates(hw, c.data * c.stage * c.model) if cl.is_cpu else hw
 
-    lb_t = {c: time_lower_bound(model, c, seq, global_batch, eta * device_hw(c).peak_flops) for c in fits}
+    def lb_time(c: Candidate) -> float:
+        hwc = device_hw(c)
+        return (time_lower_bound(model, c, seq, global_batch, eta * hwc.peak_flops)
+                + comm_lower_bound(model, c, seq, dtype, cl, hwc))
+
+    lb_t = {c: lb_time(c) for c in fits}
     def key_of(c: Candidate) -> Key:
         return Key(model, c.strategy, c.model, c.micro_batch, seq, c.remat, dtype, optimizer, not cl.is_cpu)
 
@@ -173,7 +184,7 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
         if c not in space:
             raise ConfigError(f"plan.include: {c.label} is not a valid configuration of this model on {cl.text}; "
                               "fix: pass one of the enumerated candidates")
-        lb_t.setdefault(c, time_lower_bound(model, c, seq, global_batch, eta * device_hw(c).peak_flops))
+        lb_t.setdefault(c, lb_time(c))
         if c not in groups.setdefault(key_of(c), []):
             groups[key_of(c)].append(c)
     forced = {key_of(c) for c in include}
@@ -189,12 +200,15 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     offloads = {"tried": 0, "fitted": 0}
     plans: dict[Candidate, Any] = {}
 
+    def out_of_time() -> bool:
+        return compile_seconds is not None and time.perf_counter() - t0 > compile_seconds
+
     def place(c: Candidate, p: dict) -> bool:
         """Rank `c` (True) or reject it; over the budget, try an offload plan (module docstring)."""
         if p["peak_bytes_per_device"] <= budget:
             ranked.append((c, p))
             return True
-        if can_offload(c) and offloads["tried"] < max_offloads:
+        if can_offload(c) and offloads["tried"] < max_offloads and not out_of_time():
             offloads["tried"] += 1
             got = offloading.offload(model, c, p, seq, dtype, optimizer, cl.hardware, budget, offload_time_limit_s)
             if log:
@@ -238,7 +252,7 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
         if lesser and (key.strategy, key.tp, key.micro_batch, lesser[-1]) not in overflow:
             skipped["remat_not_needed"] += len(groups[key])  # the lighter remat fits or was never compiled
             continue
-        if compiled >= max_compiles:
+        if (compiled >= max_compiles or out_of_time()) and not is_cached(key, cache_dir):
             skipped["compile_budget"] += len(groups[key])
             continue
         groups[key] = keep_accepted(key)
