@@ -5,7 +5,8 @@
 3. Branch and bound over compile keys (TP strategy and size, micro-batch rows, remat, dtype: what one
    compiled measurement covers; data, stages, schedule, accumulation and ZeRO are priced from it): keys
    are compiled in the order of their candidates' best time bound (`time_lower_bound` +
-   `comm_lower_bound`); once `top` candidates fit,
+   `comm_lower_bound`), except that the best key of each TP size comes first (the bound leaves out
+   the model axis's collectives, read from the HLO, so it favours the widest TP); once `top` candidates fit,
    a key whose bound exceeds the `top`-th predicted time is not compiled (its candidates cannot enter
    the list); a key with remat lowrank (full) is compiled only where the same key with the next lighter
    remat had a candidate over the budget (remat trades time for memory and is never faster here); and
@@ -191,6 +192,8 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     included: dict[Candidate, dict] = {}
     order = sorted(groups, key=lambda k: (all(lb_mem[c] > budget for c in groups[k]), min(lb_t[c] for c in groups[k]),
                                           REMAT_ORDER.index(k.remat), -k.micro_batch))
+    firsts = list({k.tp: k for k in reversed(order)}.values())  # the best key of each TP size
+    order = sorted(firsts, key=order.index) + [k for k in order if k not in firsts]
     ranked: list[tuple[Candidate, dict]] = []
     rejected: list[tuple[Candidate, dict]] = []
     compiled = cached = 0
