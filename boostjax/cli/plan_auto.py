@@ -103,8 +103,9 @@ def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else None
     res = plan_auto(model, cluster, args.global_batch, seq, dtype=dtype, optimizer=args.optimizer or "adamw",
-                    top=args.top, max_compiles=args.max_compiles, compile_seconds=args.compile_seconds, preset_name=args.preset, cache_dir=args.cache_dir,
-                    log=log, offload_dir=str(out.parent) if out is not None else ".")
+                    top=args.top, max_compiles=args.max_compiles, compile_seconds=args.compile_seconds,
+                    preset_name=args.preset, cache_dir=args.cache_dir, log=log,
+                    offload_dir=str(out.parent) if out is not None else ".")
     doc = plan_json(res, {"model": {k: v for k, v in vars(model).items()}, "preset": args.preset})
     if out is not None:
         write_offload_plans(res.candidates)
@@ -114,6 +115,9 @@ def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
     print(json.dumps(doc, indent=1, default=str) if args.json else summary(res))
     if out is not None and not args.json:
         print(f"plan written to {out}", file=sys.stderr)
+    if out is None and any("offload_plan" in r for r in res.candidates):
+        print("offload plans not written: pass --out to write them where the +offload train commands read them "
+              "(they are in the JSON's offload_plan entries)", file=sys.stderr)
     return 0
 
 
