@@ -104,27 +104,27 @@ def _global_rel(got, ref) -> float:
 
 def test_rotation_with_delay_on_a_pipeline_tp_mesh_matches_one_device_for_60_steps():
     """60 steps of `--optimizer rotation --pipeline-delay 2 --rot-refresh 2` under BTP on
-    `data=2,stage=2,model=2` against one device: losses within 1e-4 relative, parameters within 1e-3
-    overall (‖Δ‖ / ‖θ‖ over all leaves) and 5e-3 leaf by leaf. The damped refreshes (rotation.py) keep the
-    bases independent of rounding; with the paper's exact `eigh` (damping 0) this run is off by 1.1e-3 on
-    losses, 1.8e-2 overall and 0.12 in the worst leaf. AdamW (rotation off) from the same start must end
-    far from the rotation reference, so the tolerances tell the two apart."""
+    `data=2,stage=2,model=2` against one device: losses within 3e-4 relative, parameters within 6e-3
+    overall (‖Δ‖ / ‖θ‖ over all leaves) and 4e-2 leaf by leaf. The damped refreshes (rotation.py) keep the
+    bases nearly independent of rounding; with the paper's exact `eigh` (damping 0) this run is off by
+    1.1e-3 on losses, 1.8e-2 overall and 0.12 in the worst leaf. AdamW (rotation off) from the same start
+    must end far from the rotation reference, so the tolerances tell the two apart."""
     model = replace(MODEL, n_layers=2)  # one layer per stage: the three runs stay cheap
     train = TrainConfig(steps=60, batch=4, seq=16, optimizer="rotation", rot_refresh=2, pipeline_delay=2,
                         progress=False)
     ref_losses, ref, _ = _steps(Config(model, train), 60)
     losses, got, _ = _steps(Config(model, replace(train, strategy="btp", mesh="data=2,stage=2,model=2")), 60)
-    # measured (conftest's XLA flags): losses 8.4e-6, parameters 4.0e-4 overall, worst leaf 1.6e-3
-    # (layer 0's w_k; the 4-layer, delay-4 run: 7e-6, 2.4e-4 overall, worst leaf 0.9e-3 to 2.5e-3 as the
-    # XLA flags change rounding). The bounds leave 12x, 2.5x and 3x.
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
-    assert _global_rel(got, ref) < 1e-3, _global_rel(got, ref)
+    # measured with conftest's XLA flags (losses / parameters overall / worst leaf), by instruction set
+    # (--xla_cpu_max_isa): AVX-512 8.4e-6 / 4.0e-4 / 1.6e-3, AVX 5.8e-5 / 1.7e-3 / 7.1e-3, SSE4.2
+    # 2.8e-5 / 1.8e-3 / 1.1e-2. The bounds leave 3.4x or more over the worst of them on every ISA.
+    np.testing.assert_allclose(losses, ref_losses, rtol=3e-4)
+    assert _global_rel(got, ref) < 6e-3, _global_rel(got, ref)
     errs = jax.tree.map(_rel, got, ref)
-    assert max(jax.tree.leaves(errs)) < 5e-3, errs
+    assert max(jax.tree.leaves(errs)) < 4e-2, errs
     adamw_losses, adamw, _ = _steps(Config(model, replace(train, optimizer="adamw")), 60)
     loss_gap = float(np.max(np.abs(np.asarray(adamw_losses) / np.asarray(ref_losses) - 1)))
-    # rotation off must fail the bounds above by 10x: measured 2.8e-2 on losses and 0.14 overall
-    assert loss_gap > 1e-3 and _global_rel(adamw, ref) > 1e-2, (loss_gap, _global_rel(adamw, ref))
+    # rotation off must fail the bounds above many times over: measured 2.8e-2 on losses and 0.14 overall
+    assert loss_gap > 3e-3 and _global_rel(adamw, ref) > 6e-2, (loss_gap, _global_rel(adamw, ref))
 
 
 if __name__ == "__main__":
