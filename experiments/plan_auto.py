@@ -8,9 +8,10 @@
     predicted at least as fast? BOOST's README times (BTP) beside them.
 (b) 8 simulated CPU devices, the tiny preset: >= 10 configurations spanning data / stage / model axes,
     TP strategies, accumulation, schedules, remat and ZeRO (plus the planner's own first choice), each
-    predicted by the planner (CPU profile calibrated by `boostjax.planning.cpu`: GEMM FLOP/s, memory
-    bandwidth, a simulated all-reduce) and measured by training a few steps with its own
-    `train_command` (interleaved rounds, the best round's median step kept; the load average is recorded).
+    predicted by the planner (CPU profile calibrated by `boostjax.planning.cpu`: seconds per GEMM and per
+    memory-bound instruction at a few sizes and per all-reduce, all simulated devices at once) and measured
+    by training 20 steps with its own `train_command` (interleaved rounds, each run's median of steps
+    3-20, the best round kept; the load average is recorded).
     Spearman rank correlation predicted vs measured (`spearman`), and whether the first choice is the
     measured fastest or within 10 % of it.
 (c) memory for the same CPU configurations: the planner's peak per device vs the compiled step of the
@@ -64,7 +65,8 @@ CPU_CONFIGS = (
     (4, 1, 2, "btp", 2, 2, "-", "full", 0),
     (2, 2, 2, "btp", 2, 4, "gpipe", "full", 3),
 )
-MEASURE_FLAGS = ["--steps", "5", "--log-every", "1", "--eval-every", "1000", "--eval-batches", "1",
+MEASURE_STEPS = 20  # the median of steps 3..20 (18 steps) is one run's time
+MEASURE_FLAGS = ["--steps", str(MEASURE_STEPS), "--log-every", "1", "--eval-every", "1000", "--eval-batches", "1",
                  "--ckpt-every", "1000", "--no-progress", "--no-tensorboard"]
 _RSS = ("import resource, sys; from boostjax.cli import main; rc = main(sys.argv[1:]); "
         "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
@@ -204,16 +206,21 @@ def markdown(res: dict) -> str:
         cal = c["calibration"]
         lines += ["", f"## (b) {c['model']} on 8 simulated CPU devices ({c['global_batch']} x {c['seq']} tokens per "
                       "step, fp32)", "",
-                  f"CPU profile (micro-benchmark, `boostjax.planning.cpu`): GEMM {cal['gemm_flops_per_s'] / 1e9:.2f} "
-                  f"GFLOP/s ({cal['gemm_n']}^3 matmul), memory {cal['memory_bytes_per_s'] / 1e9:.2f} GB/s (64 MiB "
-                  f"x*a+b), all-reduce over {cal['allreduce_devices']} devices alpha "
-                  f"{cal['allreduce_alpha_s'] * 1e6:.0f} us, bus {cal['allreduce_bus_bytes_per_s'] / 1e9:.2f} GB/s; "
-                  "each device gets 1/devices of the GEMM and memory rates (they share the cores).", "",
+                  "CPU profile (micro-benchmark, `boostjax.planning.cpu`, all "
+                  f"{cal['allreduce_devices']} simulated devices at once; seconds per instruction from chains of "
+                  "instructions, the short chain's time subtracted): GEMM "
+                  + ", ".join(f"{n}^3 {t * 1e6:.3g} us" for n, t in zip(cal["gemm_curve_n"], cal["gemm_curve_s"]))
+                  + "; x*a+b over " + ", ".join(f"{b >> 10} KiB {t * 1e6:.3g} us" for b, t in
+                                                zip(cal["stream_curve_bytes"], cal["stream_curve_s"]))
+                  + f" per device; all-reduce alpha {cal['allreduce_alpha_s'] * 1e6:.0f} us, bus "
+                  f"{cal['allreduce_bus_bytes_per_s'] / 1e9:.2f} GB/s. Machine peaks (one device alone): GEMM "
+                  f"{cal['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s ({cal['gemm_n']}^3), memory "
+                  f"{cal['memory_bytes_per_s'] / 1e9:.2f} GB/s (64 MiB x*a+b).", "",
                   f"**Spearman (predicted vs measured step time) = {c['spearman']:.2f}** over "
                   f"{sum(1 for r in c['rows'] if r['measured_step_s'])} configurations. Planner's first choice: "
                   f"{c['first_choice']}, measured {c['first_choice_measured_s'] or float('nan'):.3f} s; measured "
                   f"fastest {c['measured_fastest_s']:.3f} s; within 10 %: {c['first_choice_within_10pct']}. "
-                  f"Measured: best of {c['rounds']} interleaved rounds of the median of steps 3-5; load averages "
+                  f"Measured: best of {c['rounds']} interleaved rounds of the median of steps 3-{MEASURE_STEPS}; load averages "
                   f"{min(g['load'] for r in c['rows'] for g in r['measured_runs']):.1f}-"
                   f"{max(g['load'] for r in c['rows'] for g in r['measured_runs']):.1f} on 2 cores.", "",
                   "| configuration | predicted s | measured s | measured / predicted | planned peak MiB/dev | "

@@ -36,7 +36,7 @@ from boostjax.models.llama import LLaMA
 from boostjax.planning.costs import program_cost
 from boostjax.training.step import step_layout, train_state_shapes
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: program costs list the bytes of each executed instruction (`other_sizes`)
 
 
 @dataclass(frozen=True)
