@@ -90,9 +90,8 @@ def program_cost(text: str, seq: int, batch: int, fused_attention: bool = True,
             continue  # counted at its fusion instruction
         executed = comp not in applied  # a reducer's scalar ops run inside its caller
         for ins in instrs:
-            if ins.opcode in _FREE:
-                continue
-            if ins.opcode in ("dot", "convolution") or any(ins.opcode.startswith(k) for k in hlo.COLLECTIVE_KINDS):
+            if ins.opcode in _FREE or ins.opcode in ("dot", "convolution") or any(
+                    ins.opcode.startswith(k) for k in hlo.COLLECTIVE_KINDS):
                 continue
             if ins.opcode == "fusion" and (ins.attr("calls") or "").lstrip("%") in gemm_bodies:
                 continue  # a dot with fused epilogue: the GEMM roofline charges it
