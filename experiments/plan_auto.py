@@ -334,7 +334,14 @@ def chart(res: dict):
         axes[0].legend(fontsize=8)
     if c:
         pts = [(r["step_s"], r["measured_step_s"], r["planner_first"]) for r in c["rows"] if r["measured_step_s"]]
-        axes[1].scatter([p for p, _, _ in pts], [m for _, m, _ in pts], c=["C3" if f else "C0" for _, _, f in pts])
+        axes[1].scatter([p for p, _, _ in pts], [m for _, m, _ in pts], c=["C3" if f else "C0" for _, _, f in pts],
+                        label="training runs (median step, best run)")
+        inproc = [(r["step_s"], r["measured_in_process_s"]) for r in c["rows"] if "measured_in_process_s" in r]
+        if inproc:
+            axes[1].scatter([p for p, _ in inproc], [m for _, m in inproc], marker="x", color="C2",
+                            label=f"in-process steps (Spearman {c['spearman_in_process']:.2f})")
+            pts += [(p, m, False) for p, m in inproc]
+        axes[1].legend(fontsize=8)
         lo, hi = min(min(p, m) for p, m, _ in pts), max(max(p, m) for p, m, _ in pts)
         axes[1].plot([lo, hi], [lo, hi], "k:", lw=1)
         axes[1].set_xscale("log")
