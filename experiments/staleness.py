@@ -432,7 +432,8 @@ def settings_lines(s: Settings) -> list[str]:
         f"Gram EMA β {cfg.rot_beta:g}; order 'previous' (project G_t on bases from G_<=t-1, SOAP) unless "
         "'reference order' (Gram EMA with G_t, refresh at step 1 and t % 10 == 0, then project, as the "
         "authors' `BasisRotation.step`); stage-aware: deeper-delayed stages refresh more often",
-        f"- measured: {measure}; extra targets at {', '.join(f'{f:.0%}' for f in s.extra_fracs)} of the budget",
+        f"- measured: {measure}" + (f"; extra targets at {', '.join(f'{f:.0%}' for f in s.extra_fracs)} of the budget"
+                                    if s.extra_fracs else ""),
     ]
 
 
@@ -448,6 +449,10 @@ def rule_lines(s: Settings) -> list[str]:
         "that never reach the target (slowdown then a lower bound, budget / iters(S = 1)); diverged runs never "
         "reach it. 'vs AdamW S=1' divides by the step AdamW's S = 1 run reaches the same target (extra "
         "information only)."]
+
+
+def _md_row(cells: list) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command: str, platform: str,
@@ -493,8 +498,8 @@ def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command
         "",
         f"## Slowdown from S = 1 to S = {smax}, beside the paper (32 stages)",
         "",
-        "| optimizer | L* (own S_max final) | budget reading | "
-        + " | ".join(f"own S=1 @ {e['target_frac']:.0%}" for e in extras) + " | paper (S = 32) |",
+        _md_row(["optimizer", "L* (own S_max final)", "budget reading",
+              *(f"own S=1 @ {e['target_frac']:.0%}" for e in extras), "paper (S = 32)"]),
         "|---|" + "---:|" * (len(extras) + 3),
     ]
     lo, hi = PAPER["baselines_slowdown_32"]
@@ -503,18 +508,18 @@ def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command
         cells = [_slow(head), _slow(head, "slowdown_budget"), *(_slow(_find(e, opt, smax)) for e in extras)]
         paper = (f"{PAPER['rotation_slowdown_32']:.2f}x" if opt.startswith("rotation") else
                  "not in the paper" if opt in DEVIATIONS else f"{lo}-{hi}x (baselines)")
-        lines.append(f"| {label(s, opt)} | " + " | ".join(cells) + f" | {paper} |")
+        lines.append(_md_row([label(s, opt), *cells, paper]))
     lines += ["", "## Every run (headline rule)", "",
-              "| optimizer | S | L* | iters to L* | slowdown vs own S=1 | vs AdamW S=1 | "
-              + " | ".join(f"slowdown @ {e['target_frac']:.0%}" for e in extras)
-              + " | final train loss | final val loss | ms/step |",
+              _md_row(["optimizer", "S", "L*", "iters to L*", "slowdown vs own S=1", "vs AdamW S=1",
+                    *(f"slowdown @ {e['target_frac']:.0%}" for e in extras), "final train loss", "final val loss",
+                    "ms/step"]),
               "|---|---:|---:|---:|---:|---:|" + "---:|" * (len(extras) + 3)]
     for r in sorted(main["rows"], key=lambda r: (s.optimizers.index(r["optimizer"]), r["stages"])):
         it = str(r["iters_to_target"]) if r["reached"] else f"> {s.steps}" + (" (diverged)" if r["diverged"] else "")
         tl = "n/a" if r["target_loss"] is None else f"{r['target_loss']:.4f}"
         ex = [_slow(_find(e, r["optimizer"], r["stages"])) for e in extras]
-        lines.append(f"| {r['label']} | {r['stages']} | {tl} | {it} | {_slow(r)} | {_slow(r, 'slowdown_vs_adamw_s1')} | "
-                     + " | ".join(ex) + f" | {r['final_train_loss']:.4f} | {r['final_val_loss']:.4f} | {r['step_ms']} |")
+        lines.append(_md_row([r["label"], r["stages"], tl, it, _slow(r), _slow(r, "slowdown_vs_adamw_s1"), *ex,
+                           f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}", r["step_ms"]]))
     if "adamw" in s.optimizers and "pipedream-lr" in s.optimizers:
         lines += ["", "At S = 1 PipeDream-LR is mathematically AdamW (τ = 0); its S = 1 row differs from AdamW's only "
                   "through floating-point rounding in a differently compiled program, a gauge of run-to-run noise."]

@@ -127,6 +127,7 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     # checkpoints and draws; the 30 steps (rotation's eigendecompositions at -O0) were about half of its run time
     monkeypatch.setenv("BOOSTJAX_QUICKSTART_STEPS", "4")
     monkeypatch.delenv("MPLBACKEND", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook's run folders (tempfile.mkdtemp) land in tmp_path
     client = NotebookClient(nb, kernel_name="python3", timeout=600, allow_errors=False,
                             resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError on the first failing cell

@@ -15,7 +15,8 @@ from boostjax.cli import main
 from boostjax.config import ConfigError
 from boostjax.planning.cluster import parse_cluster
 from boostjax.planning.costs import Hardware
-from boostjax.planning.space import enumerate_space, memory_lower_bound, time_lower_bound
+from boostjax.planning.cpu import shared_rates
+from boostjax.planning.space import comm_lower_bound, enumerate_space, memory_lower_bound, time_lower_bound
 from helpers import MICRO, one_error_line
 
 # a CPU-like machine with round numbers (no calibration run in the tests)
@@ -72,7 +73,10 @@ def test_ranked_candidates_with_bounds_below_their_predictions(planned):
         c = _candidate(r)
         assert memory_lower_bound(MODEL, c, 32, "float32", "adamw") <= r["peak_bytes_per_device"]
         flops = HW.peak_flops / (c.data * c.stage * c.model)  # the CPU's rates are shared by its devices
-        assert time_lower_bound(MODEL, c, 32, 4, flops) <= r["step_s"]
+        hw = shared_rates(HW, c.data * c.stage * c.model)
+        comm = comm_lower_bound(MODEL, c, 32, "float32", parse_cluster("1x4:cpu"), hw)
+        assert comm <= r["time_s"]["data_comm"] + r["time_s"]["stage_p2p"] + 1e-12
+        assert time_lower_bound(MODEL, c, 32, 4, flops) + comm <= r["step_s"]
     assert rows[0]["why_slower"] == "fastest" and all("%" in r["why_slower"] for r in rows[1:])
     json.dumps(planned.to_json())  # serialisable as it is
 
@@ -189,8 +193,8 @@ def test_the_cpu_micro_benchmark_times_one_link_of_a_chain():
     from boostjax.planning import cpu
 
     devs = jax.devices()[:2]
-    # a chain of SHORT and of SHORT + 16 matmuls (huge nominal work: no extra links), the difference per link
-    t = cpu._link_s(cpu._matmul, (8, 8), cpu.LINK_WORK, devs, 1)
+    # chains of SHORT and of 256 [64, 64] matmuls (small work: the most links), the difference per link
+    t = cpu._link_s(cpu._matmul, (64, 64), 2 * 64 ** 3, devs, 3)
     assert 0 < t < 0.05
     # a link measured faster than a smaller one is noise: the curve never decreases with size
     assert cpu._curve([(1, 3e-6), (2, 1e-6), (4, 5e-6)]) == ((1, 3e-6), (2, 3e-6), (4, 5e-6))
@@ -218,3 +222,56 @@ def test_cpu_zero_pays_one_collective_per_parameter_array():
              for z in (0, 1) for hw in ("cpu", "a100")}
     assert times[1, "cpu"] >= 2 * leaves * HW.alpha_s  # a reduce-scatter and an all-gather per array
     assert times[1, "a100"] < 3 * HW.alpha_s + times[0, "a100"]  # combined into one each off the CPU
+
+
+# flash-length attention: chunked over 4 blocks of 16, so the GPU's memory comes from the chunked compile
+LONG = replace(MICRO, n_layers=2, vocab_size=256, attention="chunked", attention_block=16)
+
+
+def test_gpu_memory_comes_from_the_chunked_compile_and_time_from_the_materialised_one():
+    from boostjax.analysis.memory import memory_report
+    from boostjax.planning.measure import Key, measure
+
+    key = Key(LONG, "none", 1, 1, 64, "none", "bfloat16")
+    assert key.memory_attention == "chunked" and replace(key, seq=16).memory_attention == "xla"
+    assert replace(key, fused_attention=False).memory_attention == "xla"
+    m, _ = measure(key)
+    xla = memory_report(replace(LONG, n_layers=1, attention="xla"), None, 1, 64, "none", "none", "bfloat16")
+    chunked = memory_report(replace(LONG, n_layers=1), None, 1, 64, "none", "none", "bfloat16")
+    assert m["1"]["memory_attention"] == "chunked"
+    assert m["1"]["memory"]["peak_bytes_per_device"] == chunked["peak_bytes_per_device"]
+    assert chunked["peak_bytes_per_device"] < xla["peak_bytes_per_device"]  # no [t, t] scores
+    assert any(score for _, _, score in m["1"]["step"]["gemms"])  # the time still sees every score dot
+
+
+def test_a_candidate_over_the_budget_runs_with_an_offload_plan(tmp_path):
+    from boostjax.cli import build_parser
+    from boostjax.cli.plan_auto import write_offload_plans
+    from boostjax.cli.train import train_config
+    from boostjax.offload.fit import check_plan_for
+    from boostjax.planning.search import NothingFits, plan_auto
+
+    from boostjax.planning.space import Candidate
+
+    remats = tuple(Candidate(1, 1, 1, "none", 1, 1, "-", r, 0) for r in ("none", "lowrank", "full"))
+
+    def plan(budget, offloads):
+        return plan_auto(LONG, "1x1:A100-80GB", 1, 64, budget_bytes=budget, max_compiles=0, top=3,
+                         max_offloads=offloads, offload_dir=str(tmp_path), include=remats)
+
+    free = plan(1e12, 0)
+    assert not any("offload_plan" in r for r in free.candidates)
+    peaks = [r["peak_bytes_per_device"] for r in free.included]
+    budget = 0.99 * min(peaks)  # below every remat mode's compiled peak
+    with pytest.raises(NothingFits):
+        plan(budget, 0)
+    res = plan(budget, 1)
+    r = res.candidates[0]
+    assert r["label"].endswith("+offload") and res.search["offload_plans_fitting"] == 1
+    assert r["peak_bytes_per_device"] <= budget < r["compiled_peak_bytes_per_device"]
+    assert r["step_s"] > free.included[0]["step_s"] and r["time_s"]["offload"] > 0
+    write_offload_plans(res.candidates)
+    argv = shlex.split(r["train_command"])
+    assert argv[argv.index("--offload-plan") + 1] == str(tmp_path / "offload_D1_TP1_none_mb1.json")
+    cfg = train_config(build_parser().parse_args(argv[1:]))
+    check_plan_for(cfg.train.offload_plan, cfg)  # train accepts the plan for this configuration

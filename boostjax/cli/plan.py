@@ -93,6 +93,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--max-compiles", type=int, default=16, metavar="N",
                    help="--auto: compile at most N measurements (a TP size, strategy, micro-batch and remat each); "
                         "candidates past it are counted as skipped (default: 16)")
+    a.add_argument("--compile-seconds", type=float, default=180.0, metavar="S",
+                   help="--auto: start no compile (or offload solve) after S seconds of search; candidates past "
+                        "it are counted as skipped, and a later plan with the same --cache-dir reads what was "
+                        "compiled and goes further (default: 180)")
     a.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="--auto: keep compiled measurements here as JSON, keyed by configuration, for later plans "
                         "(default: this process only)")

@@ -5,8 +5,9 @@
 
 Every input is checked before JAX starts (one line, exit 2, nothing written): the cluster string and its
 hardware, the model flags, --global-batch and --seq, --out. `--out` writes the ranked candidates as JSON
-(each with `step_s`, `peak_bytes_per_device`, `train_command`); the terminal shows the table and the
-winner's command lines.
+(each with `step_s`, `peak_bytes_per_device`, `train_command`) and, beside it, the offload plan file of
+each candidate that needs one (its `train_command` passes `--offload-plan` with that path); the
+terminal shows the table and the winner's command lines.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def _inputs(args: argparse.Namespace, run_flags: tuple[str, ...]):
                           f"step), got {args.global_batch}; fix: pass e.g. --global-batch {8 * cluster.devices}")
     if args.top < 1:
         raise ConfigError(f"plan.top: must be >= 1, got {args.top}; fix: pass --top 5")
+    if not args.compile_seconds > 0:
+        raise ConfigError(f"plan.compile_seconds: must be > 0, got {args.compile_seconds}; fix: pass "
+                          "--compile-seconds 180")
     if args.max_compiles < 1:
         raise ConfigError(f"plan.max_compiles: must be >= 1, got {args.max_compiles}; fix: pass --max-compiles 16")
     seq = args.seq if args.seq is not None else field_default("seq")
@@ -69,6 +73,17 @@ def _inputs(args: argparse.Namespace, run_flags: tuple[str, ...]):
     validate_model(model)
     out = check_auto_out(args.out) if args.out else None
     return cluster, model, seq, out
+
+
+def write_offload_plans(rows: list[dict]) -> None:
+    """The offload plan file of every candidate that has one, where its `train_command` reads it (never
+    replacing a file that is not a boostjax plan)."""
+    from boostjax.offload.planfile import Plan
+    from boostjax.offload.report import check_out, write_plan
+
+    for r in rows:
+        if "offload_plan" in r:
+            write_plan(Plan.from_dict(r["offload_plan"]), check_out(r["offload_plan_file"]))
 
 
 def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
@@ -88,16 +103,22 @@ def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else None
     res = plan_auto(model, cluster, args.global_batch, seq, dtype=dtype, optimizer=args.optimizer or "adamw",
-                    top=args.top, max_compiles=args.max_compiles, preset_name=args.preset, cache_dir=args.cache_dir, log=log)
+                    top=args.top, max_compiles=args.max_compiles, compile_seconds=args.compile_seconds,
+                    preset_name=args.preset, cache_dir=args.cache_dir, log=log,
+                    offload_dir=str(out.parent) if out is not None else ".")
     doc = plan_json(res, {"model": {k: v for k, v in vars(model).items()}, "preset": args.preset})
     if out is not None:
+        write_offload_plans(res.candidates)
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
         os.replace(tmp, out)
     print(json.dumps(doc, indent=1, default=str) if args.json else summary(res))
     if out is not None and not args.json:
         print(f"plan written to {out}", file=sys.stderr)
+    if out is None and any("offload_plan" in r for r in res.candidates):
+        print("offload plans not written: pass --out to write them where the +offload train commands read them "
+              "(they are in the JSON's offload_plan entries)", file=sys.stderr)
     return 0
 
 
-__all__ = ["check_auto_out", "run_auto"]
+__all__ = ["check_auto_out", "run_auto", "write_offload_plans"]

@@ -10,9 +10,9 @@ Per rotated 2-D leaf `W_mn` with gradient `G_mn`, bases `U_mm` (left) and `V_nn`
 Ordering (as in SOAP): the step-t update uses bases built from gradients up to t-1, so a gradient
 is never projected onto a basis built from itself (that makes `Uᵀ G V` diagonal up to rounding, and
 Adam then normalises pure rounding noise to O(1) updates). Step 1 therefore runs in the identity
-basis (it is exactly an AdamW step), then the exact refresh builds the bases and restarts `v`
-(which lived in the identity basis); from then on v's bias correction counts t - 1 steps. `m` lives
-in the original space and runs uninterrupted with the usual count t. `Uᵀ m V` is formed by
+basis (it is exactly an AdamW step), then the first refresh builds the bases and `v`, which is
+`(1-b2) G₁²` in the identity basis, is re-expressed exactly in the new bases as `(1-b2) (Uᵀ G₁ V)²`;
+`m` and `v` both count t. `m` lives in the original space and runs uninterrupted. `Uᵀ m V` is formed by
 linearity, `(1-b1) Uᵀ G V + b1 Uᵀ m_{t-1} V`, so the fresh gradient reaches m̂ and v through the
 same rounded `Uᵀ G V`.
 
@@ -20,9 +20,9 @@ Basis source "second": `L <- β L + (1-β) G Gᵀ`, `R <- β R + (1-β) Gᵀ G`,
 descending eigenvalue. Source "first": the look-ahead momentum `M̃ = b1 m + (1-b1) G` (with the
 freshly updated `m`), bases = its singular vectors.
 
-Refresh at the end of steps 1, T+1, 2T+1, ... (1-indexed). Step 1's is exact (`eigh` / full SVD);
-later refreshes do one power-iteration step plus QR:
-  second:  Q <- qr(L Q)                        (each side with its own statistic)
+Refresh at the end of steps 1, T+1, 2T+1, ... (1-indexed). Step 1's is exact (full SVD; for
+"second" see damping below); later refreshes do one power-iteration step plus QR:
+  second:  Q <- qr(L' Q),  L' = L + damping (tr L / m) I   (each side with its own statistic)
   first, bilateral:   U <- qr([M̃ V_k, U_rest]),  V <- qr([M̃ᵀ U_k, V_rest])
            (k = min(m, n); the larger side keeps its trailing columns as the Gram-Schmidt
             completion, so every new column stems from the same old column)
@@ -32,6 +32,20 @@ values `|u_iᵀ M̃ v_i|` / column norms; for bilateral "first" only the k paire
 the rotated second moment `v` gets the same row/column permutation, so each entry keeps tracking the
 direction it was accumulated for. Column signs from QR do not matter: `m` lives in the original
 space and `v` is sign-free.
+
+Damping (source "second", order "previous"; a deviation from the paper, whose refresh is an exact
+`eigh` then undamped power steps): the power step iterates on the Gram statistic shifted by `damping`
+times its mean eigenvalue, and the first refresh is `EXACT_ITERS` such steps from the identity instead
+of `eigh`. The shift leaves the eigenvectors unchanged; what it changes is which ones the iteration
+resolves: directions whose eigenvalues are far above the mean converge to the eigenbasis, while
+directions with eigenvalues at or below it (rank-deficient early Gram matrices, clusters of tiny
+eigenvalues) keep their previous basis, ultimately the identity, instead of a basis chosen by rounding
+(`eigh` of a rank-22 [32, 32] Gram matrix picks its 10-dimensional null-space basis from rounding
+noise, and Adam's per-coordinate normalisation turns another basis into O(1) other updates). One step
+is then a smooth function of the statistic (its error is noise / (λ + shift), not noise / eigenvalue
+gap), so runs whose gradients differ by rounding (a mesh against one device) keep the same bases.
+`damping=0` restores `eigh` and the undamped power step. Source "first" and order "current" (the
+reference code's order) are undamped.
 
 Unrotated sides (geometry "unilateral" keeps only the smaller side, ties -> left; a side longer
 than `max_dim`; masked-out or non-2-D leaves) hold one-element placeholders `f32[1]` in the state.
@@ -52,6 +66,7 @@ orthogonality.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 from typing import Any, Callable, NamedTuple, Union
@@ -146,28 +161,46 @@ def _desc(est: Array) -> Array:
 
 
 # ----------------------------------------------------------------------------- refreshes
-def _exact_second(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
-    del mt_mn
-    if _on(u_mm):
-        u_mm = jnp.linalg.eigh(l_mm)[1][:, ::-1]
-    if _on(v_nn):
-        v_nn = jnp.linalg.eigh(r_nn)[1][:, ::-1]
-    return u_mm, v_nn, jnp.zeros_like(nu_mn)  # v lived in the identity basis: restart it
+EXACT_ITERS = 30  # shifted orthogonal-iteration steps of the first refresh (damping > 0)
 
 
-def _power_sym(s_dd: Array, q_dd: Array) -> tuple[Array, Array]:
-    q_dd = _qr(_mm(s_dd, q_dd))
-    perm = _desc(jnp.sum(q_dd * _mm(s_dd, q_dd), axis=0))  # diag(Qᵀ S Q)
+def _damped(s_dd: Array, damping: float) -> Array:
+    """S + damping · (tr S / d) · I: the Gram statistic shifted by `damping` times its mean eigenvalue."""
+    d = s_dd.shape[-1]
+    return s_dd + (damping * jnp.trace(s_dd) / d) * jnp.eye(d, dtype=s_dd.dtype)
+
+
+def _power_sym(s_dd: Array, q_dd: Array, damping: float, iters: int = 1) -> tuple[Array, Array]:
+    """`iters` steps Q <- qr(S' Q) on the damped S', then columns sorted by diag(Qᵀ S' Q)."""
+    s_dd = _damped(s_dd, damping) if damping else s_dd
+    q_dd = jax.lax.fori_loop(0, iters, lambda _, q: _qr(_mm(s_dd, q)), q_dd)
+    perm = _desc(jnp.sum(q_dd * _mm(s_dd, q_dd), axis=0))
     return q_dd[:, perm], perm
 
 
-def _power_second(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
+def _exact_sym(s_dd: Array, q_dd: Array, damping: float) -> Array:
+    """The first basis: `eigh` (damping 0), else EXACT_ITERS damped steps from the current basis (I)."""
+    if not damping:
+        return jnp.linalg.eigh(s_dd)[1][:, ::-1]
+    return _power_sym(s_dd, q_dd, damping, EXACT_ITERS)[0]
+
+
+def _exact_second(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn, damping=0.0):
     del mt_mn
     if _on(u_mm):
-        u_mm, perm = _power_sym(l_mm, u_mm)
+        u_mm = _exact_sym(l_mm, u_mm, damping)
+    if _on(v_nn):
+        v_nn = _exact_sym(r_nn, v_nn, damping)
+    return u_mm, v_nn, nu_mn  # the caller re-expresses v in the new bases
+
+
+def _power_second(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn, damping=0.0):
+    del mt_mn
+    if _on(u_mm):
+        u_mm, perm = _power_sym(l_mm, u_mm, damping)
         nu_mn = nu_mn[perm, :]
     if _on(v_nn):
-        v_nn, perm = _power_sym(r_nn, v_nn)
+        v_nn, perm = _power_sym(r_nn, v_nn, damping)
         nu_mn = nu_mn[:, perm]
     return u_mm, v_nn, nu_mn
 
@@ -175,7 +208,7 @@ def _power_second(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
 def _exact_first(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
     del l_mm, r_nn
     uf_mm, _, vh_nn = jnp.linalg.svd(mt_mn, full_matrices=True)
-    return (uf_mm if _on(u_mm) else u_mm), (vh_nn.T if _on(v_nn) else v_nn), jnp.zeros_like(nu_mn)
+    return (uf_mm if _on(u_mm) else u_mm), (vh_nn.T if _on(v_nn) else v_nn), nu_mn  # re-expressed by the caller
 
 
 def _power_first(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
@@ -288,6 +321,7 @@ def scale_by_rotated_adam(
     rotate: bool = True,
     mask: MaskOrFn = None,
     order: str = "previous",
+    damping: float = 1.0,
 ) -> optax.GradientTransformation:
     """The direction of Adam in a Kronecker-factored rotated basis (no learning rate, no weight
     decay: `rotated_adam` chains those, as `optax.adamw` does around `optax.scale_by_adam`).
@@ -304,8 +338,12 @@ def scale_by_rotated_adam(
     restarted (it is still zero at the exact refresh) and its bias correction counts t. Source
     "second" only. At step 1 `Uᵀ G₁ V` is diagonal up to rounding, which Adam normalises to O(1)
     off-diagonal updates unless eps is large: that is what the reference does.
+    `damping`: order "previous", source "second": the refreshes iterate on `L + damping (tr L / m) I`
+    (module docstring); 0 gives the paper's exact `eigh` and undamped power steps.
     """
     _check_args(b1, b2, eps, source, geometry, refresh_every, basis_beta, max_dim, order)
+    if not isinstance(damping, (int, float)) or isinstance(damping, bool) or damping < 0:
+        raise ValueError(f"rotated_adam: damping={damping!r} must be a float >= 0; fix: e.g. 1.0 (0 = exact eigh)")
 
     def _mask_leaves(tree: Any, treedef: Any) -> list[Any]:
         mask_tree = (mask(tree) if callable(mask) else mask) if mask is not None else default_rotation_mask(tree)
@@ -410,7 +448,7 @@ def scale_by_rotated_adam(
         f32 = jnp.float32
         first = count_inc == 1
         bc1 = (1 - b1**count_inc).astype(f32)
-        bc2 = (1 - b2 ** jnp.maximum(count_inc - 1, 1)).astype(f32)  # v restarts after step 1
+        bc2 = (1 - b2**count_inc).astype(f32)
         g32 = g.astype(f32)
         gr = _project(g32, u_mm, v_nn)
         nu = (1 - b2) * (gr * gr).astype(nu.dtype) + b2 * nu
@@ -427,12 +465,16 @@ def scale_by_rotated_adam(
                 l_mm = basis_beta * l_mm + (1 - basis_beta) * _mm(g32, g32.T)
             if _on(r_nn):
                 r_nn = basis_beta * r_nn + (1 - basis_beta) * _mm(g32.T, g32)
-            branches = (_keep, _power_second, _exact_second)
+            branches = (_keep, functools.partial(_power_second, damping=damping),
+                        functools.partial(_exact_second, damping=damping))
         else:
             mt_mn = b1 * mu.astype(f32) + (1 - b1) * g32  # look-ahead momentum
             branches = (_keep, _power_first, _exact_first)
         branch = jnp.where(first, 2, jnp.where((count_inc - 1) % period == 0, 1, 0))
         u_mm, v_nn, nu = jax.lax.switch(branch, branches, u_mm, v_nn, nu, l_mm, r_nn, mt_mn)
+        # step 1's v, (1 - b2) G₁², re-expressed in the new bases: exactly (1 - b2) (Uᵀ G₁ V)²
+        nu = jax.lax.cond(first, lambda: ((1 - b2) * jnp.square(_project(g32, u_mm, v_nn))).astype(nu.dtype),
+                          lambda: nu)
         return upd, (mu, nu, u_mm, v_nn, l_mm, r_nn)
 
     def _leaf_update_current(g, mu, nu, u_mm, v_nn, l_mm, r_nn, count_inc, period):
@@ -480,6 +522,7 @@ def rotated_adam(
     mask: MaskOrFn = None,
     weight_decay_mask: MaskOrFn = None,
     order: str = "previous",
+    damping: float = 1.0,
 ) -> optax.GradientTransformation:
     """AdamW in a Kronecker-factored rotated basis: `scale_by_rotated_adam`, then
     `add_decayed_weights(weight_decay, weight_decay_mask)` (left out when 0), then
@@ -492,7 +535,8 @@ def rotated_adam(
     if not callable(learning_rate) and not isinstance(learning_rate, (int, float, jax.Array, np.ndarray)):
         raise ValueError("rotated_adam: learning_rate must be a float or an optax schedule")
     direction = scale_by_rotated_adam(b1, b2, eps, source=source, geometry=geometry, refresh_every=refresh_every,
-                                      basis_beta=basis_beta, max_dim=max_dim, rotate=rotate, mask=mask, order=order)
+                                      basis_beta=basis_beta, max_dim=max_dim, rotate=rotate, mask=mask, order=order,
+                                      damping=damping)
     decay = [optax.add_decayed_weights(weight_decay, weight_decay_mask)] if weight_decay != 0 else []
     return optax.chain(direction, *decay, optax.scale_by_learning_rate(learning_rate))
 

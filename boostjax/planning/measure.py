@@ -8,8 +8,18 @@ for the model with 1 and with 2 layers on a `data=1,model=T` mesh:
   gradients shaped as the parameters).
 Each program gives its HLO cost (`costs.program_cost`) and the step its memory (`memory.memory_parts`:
 the peak and its weights / optimizer / activation split). The 2-layer minus the 1-layer program is one
-layer; an L-layer stage is `rest + L x layer` (`costs.split_layers`). Attention is compiled
-materialised (`attention="xla"`) so that every score dot is in the HLO once.
+layer; an L-layer stage is `rest + L x layer` (`costs.split_layers`).
+
+Attention: the time cost is read from a compile with materialised attention (`attention="xla"`), so
+that every score dot is in the HLO once (the chunked kernel's loops would hide them). Its memory is
+not what a GPU step holds: it keeps [t, t] fp32 scores per head (at seq 4096 over 100 GiB for 1B).
+With `Key.fused_attention` (GPUs, where `boostjax train` runs cuDNN flash attention) and a sequence
+longer than one attention block, the memory parts come from a second compile of the same step with
+`attention="chunked"` (`models.attention`: blockwise, no [t, t] buffer; each tile is `attention_block`
+squared). That is the memory the chunked path holds, an upper bound of cuDNN's (which keeps no
+tiles in device memory at all) by the tiles and blocked copies, small beside the activations.
+Without `fused_attention` (the CPU, whose `train_command` passes `--attention xla`) the xla
+compile's memory is the memory.
 
 Results are cached by configuration: in this process, and as JSON files under `cache_dir` when given
 (the key's fields hashed into the file name), so a second plan of the same model compiles nothing.
@@ -36,7 +46,7 @@ from boostjax.models.llama import LLaMA
 from boostjax.planning.costs import program_cost
 from boostjax.training.step import step_layout, train_state_shapes
 
-CACHE_VERSION = 2  # 2: program costs list the bytes of each executed instruction (`other_sizes`)
+CACHE_VERSION = 3  # 2: memory from the chunked compile on GPUs; 3: program costs list each executed instruction's bytes
 
 
 @dataclass(frozen=True)
@@ -53,10 +63,15 @@ class Key:
     optimizer: str = "adamw"
     fused_attention: bool = True  # price the scores as a flash kernel would (GPU); False: as compiled (CPU)
 
-    def config(self, layers: int) -> Config:
+    @property
+    def memory_attention(self) -> str:
+        """The attention the memory parts are compiled with (module docstring)."""
+        return "chunked" if self.fused_attention and self.seq > self.model.attention_block else "xla"
+
+    def config(self, layers: int, attention: str = "xla") -> Config:
         mesh = f"data=1,model={self.tp}" if self.tp > 1 else None
-        model = replace(self.model, n_layers=layers, attention="xla", max_seq_len=max(self.model.max_seq_len,
-                                                                                       self.seq))
+        model = replace(self.model, n_layers=layers, attention=attention,
+                        max_seq_len=max(self.model.max_seq_len, self.seq))
         t = memory.train_config(self.micro_batch, self.seq, self.strategy, mesh, self.remat, self.dtype,
                                 optimizer=self.optimizer)
         return validate(Config(model, t))
@@ -102,12 +117,25 @@ def _compile(key: Key) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for layers in (1, 2):
         text, parts = step_program(key.config(layers))
+        if key.memory_attention != "xla":
+            _, parts = step_program(key.config(layers, key.memory_attention))
         out[str(layers)] = {"step": program_cost(text, key.seq, key.micro_batch, key.fused_attention, gemm_dtype),
-                            "opt": _update_cost(key, layers), "memory": parts}
+                            "opt": _update_cost(key, layers), "memory": parts,
+                            "memory_attention": key.memory_attention}
     return out
 
 
 _MEMO: dict[Key, dict[str, Any]] = {}
+
+
+def _path(key: Key, cache_dir: str | None) -> str | None:
+    return os.path.join(cache_dir, f"{key.digest()}.json") if cache_dir else None
+
+
+def is_cached(key: Key, cache_dir: str | None = None) -> bool:
+    """`measure(key, cache_dir)` would compile nothing."""
+    path = _path(key, cache_dir)
+    return key in _MEMO or bool(path and os.path.exists(path))
 
 
 def measure(key: Key, cache_dir: str | None = None) -> tuple[dict[str, Any], bool]:
@@ -115,7 +143,7 @@ def measure(key: Key, cache_dir: str | None = None) -> tuple[dict[str, Any], boo
     parts) and whether it was compiled now (False: from a cache)."""
     if key in _MEMO:
         return _MEMO[key], False
-    path = os.path.join(cache_dir, f"{key.digest()}.json") if cache_dir else None
+    path = _path(key, cache_dir)
     if path and os.path.exists(path):
         with open(path) as fh:
             _MEMO[key] = json.load(fh)
@@ -131,4 +159,4 @@ def measure(key: Key, cache_dir: str | None = None) -> tuple[dict[str, Any], boo
     return res, True
 
 
-__all__ = ["Key", "measure", "step_program", "update_program"]
+__all__ = ["Key", "is_cached", "measure", "step_program", "update_program"]

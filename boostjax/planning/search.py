@@ -4,18 +4,32 @@
 2. Memory bound: a candidate whose `memory_lower_bound` exceeds the device budget is dropped.
 3. Branch and bound over compile keys (TP strategy and size, micro-batch rows, remat, dtype: what one
    compiled measurement covers; data, stages, schedule, accumulation and ZeRO are priced from it): keys
-   are compiled in the order of their candidates' best `time_lower_bound`; once `top` candidates fit,
+   are compiled in the order of their candidates' best time bound (`time_lower_bound` +
+   `comm_lower_bound`), except that the best key of each TP size comes first (the bound leaves out
+   the model axis's collectives, read from the HLO, so it favours the widest TP); once `top` candidates fit,
    a key whose bound exceeds the `top`-th predicted time is not compiled (its candidates cannot enter
    the list); a key with remat lowrank (full) is compiled only where the same key with the next lighter
    remat had a candidate over the budget (remat trades time for memory and is never faster here); and
-   at most `max_compiles` keys are compiled (the rest are counted as skipped by the budget).
-4. `predict.predict` for every candidate of a compiled key; those over the budget are dropped.
+   at most `max_compiles` keys are compiled, and none is started once `compile_seconds` have passed
+   since the search began (the rest are counted as skipped by the compile budget; a second plan
+   with the same `cache_dir` reads the compiled ones from the cache, past both budgets, and goes
+   further).
+4. `predict.predict` for every candidate of a compiled key; one over the budget is dropped, unless
+   (GPU clusters) `boostjax train` takes an offload plan with it (`offloading.eligible`: no
+   accumulation, ZeRO 0, remat none, no stages) and the CP-SAT offload plan of its mesh fits
+   (`offloading.offload`, at most `max_offloads` solves): then it is ranked with the plan's memory
+   saving and its added seconds, and its `train_command` passes `--offload-plan` (the plan's JSON
+   is in the row; `boostjax plan --auto --out` writes it beside the plan). Such a candidate is
+   pruned by its memory bound only beyond the device budget plus the profile's host memory (the
+   plan may move parameters and optimizer state to the host), and keys all of whose candidates
+   need an offload plan are compiled after the others.
 The result is ranked by predicted step time (then by peak memory). When nothing fits,
 `NothingFits` names the smallest shortfall.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -24,12 +38,13 @@ from typing import Any
 
 from boostjax.config import ConfigError, ModelConfig, validate_model
 from boostjax.planning import cpu
+from boostjax.planning import offloading
 from boostjax.planning.cluster import Cluster, parse_cluster, profile_rates
 from boostjax.planning.costs import Hardware
-from boostjax.planning.measure import Key, measure
+from boostjax.planning.measure import Key, is_cached, measure
 from boostjax.planning.predict import predict
-from boostjax.planning.space import (Candidate, accepted, commands, enumerate_space, memory_lower_bound,
-                                     time_lower_bound, with_seq)
+from boostjax.planning.space import (Candidate, accepted, comm_lower_bound, commands, enumerate_space,
+                                     memory_lower_bound, time_lower_bound, with_seq)
 from boostjax.runtime.profiles import get_profile
 
 GIB = float(1 << 30)
@@ -115,14 +130,19 @@ def check_inputs(model: ModelConfig, cluster: Cluster | str, global_batch: int, 
 def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq: int, dtype: str | None = None,
               optimizer: str = "adamw", top: int = 5, preset_name: str | None = None, cache_dir: str | None = None,
               hardware: Hardware | None = None, eta: float | None = None, budget_bytes: float | None = None,
-              max_compiles: int = 8, include: tuple[Candidate, ...] = (), log=None) -> PlanResult:
+              max_compiles: int = 8, include: tuple[Candidate, ...] = (), log=None, max_offloads: int = 4,
+              offload_time_limit_s: float = 10.0, offload_dir: str = ".",
+              compile_seconds: float | None = None) -> PlanResult:
     """Rank the configurations of `model` on `cluster` (`"2x8:A100-80GB"`, `"1x8:cpu"`) for `global_batch`
     sequences of `seq` tokens per optimizer step (module docstring). `dtype`: bfloat16 on GPUs, float32
     on the CPU by default. `hardware` / `eta` / `budget_bytes` override the cluster's rates (machine
     rates: on the CPU they are shared by the devices). JAX must see at least the largest model axis's
     devices (simulated on the CPU: `boostjax.runtime.devices.simulate_devices`). Raises ConfigError
     (one line) on bad input, `NothingFits` when no configuration fits. `include`: candidates measured and
-    predicted whatever the bounds and the budget say (`PlanResult.included`; ranked too where they fit)."""
+    predicted whatever the bounds and the budget say (`PlanResult.included`; ranked too where they fit).
+    `max_offloads` / `offload_time_limit_s`: offload plans solved at most / CP-SAT seconds each;
+    `offload_dir`: the folder an offloaded candidate's `train_command` reads its plan file from;
+    `compile_seconds`: no compile or offload solve starts after that many seconds (None: no limit)."""
     t0 = time.perf_counter()
     cl = check_inputs(model, cluster, global_batch, seq)
     dtype = dtype or ("float32" if cl.is_cpu else "bfloat16")
@@ -131,7 +151,12 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     budget = budget_bytes or device_budget(cl)
     devices = cl.devices
     lb_mem = {c: memory_lower_bound(model, c, seq, dtype, optimizer) for c in space}
-    fits = [c for c in space if lb_mem[c] <= budget]
+    host = 0.0 if cl.is_cpu else float(get_profile(cl.hardware).host_bytes)
+
+    def can_offload(c: Candidate) -> bool:
+        return max_offloads > 0 and not cl.is_cpu and offloading.eligible(c)
+
+    fits = [c for c in space if lb_mem[c] <= budget or (can_offload(c) and lb_mem[c] <= budget + host)]
     if not fits:
         c = min(space, key=lambda c: lb_mem[c])
         raise NothingFits(_shortfall(c, lb_mem[c], budget, cl, "at least"))
@@ -144,7 +169,12 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     def device_hw(c: Candidate) -> Hardware:
         return cpu.shared_rates(hw, c.data * c.stage * c.model) if cl.is_cpu else hw
 
-    lb_t = {c: time_lower_bound(model, c, seq, global_batch, eta * device_hw(c).peak_flops) for c in fits}
+    def lb_time(c: Candidate) -> float:
+        hwc = device_hw(c)
+        return (time_lower_bound(model, c, seq, global_batch, eta * hwc.peak_flops)
+                + comm_lower_bound(model, c, seq, dtype, cl, hwc))
+
+    lb_t = {c: lb_time(c) for c in fits}
     def key_of(c: Candidate) -> Key:
         return Key(model, c.strategy, c.model, c.micro_batch, seq, c.remat, dtype, optimizer, not cl.is_cpu)
 
@@ -155,19 +185,44 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
         if c not in space:
             raise ConfigError(f"plan.include: {c.label} is not a valid configuration of this model on {cl.text}; "
                               "fix: pass one of the enumerated candidates")
-        lb_t.setdefault(c, time_lower_bound(model, c, seq, global_batch, eta * device_hw(c).peak_flops))
+        lb_t.setdefault(c, lb_time(c))
         if c not in groups.setdefault(key_of(c), []):
             groups[key_of(c)].append(c)
     forced = {key_of(c) for c in include}
     included: dict[Candidate, dict] = {}
-    order = sorted(groups, key=lambda k: (min(lb_t[c] for c in groups[k]), REMAT_ORDER.index(k.remat),
-                                          -k.micro_batch))
+    order = sorted(groups, key=lambda k: (all(lb_mem[c] > budget for c in groups[k]), min(lb_t[c] for c in groups[k]),
+                                          REMAT_ORDER.index(k.remat), -k.micro_batch))
+    firsts = list({k.tp: k for k in reversed(order)}.values())  # the best key of each TP size
+    order = sorted(firsts, key=order.index) + [k for k in order if k not in firsts]
     ranked: list[tuple[Candidate, dict]] = []
     rejected: list[tuple[Candidate, dict]] = []
     compiled = cached = 0
     skipped = {"time_bound": 0, "remat_not_needed": 0, "compile_budget": 0}
     overflow: set[tuple] = set()  # (strategy, tp, micro_batch, remat) keys with a candidate over the budget
     refused = 0
+    offloads = {"tried": 0, "fitted": 0}
+    plans: dict[Candidate, Any] = {}
+
+    def out_of_time() -> bool:
+        return compile_seconds is not None and time.perf_counter() - t0 > compile_seconds
+
+    def place(c: Candidate, p: dict) -> bool:
+        """Rank `c` (True) or reject it; over the budget, try an offload plan (module docstring)."""
+        if p["peak_bytes_per_device"] <= budget:
+            ranked.append((c, p))
+            return True
+        if can_offload(c) and offloads["tried"] < max_offloads and not out_of_time():
+            offloads["tried"] += 1
+            got = offloading.offload(model, c, p, seq, dtype, optimizer, cl.hardware, budget, offload_time_limit_s)
+            if log:
+                log(f"offload plan for {c.label}: " + (f"fits, +{got['extra_s']:.3g} s" if got else "none fits"))
+            if got:
+                offloads["fitted"] += 1
+                plans[c] = got["plan"]
+                ranked.append((c, _offloaded(p, got, seq, c)))
+                return True
+        rejected.append((c, p))
+        return False
 
     def keep_accepted(key: Key) -> list[Candidate]:
         nonlocal refused
@@ -185,11 +240,11 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
                     f"{key.remat} (included; {time.perf_counter() - t0:.0f} s)")
             for c in groups[key]:
                 p = predict(model, c, m, device_hw(c), eta, cl, seq, dtype)
-                (ranked if p["peak_bytes_per_device"] <= budget else rejected).append((c, p))
                 if p["peak_bytes_per_device"] > budget:
                     overflow.add((key.strategy, key.tp, key.micro_batch, key.remat))
+                place(c, p)
                 if c in include:
-                    included[c] = p
+                    included[c] = next((q for d, q in ranked if d == c), p)
             continue
         best = sorted(p["step_s"] for _, p in ranked)
         lesser = REMAT_ORDER[:REMAT_ORDER.index(key.remat)]
@@ -200,7 +255,7 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
         if lesser and (key.strategy, key.tp, key.micro_batch, lesser[-1]) not in overflow:
             skipped["remat_not_needed"] += len(groups[key])  # the lighter remat fits or was never compiled
             continue
-        if compiled >= max_compiles:
+        if (compiled >= max_compiles or out_of_time()) and not is_cached(key, cache_dir):
             skipped["compile_budget"] += len(groups[key])
             continue
         groups[key] = keep_accepted(key)
@@ -213,14 +268,13 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
                 f"{key.remat} ({time.perf_counter() - t0:.0f} s)")
         for c in groups[key]:
             p = predict(model, c, m, device_hw(c), eta, cl, seq, dtype)
-            if p["peak_bytes_per_device"] <= budget:
-                ranked.append((c, p))
-            else:
-                rejected.append((c, p))
+            if p["peak_bytes_per_device"] > budget:
                 overflow.add((key.strategy, key.tp, key.micro_batch, key.remat))
+            place(c, p)
     search = {**counts, "valid": len(space), "pruned_memory_bound": len(space) - len(fits),
               **{f"skipped_{k}": v for k, v in skipped.items()}, "refused_in_full": refused,
               "compile_keys": len(groups), "compiled": compiled, "cached": cached,
+              "offload_plans_tried": offloads["tried"], "offload_plans_fitting": offloads["fitted"],
               "predicted": len(ranked) + len(rejected), "fitting": len(ranked), "devices": devices,
               "global_batch": global_batch, "seq": seq, "dtype": dtype, "optimizer": optimizer,
               "wall_s": round(time.perf_counter() - t0, 1)}
@@ -228,9 +282,9 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
         c, p = min(rejected, key=lambda cp: cp[1]["peak_bytes_per_device"])
         raise NothingFits(_shortfall(c, p["peak_bytes_per_device"], budget, cl, "a predicted"))
     ranked.sort(key=lambda cp: (cp[1]["step_s"], cp[1]["peak_bytes_per_device"]))
-    rows = [_row(model, c, p, seq, dtype, optimizer, cl, preset_name) for c, p in ranked]
+    rows = [_row(model, c, p, seq, dtype, optimizer, cl, preset_name, plans.get(c), offload_dir) for c, p in ranked]
     _why(rows)
-    inc = [{**_row(model, c, included[c], seq, dtype, optimizer, cl, preset_name),
+    inc = [{**_row(model, c, included[c], seq, dtype, optimizer, cl, preset_name, plans.get(c), offload_dir),
             "fits": included[c]["peak_bytes_per_device"] <= budget,
             "rank": next((i for i, r in enumerate(rows, 1) if r["label"] == c.label), None)} for c in include]
     rej = [_row(model, c, p, seq, dtype, optimizer, cl, preset_name)
@@ -238,20 +292,43 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     return PlanResult(cl, hw, eta, budget, rows, search, calib, rej, inc)
 
 
-def _row(model, c: Candidate, p: dict, seq, dtype, optimizer, cl, preset_name) -> dict[str, Any]:
-    return {"label": c.label, **asdict(c), **p, **commands(model, c, seq, dtype, optimizer, cl, preset_name)}
+def _row(model, c: Candidate, p: dict, seq, dtype, optimizer, cl, preset_name, plan=None,
+         offload_dir: str = ".") -> dict[str, Any]:
+    row = {"label": c.label + (" +offload" if plan is not None else ""), **asdict(c), **p}
+    if plan is None:
+        return {**row, **commands(model, c, seq, dtype, optimizer, cl, preset_name)}
+    path = os.path.join(offload_dir, offload_file(c))
+    return {**row, "offload_plan": json.loads(plan.to_json()), "offload_plan_file": path,
+            **commands(model, c, seq, dtype, optimizer, cl, preset_name, offload_plan=path)}
+
+
+def offload_file(c: Candidate) -> str:
+    """The file name of a candidate's offload plan."""
+    return f"offload_D{c.data}_TP{c.model}_{c.strategy}_mb{c.micro_batch}.json"
+
+
+def _offloaded(p: dict, got: dict, seq: int, c: Candidate) -> dict:
+    """`predict`'s result with an offload plan's memory saving and added seconds (`offloading`)."""
+    step = p["step_s"] + got["extra_s"]
+    tokens = c.data * c.micro_batch * c.slots * seq
+    saved = p["peak_bytes_per_device"] - got["peak_bytes_per_device"]
+    return {**p, "step_s": step, "tokens_per_s": tokens / step, "mfu": p["mfu"] * p["step_s"] / step,
+            "peak_bytes_per_device": got["peak_bytes_per_device"], "offload_saved_bytes": saved,
+            "compiled_peak_bytes_per_device": p["peak_bytes_per_device"],
+            "time_s": {**p["time_s"], "offload": got["extra_s"]}}
 
 
 _PART_NAMES = {"compute": "more GEMM time", "memory": "more memory traffic", "model_comm": "more TP communication",
                "optimizer": "a slower optimizer step", "data_comm": "more data-parallel communication",
-               "stage_p2p": "more pipeline sends", "bubble": "a larger pipeline bubble"}
+               "stage_p2p": "more pipeline sends", "bubble": "a larger pipeline bubble",
+               "offload": "an offload plan's recomputation and transfers"}
 
 
 def _why(rows: list[dict]) -> None:
     """`why_slower` of every runner-up: its largest time part over the winner's."""
     win = rows[0]["time_s"]
     for r in rows[1:]:
-        delta = {k: r["time_s"][k] - win[k] for k in win}
+        delta = {k: r["time_s"].get(k, 0.0) - win.get(k, 0.0) for k in {**win, **r["time_s"]}}
         k = max(delta, key=delta.get)
         r["why_slower"] = (f"{r['step_s'] / rows[0]['step_s'] - 1:+.1%}: {_PART_NAMES[k]} "
                            f"(+{delta[k] * 1e3:.3g} ms)")
@@ -269,4 +346,4 @@ def _shortfall(c: Candidate, need: float, budget: float, cl: Cluster, what: str)
 
 
 __all__ = ["MEMORY_FRACTION", "NothingFits", "PlanResult", "check_inputs", "checked_space", "device_budget",
-           "plan_auto", "rates"]
+           "offload_file", "plan_auto", "rates"]

@@ -18,7 +18,9 @@ residual any remat keeps; `time_lower_bound` is the PaLM-convention model FLOPs 
 (`flops_per_token x tokens / devices`) stretched by the pipeline's idle slots, at `eta x peak`. Both
 lie below what the compiled model predicts (the HLO does at least those FLOPs and holds at least that
 state), so a candidate over the device memory by its lower bound, or slower by its lower bound than
-the planned list's last entry, is dropped without compiling.
+the planned list's last entry, is dropped without compiling. `comm_lower_bound` adds the data-axis
+gradient traffic and the pipeline sends `predict` charges, on the analytic parameter bytes (the
+bound that rules out, e.g., a 64-way data axis all-reducing 7B fp32 gradients between nodes).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from boostjax.config import (DEFAULT_PRESET, PRESETS, REMAT, TP_STRATEGIES, Conf
                              TrainConfig, flag_of, negated_flag_of, validate)
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.planning.cluster import Cluster
+from boostjax.planning.costs import Hardware, coll_time
 from boostjax.sharding.rules import STRATEGIES
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
@@ -148,6 +151,31 @@ def time_lower_bound(model: ModelConfig, c: Candidate, seq: int, global_batch: i
     return work * stretch / flops_per_s
 
 
+def comm_lower_bound(model: ModelConfig, c: Candidate, seq: int, dtype: str, cluster: Cluster, hw: Hardware) -> float:
+    """Seconds per optimizer step of the data-axis gradient traffic and the pipeline sends at least:
+    `predict.predict`'s formulas on the analytic fp32 parameter bytes of one device's share,
+    `4 x param_count / (stage x model)` (the compiled step's parameter bytes, which `predict` uses,
+    are at least that: a stage also holds the embedding and head, TP replicates the norms)."""
+    d, slots = c.data, c.slots + c.stage - 1
+    w = 4.0 * param_count(model) / (c.stage * c.model)
+
+    def bus(size: int, inner: int) -> float:
+        return hw.p2p_bytes_per_s if cluster.crosses_nodes(size, inner) else hw.bus_bytes_per_s
+
+    dp_bus = bus(d, c.stage * c.model)
+    if d == 1:
+        dp = 0.0
+    elif c.zero == 3:
+        dp = slots * (2 * coll_time("all-gather", w, d, hw, dp_bus) + coll_time("reduce-scatter", w / d, d, hw, dp_bus))
+    elif c.zero == 1:
+        dp = coll_time("reduce-scatter", w / d, d, hw, dp_bus) + coll_time("all-gather", w, d, hw, dp_bus)
+    else:
+        dp = coll_time("all-reduce", w, d, hw, dp_bus)
+    width = model.d_model // c.model if c.strategy == "btp" else model.d_model
+    p2p = c.micro_batch * seq * width * ITEMSIZE.get(dtype, 4)
+    return dp + 2 * (c.stage - 1) * (hw.p2p_alpha_s + p2p / bus(c.stage, c.model))
+
+
 def model_flags(model: ModelConfig, preset_name: str | None = None) -> list[str]:
     """`--preset NAME` and the model flags that differ from it: the model as `boostjax train` takes it."""
     name = preset_name or DEFAULT_PRESET
@@ -165,8 +193,9 @@ def model_flags(model: ModelConfig, preset_name: str | None = None) -> list[str]
 
 
 def train_argv(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str, cluster: Cluster,
-               preset_name: str | None = None) -> list[str]:
-    """`boostjax train ...` for this candidate on `cluster` (CPU: the materialised attention it was priced with)."""
+               preset_name: str | None = None, offload_plan: str | None = None) -> list[str]:
+    """`boostjax train ...` for this candidate on `cluster` (CPU: the materialised attention it was priced
+    with; `offload_plan`: the path of its offload plan file)."""
     argv = ["boostjax", "train", *model_flags(model, preset_name)]
     for k, v in c.train_fields(seq, dtype, optimizer).items():
         default = TrainConfig.__dataclass_fields__[k].default
@@ -176,14 +205,16 @@ def train_argv(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer
         argv += [flag_of("max_seq_len"), str(seq)]
     if cluster.is_cpu and model.attention != "xla":
         argv += [flag_of("attention"), "xla"]
+    if offload_plan:
+        argv += [flag_of("offload_plan"), offload_plan]
     return argv
 
 
 def commands(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str, cluster: Cluster,
-             preset_name: str | None = None) -> dict[str, str]:
+             preset_name: str | None = None, offload_plan: str | None = None) -> dict[str, str]:
     """`train_command` (one node; with several nodes each runs it with its own process id) and
     `launch_command` (several processes on this machine: `boostjax launch`), as shell lines."""
-    argv = train_argv(model, c, seq, dtype, optimizer, cluster, preset_name)
+    argv = train_argv(model, c, seq, dtype, optimizer, cluster, preset_name, offload_plan)
     out = {}
     if cluster.nodes > 1 and not cluster.is_cpu:
         argv += [flag_of("coordinator"), "$COORDINATOR:12355", flag_of("num_processes"), str(cluster.nodes),
@@ -201,5 +232,5 @@ def with_seq(model: ModelConfig, seq: int) -> ModelConfig:
     return replace(model, max_seq_len=max(model.max_seq_len, seq))
 
 
-__all__ = ["Candidate", "accepted", "commands", "divisors", "enumerate_space", "in_flight", "memory_lower_bound",
+__all__ = ["Candidate", "accepted", "comm_lower_bound", "commands", "divisors", "enumerate_space", "in_flight", "memory_lower_bound",
            "model_flags", "strategies_for", "time_lower_bound", "train_argv", "with_seq"]

@@ -1,0 +1,69 @@
+"""An offload plan for a candidate whose compiled peak exceeds the device budget (GPU clusters).
+
+`boostjax train --offload-plan` takes a plan of `boostjax.offload` (the CP-SAT keep / offload /
+recompute plan of one device of the mesh, `boostjax plan --mesh ... --strategy ...`), and accepts it
+only with no gradient accumulation, ZeRO 0 and no `--remat` (the plan sets the policy): `eligible`.
+A candidate with stages is not offered one here (the plan's instance prices one micro-batch of the
+whole batch, not a pipeline's micro-batches in flight).
+
+The offload cost model and the compiled step count memory differently, so the plan is solved for the
+budget shifted by their difference: with `compiled` the candidate's predicted peak and `none` the
+cost model's peak of the same step with nothing offloaded (its `no-offload` baseline), the plan
+must fit `budget - (compiled - none)`, and the candidate's peak becomes `compiled - (none - plan)`
+(what the plan saves, by the cost model, off the compiled peak). Its time is the compiled
+prediction plus what the plan adds by the cost model: `plan - no-offload` predicted step seconds
+(recomputation and transfers not hidden under compute, at the profile's host link).
+Not on the CPU: its backend does not apply activation offload (`boostjax.offload.apply`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from boostjax.config import Config, ModelConfig, TrainConfig, validate
+from boostjax.offload.apply import instance_for
+from boostjax.offload.planfile import PlanInfeasible
+from boostjax.offload.planner import baseline_plan, solve
+from boostjax.planning.space import Candidate
+from boostjax.runtime.profiles import get_profile
+
+
+def eligible(c: Candidate) -> bool:
+    """`boostjax train` takes an offload plan with this candidate (module docstring)."""
+    return c.stage == 1 and c.slots == 1 and c.zero == 0 and c.remat == "none"
+
+
+def gpu_attention_memory(model: ModelConfig, seq: int, dtype: str) -> str:
+    """`models.attention.memory_kind` as a CUDA GPU resolves it (the planner itself runs on a CPU):
+    `auto` / `cudnn` in bf16/fp16 run cuDNN (flash), chunked over several blocks keeps no [t, t]."""
+    half = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    if model.attention in ("auto", "cudnn") and half:
+        return "flash"
+    if model.attention in ("auto", "chunked") and seq > model.attention_block:
+        return "flash"
+    return "materialized"
+
+
+def offload(model: ModelConfig, c: Candidate, pred: dict[str, Any], seq: int, dtype: str, optimizer: str,
+            hardware: str, budget: float, time_limit_s: float) -> dict[str, Any] | None:
+    """`{"plan": Plan, "peak_bytes_per_device", "extra_s", "none_peak_bytes", "solve_s"}` for an eligible
+    candidate over `budget` (its `predict` result `pred`), or None when no plan fits (module docstring)."""
+    cfg = validate(Config(model, TrainConfig(**c.train_fields(seq, dtype, optimizer))))
+    inst = instance_for(cfg, get_profile(hardware), attention=gpu_attention_memory(model, seq, dtype))
+    none = baseline_plan(inst, "no-offload")
+    compiled = pred["peak_bytes_per_device"]
+    shifted = budget - (compiled - none.predicted_peak_bytes)
+    if shifted <= 0:
+        return None
+    try:
+        plan = solve(inst.with_budget(shifted), time_limit_s=time_limit_s, workers=1)
+    except PlanInfeasible:
+        return None
+    return {"plan": plan, "peak_bytes_per_device": compiled - (none.predicted_peak_bytes - plan.predicted_peak_bytes),
+            "extra_s": max(0.0, plan.predicted_step_s - none.predicted_step_s),
+            "none_peak_bytes": none.predicted_peak_bytes, "solve_s": plan.solve_s}
+
+
+__all__ = ["eligible", "gpu_attention_memory", "offload"]
