@@ -8,9 +8,10 @@
     predicted at least as fast? BOOST's README times (BTP) beside them.
 (b) 8 simulated CPU devices, the tiny preset: >= 10 configurations spanning data / stage / model axes,
     TP strategies, accumulation, schedules, remat and ZeRO (plus the planner's own first choice), each
-    predicted by the planner (CPU profile calibrated by `boostjax.planning.cpu`: GEMM FLOP/s, memory
-    bandwidth, a simulated all-reduce) and measured by training a few steps with its own
-    `train_command` (interleaved rounds, the best round's median step kept; the load average is recorded).
+    predicted by the planner (CPU profile calibrated by `boostjax.planning.cpu`: seconds per GEMM and per
+    memory-bound instruction at a few sizes and per all-reduce, all simulated devices at once) and measured
+    by training 20 steps with its own `train_command` (interleaved rounds, each run's median of steps
+    3-20, the best round kept; the load average is recorded).
     Spearman rank correlation predicted vs measured (`spearman`), and whether the first choice is the
     measured fastest or within 10 % of it.
 (c) memory for the same CPU configurations: the planner's peak per device vs the compiled step of the
@@ -65,7 +66,8 @@ CPU_CONFIGS = (
     (4, 1, 2, "btp", 2, 2, "-", "full", 0),
     (2, 2, 2, "btp", 2, 4, "gpipe", "full", 3),
 )
-MEASURE_FLAGS = ["--steps", "5", "--log-every", "1", "--eval-every", "1000", "--eval-batches", "1",
+MEASURE_STEPS = 20  # the median of steps 3..20 (18 steps) is one run's time
+MEASURE_FLAGS = ["--steps", str(MEASURE_STEPS), "--log-every", "1", "--eval-every", "1000", "--eval-batches", "1",
                  "--ckpt-every", "1000", "--no-progress", "--no-tensorboard"]
 _RSS = ("import resource, sys; from boostjax.cli import main; rc = main(sys.argv[1:]); "
         "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
@@ -151,7 +153,59 @@ def _measure(argv: list[str], out: str) -> dict:
     return {"step_s": statistics.median(steps), "steps": steps, "max_rss_bytes": rss * 1024, "load": load}
 
 
-def cpu_part(cache: str, rounds: int) -> dict:
+def step_times(model, rows: list[dict], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each row's compiled training step (`training.step.layout_step`, jitted as `boostjax train`
+    jits it, on zero-filled state and batch), all compiled in this process and run one step each in turn,
+    `rounds` times (the order reversed every other round): a change in the machine's load reaches
+    every configuration alike."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from boostjax.analysis import memory
+    from boostjax.config import Config, validate
+    from boostjax.models.llama import LLaMA
+    from boostjax.training.step import layout_step, step_layout, train_state_shapes
+
+    def zeros(s):
+        return jax.device_put(jnp.zeros(s.shape, s.dtype), s.sharding)
+
+    runs = {}
+    for r in rows:
+        t = _candidate(r).train_fields(CPU_SEQ, "float32", "adamw")
+        extra = {k: t[k] for k in ("grad_accum", "zero", "microbatches", "pipeline_schedule") if k in t}
+        cfg = validate(Config(replace(model, attention="xla"), memory.train_config(
+            t["batch"], CPU_SEQ, t["strategy"], t["mesh"], t["remat"], "float32", **extra)))
+        graphdef, state = nnx.split(nnx.eval_shape(lambda cfg=cfg: LLaMA(cfg.model, rngs=nnx.Rngs(0))))
+        lay = step_layout(cfg, graphdef, state.to_pure_dict())
+        sds, b_sds = train_state_shapes(cfg, graphdef, state.to_pure_dict())
+        f = jax.jit(layout_step(cfg, lay), donate_argnums=(0,),
+                    out_shardings=(lay.homes, NamedSharding(lay.placement.mesh, P())))
+        st, batch = jax.tree.map(zeros, sds), jax.tree.map(zeros, b_sds)
+        for _ in range(2):  # compile, first touch
+            st, _ = jax.block_until_ready(f(st, batch))
+        runs[r["label"]] = [f, st, batch, []]
+        log(f"compiled the step of {r['label']}")
+    for k in range(rounds):
+        for label in (list(runs) if k % 2 == 0 else list(runs)[::-1]):
+            f, st, batch, times = runs[label]
+            t0 = time.perf_counter()
+            st, _ = jax.block_until_ready(f(st, batch))
+            times.append(time.perf_counter() - t0)
+            runs[label][1] = st
+    return {label: v[3] for label, v in runs.items()}
+
+
+def _candidate(r: dict):
+    from boostjax.planning.space import Candidate
+
+    return Candidate(*(r[k] for k in ("data", "stage", "model", "strategy", "micro_batch", "slots", "schedule",
+                                      "remat", "zero")))
+
+
+def cpu_part(cache: str, rounds: int, step_rounds: int) -> dict:
     from boostjax.analysis.memory import memory_report
     from boostjax.config import preset
     from boostjax.planning.search import plan_auto
@@ -166,10 +220,15 @@ def cpu_part(cache: str, rounds: int) -> dict:
         rows.append({**res.candidates[0], "fits": True, "rank": 1})
     for r in rows:
         r["planner_first"] = r["label"] == res.candidates[0]["label"]
+    load0 = os.getloadavg()[0]
+    steps = step_times(model, rows, step_rounds)
+    for r in rows:
+        r["step_times_s"] = steps[r["label"]]
+        r["measured_in_process_s"] = statistics.median(steps[r["label"]])
     runs: dict[str, list] = {r["label"]: [] for r in rows}
     with tempfile.TemporaryDirectory() as tmp:
-        for k in range(rounds):  # interleaved: every configuration once per round
-            for i, r in enumerate(rows):
+        for k in range(rounds):  # interleaved: every configuration once per round, the order reversed every other
+            for i, r in (enumerate(rows) if k % 2 == 0 else reversed(list(enumerate(rows)))):
                 got = _measure(r["train_command"].split(), f"{tmp}/r{k}_{i}")
                 runs[r["label"]].append(got)
                 log(f"round {k} {r['label']}: {got.get('step_s', got.get('error'))} (load {got['load']:.1f})")
@@ -178,8 +237,7 @@ def cpu_part(cache: str, rounds: int) -> dict:
         r["measured_runs"] = runs[r["label"]]
         r["measured_step_s"] = min(g["step_s"] for g in ok) if ok else None
         r["measured_max_rss_bytes"] = max(g["max_rss_bytes"] for g in ok) if ok else None
-        t = Candidate(*(r[k] for k in ("data", "stage", "model", "strategy", "micro_batch", "slots", "schedule",
-                                       "remat", "zero"))).train_fields(CPU_SEQ, "float32", "adamw")
+        t = _candidate(r).train_fields(CPU_SEQ, "float32", "adamw")
         extra = {k: t[k] for k in ("grad_accum", "zero", "microbatches", "pipeline_schedule") if k in t}
         rep = memory_report(replace(model, attention="xla"), t["mesh"], t["batch"], CPU_SEQ, t["strategy"],
                             t["remat"], "float32", **extra)
@@ -188,6 +246,8 @@ def cpu_part(cache: str, rounds: int) -> dict:
             f"{rep['peak_bytes_per_device'] / 2**20:.1f} MiB")
     pairs = [(r["step_s"], r["measured_step_s"]) for r in rows if r["measured_step_s"]]
     rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
+    rho_steps = spearman([r["step_s"] for r in rows], [r["measured_in_process_s"] for r in rows])
+    fastest_steps = min(r["measured_in_process_s"] for r in rows)
     fastest = min(m for _, m in pairs)
     first = next(r for r in rows if r["planner_first"])
     return {"model": CPU_PRESET, "seq": CPU_SEQ, "global_batch": CPU_BATCH, "rounds": rounds,
@@ -195,7 +255,10 @@ def cpu_part(cache: str, rounds: int) -> dict:
             "rows": rows, "spearman": rho, "first_choice": first["label"],
             "first_choice_measured_s": first["measured_step_s"], "measured_fastest_s": fastest,
             "first_choice_within_10pct": bool(first["measured_step_s"] and first["measured_step_s"]
-                                              <= 1.1 * fastest)}
+                                              <= 1.1 * fastest),
+            "step_rounds": step_rounds, "step_rounds_load": load0, "spearman_in_process": rho_steps,
+            "first_choice_in_process_s": first["measured_in_process_s"], "fastest_in_process_s": fastest_steps,
+            "first_choice_within_10pct_in_process": first["measured_in_process_s"] <= 1.1 * fastest_steps}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -274,28 +337,55 @@ def markdown(res: dict) -> str:
         cal = c["calibration"]
         lines += ["", f"## (b) {c['model']} on 8 simulated CPU devices ({c['global_batch']} x {c['seq']} tokens per "
                       "step, fp32)", "",
-                  f"CPU profile (micro-benchmark, `boostjax.planning.cpu`): GEMM {cal['gemm_flops_per_s'] / 1e9:.2f} "
-                  f"GFLOP/s ({cal['gemm_n']}^3 matmul), memory {cal['memory_bytes_per_s'] / 1e9:.2f} GB/s (64 MiB "
-                  f"x*a+b), all-reduce over {cal['allreduce_devices']} devices alpha "
-                  f"{cal['allreduce_alpha_s'] * 1e6:.0f} us, bus {cal['allreduce_bus_bytes_per_s'] / 1e9:.2f} GB/s; "
-                  "each device gets 1/devices of the GEMM and memory rates (they share the cores).", "",
+                  "CPU profile (micro-benchmark, `boostjax.planning.cpu`, all "
+                  f"{cal['allreduce_devices']} simulated devices at once; seconds per instruction from chains of "
+                  "instructions, the short chain's time subtracted): GEMM "
+                  + ", ".join(f"{n}^3 {t * 1e6:.3g} us" for n, t in zip(cal["gemm_curve_n"], cal["gemm_curve_s"]))
+                  + "; x*a+b over " + ", ".join(f"{b >> 10} KiB {t * 1e6:.3g} us" for b, t in
+                                                zip(cal["stream_curve_bytes"], cal["stream_curve_s"]))
+                  + f" per device; all-reduce alpha {cal['allreduce_alpha_s'] * 1e6:.0f} us, bus "
+                  f"{cal['allreduce_bus_bytes_per_s'] / 1e9:.2f} GB/s. Machine peaks (one device alone): GEMM "
+                  f"{cal['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s ({cal['gemm_n']}^3), memory "
+                  f"{cal['memory_bytes_per_s'] / 1e9:.2f} GB/s (64 MiB x*a+b).", "",
                   f"**Spearman (predicted vs measured step time) = {c['spearman']:.2f}** over "
                   f"{sum(1 for r in c['rows'] if r['measured_step_s'])} configurations. Planner's first choice: "
                   f"{c['first_choice']}, measured {c['first_choice_measured_s'] or float('nan'):.3f} s; measured "
                   f"fastest {c['measured_fastest_s']:.3f} s; within 10 %: {c['first_choice_within_10pct']}. "
-                  f"Measured: best of {c['rounds']} interleaved rounds of the median of steps 3-5; load averages "
+                  f"Measured: best of {c['rounds']} interleaved rounds of the median of steps 3-{MEASURE_STEPS}; load averages "
                   f"{min(g['load'] for r in c['rows'] for g in r['measured_runs']):.1f}-"
                   f"{max(g['load'] for r in c['rows'] for g in r['measured_runs']):.1f} on 2 cores.", "",
-                  "| configuration | predicted s | measured s | measured / predicted | planned peak MiB/dev | "
-                  "compiled peak MiB/dev | process peak RSS MiB / 8 |", "|---|---|---|---|---|---|---|"]
+                  *([f"**In-process steps: Spearman = {c['spearman_in_process']:.2f}.** Every configuration's "
+                     "compiled training step (the step `boostjax train` jits) in one process, one step of each in "
+                     f"turn, {c['step_rounds']} rounds (the order reversed every other round), the median kept: a "
+                     "change of the shared machine's load reaches all configurations alike, which separate "
+                     "training runs a minute apart do not get (load average "
+                     f"{c['step_rounds_load']:.1f} when they started). First choice "
+                     f"{c['first_choice_in_process_s']:.3f} s, fastest {c['fastest_in_process_s']:.3f} s, within "
+                     f"10 %: {c['first_choice_within_10pct_in_process']}.", ""] if "spearman_in_process" in c else []),
+                  "| configuration | predicted s | measured s (runs) | measured / predicted | in-process step s | "
+                  "planned peak MiB/dev | compiled peak MiB/dev | process peak RSS MiB / 8 |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in sorted(c["rows"], key=lambda r: r["step_s"]):
             ms = r["measured_step_s"]
             rss = r["measured_max_rss_bytes"]
             lines.append(f"| {r['label']}{' (first choice)' if r['planner_first'] else ''} | {r['step_s']:.3f} | "
                          f"{ms if ms is not None else float('nan'):.3f} | "
-                         f"{(ms / r['step_s']) if ms else float('nan'):.2f} | {r['peak_bytes_per_device'] / 2**20:.1f} | "
+                         f"{(ms / r['step_s']) if ms else float('nan'):.2f} | "
+                         f"{r.get('measured_in_process_s', float('nan')):.3f} | {r['peak_bytes_per_device'] / 2**20:.1f} | "
                          f"{r['compiled_peak_bytes_per_device'] / 2**20:.1f} | "
                          f"{(rss / 8 / 2**20) if rss else float('nan'):.0f} |")
+        ratio = [r["peak_bytes_per_device"] / r["compiled_peak_bytes_per_device"] for r in c["rows"]]
+        rss = [r["measured_max_rss_bytes"] / 8 / 2**20 for r in c["rows"] if r["measured_max_rss_bytes"]]
+        lines += ["", f"(c) Memory, three ways. Planned / compiled peak per device: {min(ratio):.2f}-{max(ratio):.2f} "
+                      f"(median {statistics.median(ratio):.2f}). The planned peak is built from the 1- and 2-layer "
+                      "compiled step of one micro-batch on a data=1 mesh (module docstring of "
+                      "`boostjax.planning.predict`); the compiled column is `memory_analysis()` of the whole "
+                      "configuration's step (every axis, accumulation, pipeline schedule, ZeRO), what "
+                      "`boostjax train` compiles. The process's peak RSS over 8 "
+                      + (f"({min(rss):.0f}-{max(rss):.0f} MiB) " if rss else "")
+                      + "is an upper bound that the tiny model does not approach: it holds the Python "
+                      "interpreter, JAX, XLA's compiler and its compiled code, the data pipeline and host "
+                      "copies, shared by the 8 simulated devices, next to a few MiB of device buffers."]
     return "\n".join(lines) + "\n"
 
 
@@ -314,7 +404,14 @@ def chart(res: dict):
         axes[0].legend(fontsize=8)
     if c:
         pts = [(r["step_s"], r["measured_step_s"], r["planner_first"]) for r in c["rows"] if r["measured_step_s"]]
-        axes[1].scatter([p for p, _, _ in pts], [m for _, m, _ in pts], c=["C3" if f else "C0" for _, _, f in pts])
+        axes[1].scatter([p for p, _, _ in pts], [m for _, m, _ in pts], c=["C3" if f else "C0" for _, _, f in pts],
+                        label="training runs (median step, best run)")
+        inproc = [(r["step_s"], r["measured_in_process_s"]) for r in c["rows"] if "measured_in_process_s" in r]
+        if inproc:
+            axes[1].scatter([p for p, _ in inproc], [m for _, m in inproc], marker="x", color="C2",
+                            label=f"in-process steps (Spearman {c['spearman_in_process']:.2f})")
+            pts += [(p, m, False) for p, m in inproc]
+        axes[1].legend(fontsize=8)
         lo, hi = min(min(p, m) for p, m, _ in pts), max(max(p, m) for p, m, _ in pts)
         axes[1].plot([lo, hi], [lo, hi], "k:", lw=1)
         axes[1].set_xscale("log")
@@ -335,7 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setups", default="1b,3b,7b,13b", help="BOOST setups to plan, comma-separated (boost part)")
     ap.add_argument("--ignore-memory", action="store_true",
                     help="boost part: rank by time only (no device-memory budget)")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved measurement rounds (cpu part)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved training runs per configuration (cpu part)")
+    ap.add_argument("--step-rounds", type=int, default=40,
+                    help="cpu part: in-process rounds of one compiled step per configuration in turn")
     ap.add_argument("--cache", default="/tmp/boostjax-plan-cache", help="compiled-measurement cache folder")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     ap.add_argument("--from-json", default=None, metavar="PATH", help="re-render md/png from a plan_auto.json")
@@ -355,8 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("timing", "all"):
         res["timing_7b_64"] = timing_part()
     if args.part in ("cpu", "all"):
-        res["cpu"] = cpu_part(args.cache, args.rounds)
+        res["cpu"] = cpu_part(args.cache, args.rounds, args.step_rounds)
         res["spearman"] = res["cpu"]["spearman"]
+        res["cpu_spearman_in_process"] = res["cpu"]["spearman_in_process"]
     res[f"{args.part}_command"] = results_io.command_line("plan_auto", argv)
     res[f"{args.part}_wall_s"] = round(time.perf_counter() - t0)
     results_io.write(args.out, "plan_auto", data=res, md=lambda: markdown(res), figure=lambda: chart(res))

@@ -131,6 +131,99 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, needle
     assert not out.exists()
 
 
+# the calibrated CPU profile (boostjax.planning.cpu) and what the cost model does with it
+
+
+def test_an_instruction_is_priced_on_its_measured_curve():
+    from boostjax.planning.costs import instruction_s
+
+    curve = ((1e3, 2e-6), (1e5, 2e-5), (1e7, 2e-3))
+    assert instruction_s(curve, 10) == 2e-6  # below the smallest link: its time (dispatch)
+    assert instruction_s(curve, 1e4) == pytest.approx(2e-6 * 10 ** 0.5)  # log-log between points
+    assert instruction_s(curve, 1e5) == pytest.approx(2e-5)
+    assert instruction_s(curve, 4e7) == pytest.approx(8e-3)  # beyond the largest: linear in size
+
+
+def test_the_cpu_curves_replace_the_peaks_per_instruction():
+    from boostjax.planning.costs import program_time, scaled
+
+    cost = {"gemms": [(2e6, 1e3, False), (2e6, 1e8, False)], "other_bytes": 3e4, "other_sizes": [1e4, 2e4],
+            "score_bytes_excluded": 0, "move_bytes_excluded": 0, "collectives": [("all-reduce", 4e6, 4)]}
+    cpu_hw = replace(HW, gemm_curve=((2e3, 1e-6), (2e6, 1e-4)), stream_curve=((1e3, 1e-6), (1e6, 1e-4)))
+    t = program_time(cost, cpu_hw, 1.0)
+    # the first dot on its GEMM curve, the second bound by its 1e8 bytes on the memory curve (linear beyond)
+    assert t["gemm_s"] == pytest.approx(1e-4 + 1e-2)
+    # each other instruction separately at its own size (log-log slope 2/3 on this curve), not their sum's
+    assert t["memory_s"] == pytest.approx(1e-6 * (10 ** (2 / 3) + 20 ** (2 / 3)))
+    assert t["comm_s"] == pytest.approx(HW.alpha_s + 1.5 * 4e6 / HW.bus_bytes_per_s)
+    # without curves (GPU profiles) the peaks, as before
+    plain = program_time(cost, HW, 0.5)
+    assert plain["gemm_s"] == pytest.approx(2e6 / 5e9 + 1e8 / 1e10) and plain["memory_s"] == pytest.approx(3e-6)
+    # a ZeRO-sharded update: the same instructions on 1/data of the work (time / data only at fixed rates)
+    assert program_time(scaled(cost, 0.25), HW, 0.5)["gemm_s"] == pytest.approx(plain["gemm_s"] / 4)
+    assert program_time(scaled(cost, 0.25), cpu_hw, 1.0)["memory_s"] > t["memory_s"] / 4
+
+
+def test_the_cost_lists_every_executed_instruction_once():
+    import jax
+    import jax.numpy as jnp
+
+    from boostjax.planning.costs import program_cost
+
+    def f(x, w):
+        y = jnp.tanh(x @ w)
+        return jnp.sum(y * y, axis=1), jnp.max(y)
+
+    x = jnp.ones((64, 32), jnp.float32)
+    text = jax.jit(f).lower(x, jnp.ones((32, 32), jnp.float32)).compile().as_text()
+    cost = program_cost(text, 64, 1, fused_attention=False, gemm_dtype=None)
+    assert len(cost["gemms"]) == 1 and cost["gemms"][0][0] == 2 * 64 * 32 * 32
+    # one entry per executed instruction of the entry (the reducers' scalar ops run inside theirs)
+    entry = [ln for ln in text[text.index("ENTRY"):].splitlines()[1:] if " = " in ln]
+    free = ("parameter(", "constant(", "tuple(")
+    executed = [ln for ln in entry if not any(k in ln for k in free)]
+    assert len(cost["other_sizes"]) == len(executed) - 1 >= 3  # all but the dot's fusion
+    assert max(cost["other_sizes"]) == 2 * 64 * 32 * 4  # tanh: reads and writes [64, 32] fp32
+    assert sum(cost["other_sizes"]) <= cost["other_bytes"]
+
+
+def test_the_cpu_micro_benchmark_times_one_link_of_a_chain():
+    import jax
+
+    from boostjax.planning import cpu
+
+    devs = jax.devices()[:2]
+    # chains of SHORT and of 256 [64, 64] matmuls (small work: the most links), the difference per link
+    t = cpu._link_s(cpu._matmul, (64, 64), 2 * 64 ** 3, devs, 3)
+    assert 0 < t < 0.05
+    # a link measured faster than a smaller one is noise: the curve never decreases with size
+    assert cpu._curve([(1, 3e-6), (2, 1e-6), (4, 5e-6)]) == ((1, 3e-6), (2, 3e-6), (4, 5e-6))
+    shared = cpu.shared_rates(replace(HW, gemm_curve=((2e6, 1e-4),), stream_curve=((1e6, 1e-5),)), 4)
+    # a device's peaks: the machine's over the devices, never below what the (shared) curves reached
+    assert shared.peak_flops == pytest.approx(2e10) and shared.hbm_bytes_per_s == pytest.approx(1e11)
+    assert cpu.shared_rates(HW, 4).peak_flops == HW.peak_flops / 4
+
+
+def test_cpu_zero_pays_one_collective_per_parameter_array():
+    import jax
+    from flax import nnx
+
+    from boostjax.models.llama import LLaMA
+    from boostjax.planning.cluster import parse_cluster
+    from boostjax.planning.measure import Key, measure
+    from boostjax.planning.predict import param_arrays, predict
+    from boostjax.planning.space import Candidate
+
+    leaves = len(jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: LLaMA(MODEL, rngs=nnx.Rngs(0))), nnx.Param)))
+    assert param_arrays(MODEL, MODEL.n_layers) == leaves
+    m, _ = measure(Key(MODEL, "none", 1, 1, 32, "none", "float32", fused_attention=False))
+    times = {(z, hw): predict(MODEL, Candidate(4, 1, 1, "none", 1, 1, "-", "none", z), m, HW, 1.0,
+                              parse_cluster(f"1x4:{hw}"), 32, "float32")["time_s"]["data_comm"]
+             for z in (0, 1) for hw in ("cpu", "a100")}
+    assert times[1, "cpu"] >= 2 * leaves * HW.alpha_s  # a reduce-scatter and an all-gather per array
+    assert times[1, "a100"] < 3 * HW.alpha_s + times[0, "a100"]  # combined into one each off the CPU
+
+
 # flash-length attention: chunked over 4 blocks of 16, so the GPU's memory comes from the chunked compile
 LONG = replace(MICRO, n_layers=2, vocab_size=256, attention="chunked", attention_block=16)
 

@@ -9,6 +9,12 @@ bf16 where the CPU backend widened it). `program_time(cost, hw, eta)` turns that
 `alpha + (T-1)/T * bytes / bus` (all-gather, all-to-all), `alpha + (T-1) * bytes / bus`
 (reduce-scatter, bytes = its result), `alpha + bytes / bus` (collective-permute); nothing overlaps.
 
+A calibrated CPU (`cpu.calibrate`) replaces the two peaks by measured seconds per instruction at a few
+sizes (`hw.gemm_curve` in a dot's FLOPs, `hw.stream_curve` in an instruction's bytes; `instruction_s`):
+small programs there are dominated by what small instructions cost (dispatch, cache-sized arrays,
+small GEMMs), which no peak rate describes. Each executed instruction (top-level, not free, outside
+reducers) is charged once: `other_sizes` lists the bytes of those charged to `other_bytes`.
+
 With `fused_attention` (a GPU's flash kernel keeps the scores on chip) the score dots count FLOPs only
 and the score arrays' traffic is excluded, and so are pure convert / transpose / copy passes (the CPU
 backend upcasts bf16 dots to f32 and picks its own layouts; a GPU's bf16 GEMMs need neither). Without
@@ -19,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from boostjax.analysis import hlo
 
@@ -35,6 +43,20 @@ class Hardware:
     alpha_s: float  # per-collective latency
     p2p_bytes_per_s: float  # between nodes, per device (pipeline sends, collectives that cross nodes)
     p2p_alpha_s: float
+    gemm_curve: tuple[tuple[float, float], ...] = ()  # (FLOPs of a dot, seconds) measured (calibrated CPU)
+    stream_curve: tuple[tuple[float, float], ...] = ()  # (bytes of an instruction, seconds) measured
+
+
+def instruction_s(curve: tuple[tuple[float, float], ...], size: float) -> float:
+    """Seconds of one instruction of `size` on `curve` ((size, seconds) points, sizes ascending): log-log
+    between points, the first point's time below it (dispatch), linear in size beyond the last."""
+    (s0, t0), (s1, t1) = curve[0], curve[-1]
+    if size >= s1:
+        return t1 * size / s1
+    if size <= s0:
+        return t0
+    xs, ys = np.log([s for s, _ in curve]), np.log([t for _, t in curve])
+    return float(np.exp(np.interp(np.log(size), xs, ys)))
 
 
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
@@ -60,10 +82,13 @@ def program_cost(text: str, seq: int, batch: int, fused_attention: bool = True,
     gemms = [(g.flops, g.bytes_moved(gemm_dtype),
               fused_attention and _score_shaped((g.lhs, g.rhs, g.out), seq, batch)) for g in hlo.gemms(mod)]
     other = scores = moves = 0
+    sizes: list[int] = []  # bytes of every executed instruction charged to `other`
+    applied = {(i.attr("to_apply") or "").lstrip("%") for c in mod.computations.values() for i in c}
     for comp, instrs in mod.computations.items():
         caller = mod.caller(comp)
         if caller is not None and caller.opcode == "fusion":
             continue  # counted at its fusion instruction
+        executed = comp not in applied  # a reducer's scalar ops run inside its caller
         for ins in instrs:
             if ins.opcode in _FREE or ins.opcode in ("dot", "convolution") or any(
                     ins.opcode.startswith(k) for k in hlo.COLLECTIVE_KINDS):
@@ -81,9 +106,11 @@ def program_cost(text: str, seq: int, batch: int, fused_attention: bool = True,
                 scores += nbytes
             else:
                 other += nbytes
+                if executed:
+                    sizes.append(nbytes)
     colls = [(c.kind, c.logical_bytes, c.group_size) for c in hlo.collectives(mod) if not c.trivial]
     return {"gemms": gemms, "other_bytes": other, "score_bytes_excluded": scores,
-            "move_bytes_excluded": moves, "collectives": colls}
+            "move_bytes_excluded": moves, "collectives": colls, "other_sizes": sizes}
 
 
 def coll_time(kind: str, nbytes: float, t: int, hw: Hardware, bus_bytes_per_s: float | None = None) -> float:
@@ -104,11 +131,20 @@ def program_time(cost: dict[str, Any], hw: Hardware, eta: float,
                  bus_bytes_per_s: float | None = None) -> dict[str, float]:
     """Seconds per component of one program on `hw` with GEMM efficiency `eta` (`bus_bytes_per_s`: the
     collectives' bandwidth when not the node's bus, e.g. a model axis across nodes)."""
-    rate, bw = eta * hw.peak_flops, hw.hbm_efficiency * hw.hbm_bytes_per_s
-    gemm = sum(f / rate if score else max(f / rate, b / bw) for f, b, score in cost["gemms"])
-    bound = sum(1 for f, b, score in cost["gemms"] if not score and b / bw > f / rate)
+    peak, hbm = eta * hw.peak_flops, hw.hbm_efficiency * hw.hbm_bytes_per_s
+    measured = bool(hw.gemm_curve and hw.stream_curve)
+
+    def flop_s(f: float) -> float:
+        return instruction_s(hw.gemm_curve, f) / eta if measured else f / peak
+
+    def byte_s(b: float) -> float:
+        return instruction_s(hw.stream_curve, b) / hw.hbm_efficiency if measured else b / hbm
+
+    gemm = sum(flop_s(f) if score else max(flop_s(f), byte_s(b)) for f, b, score in cost["gemms"])
+    bound = sum(1 for f, b, score in cost["gemms"] if not score and byte_s(b) > flop_s(f))
     comm = sum(coll_time(k, b, t, hw, bus_bytes_per_s) for k, b, t in cost["collectives"])
-    return {"gemm_s": gemm, "memory_s": cost["other_bytes"] / bw, "comm_s": comm,
+    memory = sum(byte_s(b) for b in cost["other_sizes"]) if measured else cost["other_bytes"] / hbm
+    return {"gemm_s": gemm, "memory_s": memory, "comm_s": comm,
             "gemm_flops": float(sum(f for f, _, _ in cost["gemms"])), "memory_bound_gemms": float(bound),
             "collectives": float(len(cost["collectives"])), "other_bytes": float(cost["other_bytes"]),
             "gemm_bytes": float(sum(b for _, b, score in cost["gemms"] if not score)),
@@ -117,9 +153,16 @@ def program_time(cost: dict[str, Any], hw: Hardware, eta: float,
             "comm_bytes": float(sum(b for _, b, _ in cost["collectives"]))}
 
 
+def scaled(cost: dict[str, Any], f: float) -> dict[str, Any]:
+    """`cost` with every GEMM's FLOPs and bytes and every other instruction's bytes times `f` (an update
+    whose state ZeRO shards over data: the same instructions on 1/data of the arrays)."""
+    return {**cost, "gemms": [(g * f, b * f, s) for g, b, s in cost["gemms"]], "other_bytes": cost["other_bytes"] * f,
+            "other_sizes": [b * f for b in cost["other_sizes"]]}
+
+
 def split_layers(one: dict[str, float], two: dict[str, float], layers: float) -> dict[str, float]:
     """`rest + layers x layer` from a 1-layer and a 2-layer program's figures (layer = two - one)."""
     return {k: (one[k] - (two[k] - one[k])) + layers * (two[k] - one[k]) for k in one}
 
 
-__all__ = ["Hardware", "coll_time", "program_cost", "program_time", "split_layers"]
+__all__ = ["Hardware", "coll_time", "instruction_s", "program_cost", "program_time", "scaled", "split_layers"]

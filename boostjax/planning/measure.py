@@ -46,7 +46,7 @@ from boostjax.models.llama import LLaMA
 from boostjax.planning.costs import program_cost
 from boostjax.training.step import step_layout, train_state_shapes
 
-CACHE_VERSION = 2  # 2: memory from the chunked compile on GPUs
+CACHE_VERSION = 3  # 2: memory from the chunked compile on GPUs; 3: program costs list each executed instruction's bytes
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,15 @@ Time (one optimizer step, per device; nothing overlaps):
   minus its compiled update, `rest + L/stage x layer`; every slot is charged the `rest`: the stage
   with the head sets the pace), its TP collectives from the HLO at the node's bus bandwidth (between
   nodes when the model axis spans several);
-- the update once, its compute and memory traffic divided by data under ZeRO >= 1;
+- the update once, under ZeRO >= 1 priced as the same instructions on 1/data of their FLOPs and bytes
+  (the time divided by data at fixed rates; on a calibrated CPU small instructions cost their dispatch
+  whatever their size);
 - data-parallel gradient traffic on the stage's fp32 parameter bytes W (read from the compiled step's
   arguments): ZeRO 0 an all-reduce once per step, ZeRO 1 a reduce-scatter and an all-gather (the same
   ring volume), ZeRO 3 per slot an all-gather for the forward, one for the backward and a
   reduce-scatter of the gradients; at the bus, or between nodes when the data axis spans several;
+  on the CPU under ZeRO >= 1 one such collective per parameter array of the stage (each pays `alpha`:
+  its compiled step has one reduce-scatter and one all-gather per array, not combined), otherwise one;
 - pipeline sends: the activation and its gradient across each of the `stage - 1` boundaries once on
   the critical path (fill and drain), `[micro_batch, seq, width]` in the compute dtype (width
   d_model / model under BTP, whose residual is sharded; d_model otherwise).
@@ -24,16 +28,31 @@ micro-batches add up; under ZeRO 3 the gathered stage parameters (W - W/data) on
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
 from typing import Any
+
+import jax
+from flax import nnx
 
 from boostjax.config import ModelConfig
 from boostjax.models.flops import flops_per_token
+from boostjax.models.llama import LLaMA
 from boostjax.planning.cluster import Cluster
-from boostjax.planning.costs import Hardware, coll_time, program_time, split_layers
+from boostjax.planning.costs import Hardware, coll_time, program_time, scaled, split_layers
 from boostjax.planning.space import ITEMSIZE, Candidate, in_flight
 
 TIME_KEYS = ("gemm_s", "memory_s", "comm_s", "gemm_flops", "comm_bytes", "other_bytes")
 MEM_KEYS = ("weight_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes_per_device")
+
+
+@functools.lru_cache(maxsize=64)
+def param_arrays(model: ModelConfig, layers: float) -> float:
+    """Parameter arrays of a stage of `layers` layers (`rest + layers x layer`, from the 1- and 2-layer model)."""
+    one, two = (len(jax.tree.leaves(nnx.state(nnx.eval_shape(lambda k=k: LLaMA(replace(model, n_layers=k),
+                                                                                 rngs=nnx.Rngs(0))), nnx.Param)))
+                for k in (1, 2))
+    return one + (layers - 1) * (two - one)
 
 
 def _bus(cluster: Cluster, hw: Hardware, size: int, inner: int) -> float:
@@ -46,9 +65,11 @@ def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, e
     `hw` one device's rates."""
     layers = model.n_layers / c.stage
     tp_bus = _bus(cluster, hw, c.model, 1)
+    shard = c.data if c.zero >= 1 else 1
     t = {(n, p): program_time(m[n][p], hw, eta, tp_bus) for n in ("1", "2") for p in ("step", "opt")}
-    step, opt = (split_layers({k: t["1", p][k] for k in TIME_KEYS}, {k: t["2", p][k] for k in TIME_KEYS}, layers)
-                 for p in ("step", "opt"))
+    t.update({(n, "shard"): program_time(scaled(m[n]["opt"], 1 / shard), hw, eta, tp_bus) for n in ("1", "2")})
+    step, opt, opt_shard = (split_layers({k: t["1", p][k] for k in TIME_KEYS}, {k: t["2", p][k] for k in TIME_KEYS},
+                                         layers) for p in ("step", "opt", "shard"))
     fb = {k: step[k] - opt[k] for k in TIME_KEYS}
     mem = split_layers({k: float(m["1"]["memory"][k]) for k in MEM_KEYS},
                        {k: float(m["2"]["memory"][k]) for k in MEM_KEYS}, layers)
@@ -57,17 +78,18 @@ def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, e
     w, o = mem["weight_bytes"], mem["optimizer_bytes"]
     d = c.data
     slots = c.slots + c.stage - 1
-    shard = d if c.zero >= 1 else 1
-    opt_s = (opt["gemm_s"] + opt["memory_s"]) / shard + opt["comm_s"]
+    opt_s = opt_shard["gemm_s"] + opt_shard["memory_s"] + opt["comm_s"]
     data_bus = _bus(cluster, hw, d, c.stage * c.model)
+    n = param_arrays(model, layers) if cluster.is_cpu and c.zero >= 1 else 1  # collectives per gather / scatter
     if d == 1:
         dp_s, dp_bytes = 0.0, 0.0
     elif c.zero == 3:
-        ag = coll_time("all-gather", w, d, hw, data_bus)
-        rs = coll_time("reduce-scatter", w / d, d, hw, data_bus)
+        ag = n * coll_time("all-gather", w / n, d, hw, data_bus)
+        rs = n * coll_time("reduce-scatter", w / d / n, d, hw, data_bus)
         dp_s, dp_bytes = slots * (2 * ag + rs), slots * 3 * w
     elif c.zero == 1:
-        dp_s = coll_time("reduce-scatter", w / d, d, hw, data_bus) + coll_time("all-gather", w, d, hw, data_bus)
+        dp_s = n * (coll_time("reduce-scatter", w / d / n, d, hw, data_bus) + coll_time("all-gather", w / n, d, hw,
+                                                                                         data_bus))
         dp_bytes = 2 * w
     else:
         dp_s, dp_bytes = coll_time("all-reduce", w, d, hw, data_bus), w
