@@ -68,6 +68,7 @@ def _digest(path: pathlib.Path) -> str:
     (["--init-std", "inf"], "model.init_std"), (["--min-lr-ratio", "nan"], "train.min_lr_ratio"),
     (["--weight-decay", "inf"], "train.weight_decay"), (["--b1", "nan"], "train.b1"), (["--b2", "1.5"], "train.b2"),
     (["--clip", "-inf"], "train.clip"), (["--rot-beta", "nan"], "train.rot_beta"),
+    (["--rot-damping", "-1"], "train.rot_damping"),
     (["--init-timeout", "0"], "train.init_timeout"), (["--seed", "-3"], "train.seed"),
     (["--batch", "0"], "train.batch"), (["--batch", "1048576", "--seq", "4096"], "train.batch"),
     (["--max-seq-len", "1073741824"], "model.max_seq_len"), (["--vocab-size", "0"], "model.vocab_size"),

@@ -64,6 +64,7 @@ def test_invalid_model_configs(model, field):
     (dict(pipeline_schedule="1F1B", mesh="stage=2"), "train.pipeline_schedule"),
     (dict(warmup=50, steps=50), "train.warmup"),
     (dict(rot_beta=1.0), "train.rot_beta"),
+    (dict(rot_damping=float("nan")), "train.rot_damping"),
     (dict(rot_order="next"), "train.rot_order"),
     (dict(rot_order="current", rot_source="first"), "train.rot_order"),
     (dict(lr=float("inf")), "train.lr"),

@@ -79,8 +79,8 @@ def test_the_resume_sets_follow_the_fields():
     assert folder.IGNORED == {"out", "progress", "coordinator", "num_processes", "process_id"}
     assert folder.FOLLOW_STORED == {"only_lr_act", "norm_eps", "auto_dense"}
     assert folder.LEGACY_MODEL == {"only_lr_act": False, "auto_dense": False}
-    assert folder.FOLLOW_STORED_TRAIN == {"delay_lr_tc", "nesterov_psi"}
-    assert folder.LEGACY_TRAIN == {"nesterov_psi": 0.004}
+    assert folder.FOLLOW_STORED_TRAIN == {"delay_lr_tc", "nesterov_psi", "rot_damping"}
+    assert folder.LEGACY_TRAIN == {"nesterov_psi": 0.004, "rot_damping": 0.0}
 
 
 def test_a_field_without_help_or_with_an_unknown_policy_is_refused():

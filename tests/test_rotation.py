@@ -421,6 +421,29 @@ def test_damped_first_basis_of_a_rank_deficient_gram_matrix_ignores_rounding():
         rotated_adam(1e-3, damping=-1.0)
 
 
+def test_the_rot_damping_flag_reaches_the_optimizer():
+    """`--rot-damping` (TrainConfig.rot_damping) is the damping of the optimizer `boostjax train` builds:
+    0 gives `eigh`'s first basis (its 4 data columns: the rest of a rank-4 [16, 16] Gram matrix's basis
+    is rounding's choice), the default the damped one."""
+    from boostjax.config import TrainConfig
+    from boostjax.optim.registry import hyper, make
+
+    g = jnp.asarray(np.random.default_rng(6).normal(size=(16, 4)), jnp.float32)
+
+    def basis(opt):
+        w = jnp.zeros((16, 4))
+        return np.asarray(rotated_state(jax.jit(opt.update)(g, opt.init(w), w)[1]).basis_l)
+
+    def built(**kw):
+        return basis(make("rotation", 1e-3, hyper(TrainConfig(clip=0.0, **kw))))
+
+    assert hyper(TrainConfig()).damping == 1.0 and hyper(TrainConfig(rot_damping=0.0)).damping == 0.0
+    np.testing.assert_allclose(built(), basis(scale_by_rotated_adam(damping=1.0)), atol=1e-5)
+    top = np.linalg.eigh(np.asarray(g, np.float64) @ np.asarray(g, np.float64).T)[1][:, ::-1][:, :4]
+    cos = np.abs(np.sum(built(rot_damping=0.0)[:, :4] * top, axis=0))
+    np.testing.assert_allclose(cos, 1.0, atol=1e-5)
+
+
 def test_bad_arguments_raise_value_errors():
     with pytest.raises(ValueError, match="source"):
         rotated_adam(1e-3, source="third")

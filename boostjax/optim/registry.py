@@ -52,6 +52,7 @@ class Hyper:
     stage_aware_refresh: bool = False
     order: str = "previous"
     basis_beta: float = 0.95
+    damping: float = 1.0
     max_dim: int = 4096
     rotation_mask: Any = None
     muon_beta: float = 0.95
@@ -77,7 +78,7 @@ def _rotation(lr: optax.ScalarOrSchedule, h: Hyper) -> optax.GradientTransformat
                else h.refresh_every)
     return rotation.rotated_adam(lr, h.b1, h.b2, h.eps, h.weight_decay, source=h.source, geometry=h.geometry,
                                  refresh_every=periods, basis_beta=h.basis_beta, max_dim=h.max_dim,
-                                 mask=h.rotation_mask, order=h.order)
+                                 mask=h.rotation_mask, order=h.order, damping=h.damping)
 
 
 def _adam8bit(lr: optax.ScalarOrSchedule, h: Hyper) -> optax.GradientTransformation:
@@ -154,6 +155,7 @@ def hyper(t: TrainConfig, *, rotation_mask: Any = None, stages: Any = None) -> H
                  n_stages=t.pipeline_delay, t_c=delay_lr_tc_steps(t),
                  momentum_decay=nesterov_psi(t, h0.nesterov_b1), source=t.rot_source, geometry=t.rot_geometry,
                  refresh_every=t.rot_refresh, stage_aware_refresh=t.stage_aware_refresh, order=t.rot_order, basis_beta=t.rot_beta,
+                 damping=t.rot_damping,
                  max_dim=t.rot_max_dim, rotation_mask=rotation_mask)
 
 
