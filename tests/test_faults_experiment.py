@@ -38,6 +38,7 @@ def test_helpers(tmp_path):
     assert fx.classify_stderr("Traceback (most recent call last):\nKeyboardInterrupt\n")["traceback"]
 
 
+@pytest.mark.experiment  # ~60 s: `pytest -m experiment` (test_faults.py checks the behaviour in CI)
 def test_quick_campaign_counts_add_up(tmp_path):
     fx = _load()
     res = fx.main(["--quick", "--out", str(tmp_path), "--scratch", str(tmp_path / "scratch")])

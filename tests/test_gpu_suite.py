@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from helpers import ROOT, load_experiment
 
 suite = load_experiment("gpu_suite")
@@ -59,6 +61,7 @@ def test_spent_budget_skips_every_run_with_a_reason(tmp_path):
     assert res["sections"]["memory"]["prediction"]["status"] == "skipped"
 
 
+@pytest.mark.experiment  # ~40 s: `pytest -m experiment`, before a GPU session
 def test_smoke_runs_every_section(tmp_path, monkeypatch):
     # the baselines run the same code as the plan (only the policy differs): one policy keeps CI short
     rc = suite.main(["--smoke", "--policies", "plan", "--out", str(tmp_path)])

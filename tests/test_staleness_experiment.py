@@ -5,6 +5,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 from helpers import load_experiment
 
@@ -62,6 +63,7 @@ def test_heldout_rule_and_budget_reading_by_hand():
     assert st.summarize(s, diverged)["targets"] == {"adamw": None}  # no S_max final loss: no target
 
 
+@pytest.mark.experiment  # `pytest -m experiment`
 def test_quick_run_resumes_and_writes_finite_results(tmp_path, capsys):
     st = _load()
     flags = ["--quick", "--out", str(tmp_path), "--layers", "2", "--stages", "1,2", "--steps", "12",

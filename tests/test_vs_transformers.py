@@ -18,6 +18,7 @@ SMOKE = ["--shape", "tiny", "--layers", "1", "--vocab", "256", "--batch", "2", "
          "--new", "3", "--warmup", "1", "--rounds", "2"]
 
 
+@pytest.mark.experiment  # `pytest -m experiment`
 def test_smoke_run_same_inputs_and_ratios(tmp_path):
     hf_dir = tmp_path / "hf"
     to_hf(LLaMA(replace(preset("tiny"), kind="llama", n_layers=1, vocab_size=256, max_seq_len=32, n_kv_heads=2), rngs=nnx.Rngs(1)),
