@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from boostjax.config import DATA
 from boostjax.offload.planfile import Plan
-from boostjax.placement.base import DEVICE, HOST, Placement, Role
+from boostjax.placement.base import DEVICE, HOST, Placement, Role, on_host
 
 
 def _layer_key(path) -> int | str | None:
@@ -88,7 +88,19 @@ class Offloaded:
         return self.base.to_state(params)
 
     def to_canonical(self, params: Any) -> Any:
-        return self.base.to_canonical(params)
+        """The base's canonical params, each in the memory it lives in. Where the base re-lays them out
+        (a pipeline's stacked layers indexed apart; a gather cannot read `pinned_host` memory), host
+        leaves go through device memory and back: the re-layout runs on a tree of flags (zero-copy
+        broadcast views) too, which says where each canonical leaf lives."""
+        homes = jax.tree.map(lambda x: bool(getattr(x, "sharding", None) and on_host(x.sharding)), params)
+        flags = jax.tree.map(lambda x, h: np.broadcast_to(np.bool_(h), np.shape(x)), params, homes)
+        moved = self.base.to_canonical(flags)
+        if moved is flags or not any(jax.tree.leaves(homes)):  # nothing re-laid out, or nothing on host
+            return self.base.to_canonical(params)
+        on_device = jax.tree.map(lambda x, h: jax.device_put(x, x.sharding.with_memory_kind(DEVICE)) if h else x,
+                                 params, homes)
+        return jax.tree.map(lambda x, f: jax.device_put(x, x.sharding.with_memory_kind(HOST)) if f.flat[0] else x,
+                            self.base.to_canonical(on_device), moved)
 
     @property
     def axes(self) -> Any:
