@@ -8,7 +8,9 @@ for the model with 1 and with 2 layers on a `data=1,model=T` mesh:
   gradients shaped as the parameters).
 Each program gives its HLO cost (`costs.program_cost`) and the step its memory (`memory.memory_parts`:
 the peak and its weights / optimizer / activation split). The 2-layer minus the 1-layer program is one
-layer; an L-layer stage is `rest + L x layer` (`costs.split_layers`).
+layer; an L-layer stage is `rest + L x layer` (`costs.split_layers`). Beside them,
+`layer_residual_bytes`: one layer's backward residuals for one micro-batch, traced
+(`planning.residuals`), what a pipeline stage keeps per layer and micro-batch in flight.
 
 Attention: the time cost is read from a compile with materialised attention (`attention="xla"`), so
 that every score dot is in the HLO once (the chunked kernel's loops would hide them). Its memory is
@@ -44,6 +46,7 @@ from boostjax.analysis import memory
 from boostjax.config import Config, ModelConfig, validate
 from boostjax.models.llama import LLaMA
 from boostjax.planning.costs import program_cost
+from boostjax.planning.residuals import layer_residual_bytes
 from boostjax.training.step import step_layout, train_state_shapes
 
 CACHE_VERSION = 3  # 2: memory from the chunked compile on GPUs; 3: program costs list each executed instruction's bytes
@@ -125,6 +128,14 @@ def _compile(key: Key) -> dict[str, Any]:
     return out
 
 
+def _with_residuals(key: Key, res: dict[str, Any]) -> dict[str, Any]:
+    """`res` with `layer_residual_bytes` (`planning.residuals`: traced, not compiled; what a pipeline
+    tick keeps per layer), added to measurements cached before it existed."""
+    if "layer_residual_bytes" not in res:
+        res["layer_residual_bytes"] = layer_residual_bytes(key)
+    return res
+
+
 _MEMO: dict[Key, dict[str, Any]] = {}
 
 
@@ -146,9 +157,9 @@ def measure(key: Key, cache_dir: str | None = None) -> tuple[dict[str, Any], boo
     path = _path(key, cache_dir)
     if path and os.path.exists(path):
         with open(path) as fh:
-            _MEMO[key] = json.load(fh)
+            _MEMO[key] = _with_residuals(key, json.load(fh))
         return _MEMO[key], False
-    res = _compile(key)
+    res = _with_residuals(key, _compile(key))
     _MEMO[key] = res
     if path:
         os.makedirs(cache_dir, exist_ok=True)

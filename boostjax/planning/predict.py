@@ -21,9 +21,14 @@ Bubble fraction `(stage - 1) / (slots + stage - 1)`, GPipe and 1F1B alike.
 
 Memory (bytes per device, from the compiled step's `memory_analysis()` split at L/stage layers):
 weights W and optimizer state O (divided by data under ZeRO 3 and ZeRO >= 1), the step's other
-buffers A - W (activations of one micro-batch, workspace), its layer part times the micro-batches in
-flight (`space.in_flight`), the fp32 gradient W, and one more W as the accumulator when several
-micro-batches add up; under ZeRO 3 the gathered stage parameters (W - W/data) on top.
+buffers A - W (activations of one micro-batch, workspace), the fp32 gradient W, and one more W as
+the accumulator when several micro-batches add up (`--grad-accum`, or a pipeline schedule's loop);
+under ZeRO 3 the gathered stage parameters (W - W/data) on top. With stages, the step's layer
+activations give way to what the schedule keeps: per layer of the stage, its traced backward
+residuals (`measure`'s `layer_residual_bytes`, materialised in the schedule's ring or scan) for
+every activation slot (`space.in_flight`: GPipe's M + P - 1 ticks, 1F1B's ring of 2P - 1), and
+GPipe's two stacked [slots, micro_batch, seq, width] streams (the embedded micro-batches and the
+scan's outputs).
 """
 
 from __future__ import annotations
@@ -101,10 +106,14 @@ def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, e
     total = slots * fb_s + opt_s + dp_s + p2p_s
     # memory
     other = mem["activation_bytes"] - w  # the step's buffers besides its fp32 gradient
-    extra_flight = (in_flight(c) - 1) * max(per_layer_act, 0.0) * layers
+    if c.stage == 1:
+        extra_flight = (in_flight(c) - 1) * max(per_layer_act, 0.0) * layers
+    else:  # the schedule's residuals replace the one micro-batch's layer activations (module docstring)
+        streams = 2 * in_flight(c) * p2p_bytes if c.schedule == "gpipe" else 0.0
+        extra_flight = (in_flight(c) * m["layer_residual_bytes"] - max(per_layer_act, 0.0)) * layers + streams
     weights = w / (d if c.zero >= 3 else 1)
     optim = o / shard
-    accum = w if c.slots > 1 else 0.0
+    accum = w if c.slots > 1 or c.stage > 1 else 0.0
     gathered = (w - w / d) if c.zero >= 3 else 0.0
     activations = other + extra_flight + w + accum + gathered
     devices = c.data * c.stage * c.model

@@ -35,6 +35,7 @@ from boostjax.config import (DEFAULT_PRESET, PRESETS, REMAT, TP_STRATEGIES, Conf
 from boostjax.models.flops import flops_per_token, param_count
 from boostjax.planning.cluster import Cluster
 from boostjax.planning.costs import Hardware, coll_time
+from boostjax.sharding.pipeline import activation_slots
 from boostjax.sharding.rules import STRATEGIES
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
@@ -126,11 +127,9 @@ def accepted(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: 
 
 
 def in_flight(c: Candidate) -> int:
-    """Micro-batches whose activations a stage holds at once: 1 without stages, all M under GPipe,
-    min(M, stages) under 1F1B."""
-    if c.stage == 1:
-        return 1
-    return c.slots if c.schedule == "gpipe" else min(c.slots, c.stage)
+    """Micro-batches whose activations a stage holds at once: 1 without stages, else the schedule's
+    activation slots (`sharding.pipeline.activation_slots`: GPipe M + P - 1, 1F1B 2P - 1)."""
+    return 1 if c.stage == 1 else activation_slots(c.schedule, c.stage, c.slots)
 
 
 def memory_lower_bound(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str) -> float:
