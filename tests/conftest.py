@@ -30,7 +30,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process (pytest, 
 # to the two workers) a long test collected late can start when the other worker is nearly done and run
 # on alone; started first, they run side by side and the many short tests fill in around them.
 SLOW_FIRST = (
-    "tests/test_notebook.py::test_notebook_runs_top_to_bottom",  # 58 s
     # 40-55 s by scale: 299 s where the next test took 213-279 s (load ~11 on 2 cores), not measured alone
     "tests/test_combinations.py::test_rotation_with_delay_on_a_pipeline_tp_mesh_matches_one_device_for_60_steps",
     "tests/test_combinations.py::test_btp_pipeline_rotation_delay_and_offload_in_one_mesh",  # 39 s

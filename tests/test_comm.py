@@ -333,8 +333,7 @@ def test_btp_with_projections_kept_dense(ranks, dense):
 SMALL = ModelConfig(kind="cola", d_model=32, n_layers=1, n_heads=2, d_ff=64, rank=16, vocab_size=256, max_seq_len=16)
 
 
-@pytest.mark.parametrize("mesh,schedule,zeros", [
-    ("data=2", None, (1, 3)),
+@pytest.mark.parametrize("mesh,schedule,zeros", [  # data=2 alone (0.5022, measured) is the same check, ~30 s
     ("data=2,model=2", None, (1, 3)),
     ("data=2,stage=2", "gpipe", (1,)),
 ])

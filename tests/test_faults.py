@@ -85,17 +85,18 @@ def _resume_and_compare(out, env, reference) -> str:
     return done.stderr
 
 
-@pytest.mark.parametrize("sig,twice", [(signal.SIGINT, False), (signal.SIGTERM, True)])
-def test_signal_saves_a_consistent_checkpoint_and_resume_is_exact(tmp_path, env, reference, sig, twice):
+def test_signal_saves_a_consistent_checkpoint_and_resume_is_exact(tmp_path, env, reference):
+    """Ctrl-C (SIGINT), then a scheduler's SIGTERM while the checkpoint is written: the first signal
+    decides (exit 130), the second changes nothing. (SIGTERM's own exit 143: the startup test below.)"""
+    sig = signal.SIGINT
     out = tmp_path / "run"
     proc = subprocess.Popen(_cmd(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert _wait_for(lambda: _records(out) >= 5, proc), "the run ended before the signal"
     proc.send_signal(sig)
-    if twice:  # a second signal while the checkpoint is written changes nothing
-        time.sleep(0.05)
-        proc.send_signal(sig)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], err
+    assert proc.returncode == 130, err
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"boostjax: stopped by {signal.Signals(sig).name} after step "), err

@@ -110,7 +110,7 @@ def _figure_cell(src: str) -> bool:
     return "plt.show()" in src or "plt.subplots" in src
 
 
-@pytest.mark.slow
+@pytest.mark.experiment  # ~2 min end to end (a fifth of the CI budget): `pytest -m experiment`
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
