@@ -10,6 +10,7 @@ from helpers import load_experiment
 ls = load_experiment("lowrank_speed")
 
 
+@pytest.mark.experiment  # an experiment script's end-to-end smoke run (~10 s): `pytest -m experiment`
 def test_smoke_run_writes_ratios_and_breakdown(tmp_path):
     args = ["--shapes", "tiny", "--kinds", "cola,llama", "--vocab", "256", "--layers", "1", "--batch", "2",
             "--seq", "16", "--warmup", "1", "--rounds", "2", "--profile-steps", "1", "--out", str(tmp_path)]

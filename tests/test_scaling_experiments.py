@@ -1,5 +1,6 @@
 """Smoke tests of experiments/scaling_model.py (the time model on tiny compiled programs) and of
-experiments/gpu_step.py's CPU smoke mode (the real training step, 1 warm-up + 1 timed step)."""
+experiments/gpu_step.py: it refuses the CPU, and (marked experiment) its CPU smoke mode (the real
+training step, 1 warm-up + 1 timed step)."""
 
 from __future__ import annotations
 
@@ -90,9 +91,13 @@ def test_calibration_recovers_eta_and_table_has_every_row(costs, rows):
     assert all(h200[s] < rows[s]["iteration_s"] for s in sm.STRATEGIES)  # faster hardware, same programs
 
 
-def test_gpu_step_refuses_cpu_and_smoke_runs(tmp_path, monkeypatch, capsys):
+def test_gpu_step_refuses_cpu(tmp_path, capsys):
     assert gs.main(["--out", str(tmp_path)]) == 2  # this process runs JAX on CPU
     assert "no GPU" in capsys.readouterr().err and not os.listdir(tmp_path)
+
+
+@pytest.mark.experiment  # an experiment script's end-to-end smoke run (~15 s): `pytest -m experiment`
+def test_gpu_step_smoke_runs_on_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # main() sets it; restored afterwards
     # the two workers (subprocesses) compile with XLA's cheap CPU passes: a smoke run, not a benchmark
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")
