@@ -380,7 +380,7 @@ class TrainConfig:
         "previous", "rotation: 'previous' projects G_t on bases built from earlier gradients (SOAP); 'current' "
                     "updates the Gram EMA with G_t, refreshes if due (step 1, every rot_refresh steps), then "
                     "projects (the basis-rotation reference code)")
-    rot_damping: float = option(1.0, "rotation: the refreshes iterate on the Gram statistic plus this times its "
+    rot_damping: float = option(4.0, "rotation: the refreshes iterate on the Gram statistic plus this times its "
                                      "mean eigenvalue (bases far less sensitive to rounding, so a mesh run "
                                      "follows one device); 0 = the paper's exact eigh and undamped power steps",
                                 resume="follow-stored", legacy=0.0)
@@ -775,7 +775,7 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
           f"train.clip_scope: 'stage' with adam8bit, whose clipping is fused and global; fix: pass "
           f"{flag_of('clip_scope')} global or another {flag_of('optimizer')}")
     _need(math.isfinite(t.rot_damping) and t.rot_damping >= 0,
-          f"train.rot_damping: {t.rot_damping} must be finite and >= 0; fix: pass {flag_of('rot_damping')} 1.0 "
+          f"train.rot_damping: {t.rot_damping} must be finite and >= 0; fix: pass {flag_of('rot_damping')} 4.0 "
           "(0 = exact eigh)")
     _need(0.0 <= t.rot_beta < 1.0, f"train.rot_beta: {t.rot_beta} outside [0, 1); fix: pass e.g. "
                                    f"{flag_of('rot_beta')} 0.95")

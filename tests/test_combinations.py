@@ -86,8 +86,8 @@ def test_btp_pipeline_rotation_delay_and_offload_in_one_mesh(tmp_path):
     is the next test."""
     train = TrainConfig(batch=4, seq=16, optimizer="rotation", rot_refresh=2, pipeline_delay=2, progress=False)
     ref, got = _against_one_device(tmp_path, train, "data=2,stage=2,model=2", 4, replace(MODEL, n_layers=2))
-    # measured with damping 1 (AVX-512): losses within 2.6e-7, parameters 4.9e-6 worst leaf. 5e-6 / 2e-4 leave
-    # 19x / 40x (with 4 layers and delay 4 the same bounds held under AVX and SSE4.2 too)
+    # measured with damping 4: losses within 1.7e-7, parameters 3.0e-7 (AVX-512) to 2.9e-6 (AVX, SSE4.2) worst
+    # leaf; 5e-6 / 2e-4 leave 29x / 69x
     np.testing.assert_allclose(got[0], ref[0], rtol=5e-6)
     errs = jax.tree.map(_rel, got[1], ref[1])
     assert max(jax.tree.leaves(errs)) < 2e-4, errs
@@ -106,8 +106,8 @@ def _global_rel(got, ref) -> float:
 
 def test_rotation_with_delay_on_a_pipeline_tp_mesh_matches_one_device_for_60_steps():
     """60 steps of `--optimizer rotation --pipeline-delay 2 --rot-refresh 2` under BTP on
-    `data=2,stage=2,model=2` against one device: losses within 3e-4 relative, parameters within 6e-3
-    overall (‖Δ‖ / ‖θ‖ over all leaves) and 4e-2 leaf by leaf. The damped refreshes (rotation.py) keep the
+    `data=2,stage=2,model=2` against one device: losses within 1e-4 relative, parameters within 1e-3
+    overall (‖Δ‖ / ‖θ‖ over all leaves) and 5e-3 leaf by leaf. The damped refreshes (rotation.py) keep the
     bases nearly independent of rounding; with the paper's exact `eigh` (damping 0) this run is off by
     1.1e-3 on losses, 1.8e-2 overall and 0.12 in the worst leaf. AdamW (rotation off) from the same start
     must end far from the rotation reference, so the tolerances tell the two apart."""
@@ -117,12 +117,13 @@ def test_rotation_with_delay_on_a_pipeline_tp_mesh_matches_one_device_for_60_ste
     ref_losses, ref, _ = _steps(Config(model, train), 60)
     losses, got, _ = _steps(Config(model, replace(train, strategy="btp", mesh="data=2,stage=2,model=2")), 60)
     # measured with conftest's XLA flags (losses / parameters overall / worst leaf), by instruction set
-    # (--xla_cpu_max_isa): AVX-512 8.4e-6 / 4.0e-4 / 1.6e-3, AVX 5.8e-5 / 1.7e-3 / 7.1e-3, SSE4.2
-    # 2.8e-5 / 1.8e-3 / 1.1e-2. The bounds leave 3.4x or more over the worst of them on every ISA.
-    np.testing.assert_allclose(losses, ref_losses, rtol=3e-4)
-    assert _global_rel(got, ref) < 6e-3, _global_rel(got, ref)
+    # (--xla_cpu_max_isa), default damping 4: AVX-512 1.4e-6 / 2.7e-5 / 6.4e-4, AVX 1.3e-6 / 7.3e-5 / 2.1e-4, SSE4.2
+    # 2.3e-6 / 7.8e-5 / 6.4e-4 (damping 1 gave up to 5.8e-5 / 1.8e-3 / 1.1e-2). The bounds are the issue's
+    # goal (1e-4 / 1e-3), 13x or more over the worst ISA, and 7.8x on the worst leaf.
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    assert _global_rel(got, ref) < 1e-3, _global_rel(got, ref)
     errs = jax.tree.map(_rel, got, ref)
-    assert max(jax.tree.leaves(errs)) < 4e-2, errs
+    assert max(jax.tree.leaves(errs)) < 5e-3, errs
     adamw_losses, adamw, _ = _steps(Config(model, replace(train, optimizer="adamw")), 60)
     loss_gap = float(np.max(np.abs(np.asarray(adamw_losses) / np.asarray(ref_losses) - 1)))
     # rotation off must fail the bounds above many times over: measured 2.8e-2 on losses and 0.14 overall

@@ -52,7 +52,7 @@ class Hyper:
     stage_aware_refresh: bool = False
     order: str = "previous"
     basis_beta: float = 0.95
-    damping: float = 1.0
+    damping: float = rotation.DAMPING
     max_dim: int = 4096
     rotation_mask: Any = None
     muon_beta: float = 0.95
