@@ -155,7 +155,7 @@ class Settings:
                             rot_refresh=10, rot_source="second", rot_geometry="bilateral",
                             delay_lr_tc=self.t_c, nesterov_psi=self.psi, clip_scope=self.clip_scope,
                             pipeline_delay=n_stages, progress=False)
-        train = replace(train, **{**OPTIMIZERS[opt][1], **self.extra})
+        train = replace(train, **{**self.extra, **OPTIMIZERS[opt][1]})  # an optimizer's own settings win
         return validate(Config(model, train))
 
 
@@ -431,7 +431,8 @@ def settings_lines(s: Settings) -> list[str]:
         f"- PipeDream-LR: lr / τ^(1 - min(t/T_c, 1)) per stage (τ its delay), T_c = {s.t_c} steps ({tc_note})",
         f"- Nesterov: {nesterov}",
         f"- basis rotation: bilateral, 2nd-order (Gram) source, refresh every {cfg.rot_refresh} steps, "
-        f"Gram EMA β {cfg.rot_beta:g}; order 'previous' (project G_t on bases from G_<=t-1, SOAP) unless "
+        f"Gram EMA β {cfg.rot_beta:g}, refreshes damped by {cfg.rot_damping:g} x the mean eigenvalue (0 = the "
+        "paper's exact eigh; rotation-eigh rows: 0); order 'previous' (project G_t on bases from G_<=t-1, SOAP) unless "
         "'reference order' (Gram EMA with G_t, refresh at step 1 and t % 10 == 0, then project, as the "
         "authors' `BasisRotation.step`); stage-aware: deeper-delayed stages refresh more often",
         f"- measured: {measure}" + (f"; extra targets at {', '.join(f'{f:.0%}' for f in s.extra_fracs)} of the budget"
@@ -724,6 +725,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             ("n-eval", int, "validation batches of every held-out loss (16)"),
             ("jobs", int, "runs in parallel processes (2)")):
         p.add_argument(f"--{flag}", type=kind, help=what)
+    p.add_argument("--rot-damping", type=float, help="rotation rows: the refreshes' damping (default: "
+                                                     "--rot-damping's, 4; 0 = the paper's exact eigh)")
     args = p.parse_args(argv)
     command = results_io.command_line("staleness", argv)
     log = functools.partial(print, flush=True)
@@ -735,11 +738,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return render(args.render, pathlib.Path(args.out), command)
     names = {"layers": "n_layers", "heads": "n_heads"}
     lists = {"optimizers": str, "stages": int, "extra_fracs": float}
-    skip = ("quick", "out", "reuse", "rerun", "regime", "name", "render", *lists)
+    skip = ("quick", "out", "reuse", "rerun", "regime", "name", "render", "rot_damping", *lists)
     over = {names.get(k, k): v for k, v in vars(args).items() if v is not None and k not in skip}
     for k, kind in lists.items():
         if getattr(args, k) is not None:
             over[k] = tuple(kind(x.strip()) for x in getattr(args, k).split(",") if x.strip())
+    if args.rot_damping is not None:
+        if not (math.isfinite(args.rot_damping) and args.rot_damping >= 0):
+            p.error(f"--rot-damping: {args.rot_damping} must be finite and >= 0; fix: e.g. 4 (0 = exact eigh)")
+        over["extra"] = {"rot_damping": args.rot_damping}
     regime = {k: v for k, v in REGIMES[args.regime].items() if not (args.quick and k == "steps")}
     s = replace(QUICK if args.quick else Settings(), regime=args.regime, **{**regime, **over})
     _check_settings(p, s)
