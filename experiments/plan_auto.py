@@ -206,10 +206,23 @@ def _candidate(r: dict):
                                       "remat", "zero")))
 
 
+def _compiled_peak(model, r: dict) -> None:
+    """Sets `r["compiled_peak_bytes_per_device"]`: `memory_analysis()` of the whole configuration's step, the
+    step its `train_command` compiles (every axis, accumulation, pipeline schedule, ZeRO)."""
+    from boostjax.analysis.memory import memory_report
+
+    t = _candidate(r).train_fields(CPU_SEQ, "float32", "adamw")
+    extra = {k: t[k] for k in ("grad_accum", "zero", "microbatches", "pipeline_schedule") if k in t}
+    rep = memory_report(replace(model, attention="xla"), t["mesh"], t["batch"], CPU_SEQ, t["strategy"],
+                        t["remat"], "float32", **extra)
+    r["compiled_peak_bytes_per_device"] = rep["peak_bytes_per_device"]
+    log(f"memory {r['label']}: planned {r['peak_bytes_per_device'] / 2**20:.1f} MiB, compiled "
+        f"{rep['peak_bytes_per_device'] / 2**20:.1f} MiB")
+
+
 def memory_part(cache: str, cpu: dict) -> dict:
     """(c) again on the stored CPU rows, nothing trained: the planner's peak per device (its memory model as
     it is now) and the compiled whole-configuration peak; the rows' measured times are kept."""
-    from boostjax.analysis.memory import memory_report
     from boostjax.config import preset
     from boostjax.planning.search import plan_auto
 
@@ -221,18 +234,11 @@ def memory_part(cache: str, cpu: dict) -> dict:
     keys = ("peak_bytes_per_device", "weight_bytes", "optimizer_bytes", "activation_bytes")
     for r in cpu["rows"]:
         r.update({k: planned[r["label"]][k] for k in keys})
-        t = _candidate(r).train_fields(CPU_SEQ, "float32", "adamw")
-        extra = {k: t[k] for k in ("grad_accum", "zero", "microbatches", "pipeline_schedule") if k in t}
-        rep = memory_report(replace(model, attention="xla"), t["mesh"], t["batch"], CPU_SEQ, t["strategy"],
-                            t["remat"], "float32", **extra)
-        r["compiled_peak_bytes_per_device"] = rep["peak_bytes_per_device"]
-        log(f"memory {r['label']}: planned {r['peak_bytes_per_device'] / 2**20:.1f} MiB, compiled "
-            f"{rep['peak_bytes_per_device'] / 2**20:.1f} MiB")
+        _compiled_peak(model, r)
     return cpu
 
 
 def cpu_part(cache: str, rounds: int, step_rounds: int) -> dict:
-    from boostjax.analysis.memory import memory_report
     from boostjax.config import preset
     from boostjax.planning.search import plan_auto
     from boostjax.planning.space import Candidate
@@ -263,13 +269,7 @@ def cpu_part(cache: str, rounds: int, step_rounds: int) -> dict:
         r["measured_runs"] = runs[r["label"]]
         r["measured_step_s"] = min(g["step_s"] for g in ok) if ok else None
         r["measured_max_rss_bytes"] = max(g["max_rss_bytes"] for g in ok) if ok else None
-        t = _candidate(r).train_fields(CPU_SEQ, "float32", "adamw")
-        extra = {k: t[k] for k in ("grad_accum", "zero", "microbatches", "pipeline_schedule") if k in t}
-        rep = memory_report(replace(model, attention="xla"), t["mesh"], t["batch"], CPU_SEQ, t["strategy"],
-                            t["remat"], "float32", **extra)
-        r["compiled_peak_bytes_per_device"] = rep["peak_bytes_per_device"]
-        log(f"memory {r['label']}: planned {r['peak_bytes_per_device'] / 2**20:.1f} MiB, compiled "
-            f"{rep['peak_bytes_per_device'] / 2**20:.1f} MiB")
+        _compiled_peak(model, r)
     pairs = [(r["step_s"], r["measured_step_s"]) for r in rows if r["measured_step_s"]]
     rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
     rho_steps = spearman([r["step_s"] for r in rows], [r["measured_in_process_s"] for r in rows])

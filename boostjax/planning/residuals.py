@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from boostjax.models import ops
-from boostjax.models.llama import LLaMA, Block, resolve_remat
+from boostjax.models.llama import LLaMA, Block, abstract_model, resolve_remat
 from boostjax.models.ops import cast_params
 from boostjax.sharding import rules
 from boostjax.sharding.mesh import make_mesh
@@ -60,8 +60,7 @@ def layer_residual_bytes(key: Any) -> int:
         found.append(sum(_nbytes(r) for r in kept.values()))  # each buffer once, however often it is read
         return jnp.zeros((), jnp.float32)
 
-    graph = nnx.eval_shape(lambda: LLaMA(mcfg, rngs=nnx.Rngs(0)))
-    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.state(graph, nnx.Param).to_pure_dict())
+    _, params = abstract_model(cfg)
     tokens = jax.ShapeDtypeStruct((key.micro_batch, key.seq), jnp.int32)
     if mesh is None:
         jax.eval_shape(local, params, tokens)
