@@ -52,8 +52,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # name, nodes, GPUs per node, stages, BOOST's TP (BOOST: 4-GPU A100 nodes)
 BOOST = (("1b", 1, 1, 1, 1), ("3b", 1, 2, 1, 2), ("7b", 1, 4, 1, 4), ("13b", 2, 4, 2, 4))
 CPU_PRESET, CPU_SEQ, CPU_BATCH = "tiny", 64, 16
-# (data, stage, model, strategy, micro_batch, slots, schedule, remat, zero): every axis is varied, and the
-# configurations share five compile keys (strategy, TP, micro-batch rows, remat) to keep the compiles few
+# (data, stage, model, strategy, micro_batch, slots, schedule, remat, zero): every axis is varied (data 1-8,
+# stages 1-4, TP 1-4, BTP and vanilla TP, 1-8 micro-batches, GPipe and 1F1B, every remat, every ZeRO)
 CPU_CONFIGS = (
     (8, 1, 1, "none", 2, 1, "-", "none", 0),
     (8, 1, 1, "none", 2, 1, "-", "none", 3),
@@ -66,7 +66,17 @@ CPU_CONFIGS = (
     (4, 1, 2, "vanilla-tp", 2, 2, "-", "none", 1),
     (4, 1, 2, "btp", 2, 2, "-", "full", 0),
     (2, 2, 2, "btp", 2, 4, "gpipe", "full", 3),
+    # added with the recalibrated profile: TP over 4 devices, lowrank remat, 8 micro-batches, 4 stages with 1F1B
+    (2, 1, 4, "btp", 2, 4, "-", "none", 0),
+    (2, 2, 2, "btp", 1, 8, "1f1b", "lowrank", 1),
+    (2, 1, 4, "vanilla-tp", 8, 1, "-", "none", 3),
+    (1, 4, 2, "btp", 2, 8, "1f1b", "none", 0),
+    (4, 1, 2, "btp", 4, 1, "-", "lowrank", 0),
+    (1, 2, 4, "btp", 4, 4, "gpipe", "none", 0),
+    (2, 4, 1, "none", 1, 8, "1f1b", "full", 1),
+    (8, 1, 1, "none", 1, 2, "-", "none", 0),
 )
+ORIGINAL = 11  # the first configurations, measured since the first validation run
 MEASURE_STEPS = 20  # the median of steps 3..20 (18 steps) is one run's time
 MEASURE_FLAGS = ["--steps", str(MEASURE_STEPS), "--log-every", "1", "--eval-every", "1000", "--eval-batches", "1",
                  "--ckpt-every", "1000", "--no-progress", "--no-tensorboard"]
@@ -273,6 +283,9 @@ def cpu_part(cache: str, rounds: int, step_rounds: int) -> dict:
     pairs = [(r["step_s"], r["measured_step_s"]) for r in rows if r["measured_step_s"]]
     rho = spearman([p for p, _ in pairs], [m for _, m in pairs])
     rho_steps = spearman([r["step_s"] for r in rows], [r["measured_in_process_s"] for r in rows])
+    old = [r for r in rows[:ORIGINAL] if r["measured_step_s"]]  # include's order is CPU_CONFIGS'
+    rho_old = spearman([r["step_s"] for r in old], [r["measured_step_s"] for r in old])
+    rho_old_steps = spearman([r["step_s"] for r in old], [r["measured_in_process_s"] for r in old])
     fastest_steps = min(r["measured_in_process_s"] for r in rows)
     fastest = min(m for _, m in pairs)
     first = next(r for r in rows if r["planner_first"])
@@ -284,7 +297,8 @@ def cpu_part(cache: str, rounds: int, step_rounds: int) -> dict:
                                               <= 1.1 * fastest),
             "step_rounds": step_rounds, "step_rounds_load": load0, "spearman_in_process": rho_steps,
             "first_choice_in_process_s": first["measured_in_process_s"], "fastest_in_process_s": fastest_steps,
-            "first_choice_within_10pct_in_process": first["measured_in_process_s"] <= 1.1 * fastest_steps}
+            "first_choice_within_10pct_in_process": first["measured_in_process_s"] <= 1.1 * fastest_steps,
+            "spearman_original": rho_old, "spearman_original_in_process": rho_old_steps, "original_rows": len(old)}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -365,12 +379,19 @@ def markdown(res: dict) -> str:
                       "step, fp32)", "",
                   "CPU profile (micro-benchmark, `boostjax.planning.cpu`, all "
                   f"{cal['allreduce_devices']} simulated devices at once; seconds per instruction from chains of "
-                  "instructions, the short chain's time subtracted): GEMM "
+                  "instructions, the short chain's time subtracted): GEMM x w "
                   + ", ".join(f"{n}^3 {t * 1e6:.3g} us" for n, t in zip(cal["gemm_curve_n"], cal["gemm_curve_s"]))
-                  + "; x*a+b over " + ", ".join(f"{b >> 10} KiB {t * 1e6:.3g} us" for b, t in
-                                                zip(cal["stream_curve_bytes"], cal["stream_curve_s"]))
-                  + f" per device; all-reduce alpha {cal['allreduce_alpha_s'] * 1e6:.0f} us, bus "
-                  f"{cal['allreduce_bus_bytes_per_s'] / 1e9:.2f} GB/s. Machine peaks (one device alone): GEMM "
+                  + (("; GEMM x^T w " + ", ".join(f"{n}^3 {t * 1e6:.3g} us" for n, t in
+                                                  zip(cal["gemm_curve_n"], cal["gemm_t_curve_s"])))
+                     if "gemm_t_curve_s" in cal else "")
+                  + ("; sum(w * s) over " if "gemm_t_curve_s" in cal else "; x*a+b over ")
+                  + ", ".join(f"{b >> 10} KiB {t * 1e6:.3g} us" for b, t in
+                              zip(cal["stream_curve_bytes"], cal["stream_curve_s"]))
+                  + f" per device; all-reduce alpha {cal['allreduce_alpha_s'] * 1e6:.0f} us"
+                  + ("".join(f", {g} devices {a * 1e6:.0f} us" if i else f" (by group: {g} devices {a * 1e6:.0f} us"
+                             for i, (g, a) in enumerate(cal["allreduce_alpha_by_group"])) + ")"
+                     if cal.get("allreduce_alpha_by_group") else "")
+                  + f", bus {cal['allreduce_bus_bytes_per_s'] / 1e9:.2f} GB/s. Machine peaks (one device alone): GEMM "
                   f"{cal['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s ({cal['gemm_n']}^3), memory "
                   f"{cal['memory_bytes_per_s'] / 1e9:.2f} GB/s (64 MiB x*a+b).", "",
                   f"**Spearman (predicted vs measured step time) = {c['spearman']:.2f}** over "
@@ -379,7 +400,10 @@ def markdown(res: dict) -> str:
                   f"fastest {c['measured_fastest_s']:.3f} s; within 10 %: {c['first_choice_within_10pct']}. "
                   f"Measured: best of {c['rounds']} interleaved rounds of the median of steps 3-{MEASURE_STEPS}; load averages "
                   f"{min(g['load'] for r in c['rows'] for g in r['measured_runs']):.1f}-"
-                  f"{max(g['load'] for r in c['rows'] for g in r['measured_runs']):.1f} on 2 cores.", "",
+                  f"{max(g['load'] for r in c['rows'] for g in r['measured_runs']):.1f} on 2 cores."
+                  + (f" On the first {c['original_rows']} configurations alone (the earlier runs' set): "
+                     f"{c['spearman_original']:.2f} (in-process {c['spearman_original_in_process']:.2f})."
+                     if "spearman_original" in c else ""), "",
                   *([f"**In-process steps: Spearman = {c['spearman_in_process']:.2f}.** Every configuration's "
                      "compiled training step (the step `boostjax train` jits) in one process, one step of each in "
                      f"turn, {c['step_rounds']} rounds (the order reversed every other round), the median kept: a "

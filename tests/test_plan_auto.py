@@ -19,6 +19,12 @@ from boostjax.planning.cpu import shared_rates
 from boostjax.planning.space import comm_lower_bound, enumerate_space, memory_lower_bound, time_lower_bound
 from helpers import MICRO, one_error_line
 
+def hlo_module(text):
+    from boostjax.analysis import hlo
+
+    return hlo.parse_module(text)
+
+
 # a CPU-like machine with round numbers (no calibration run in the tests)
 HW = Hardware("test", 1e10, 1e10, 1.0, 1e9, 1e-5, 1e9, 1e-5)
 MODEL = replace(MICRO, n_layers=2, vocab_size=256)
@@ -147,7 +153,7 @@ def test_an_instruction_is_priced_on_its_measured_curve():
 def test_the_cpu_curves_replace_the_peaks_per_instruction():
     from boostjax.planning.costs import program_time, scaled
 
-    cost = {"gemms": [(2e6, 1e3, False), (2e6, 1e8, False)], "other_bytes": 3e4, "other_sizes": [1e4, 2e4],
+    cost = {"gemms": [(2e6, 1e3, False, False), (2e6, 1e8, False, False)], "other_bytes": 3e4, "other_sizes": [1e4, 2e4],
             "score_bytes_excluded": 0, "move_bytes_excluded": 0, "collectives": [("all-reduce", 4e6, 4)]}
     cpu_hw = replace(HW, gemm_curve=((2e3, 1e-6), (2e6, 1e-4)), stream_curve=((1e3, 1e-6), (1e6, 1e-4)))
     t = program_time(cost, cpu_hw, 1.0)
@@ -162,6 +168,15 @@ def test_the_cpu_curves_replace_the_peaks_per_instruction():
     # a ZeRO-sharded update: the same instructions on 1/data of the work (time / data only at fixed rates)
     assert program_time(scaled(cost, 0.25), HW, 0.5)["gemm_s"] == pytest.approx(plain["gemm_s"] / 4)
     assert program_time(scaled(cost, 0.25), cpu_hw, 1.0)["memory_s"] > t["memory_s"] / 4
+    # a dot whose lhs contracts a major dimension (a weight gradient) on its own curve, when measured
+    major = {**cost, "gemms": [(2e6, 1e3, False, True)]}
+    slow = replace(cpu_hw, gemm_t_curve=((2e3, 2e-6), (2e6, 3e-4)))
+    assert program_time(major, slow, 1.0)["gemm_s"] == pytest.approx(3e-4)
+    assert program_time(major, cpu_hw, 1.0)["gemm_s"] == pytest.approx(1e-4)  # no such curve: the one curve
+    # a collective's latency by its group's size where measured (log-linear between sizes), alpha_s otherwise
+    grouped = replace(HW, alpha_by_group=((2, 4e-5), (8, 1.6e-4)))
+    assert grouped.alpha(2) == pytest.approx(4e-5) and grouped.alpha(4) == pytest.approx(8e-5)
+    assert grouped.alpha(8) == pytest.approx(1.6e-4) and HW.alpha(4) == HW.alpha_s
 
 
 def test_the_cost_lists_every_executed_instruction_once():
@@ -178,6 +193,7 @@ def test_the_cost_lists_every_executed_instruction_once():
     text = jax.jit(f).lower(x, jnp.ones((32, 32), jnp.float32)).compile().as_text()
     cost = program_cost(text, 64, 1, fused_attention=False, gemm_dtype=None)
     assert len(cost["gemms"]) == 1 and cost["gemms"][0][0] == 2 * 64 * 32 * 32
+    assert cost["gemms"][0][3] is False  # x @ w: the lhs contracts its minor dimension
     # one entry per executed instruction of the entry (the reducers' scalar ops run inside theirs)
     entry = [ln for ln in text[text.index("ENTRY"):].splitlines()[1:] if " = " in ln]
     free = ("parameter(", "constant(", "tuple(")
@@ -187,6 +203,28 @@ def test_the_cost_lists_every_executed_instruction_once():
     assert sum(cost["other_sizes"]) <= cost["other_bytes"]
 
 
+def test_in_place_updates_and_slices_count_the_bytes_they_touch():
+    import jax
+    import jax.numpy as jnp
+
+    from boostjax.analysis import hlo
+    from boostjax.planning.costs import lhs_major, traffic_bytes
+
+    def ring(buf, x, i):  # a pipeline tick: write one slot in place, read another through a slice
+        buf = jax.lax.dynamic_update_index_in_dim(buf, x * 2.0, i, 0)
+        return buf, jax.lax.dynamic_index_in_dim(buf, i + 1, 0, keepdims=False) + 1.0
+
+    buf, x = jnp.ones((16, 64, 64), jnp.float32), jnp.ones((64, 64), jnp.float32)
+    mod = hlo.parse_module(jax.jit(ring, donate_argnums=0).lower(buf, x, 3).compile().as_text())
+    got = {i.name: traffic_bytes(mod, mod.entry, i) for i in mod.computations[mod.entry]
+           if i.opcode not in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")}
+    slot = 64 * 64 * 4
+    assert got and all(b <= 2 * slot + 64 for b in got.values())  # a slot and an index, never the 256 KiB buffer
+    # lhs contracting its major dimension: x^T dy, a weight gradient
+    g = hlo.gemms(jax.jit(lambda a, b: a.T @ b).lower(x, x).compile().as_text())
+    assert [lhs_major(d) for d in g] == [True]
+
+
 def test_the_cpu_micro_benchmark_times_one_link_of_a_chain():
     import jax
 
@@ -194,8 +232,16 @@ def test_the_cpu_micro_benchmark_times_one_link_of_a_chain():
 
     devs = jax.devices()[:2]
     # chains of SHORT and of 256 [64, 64] matmuls (small work: the most links), the difference per link
-    t = cpu._link_s(cpu._matmul, (64, 64), 2 * 64 ** 3, devs, 3)
+    t = cpu._link_s("matmul", 64, 2 * 64 ** 3, devs, 3)
     assert 0 < t < 0.05
+    # the memory chain is one kernel per link that reads its w: no link fused into another or duplicated
+    mesh = cpu._mesh(devs, 1)
+    v, ws, spec = cpu._operands("stream", 1 << 12, mesh)
+    for k in (4, 16):
+        text = cpu._chain(cpu.LINKS["stream"], k, mesh, spec).lower(v, ws).compile().as_text()
+        mod = hlo_module(text)
+        kernels = [i for i in mod.computations[mod.entry] if i.opcode in ("fusion", "reduce")]
+        assert len(kernels) == k
     # a link measured faster than a smaller one is noise: the curve never decreases with size
     assert cpu._curve([(1, 3e-6), (2, 1e-6), (4, 5e-6)]) == ((1, 3e-6), (2, 3e-6), (4, 5e-6))
     shared = cpu.shared_rates(replace(HW, gemm_curve=((2e6, 1e-4),), stream_curve=((1e6, 1e-5),)), 4)
@@ -222,6 +268,11 @@ def test_cpu_zero_pays_one_collective_per_parameter_array():
              for z in (0, 1) for hw in ("cpu", "a100")}
     assert times[1, "cpu"] >= 2 * leaves * HW.alpha_s  # a reduce-scatter and an all-gather per array
     assert times[1, "a100"] < 3 * HW.alpha_s + times[0, "a100"]  # combined into one each off the CPU
+    # ZeRO 3 gathers the parameters once per step and keeps them for every micro-batch (its compiled step
+    # has one all-gather and one reduce-scatter per array, outside the accumulation loop): ZeRO 1's traffic
+    z3 = [predict(MODEL, Candidate(4, 1, 1, "none", 1, s, "-", "none", 3), m, HW, 1.0, parse_cluster("1x4:cpu"), 32,
+                  "float32")["time_s"]["data_comm"] for s in (1, 4)]
+    assert z3[0] == z3[1] == pytest.approx(times[1, "cpu"])
 
 
 # flash-length attention: chunked over 4 blocks of 16, so the GPU's memory comes from the chunked compile
@@ -241,7 +292,7 @@ def test_gpu_memory_comes_from_the_chunked_compile_and_time_from_the_materialise
     assert m["1"]["memory_attention"] == "chunked"
     assert m["1"]["memory"]["peak_bytes_per_device"] == chunked["peak_bytes_per_device"]
     assert chunked["peak_bytes_per_device"] < xla["peak_bytes_per_device"]  # no [t, t] scores
-    assert any(score for _, _, score in m["1"]["step"]["gemms"])  # the time still sees every score dot
+    assert any(g[2] for g in m["1"]["step"]["gemms"])  # the time still sees every score dot
 
 
 def test_a_candidate_over_the_budget_runs_with_an_offload_plan(tmp_path):

@@ -24,6 +24,7 @@ it (the program is what runs, e.g. on the CPU) every byte counts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import re
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,15 @@ class Hardware:
     p2p_alpha_s: float
     gemm_curve: tuple[tuple[float, float], ...] = ()  # (FLOPs of a dot, seconds) measured (calibrated CPU)
     stream_curve: tuple[tuple[float, float], ...] = ()  # (bytes of an instruction, seconds) measured
+    gemm_t_curve: tuple[tuple[float, float], ...] = ()  # the same for a dot whose lhs contracts a major dimension
+    alpha_by_group: tuple[tuple[int, float], ...] = ()  # (devices in the group, alpha) measured (calibrated CPU)
+
+    def alpha(self, group: int) -> float:
+        """Per-collective latency over `group` devices: `alpha_s`, or the measured one of the nearest group
+        size (log-linear between two measured sizes)."""
+        if not self.alpha_by_group:
+            return self.alpha_s
+        return instruction_s(self.alpha_by_group, group)
 
 
 def instruction_s(curve: tuple[tuple[float, float], ...], size: float) -> float:
@@ -70,17 +80,65 @@ def _score_shaped(arrays, seq: int, batch: int) -> bool:
     return any(sum(1 for s in a.shape if s == seq) >= 2 and a.elements >= 2 * batch * seq * seq for a in arrays)
 
 
+def _param_index(ins: hlo.Instr) -> int:
+    m = re.match(r"\s*(\d+)", ins.args)
+    return int(m.group(1)) if m else -1
+
+
+def traffic_bytes(mod: hlo.Module, comp: str, ins: hlo.Instr) -> int:
+    """Bytes one executed instruction reads and writes: its operands and results, except what an in-place
+    `dynamic-update-slice` (the whole instruction's, or its fusion's root) leaves alone (the buffer it
+    updates: only the update is written) and what a `dynamic-slice` does not read (an operand used only
+    through slices is read for the slices' bytes). A pipeline's ring and scan buffers are updated and
+    read this way, a slot per tick."""
+    ops = [mod.lookup(comp, n) for n in ins.operands]
+    body = (ins.attr("calls") or "").lstrip("%") if ins.opcode == "fusion" else ""
+    instrs = mod.computations.get(body, [])
+    root = mod.root(body) if body else ins
+    params = {_param_index(i): i.name for i in instrs if i.opcode == "parameter"}
+    users: dict[str, list[hlo.Instr]] = {}
+    for i in instrs:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    dus = root is not None and root.opcode == "dynamic-update-slice"
+    in_place = root.operands[0] if dus and root.operands else None  # the buffer (a parameter's name in a fusion)
+    total = 0
+    if dus:  # writes the update only
+        upd = mod.lookup(body or comp, root.operands[1]) if len(root.operands) > 1 else None
+        total += upd.results[0].bytes() if upd is not None and upd.results else 0
+    else:
+        total += sum(a.bytes() for a in ins.results)
+    for k, o in enumerate(ops):
+        if o is None or o.opcode == "tuple" or not o.results:
+            continue
+        name = params.get(k) if body else ins.operands[k]
+        if dus and name == in_place:
+            continue  # updated in place, not read
+        used = users.get(name, []) if body else ([ins] if ins.opcode == "dynamic-slice" and k == 0 else [])
+        if used and all(u.opcode == "dynamic-slice" and u.operands[:1] == (name,) for u in used):
+            total += sum(u.results[0].bytes() for u in used)  # read through slices only
+        else:
+            total += o.results[0].bytes()
+    return total
+
+
+def lhs_major(g: hlo.Gemm) -> bool:
+    """The dot's lhs contracts a dimension other than its minor (last) one, as a weight gradient `x^T dy`
+    does: XLA:CPU runs these through another GEMM library than `x W` and `x W^T`, at a different rate."""
+    return g.kind == "dot" and tuple(g.lhs_contracting) != (len(g.lhs.shape) - 1,)
+
+
 def program_cost(text: str, seq: int, batch: int, fused_attention: bool = True,
                  gemm_dtype: str | None = "bf16") -> dict[str, Any]:
-    """GEMMs `(FLOPs, bytes, score-shaped?)`, other memory traffic and collectives `(kind, bytes, group)` of
+    """GEMMs `(FLOPs, bytes, score-shaped?, lhs_major?)`, other memory traffic and collectives `(kind, bytes, group)` of
     one compiled program of `batch` sequences of `seq` tokens (per device). `gemm_dtype`: the element
     type GEMM operands are charged at (None: the HLO's own)."""
     mod = hlo.parse_module(text)
     gemm_bodies = {c for c, instrs in mod.computations.items() if any(i.opcode in ("dot", "convolution")
                                                                      for i in instrs)}
     move_bodies = {c for c, instrs in mod.computations.items() if all(i.opcode in _MOVE for i in instrs)}
-    gemms = [(g.flops, g.bytes_moved(gemm_dtype),
-              fused_attention and _score_shaped((g.lhs, g.rhs, g.out), seq, batch)) for g in hlo.gemms(mod)]
+    gemms = [(g.flops, g.bytes_moved(gemm_dtype), fused_attention and _score_shaped((g.lhs, g.rhs, g.out), seq, batch),
+              lhs_major(g)) for g in hlo.gemms(mod)]
     other = scores = moves = 0
     sizes: list[int] = []  # bytes of every executed instruction charged to `other`
     applied = {(i.attr("to_apply") or "").lstrip("%") for c in mod.computations.values() for i in c}
@@ -97,7 +155,7 @@ def program_cost(text: str, seq: int, batch: int, fused_attention: bool = True,
                 continue  # a dot with fused epilogue: the GEMM roofline charges it
             ops = [o for o in (mod.lookup(comp, n) for n in ins.operands) if o is not None]
             arrays = [*ins.results, *(a for o in ops for a in o.results[:1] if o.opcode != "tuple")]
-            nbytes = sum(a.bytes() for a in arrays)
+            nbytes = traffic_bytes(mod, comp, ins)
             moving = ins.opcode in _MOVE or (ins.opcode == "fusion"
                                              and (ins.attr("calls") or "").lstrip("%") in move_bodies)
             if fused_attention and moving:
@@ -119,12 +177,12 @@ def coll_time(kind: str, nbytes: float, t: int, hw: Hardware, bus_bytes_per_s: f
     if t <= 1:
         return 0.0
     if kind == "all-reduce":
-        return hw.alpha_s + 2 * (t - 1) / t * nbytes / bw
+        return hw.alpha(t) + 2 * (t - 1) / t * nbytes / bw
     if kind in ("all-gather", "all-to-all"):
-        return hw.alpha_s + (t - 1) / t * nbytes / bw
+        return hw.alpha(t) + (t - 1) / t * nbytes / bw
     if kind == "reduce-scatter":
-        return hw.alpha_s + (t - 1) * nbytes / bw
-    return hw.alpha_s + nbytes / bw  # collective-permute and the rest: one hop
+        return hw.alpha(t) + (t - 1) * nbytes / bw
+    return hw.alpha(t) + nbytes / bw  # collective-permute and the rest: one hop
 
 
 def program_time(cost: dict[str, Any], hw: Hardware, eta: float,
@@ -134,20 +192,21 @@ def program_time(cost: dict[str, Any], hw: Hardware, eta: float,
     peak, hbm = eta * hw.peak_flops, hw.hbm_efficiency * hw.hbm_bytes_per_s
     measured = bool(hw.gemm_curve and hw.stream_curve)
 
-    def flop_s(f: float) -> float:
-        return instruction_s(hw.gemm_curve, f) / eta if measured else f / peak
+    def flop_s(f: float, major: bool) -> float:
+        curve = hw.gemm_t_curve if major and hw.gemm_t_curve else hw.gemm_curve
+        return instruction_s(curve, f) / eta if measured else f / peak
 
     def byte_s(b: float) -> float:
         return instruction_s(hw.stream_curve, b) / hw.hbm_efficiency if measured else b / hbm
 
-    gemm = sum(flop_s(f) if score else max(flop_s(f), byte_s(b)) for f, b, score in cost["gemms"])
-    bound = sum(1 for f, b, score in cost["gemms"] if not score and byte_s(b) > flop_s(f))
+    gemm = sum(flop_s(f, t) if score else max(flop_s(f, t), byte_s(b)) for f, b, score, t in cost["gemms"])
+    bound = sum(1 for f, b, score, t in cost["gemms"] if not score and byte_s(b) > flop_s(f, t))
     comm = sum(coll_time(k, b, t, hw, bus_bytes_per_s) for k, b, t in cost["collectives"])
     memory = sum(byte_s(b) for b in cost["other_sizes"]) if measured else cost["other_bytes"] / hbm
     return {"gemm_s": gemm, "memory_s": memory, "comm_s": comm,
-            "gemm_flops": float(sum(f for f, _, _ in cost["gemms"])), "memory_bound_gemms": float(bound),
+            "gemm_flops": float(sum(g[0] for g in cost["gemms"])), "memory_bound_gemms": float(bound),
             "collectives": float(len(cost["collectives"])), "other_bytes": float(cost["other_bytes"]),
-            "gemm_bytes": float(sum(b for _, b, score in cost["gemms"] if not score)),
+            "gemm_bytes": float(sum(g[1] for g in cost["gemms"] if not g[2])),
             "score_bytes_excluded": float(cost["score_bytes_excluded"]),
             "move_bytes_excluded": float(cost["move_bytes_excluded"]),
             "comm_bytes": float(sum(b for _, b, _ in cost["collectives"]))}
@@ -156,7 +215,7 @@ def program_time(cost: dict[str, Any], hw: Hardware, eta: float,
 def scaled(cost: dict[str, Any], f: float) -> dict[str, Any]:
     """`cost` with every GEMM's FLOPs and bytes and every other instruction's bytes times `f` (an update
     whose state ZeRO shards over data: the same instructions on 1/data of the arrays)."""
-    return {**cost, "gemms": [(g * f, b * f, s) for g, b, s in cost["gemms"]], "other_bytes": cost["other_bytes"] * f,
+    return {**cost, "gemms": [(g * f, b * f, *rest) for g, b, *rest in cost["gemms"]], "other_bytes": cost["other_bytes"] * f,
             "other_sizes": [b * f for b in cost["other_sizes"]]}
 
 

@@ -5,13 +5,26 @@ costs a device depends on how many devices run at once and on the instruction's 
 pays a fixed dispatch cost, small arrays stay in cache, small GEMMs reach a fraction of the peak).
 So the curves below are timed on all `devices` devices at once (`shard_map`, each device the same
 work), as seconds per instruction at a few sizes (best of a few repeats after a compiling warm-up):
-- GEMM curve: chains of dependent `[n, n] @ [n, n]` at a few n, an `opt-barrier` between links so that
-  XLA keeps one instruction per link; `(t(K2) - t(K1)) / (K2 - K1)` (fixed costs cancel) at `2 n^3` FLOPs.
-- memory curve: chains of `x * a + b` at a few per-device sizes likewise, at `2 x bytes` per link.
+- GEMM curves: chains of dependent `v @ w_i` at a few n (`[n, n]`, 32 different weights read in turn;
+  dots are never fused with each other); `(t(K2) - t(K1)) / (K2 - K1)` (fixed costs cancel) at
+  `2 n^3` FLOPs. A second curve chains `v^T @ w_i` (the lhs contracts its major dimension, as a
+  weight gradient does): XLA:CPU runs those through another GEMM library, up to 2x slower.
+- memory curve: chains of `s = sum(w * s[:, None], axis=1)` (`w` [rows, 16] per device, read by
+  every link): XLA fuses each link's product into its reduction, one kernel per link that reads `w`,
+  and no link's result feeds two kernels (an element-wise chain such as `x * a + b` is fused into one
+  kernel whatever barrier is put between its links, and one whose result feeds a reduction and the next
+  link is duplicated into both, its cost growing with the square of its length). At `w + 2 s` bytes
+  per link, the operand + result bytes `costs.program_cost` charges an instruction.
   Each curve is made non-decreasing in size (a larger instruction is never cheaper).
-- all-reduce: chains of `psum` at two sizes likewise; the ring formula `t = alpha + 2 (T-1)/T * bytes / bus`
-  through both points gives `alpha` and `bus` (a collective inside a running program: the cost of
-  launching a program on every device, which a single jitted `psum` would time too, cancels).
+- both chains are longer than XLA:CPU's threshold for running a program's kernels one after the other
+  (8 thunks): like every training step, they run on its dataflow executor, which pays a dispatch per
+  kernel that a short chain does not.
+- all-reduce: chains of `psum` over all devices at two sizes likewise; the ring formula
+  `t = alpha + 2 (T-1)/T * bytes / bus` through both points gives `alpha` and `bus` (a collective inside
+  a running program: the cost of launching a program on every device, which a single jitted `psum`
+  would time too, cancels). The latency depends on the group (its threads meet): the small psum is
+  timed again over groups of every size g dividing the devices (all groups at once), `alpha_by_group`
+  (40 us for pairs, 190 us for 8 devices on this 2-core machine).
 - the machine's peak: one `[768, 768]` matmul and one 64 MiB `x * a + b` on one device (XLA spreads them
   over the cores); a device of an n-device mesh gets 1/n of them (`shared_rates`: the time lower bound
   and MFU), never below the rates the curves reached.
@@ -38,8 +51,10 @@ GEMM_N = 768
 STREAM_BYTES = 64 << 20
 REDUCE_BYTES = (1 << 12, 1 << 20)  # per device, fp32
 CURVE_GEMM_N = (16, 48, 128, 384)
-CURVE_STREAM_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)  # per device
-SHORT = 4  # links of the short chain
+CURVE_STREAM_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)  # per device: the bytes of w
+STREAM_COLS = 16  # w's columns: a link reads w and s and writes s, w bytes x (1 + 2 / 16)
+COLD_WEIGHTS = 32  # different [n, n] weights a GEMM chain reads in turn
+SHORT = 16  # links of the short chain: past XLA:CPU's 8-thunk threshold for sequential execution
 LINK_WORK = 1 << 27  # FLOPs or bytes per device of a long chain: K2 = SHORT + 16 + LINK_WORK / work links, <= 256
 
 
@@ -53,30 +68,51 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def _mesh(devices: list) -> Mesh:
-    return Mesh(np.array(devices), ("d",))
+def _mesh(devices: list, group: int) -> Mesh:
+    """`devices` as ("r", "g"): groups of `group` devices along "g" (a collective's group), all at once."""
+    return Mesh(np.array(devices).reshape(-1, group), ("r", "g"))
 
 
-def _link_s(step, x_shape: tuple[int, ...], work: float, devices: list, repeats: int) -> float:
-    """Seconds one link of a chain `v = step(v, w)` costs each device, all devices running it at once:
-    a chain of SHORT links and one of K2 (more for small links), the difference over the links between."""
-    mesh = _mesh(devices)
-    rows = (len(devices) * x_shape[0], *x_shape[1:])
-    x = jax.device_put(jnp.full(rows, 0.5, jnp.float32), NamedSharding(mesh, P("d")))
-    n = x_shape[-1] if len(x_shape) > 1 else 1  # the matmul's [n, n] (a scalar for the stream)
-    w = jax.device_put(jnp.full((n, n), 1.0 / n, jnp.float32), NamedSharding(mesh, P()))
+ROWS = P(("r", "g"))  # a chain's `v`: split over every device
 
-    def timed(k: int) -> float:
-        def body(v, w):
-            for _ in range(k):
-                v = jax.lax.optimization_barrier(step(v, w))  # one instruction per link, none merged
-            return v
 
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d")))
-        return _best(lambda: f(x, w), repeats)
+def _chain(step, k: int, mesh: Mesh, w_spec: P):
+    """`v -> step(...step(v, ws[1])..., ws[0])` (`k` links, link i reads `ws[i % len(ws)]`) on every device
+    of `mesh`, jitted."""
+    def body(v, ws):
+        for i in range(k):
+            v = step(v, ws[i % len(ws)])
+        return v
 
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(ROWS, w_spec), out_specs=ROWS))
+
+
+def _operands(link: str, size: int, mesh: Mesh) -> tuple[jax.Array, list[jax.Array], P]:
+    """The chain's `v` and `ws` for `link` at `size` (matmuls: n; stream: w's bytes; psum: v's bytes) per
+    device. A matmul chain reads COLD_WEIGHTS different weights in turn, as a step's GEMMs read their
+    layers' (one weight would stay in cache from link to link: 1.3-1.6x faster at n = 128)."""
+    d = mesh.size
+    if link in ("matmul", "matmul_t"):
+        v, spec = jnp.full((d * size, size), 0.5), P()
+        ws = [jnp.full((size, size), (1.0 + i / COLD_WEIGHTS) / size) for i in range(COLD_WEIGHTS)]
+    elif link == "stream":
+        rows = max(size // 4 // STREAM_COLS, 1)
+        v, ws, spec = jnp.full((d * rows,), 0.5), [jnp.full((d * rows, STREAM_COLS), 1.0 / STREAM_COLS)], ROWS
+    else:
+        v, ws, spec = jnp.full((d * (size // 4),), 0.5), [jnp.zeros((1,))], P()
+    put = lambda a, sp: jax.device_put(a.astype(jnp.float32), NamedSharding(mesh, sp))  # noqa: E731
+    return put(v, ROWS), [put(w, spec) for w in ws], spec
+
+
+def _link_s(link: str, size: int, work: float, devices: list, repeats: int, group: int = 1) -> float:
+    """Seconds one link of `link`'s chain at `size` costs each device, all devices running it at once (a
+    psum over groups of `group`): a chain of SHORT links and one of K2 (more for small links), the
+    difference over the links between."""
+    mesh = _mesh(devices, group)
+    v, w, spec = _operands(link, size, mesh)
     k2 = int(min(256, SHORT + 16 + LINK_WORK // max(work, 1)))
-    return max(timed(k2) - timed(SHORT), 0.0) / (k2 - SHORT)
+    t = [_best(lambda f=_chain(LINKS[link], k, mesh, spec): f(v, w), repeats) for k in (SHORT, k2)]
+    return max(t[1] - t[0], 0.0) / (k2 - SHORT)
 
 
 def _curve(times: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
@@ -93,12 +129,24 @@ def _matmul(v, w):
     return v @ w
 
 
-def _axpb(v, w):
-    return v * 1.5 + 1.0
+def _matmul_t(v, w):
+    return jax.lax.dot_general(v, w, (((0,), (0,)), ((), ())))  # v^T w: the lhs contracts its major dimension
+
+
+def _stream(s, w):
+    return jnp.sum(w * s[:, None], axis=1)
 
 
 def _psum(v, w):
-    return jax.lax.psum(v, "d")
+    return jax.lax.psum(v, "g")
+
+
+LINKS = {"matmul": _matmul, "matmul_t": _matmul_t, "stream": _stream, "psum": _psum}
+
+
+def stream_link_bytes(w_bytes: int) -> float:
+    """Operand + result bytes of one stream link whose `w` has `w_bytes` (w, s in, s out)."""
+    return w_bytes * (1 + 2 / STREAM_COLS)
 
 
 @functools.lru_cache(maxsize=4)
@@ -115,23 +163,31 @@ def calibrate(devices: int, dtype: str = "float32", repeats: int = 5) -> tuple[H
     hbm = 2 * STREAM_BYTES / stream_s
     devs = jax.devices()[:devices]
     t = len(devs)
-    if t > 1:
-        (b1, b2), (t1, t2) = REDUCE_BYTES, [_link_s(_psum, (b // 4,), 8 * b, devs, repeats) for b in REDUCE_BYTES]
+    groups = [g for g in range(2, t + 1) if t % g == 0]
+    alphas: list[tuple[int, float]] = []
+    if groups:
+        (b1, b2), (t1, t2) = REDUCE_BYTES, [_link_s("psum", b, 8 * b, devs, repeats, t) for b in REDUCE_BYTES]
         ring = 2 * (t - 1) / t
         bus = ring * (b2 - b1) / max(t2 - t1, 1e-9)
-        alpha = max(t1 - ring * b1 / bus, 0.0)
+        for g in groups:  # all groups of g at once; the latency of a group of g: the small psum less its bytes
+            tg = t1 if g == t else _link_s("psum", b1, 8 * b1, devs, repeats, g)
+            alphas.append((g, max(tg - 2 * (g - 1) / g * b1 / bus, 1e-9)))
+        alpha = alphas[-1][1]
     else:
         t1 = t2 = 0.0
         bus, alpha = hbm, 0.0
-    gemm_curve = _curve([(2.0 * n ** 3, _link_s(_matmul, (n, n), 2 * n ** 3, devs, repeats)) for n in CURVE_GEMM_N])
-    stream_curve = _curve([(2.0 * b, _link_s(_axpb, (b // 4,), 2 * b, devs, repeats)) for b in CURVE_STREAM_BYTES])
+    gemm_curve = _curve([(2.0 * n ** 3, _link_s("matmul", n, 2 * n ** 3, devs, repeats)) for n in CURVE_GEMM_N])
+    gemm_t_curve = _curve([(2.0 * n ** 3, _link_s("matmul_t", n, 2 * n ** 3, devs, repeats)) for n in CURVE_GEMM_N])
+    stream_curve = _curve([(stream_link_bytes(b), _link_s("stream", b, b, devs, repeats)) for b in CURVE_STREAM_BYTES])
     hw = Hardware(f"cpu ({t} simulated devices, calibrated)", flops, hbm, 1.0, bus, alpha, bus, alpha,
-                  gemm_curve=gemm_curve, stream_curve=stream_curve)
+                  gemm_curve=gemm_curve, stream_curve=stream_curve, gemm_t_curve=gemm_t_curve,
+                  alpha_by_group=tuple(alphas))
     raw = {"gemm_n": GEMM_N, "gemm_s": gemm_s, "gemm_flops_per_s": flops, "stream_bytes": STREAM_BYTES,
            "stream_s": stream_s, "memory_bytes_per_s": hbm, "allreduce_devices": t,
            "allreduce_bytes": list(REDUCE_BYTES), "allreduce_s": [t1, t2], "allreduce_bus_bytes_per_s": bus,
-           "allreduce_alpha_s": alpha, "dtype": dtype, "gemm_curve_n": list(CURVE_GEMM_N),
-           "gemm_curve_s": [t for _, t in gemm_curve], "stream_curve_bytes": list(CURVE_STREAM_BYTES),
+           "allreduce_alpha_s": alpha, "allreduce_alpha_by_group": [list(a) for a in alphas], "dtype": dtype,
+           "gemm_curve_n": list(CURVE_GEMM_N), "gemm_curve_s": [t for _, t in gemm_curve],
+           "gemm_t_curve_s": [t for _, t in gemm_t_curve], "stream_curve_bytes": list(CURVE_STREAM_BYTES),
            "stream_curve_s": [t for _, t in stream_curve]}
     return hw, raw
 

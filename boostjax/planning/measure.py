@@ -49,7 +49,7 @@ from boostjax.planning.costs import program_cost
 from boostjax.planning.residuals import layer_residual_bytes
 from boostjax.training.step import step_layout, train_state_shapes
 
-CACHE_VERSION = 3  # 2: memory from the chunked compile on GPUs; 3: program costs list each executed instruction's bytes
+CACHE_VERSION = 4  # 2: memory from the chunked compile on GPUs; 3: program costs list each executed instruction's bytes; 4: GEMMs say whether the lhs contracts a major dimension
 
 
 @dataclass(frozen=True)

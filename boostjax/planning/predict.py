@@ -9,11 +9,12 @@ Time (one optimizer step, per device; nothing overlaps):
   (the time divided by data at fixed rates; on a calibrated CPU small instructions cost their dispatch
   whatever their size);
 - data-parallel gradient traffic on the stage's fp32 parameter bytes W (read from the compiled step's
-  arguments): ZeRO 0 an all-reduce once per step, ZeRO 1 a reduce-scatter and an all-gather (the same
-  ring volume), ZeRO 3 per slot an all-gather for the forward, one for the backward and a
-  reduce-scatter of the gradients; at the bus, or between nodes when the data axis spans several;
-  on the CPU under ZeRO >= 1 one such collective per parameter array of the stage (each pays `alpha`:
-  its compiled step has one reduce-scatter and one all-gather per array, not combined), otherwise one;
+  arguments): ZeRO 0 an all-reduce once per step; ZeRO 1 and 3 a reduce-scatter of the gradients and an
+  all-gather of the parameters once per step (the same ring volume; under ZeRO 3 the step gathers the
+  parameters before its first micro-batch and keeps them for all, as its compiled program does); at the
+  bus, or between nodes when the data axis spans several; on the CPU under ZeRO >= 1 one such collective
+  per parameter array of the stage (each pays `alpha`: its compiled step has one reduce-scatter and one
+  all-gather per array, not combined; a pipeline's stage stacks its layers' arrays), otherwise one;
 - pipeline sends: the activation and its gradient across each of the `stage - 1` boundaries once on
   the critical path (fill and drain), `[micro_batch, seq, width]` in the compute dtype (width
   d_model / model under BTP, whose residual is sharded; d_model otherwise).
@@ -85,14 +86,11 @@ def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, e
     slots = c.slots + c.stage - 1
     opt_s = opt_shard["gemm_s"] + opt_shard["memory_s"] + opt["comm_s"]
     data_bus = _bus(cluster, hw, d, c.stage * c.model)
-    n = param_arrays(model, layers) if cluster.is_cpu and c.zero >= 1 else 1  # collectives per gather / scatter
+    # collectives per gather / scatter on the CPU (one per parameter array; a pipeline stacks its layers)
+    n = param_arrays(model, 1.0 if c.stage > 1 else layers) if cluster.is_cpu and c.zero >= 1 else 1
     if d == 1:
         dp_s, dp_bytes = 0.0, 0.0
-    elif c.zero == 3:
-        ag = n * coll_time("all-gather", w / n, d, hw, data_bus)
-        rs = n * coll_time("reduce-scatter", w / d / n, d, hw, data_bus)
-        dp_s, dp_bytes = slots * (2 * ag + rs), slots * 3 * w
-    elif c.zero == 1:
+    elif c.zero >= 1:  # gathered once per step, every micro-batch uses them (ZeRO 3: before, ZeRO 1: after the update)
         dp_s = n * (coll_time("reduce-scatter", w / d / n, d, hw, data_bus) + coll_time("all-gather", w / n, d, hw,
                                                                                          data_bus))
         dp_bytes = 2 * w
