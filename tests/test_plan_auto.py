@@ -19,12 +19,6 @@ from boostjax.planning.cpu import shared_rates
 from boostjax.planning.space import comm_lower_bound, enumerate_space, memory_lower_bound, time_lower_bound
 from helpers import MICRO, one_error_line
 
-def hlo_module(text):
-    from boostjax.analysis import hlo
-
-    return hlo.parse_module(text)
-
-
 # a CPU-like machine with round numbers (no calibration run in the tests)
 HW = Hardware("test", 1e10, 1e10, 1.0, 1e9, 1e-5, 1e9, 1e-5)
 MODEL = replace(MICRO, n_layers=2, vocab_size=256)
@@ -228,6 +222,7 @@ def test_in_place_updates_and_slices_count_the_bytes_they_touch():
 def test_the_cpu_micro_benchmark_times_one_link_of_a_chain():
     import jax
 
+    from boostjax.analysis import hlo
     from boostjax.planning import cpu
 
     devs = jax.devices()[:2]
@@ -239,7 +234,7 @@ def test_the_cpu_micro_benchmark_times_one_link_of_a_chain():
     v, ws, spec = cpu._operands("stream", 1 << 12, mesh)
     for k in (4, 16):
         text = cpu._chain(cpu.LINKS["stream"], k, mesh, spec).lower(v, ws).compile().as_text()
-        mod = hlo_module(text)
+        mod = hlo.parse_module(text)
         kernels = [i for i in mod.computations[mod.entry] if i.opcode in ("fusion", "reduce")]
         assert len(kernels) == k
     # a link measured faster than a smaller one is noise: the curve never decreases with size

@@ -26,7 +26,6 @@ it (the program is what runs, e.g. on the CPU) every byte counts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-import re
 from typing import Any
 
 import numpy as np
@@ -82,11 +81,6 @@ def _score_shaped(arrays, seq: int, batch: int) -> bool:
     return any(sum(1 for s in a.shape if s == seq) >= 2 and a.elements >= 2 * batch * seq * seq for a in arrays)
 
 
-def _param_index(ins: hlo.Instr) -> int:
-    m = re.match(r"\s*(\d+)", ins.args)
-    return int(m.group(1)) if m else -1
-
-
 def traffic_bytes(mod: hlo.Module, comp: str, ins: hlo.Instr) -> int:
     """Bytes one executed instruction reads and writes: its operands and results, except what an in-place
     `dynamic-update-slice` (the whole instruction's, or its fusion's root) leaves alone (the buffer it
@@ -97,7 +91,7 @@ def traffic_bytes(mod: hlo.Module, comp: str, ins: hlo.Instr) -> int:
     body = (ins.attr("calls") or "").lstrip("%") if ins.opcode == "fusion" else ""
     instrs = mod.computations.get(body, [])
     root = mod.root(body) if body else ins
-    params = {_param_index(i): i.name for i in instrs if i.opcode == "parameter"}
+    params = {i.param_index: i.name for i in instrs if i.opcode == "parameter"}
     users: dict[str, list[hlo.Instr]] = {}
     for i in instrs:
         for o in i.operands:

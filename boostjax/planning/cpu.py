@@ -24,7 +24,7 @@ work), as seconds per instruction at a few sizes (best of a few repeats after a 
   a running program: the cost of launching a program on every device, which a single jitted `psum`
   would time too, cancels). The latency depends on the group (its threads meet): the small psum is
   timed again over groups of every size g dividing the devices (all groups at once), `alpha_by_group`
-  (40 us for pairs, 190 us for 8 devices on this 2-core machine).
+  (20-40 us for pairs, 150-190 us for 8 devices on this 2-core machine).
 - the machine's peak: one `[768, 768]` matmul and one 64 MiB `x * a + b` on one device (XLA spreads them
   over the cores); a device of an n-device mesh gets 1/n of them (`shared_rates`: the time lower bound
   and MFU), never below the rates the curves reached.
@@ -77,8 +77,7 @@ ROWS = P(("r", "g"))  # a chain's `v`: split over every device
 
 
 def _chain(step, k: int, mesh: Mesh, w_spec: P):
-    """`v -> step(...step(v, ws[1])..., ws[0])` (`k` links, link i reads `ws[i % len(ws)]`) on every device
-    of `mesh`, jitted."""
+    """`k` links `v = step(v, ws[i % len(ws)])`, i = 0 .. k-1, on every device of `mesh`, jitted."""
     def body(v, ws):
         for i in range(k):
             v = step(v, ws[i % len(ws)])

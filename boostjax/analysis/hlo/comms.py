@@ -118,7 +118,7 @@ def _producer(mod: Module, ins: Instr) -> tuple[str, str] | None:
         root = mod.root(called)
         return (called, root.name) if root is not None else None
     if ins.opcode == "parameter" and ins.computation != mod.entry:
-        call, idx = mod.caller(ins.computation), _param_index(ins)
+        call, idx = mod.caller(ins.computation), ins.param_index
         if call is not None and idx < len(call.operands):
             return call.computation, call.operands[idx]
     return None
@@ -161,11 +161,6 @@ def from_parameter(mod: Module, computation: str, name: str) -> bool:
     """
     _, end = _chain(mod, computation, name)
     return end is not None and end.opcode == "parameter" and end.computation == mod.entry
-
-
-def _param_index(ins: Instr) -> int:
-    m = re.match(r"\s*(\d+)", ins.args)
-    return int(m.group(1)) if m else 0
 
 
 def collectives(text_or_module: str | Module) -> list[Collective]:

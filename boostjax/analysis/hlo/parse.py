@@ -49,6 +49,12 @@ class Instr:
     computation: str
     is_root: bool = False
 
+    @property
+    def param_index(self) -> int:
+        """A `parameter` instruction's number (its position among the computation's arguments)."""
+        m = re.match(r"\s*(\d+)", self.args)
+        return int(m.group(1)) if m else 0
+
     def attr(self, key: str) -> str | None:
         m = re.search(r"\b" + re.escape(key) + r"=", self.attrs)
         if not m:
