@@ -3,8 +3,12 @@
 `boostjax train --offload-plan` takes a plan of `boostjax.offload` (the CP-SAT keep / offload /
 recompute plan of one device of the mesh, `boostjax plan --mesh ... --strategy ...`), and accepts it
 only with no gradient accumulation, ZeRO 0 and no `--remat` (the plan sets the policy): `eligible`.
-A candidate with stages is not offered one here (the plan's instance prices one micro-batch of the
-whole batch, not a pipeline's micro-batches in flight).
+With stages, the plan's instance is one stage's layers over all of the data shard's rows (its
+micro-batches together), which is what a GPipe stage holds: every micro-batch's forward before the
+first backward. So a GPipe candidate is offered one; a 1F1B stage holds only the micro-batches in
+flight, which the instance (and the plan file `boostjax train` checks against the run's batch) cannot
+express, so 1F1B is not. The instance prices each layer's transient work over all rows at once, more
+than a micro-batch's: that errs towards a larger peak.
 
 The offload cost model and the compiled step count memory differently, so the plan is solved for the
 budget shifted by their difference: with `compiled` the candidate's predicted peak and `none` the
@@ -12,7 +16,9 @@ cost model's peak of the same step with nothing offloaded (its `no-offload` base
 must fit `budget - (compiled - none)`, and the candidate's peak becomes `compiled - (none - plan)`
 (what the plan saves, by the cost model, off the compiled peak). Its time is the compiled
 prediction plus what the plan adds by the cost model: `plan - no-offload` predicted step seconds
-(recomputation and transfers not hidden under compute, at the profile's host link).
+(recomputation and transfers not hidden under compute, at the profile's host link), over all
+micro-batches of a stage; a pipeline's step adds it once per micro-batch slot of the schedule, bubble
+included: times `(M + P - 1) / M` (`pipeline_factor`).
 Not on the CPU: its backend does not apply activation offload (`boostjax.offload.apply`).
 """
 
@@ -32,7 +38,14 @@ from boostjax.runtime.profiles import get_profile
 
 def eligible(c: Candidate) -> bool:
     """`boostjax train` takes an offload plan with this candidate (module docstring)."""
-    return c.stage == 1 and c.slots == 1 and c.zero == 0 and c.remat == "none"
+    one_batch = c.slots == 1 if c.stage == 1 else c.schedule == "gpipe"
+    return one_batch and c.zero == 0 and c.remat == "none"
+
+
+def pipeline_factor(c: Candidate) -> float:
+    """A stage's added seconds per step over its added seconds for all its micro-batches: the schedule
+    runs `slots + stage - 1` slots of one micro-batch each (1 without stages)."""
+    return (c.slots + c.stage - 1) / c.slots if c.stage > 1 else 1.0
 
 
 def gpu_attention_memory(model: ModelConfig, seq: int, dtype: str) -> str:
@@ -62,8 +75,8 @@ def offload(model: ModelConfig, c: Candidate, pred: dict[str, Any], seq: int, dt
     except PlanInfeasible:
         return None
     return {"plan": plan, "peak_bytes_per_device": compiled - (none.predicted_peak_bytes - plan.predicted_peak_bytes),
-            "extra_s": max(0.0, plan.predicted_step_s - none.predicted_step_s),
+            "extra_s": max(0.0, plan.predicted_step_s - none.predicted_step_s) * pipeline_factor(c),
             "none_peak_bytes": none.predicted_peak_bytes, "solve_s": plan.solve_s}
 
 
-__all__ = ["eligible", "gpu_attention_memory", "offload"]
+__all__ = ["eligible", "gpu_attention_memory", "offload", "pipeline_factor"]

@@ -16,7 +16,7 @@
    further).
 4. `predict.predict` for every candidate of a compiled key; one over the budget is dropped, unless
    (GPU clusters) `boostjax train` takes an offload plan with it (`offloading.eligible`: no
-   accumulation, ZeRO 0, remat none, no stages) and the CP-SAT offload plan of its mesh fits
+   accumulation, ZeRO 0, remat none; with stages, GPipe) and the CP-SAT offload plan of its mesh fits
    (`offloading.offload`, at most `max_offloads` solves): then it is ranked with the plan's memory
    saving and its added seconds, and its `train_command` passes `--offload-plan` (the plan's JSON
    is in the row; `boostjax plan --auto --out` writes it beside the plan). Such a candidate is
@@ -230,21 +230,26 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
         refused += len(groups[key]) - len(full)
         return full
 
+    def compile_and_place(key: Key, note: str) -> None:
+        """Measure `key` (compiled, or read from the cache), then predict and place its candidates."""
+        nonlocal compiled, cached
+        m, fresh = measure(key, cache_dir)
+        compiled, cached = compiled + fresh, cached + (not fresh)
+        if log:
+            log(f"{'compiled' if fresh else 'cached'} TP{key.tp} {key.strategy} mb{key.micro_batch} remat "
+                f"{key.remat} ({note}{time.perf_counter() - t0:.0f} s)")
+        for c in groups[key]:
+            p = predict(model, c, m, device_hw(c), eta, cl, seq, dtype)
+            if p["peak_bytes_per_device"] > budget:
+                overflow.add((key.strategy, key.tp, key.micro_batch, key.remat))
+            place(c, p)
+            if c in include:
+                included[c] = next((q for d, q in ranked if d == c), p)
+
     for key in order:
         if key in forced:
             groups[key] = keep_accepted(key)
-            m, fresh = measure(key, cache_dir)
-            compiled, cached = compiled + fresh, cached + (not fresh)
-            if log:
-                log(f"{'compiled' if fresh else 'cached'} TP{key.tp} {key.strategy} mb{key.micro_batch} remat "
-                    f"{key.remat} (included; {time.perf_counter() - t0:.0f} s)")
-            for c in groups[key]:
-                p = predict(model, c, m, device_hw(c), eta, cl, seq, dtype)
-                if p["peak_bytes_per_device"] > budget:
-                    overflow.add((key.strategy, key.tp, key.micro_batch, key.remat))
-                place(c, p)
-                if c in include:
-                    included[c] = next((q for d, q in ranked if d == c), p)
+            compile_and_place(key, "included; ")
             continue
         best = sorted(p["step_s"] for _, p in ranked)
         lesser = REMAT_ORDER[:REMAT_ORDER.index(key.remat)]
@@ -259,18 +264,8 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
             skipped["compile_budget"] += len(groups[key])
             continue
         groups[key] = keep_accepted(key)
-        if not groups[key]:
-            continue
-        m, fresh = measure(key, cache_dir)
-        compiled, cached = compiled + fresh, cached + (not fresh)
-        if log:
-            log(f"{'compiled' if fresh else 'cached'} TP{key.tp} {key.strategy} mb{key.micro_batch} remat "
-                f"{key.remat} ({time.perf_counter() - t0:.0f} s)")
-        for c in groups[key]:
-            p = predict(model, c, m, device_hw(c), eta, cl, seq, dtype)
-            if p["peak_bytes_per_device"] > budget:
-                overflow.add((key.strategy, key.tp, key.micro_batch, key.remat))
-            place(c, p)
+        if groups[key]:
+            compile_and_place(key, "")
     search = {**counts, "valid": len(space), "pruned_memory_bound": len(space) - len(fits),
               **{f"skipped_{k}": v for k, v in skipped.items()}, "refused_in_full": refused,
               "compile_keys": len(groups), "compiled": compiled, "cached": cached,
@@ -286,7 +281,7 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     _why(rows)
     inc = [{**_row(model, c, included[c], seq, dtype, optimizer, cl, preset_name, plans.get(c), offload_dir),
             "fits": included[c]["peak_bytes_per_device"] <= budget,
-            "rank": next((i for i, r in enumerate(rows, 1) if r["label"] == c.label), None)} for c in include]
+            "rank": next((i for i, (d, _) in enumerate(ranked, 1) if d == c), None)} for c in include]
     rej = [_row(model, c, p, seq, dtype, optimizer, cl, preset_name)
            for c, p in sorted(rejected, key=lambda cp: cp[1]["step_s"])[:10]]
     return PlanResult(cl, hw, eta, budget, rows, search, calib, rej, inc)
@@ -304,7 +299,8 @@ def _row(model, c: Candidate, p: dict, seq, dtype, optimizer, cl, preset_name, p
 
 def offload_file(c: Candidate) -> str:
     """The file name of a candidate's offload plan."""
-    return f"offload_D{c.data}_TP{c.model}_{c.strategy}_mb{c.micro_batch}.json"
+    stages = f"_PP{c.stage}_{c.schedule}x{c.slots}" if c.stage > 1 else ""
+    return f"offload_D{c.data}{stages}_TP{c.model}_{c.strategy}_mb{c.micro_batch}.json"
 
 
 def _offloaded(p: dict, got: dict, seq: int, c: Candidate) -> dict:
