@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
-
-from boostjax.config import DATA, MODEL, Config, ConfigError
+from boostjax.config import MODEL, Config, ConfigError
 from boostjax.placement.tensor import TensorParallel
 from boostjax.sharding import rules
 from boostjax.models.stacking import stack_layers, unstack_layers
@@ -61,27 +60,18 @@ class Pipeline(TensorParallel):
     def info(self) -> dict:
         return pipeline_info(self.cfg.train)
 
-    @cached_property
-    def loss_fn(self):
-        remat = self.cfg.train.remat if self.remat is None else self.remat
-        specs, n_micro = self.param_specs(self.to_state_like), microbatches(self.cfg.train)
+    def make_loss_fn(self, specs: Any, remat: Any) -> Callable:
+        """The schedule's mean loss over micro-batches (1F1B: the same loss, its gradient the 1F1B schedule)."""
+        n_micro = microbatches(self.cfg.train)
         loss_fn = pipeline_loss_fn(self.cfg, self.mesh, specs, n_micro, remat)
-        if self.cfg.train.pipeline_schedule == "1f1b":  # the same loss; its gradient runs the 1F1B schedule
+        if self.cfg.train.pipeline_schedule == "1f1b":
             loss_fn = onef1b_loss_fn(self.cfg, self.mesh, specs, n_micro, forward=loss_fn, remat=remat)
         return loss_fn
 
-    @cached_property
-    def grad_fn(self):
-        """The schedule's gradient summed over `data` explicitly (`boostjax.sharding.zero`):
-        reduce-scattered where ZeRO (stage >= 1) splits it, all-reduced otherwise. None without a
-        `data` axis of more than one device (the step differentiates `loss_fn`)."""
-        if self.mesh.shape[DATA] == 1:
-            return None
-        remat = self.cfg.train.remat if self.remat is None else self.remat
-        like = self.to_state_like
-        specs, n_micro = self.param_specs(like), microbatches(self.cfg.train)
+    def make_grad_fn(self, specs: Any, split: Any, remat: Any) -> Callable:
+        """The schedule's (loss, gradient), the gradient summed over `data` into `split`."""
         grad_fn = onef1b_grad_fn if self.cfg.train.pipeline_schedule == "1f1b" else pipeline_grad_fn
-        return grad_fn(self.cfg, self.mesh, specs, self.zero_specs("grads", specs, like), n_micro, remat)
+        return grad_fn(self.cfg, self.mesh, specs, split, microbatches(self.cfg.train), remat)
 
 
 __all__ = ["Pipeline", "check_pipeline"]

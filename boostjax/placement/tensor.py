@@ -111,11 +111,14 @@ class TensorParallel(Canonical):
         """NamedShardings of `specs` with ZeRO's split (`zero_specs`)."""
         return named(self.mesh, self.zero_specs(role, specs, like))
 
+    @property
+    def remat_schedule(self) -> Any:
+        """What the step recomputes: an offload plan's per-layer schedule, else `--remat`."""
+        return self.cfg.train.remat if self.remat is None else self.remat
+
     @cached_property
     def loss_fn(self):
-        remat = self.cfg.train.remat if self.remat is None else self.remat
-        specs = self.param_specs(self.to_state_like)
-        return shard_loss_fn(self.cfg, self.graphdef, self.mesh, specs, remat)
+        return self.make_loss_fn(self.param_specs(self.to_state_like), self.remat_schedule)
 
     @cached_property
     def grad_fn(self):
@@ -124,10 +127,17 @@ class TensorParallel(Canonical):
         `data` axis of more than one device (the step differentiates `loss_fn`)."""
         if self.mesh.shape[DATA] == 1:
             return None
-        remat = self.cfg.train.remat if self.remat is None else self.remat
         like = self.to_state_like
         specs = self.param_specs(like)
-        return shard_grad_fn(self.cfg, self.graphdef, self.mesh, specs, self.zero_specs("grads", specs, like), remat)
+        return self.make_grad_fn(specs, self.zero_specs("grads", specs, like), self.remat_schedule)
+
+    def make_loss_fn(self, specs: Any, remat: Any) -> Callable:
+        """The mean loss over the mesh of parameters laid out by `specs`."""
+        return shard_loss_fn(self.cfg, self.graphdef, self.mesh, specs, remat)
+
+    def make_grad_fn(self, specs: Any, split: Any, remat: Any) -> Callable:
+        """(loss, gradient) with the gradient summed over `data` into the layout `split`."""
+        return shard_grad_fn(self.cfg, self.graphdef, self.mesh, specs, split, remat)
 
     @cached_property
     def to_state_like(self) -> Any:
