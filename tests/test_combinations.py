@@ -77,6 +77,35 @@ def test_btp_with_an_offload_plan_matches_one_device(tmp_path):
     assert any(homes.values()) and not all(homes.values())  # the last layer lives in host memory
 
 
+def test_1f1b_stages_with_an_offload_plan_match_one_device(tmp_path):
+    """`--strategy btp --mesh stage=2,model=2 --pipeline-schedule 1f1b --offload-plan` (two layers per stage,
+    an offloaded boundary, a recompute segment, every layer's optimizer state in host memory), the plan
+    `boostjax plan --auto` gives a 1F1B candidate: the single-device AdamW losses and parameters."""
+    train = TrainConfig(batch=4, seq=16, progress=False)
+    run = Config(MODEL, replace(train, strategy="btp", mesh="stage=2,model=2", pipeline_schedule="1f1b"))
+    planned = replace(run, train=replace(run.train, offload_plan=_plan_file(tmp_path, run)))
+    ref, got = _steps(Config(MODEL, train), 3), _steps(planned, 3)
+    np.testing.assert_allclose(got[0], ref[0], rtol=5e-6)
+    errs = jax.tree.map(_rel, got[1], ref[1])
+    # measured: losses within 1.7e-7, parameters 4.0e-8 worst leaf
+    assert max(jax.tree.leaves(errs)) < 1e-6, errs
+    opt = {jax.tree_util.keystr(k): on_host(x.sharding)
+           for k, x in jax.tree_util.tree_flatten_with_path(got[2].opt_state)[0] if "'layers'" in jax.tree_util.keystr(k)}
+    assert opt and all(opt.values()), opt
+    # the CUDA lowering (no GPU needed): the offloaded boundary [mb, t, d/TP] goes to pinned host in the two
+    # scan phases that run forwards and back in the two that run backwards, and the 1F1B ring that keeps
+    # it over the 2P - 1 = 3 slots lives in pinned host too
+    graphdef, params = init_model(planned)
+    fns = build_step_fns(planned, graphdef, params)
+    on_device = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")),
+                             fns.init(params).params)
+    batch = fns.put_batch(BatchIterator(load_corpus("").train, 4, 16, 0, vocab_size=MODEL.vocab_size).batch_at(0))
+    moves = apply.annotated_placements(apply.lower_for_gpu(jax.grad(fns.loss_fn), on_device, batch))
+    boundary = "tensor<1x16x16xf32>"
+    assert sorted(moves) == sorted([("pinned_host", boundary), ("device", boundary)] * 2
+                                   + [("pinned_host", "tensor<3x1x16x16xf32>")]), moves
+
+
 def test_btp_pipeline_rotation_delay_and_offload_in_one_mesh(tmp_path):
     """`--strategy btp --mesh data=2,stage=2,model=2 --optimizer rotation --pipeline-delay 2
     --offload-plan`, one layer per stage, its parameters and optimizer state in host memory: the

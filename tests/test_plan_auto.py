@@ -291,11 +291,12 @@ def test_gpu_memory_comes_from_the_chunked_compile_and_time_from_the_materialise
 
 
 def test_a_candidate_over_the_budget_runs_with_an_offload_plan(tmp_path):
-    """One device, then a pipeline's stages: GPipe gets a plan, 1F1B none."""
+    """One device, then a pipeline's stages (GPipe and 1F1B)."""
     from boostjax.cli import build_parser
     from boostjax.cli.plan_auto import write_offload_plans
     from boostjax.cli.train import train_config
     from boostjax.offload.fit import check_plan_for
+    from boostjax.planning.offloading import credit, pipeline_factor
     from boostjax.planning.search import NothingFits, plan_auto
 
     from boostjax.planning.space import Candidate
@@ -324,26 +325,29 @@ def test_a_candidate_over_the_budget_runs_with_an_offload_plan(tmp_path):
     cfg = train_config(build_parser().parse_args(argv[1:]))
     check_plan_for(cfg.train.offload_plan, cfg)  # train accepts the plan for this configuration
 
-    # a GPipe stage holds all of its micro-batches at once, as the offload instance prices them: it gets a
-    # plan; a 1F1B stage holds fewer, which no plan file can say, so it gets none (the same compiled keys)
-    stages = tuple(Candidate(1, 2, 1, "none", 1, 2, s, "none", 0) for s in ("gpipe", "1f1b"))
-    two = plan_auto(LONG, "1x2:A100-80GB", 2, 64, budget_bytes=1e12, max_compiles=0, max_offloads=0, include=stages)
-    peak = {r["schedule"]: r["peak_bytes_per_device"] for r in two.included}
-    budget = 0.9 * min(peak.values())  # both schedules over it
-    res = plan_auto(LONG, "1x2:A100-80GB", 2, 64, budget_bytes=budget, max_compiles=0, max_offloads=8,
-                    offload_dir=str(tmp_path), include=stages)
-    gpipe, onef1b = res.included
-    assert gpipe["label"].endswith("+offload") and gpipe["fits"] and gpipe["rank"]
-    assert gpipe["peak_bytes_per_device"] <= budget < gpipe["compiled_peak_bytes_per_device"]
-    assert not onef1b["fits"] and onef1b["rank"] is None and "offload_plan" not in onef1b
-    assert gpipe["time_s"]["offload"] > 0
-    write_offload_plans(res.candidates)
-    argv = shlex.split(gpipe["train_command"])
-    path = argv[argv.index("--offload-plan") + 1]
-    assert path == str(tmp_path / "offload_D1_PP2_gpipex2_TP1_none_mb1.json")
-    cfg = train_config(build_parser().parse_args(argv[1:]))
-    assert cfg.train.sizes.stage == 2 and cfg.train.pipeline_schedule == "gpipe"
-    check_plan_for(path, cfg)  # train accepts the plan for this pipeline
+    # two stages, 4 micro-batches: GPipe keeps M + P - 1 = 5 activation slots, the instance's 4 micro-batches
+    # and more, so the plan's saving is credited once; 1F1B's ring keeps 2P - 1 = 3, so 3/4 of it
+    stages = {s: Candidate(1, 2, 1, "none", 1, 4, s, "none", 0) for s in ("gpipe", "1f1b")}
+    assert (credit(stages["gpipe"]), credit(stages["1f1b"])) == (1.0, 0.75)
+    assert pipeline_factor(stages["gpipe"]) == 5 / 4  # the added seconds paid by M + P - 1 slots of M
+    two = plan_auto(LONG, "1x2:A100-80GB", 4, 64, budget_bytes=1e12, max_compiles=0, max_offloads=0,
+                    include=tuple(stages.values()))
+    for c, before in zip(stages.values(), two.included):
+        budget = 0.9 * before["peak_bytes_per_device"]
+        res = plan_auto(LONG, "1x2:A100-80GB", 4, 64, budget_bytes=budget, max_compiles=0, max_offloads=8,
+                        offload_dir=str(tmp_path), include=(c,))
+        write_offload_plans(res.candidates)
+        r = res.included[0]
+        assert r["label"].endswith("+offload") and r["fits"] and r["rank"]
+        assert r["peak_bytes_per_device"] <= budget < r["compiled_peak_bytes_per_device"]
+        assert r["compiled_peak_bytes_per_device"] == before["peak_bytes_per_device"]
+        assert r["time_s"]["offload"] > 0
+        argv = shlex.split(r["train_command"])
+        path = argv[argv.index("--offload-plan") + 1]
+        assert path == str(tmp_path / f"offload_D1_PP2_{r['schedule']}x4_TP1_none_mb1.json")
+        cfg = train_config(build_parser().parse_args(argv[1:]))
+        assert cfg.train.sizes.stage == 2 and cfg.train.pipeline_schedule == r["schedule"]
+        check_plan_for(path, cfg)  # train accepts the plan for this pipeline
 
 
 def test_a_pipeline_keeps_one_traced_residual_per_layer_and_activation_slot():

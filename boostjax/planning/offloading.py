@@ -3,22 +3,23 @@
 `boostjax train --offload-plan` takes a plan of `boostjax.offload` (the CP-SAT keep / offload /
 recompute plan of one device of the mesh, `boostjax plan --mesh ... --strategy ...`), and accepts it
 only with no gradient accumulation, ZeRO 0 and no `--remat` (the plan sets the policy): `eligible`.
-With stages, the plan's instance is one stage's layers over all of the data shard's rows (its
-micro-batches together), which is what a GPipe stage holds: every micro-batch's forward before the
-first backward. So a GPipe candidate is offered one; a 1F1B stage holds only the micro-batches in
-flight, which the instance (and the plan file `boostjax train` checks against the run's batch) cannot
-express, so 1F1B is not. The instance prices each layer's transient work over all rows at once, more
-than a micro-batch's: that errs towards a larger peak.
 
-The offload cost model and the compiled step count memory differently, so the plan is solved for the
-budget shifted by their difference: with `compiled` the candidate's predicted peak and `none` the
-cost model's peak of the same step with nothing offloaded (its `no-offload` baseline), the plan
-must fit `budget - (compiled - none)`, and the candidate's peak becomes `compiled - (none - plan)`
-(what the plan saves, by the cost model, off the compiled peak). Its time is the compiled
-prediction plus what the plan adds by the cost model: `plan - no-offload` predicted step seconds
-(recomputation and transfers not hidden under compute, at the profile's host link), over all
-micro-batches of a stage; a pipeline's step adds it once per micro-batch slot of the schedule, bubble
-included: times `(M + P - 1) / M` (`pipeline_factor`).
+The offload cost model and the compiled step count memory differently. With `compiled` the
+candidate's predicted peak and `none` / `plan` the cost model's peaks of the same step with nothing
+offloaded (its `no-offload` baseline) / with the plan, the candidate is credited `g x (none - plan)`
+(what the plan saves by the cost model, `credit`) off its compiled peak, so the plan is solved for the
+budget `none - (compiled - budget) / g`. Without stages g = 1. With stages the instance is one stage's
+layers over all of the data shard's rows, its M micro-batches together, while the compiled stage keeps
+S activation slots (`space.in_flight`: GPipe's M + P - 1 ticks, 1F1B's ring of 2P - 1), each under the
+plan's per-layer policy: the plan's activation saving applies S / M times over, its parameter and
+optimizer-state saving once. `g = min(1, S / M)` never credits more than either: the whole saving once
+where S >= M, all of it scaled down where S < M. The instance also prices each layer's transient work
+over all rows at once, more than one micro-batch's (a larger peak, never a smaller one).
+
+Its time is the compiled prediction plus what the plan adds by the cost model: `plan - no-offload`
+predicted step seconds (recomputation and transfers not hidden under compute, at the profile's host
+link), over all micro-batches of a stage; a pipeline's step adds it once per micro-batch slot of the
+schedule, bubble included: times `(M + P - 1) / M` (`pipeline_factor`).
 Not on the CPU: its backend does not apply activation offload (`boostjax.offload.apply`).
 """
 
@@ -32,14 +33,18 @@ from boostjax.config import Config, ModelConfig, TrainConfig, validate
 from boostjax.offload.apply import instance_for
 from boostjax.offload.planfile import PlanInfeasible
 from boostjax.offload.planner import baseline_plan, solve
-from boostjax.planning.space import Candidate
+from boostjax.planning.space import Candidate, in_flight
 from boostjax.runtime.profiles import get_profile
 
 
 def eligible(c: Candidate) -> bool:
     """`boostjax train` takes an offload plan with this candidate (module docstring)."""
-    one_batch = c.slots == 1 if c.stage == 1 else c.schedule == "gpipe"
-    return one_batch and c.zero == 0 and c.remat == "none"
+    return (c.slots == 1 or c.stage > 1) and c.zero == 0 and c.remat == "none"
+
+
+def credit(c: Candidate) -> float:
+    """The share `g` of the cost model's saving credited to the compiled peak (module docstring)."""
+    return min(1.0, in_flight(c) / c.slots) if c.stage > 1 else 1.0
 
 
 def pipeline_factor(c: Candidate) -> float:
@@ -66,17 +71,17 @@ def offload(model: ModelConfig, c: Candidate, pred: dict[str, Any], seq: int, dt
     cfg = validate(Config(model, TrainConfig(**c.train_fields(seq, dtype, optimizer))))
     inst = instance_for(cfg, get_profile(hardware), attention=gpu_attention_memory(model, seq, dtype))
     none = baseline_plan(inst, "no-offload")
-    compiled = pred["peak_bytes_per_device"]
-    shifted = budget - (compiled - none.predicted_peak_bytes)
+    compiled, g = pred["peak_bytes_per_device"], credit(c)
+    shifted = none.predicted_peak_bytes - (compiled - budget) / g
     if shifted <= 0:
         return None
     try:
         plan = solve(inst.with_budget(shifted), time_limit_s=time_limit_s, workers=1)
     except PlanInfeasible:
         return None
-    return {"plan": plan, "peak_bytes_per_device": compiled - (none.predicted_peak_bytes - plan.predicted_peak_bytes),
+    return {"plan": plan, "peak_bytes_per_device": compiled - g * (none.predicted_peak_bytes - plan.predicted_peak_bytes),
             "extra_s": max(0.0, plan.predicted_step_s - none.predicted_step_s) * pipeline_factor(c),
             "none_peak_bytes": none.predicted_peak_bytes, "solve_s": plan.solve_s}
 
 
-__all__ = ["eligible", "gpu_attention_memory", "offload", "pipeline_factor"]
+__all__ = ["credit", "eligible", "gpu_attention_memory", "offload", "pipeline_factor"]

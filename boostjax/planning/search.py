@@ -16,7 +16,7 @@
    further).
 4. `predict.predict` for every candidate of a compiled key; one over the budget is dropped, unless
    (GPU clusters) `boostjax train` takes an offload plan with it (`offloading.eligible`: no
-   accumulation, ZeRO 0, remat none; with stages, GPipe) and the CP-SAT offload plan of its mesh fits
+   accumulation except a pipeline's micro-batches, ZeRO 0, remat none) and the CP-SAT offload plan of its mesh fits
    (`offloading.offload`, at most `max_offloads` solves): then it is ranked with the plan's memory
    saving and its added seconds, and its `train_command` passes `--offload-plan` (the plan's JSON
    is in the row; `boostjax plan --auto --out` writes it beside the plan). Such a candidate is

@@ -9,7 +9,8 @@ collectives under a stage-dependent `cond`). Stage `s` runs
 
 - the forward of micro-batch `i` at tick `i + s` (stage 0 embeds it; the others receive it from
   `s - 1` by `ppermute`), keeping the `jax.vjp` residuals of its layers in a ring of `2P - 1` slots
-  indexed by `i mod (2P - 1)` (a remat policy decides what the residuals are);
+  indexed by `i mod (2P - 1)` (a remat policy decides what the residuals are; a residual an offload
+  plan's policy moves to pinned host keeps its ring there too);
 - on the last stage, in the same tick, the head and loss of micro-batch `i`: its features are
   `psum_scatter`-ed over `stage` so every stage computes the head on 1/P of the tokens, and the
   feature cotangents are `all_gather`-ed back;
@@ -53,6 +54,13 @@ from boostjax.sharding.rules import STRATEGIES
 def ring_slots(stages: int) -> int:
     """Micro-batches whose stage residuals 1F1B keeps per device: `2P - 1`."""
     return 2 * stages - 1
+
+
+def _in_space(ring: jax.Array, res: jax.Array) -> jax.Array:
+    """`ring` in the memory space of the residual it holds: an offload plan's residual lives in host
+    memory (its remat policy moved it there), and its ring slots with it."""
+    space = jax.typeof(res).memory_space
+    return ring if space == jax.memory.Space.Device else jax.device_put(ring, space)
 
 
 def _like(x: jax.Array, ref: jax.Array) -> jax.Array:
@@ -200,7 +208,7 @@ def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str
 
         zeros = lambda like, shape=None, dtype=None: _like(  # noqa: E731
             jnp.zeros(like.shape if shape is None else shape, like.dtype if dtype is None else dtype), like)
-        ring0 = [zeros(res0[k], (n_ring, *res0[k].shape)) for k in ringed]
+        ring0 = [_in_space(zeros(res0[k], (n_ring, *res0[k].shape)), res0[k]) for k in ringed]
         acc0 = {k: zeros(v, dtype=f32) for k, v in top.items()}
         acc0["layers"] = [jax.tree.map(lambda a: zeros(a, dtype=f32), p) for p in layers]
         carry = (zeros(y0), zeros(y0), ring0, acc0, zero.vary(jnp.zeros((), f32), (*dp, STAGE)))
