@@ -16,9 +16,11 @@
    further).
 4. `predict.predict` for every candidate of a compiled key; one over the budget is dropped, unless
    (GPU clusters) `boostjax train` takes an offload plan with it (`offloading.eligible`: no
-   accumulation except a pipeline's micro-batches, ZeRO 0, remat none) and the CP-SAT offload plan of its mesh fits
-   (`offloading.offload`, at most `max_offloads` solves): then it is ranked with the plan's memory
-   saving and its added seconds, and its `train_command` passes `--offload-plan` (the plan's JSON
+   accumulation except a pipeline's micro-batches, ZeRO 0, remat none) and the CP-SAT offload plan
+   of its mesh fits (`offloading.offload`). Plans are solved after the compile loop, fastest
+   candidate first (a plan only adds time, so its compiled prediction bounds the offloaded one), at
+   most `max_offloads` of them and none for a candidate slower than the `top`-th ranked one. A
+   candidate with a plan is ranked with the plan's memory saving and its added seconds, and its `train_command` passes `--offload-plan` (the plan's JSON
    is in the row; `boostjax plan --auto --out` writes it beside the plan). Such a candidate is
    pruned by its memory bound only beyond the device budget plus the profile's host memory (the
    plan may move parameters and optimizer state to the host), and keys all of whose candidates
@@ -189,7 +191,8 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
         if c not in groups.setdefault(key_of(c), []):
             groups[key_of(c)].append(c)
     forced = {key_of(c) for c in include}
-    included: dict[Candidate, dict] = {}
+    predicted: dict[Candidate, dict] = {}
+    pending: list[tuple[Candidate, dict]] = []  # over the budget, waiting for an offload plan
     order = sorted(groups, key=lambda k: (all(lb_mem[c] > budget for c in groups[k]), min(lb_t[c] for c in groups[k]),
                                           REMAT_ORDER.index(k.remat), -k.micro_batch))
     firsts = list({k.tp: k for k in reversed(order)}.values())  # the best key of each TP size
@@ -206,23 +209,36 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     def out_of_time() -> bool:
         return compile_seconds is not None and time.perf_counter() - t0 > compile_seconds
 
-    def place(c: Candidate, p: dict) -> bool:
-        """Rank `c` (True) or reject it; over the budget, try an offload plan (module docstring)."""
+    def place(c: Candidate, p: dict) -> None:
+        """Rank `c` where it fits; over the budget, keep it for an offload plan or reject it."""
+        predicted[c] = p
         if p["peak_bytes_per_device"] <= budget:
             ranked.append((c, p))
-            return True
-        if can_offload(c) and offloads["tried"] < max_offloads and not out_of_time():
+        elif can_offload(c):
+            pending.append((c, p))
+        else:
+            rejected.append((c, p))
+
+    def try_offloads() -> None:
+        """Offload plans for the candidates over the budget, fastest first (a plan only adds time, so the
+        compiled prediction bounds the offloaded one): at most `max_offloads`, none for a candidate that
+        cannot enter the `top` any more (module docstring)."""
+        for c, p in sorted(pending, key=lambda cp: cp[1]["step_s"]):
+            best = sorted(q["step_s"] for _, q in ranked)
+            hopeless = len(best) >= top and p["step_s"] > best[top - 1]
+            if hopeless or offloads["tried"] >= max_offloads or out_of_time():
+                rejected.append((c, p))
+                continue
             offloads["tried"] += 1
             got = offloading.offload(model, c, p, seq, dtype, optimizer, cl.hardware, budget, offload_time_limit_s)
             if log:
                 log(f"offload plan for {c.label}: " + (f"fits, +{got['extra_s']:.3g} s" if got else "none fits"))
-            if got:
-                offloads["fitted"] += 1
-                plans[c] = got["plan"]
-                ranked.append((c, _offloaded(p, got, seq, c)))
-                return True
-        rejected.append((c, p))
-        return False
+            if not got:
+                rejected.append((c, p))
+                continue
+            offloads["fitted"] += 1
+            plans[c] = got["plan"]
+            ranked.append((c, _offloaded(p, got, seq, c)))
 
     def keep_accepted(key: Key) -> list[Candidate]:
         nonlocal refused
@@ -243,8 +259,6 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
             if p["peak_bytes_per_device"] > budget:
                 overflow.add((key.strategy, key.tp, key.micro_batch, key.remat))
             place(c, p)
-            if c in include:
-                included[c] = next((q for d, q in ranked if d == c), p)
 
     for key in order:
         if key in forced:
@@ -266,6 +280,8 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
         groups[key] = keep_accepted(key)
         if groups[key]:
             compile_and_place(key, "")
+    try_offloads()
+    included = {c: next((q for d, q in ranked if d == c), predicted[c]) for c in include}
     search = {**counts, "valid": len(space), "pruned_memory_bound": len(space) - len(fits),
               **{f"skipped_{k}": v for k, v in skipped.items()}, "refused_in_full": refused,
               "compile_keys": len(groups), "compiled": compiled, "cached": cached,
