@@ -74,7 +74,9 @@ def test_sharded_state_steps_equal_the_replicated_steps(mesh, strategy, optimize
     reduce-scattered over data instead of all-reduced: the same sums; with `--grad-accum` each device
     sums its micro-batches' gradients and both layouts reduce once). Pipelines (two layers over
     `stage`, two micro-batches): GPipe's loss differentiated per device, 1F1B's own fp32 sums, then
-    the same reduction over data.
+    the same reduction over data; each layout compiles its own stage program, so they agree to rounding,
+    not bitwise on every machine (on an AMD EPYC: parameters 1.2e-9 and state 7e-9 apart after three
+    steps, under the 1e-6 bound).
     Rotation: its Gram statistics differ by rounding (1e-7) when a matmul is partitioned, and the exact
     `eigh` of these rank-deficient [m, m] statistics turns that into another basis of their null space
     (end to end 1.5e-4 on the parameters; the same sensitivity as test_tp's rotation test), so it is
@@ -99,7 +101,7 @@ def test_sharded_state_steps_equal_the_replicated_steps(mesh, strategy, optimize
     print(f"{mesh} {optimizer} zero={zero}: params rel {_rel(got[1], ref[1]):.2e} bitwise "
           f"{np.array_equal(_flat(got[1]), _flat(ref[1]))}, state rel {_rel(got[2], ref[2]):.2e}")
     assert _rel(got[1], ref[1]) < 1e-6 and _rel(got[2], ref[2]) < 1e-6
-    if optimizer != "rotation":
+    if optimizer != "rotation" and not schedule:
         assert got[0] == ref[0] and np.array_equal(_flat(got[1]), _flat(ref[1]))
         assert np.array_equal(_flat(got[2]), _flat(ref[2]))
     data = int(mesh.split(",")[0].split("=")[1])
