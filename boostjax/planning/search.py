@@ -20,11 +20,11 @@
    of its mesh fits (`offloading.offload`). Plans are solved after the compile loop, fastest
    candidate first (a plan only adds time, so its compiled prediction bounds the offloaded one), at
    most `max_offloads` of them and none for a candidate slower than the `top`-th ranked one. A
-   candidate with a plan is ranked with the plan's memory saving and its added seconds, and its `train_command` passes `--offload-plan` (the plan's JSON
-   is in the row; `boostjax plan --auto --out` writes it beside the plan). Such a candidate is
-   pruned by its memory bound only beyond the device budget plus the profile's host memory (the
-   plan may move parameters and optimizer state to the host), and keys all of whose candidates
-   need an offload plan are compiled after the others.
+   candidate with a plan is ranked with the plan's memory saving and its added seconds, and its
+   `train_command` passes `--offload-plan` (the plan's JSON is in the row; `boostjax plan --auto
+   --out` writes it beside the plan). Such a candidate is pruned by its memory bound only beyond the
+   device budget plus the profile's host memory (the plan may move parameters and optimizer state to
+   the host), and keys all of whose candidates need an offload plan are compiled after the others.
 The result is ranked by predicted step time (then by peak memory). When nothing fits,
 `NothingFits` names the smallest shortfall.
 """
@@ -191,7 +191,7 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
         if c not in groups.setdefault(key_of(c), []):
             groups[key_of(c)].append(c)
     forced = {key_of(c) for c in include}
-    predicted: dict[Candidate, dict] = {}
+    predicted: dict[Candidate, dict] = {}  # the included candidates' own predictions
     pending: list[tuple[Candidate, dict]] = []  # over the budget, waiting for an offload plan
     order = sorted(groups, key=lambda k: (all(lb_mem[c] > budget for c in groups[k]), min(lb_t[c] for c in groups[k]),
                                           REMAT_ORDER.index(k.remat), -k.micro_batch))
@@ -211,7 +211,8 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
 
     def place(c: Candidate, p: dict) -> None:
         """Rank `c` where it fits; over the budget, keep it for an offload plan or reject it."""
-        predicted[c] = p
+        if c in include:
+            predicted[c] = p
         if p["peak_bytes_per_device"] <= budget:
             ranked.append((c, p))
         elif can_offload(c):
