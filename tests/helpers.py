@@ -168,10 +168,24 @@ def beyond_code_flips(ref_weights: list, got_weights: list, flips: dict[str, np.
     return out
 
 
-# XLA's cheap CPU codegen (LLVM at -O0, no expensive passes) as compiler options: the optimised HLO is the
-# same (the collectives and buffers a test reads from it too), a test's tiny program compiles in ~60 % of
-# the time and runs a little slower
-FAST_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# XLA's cheap CPU codegen (LLVM at -O0, no expensive passes, the element-wise emitter instead of the MLIR
+# fusion emitters) as compiler options; conftest.py sets the same for the whole session, these are for the
+# compiles a test overrides. The optimised HLO is the same (the collectives and buffers a test reads from
+# it too), a test's tiny program compiles in about half the time and runs a little slower.
+FAST_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+            "xla_cpu_use_fusion_emitters": False}
+# XLA's default CPU fusion emitters, for a test that asserts bitwise equality between two layouts: the
+# element-wise emitter vectorises a fusion by its (per-device) shape, so a sharded and a replicated
+# optimizer update can round differently (ZeRO against replicated: 2.6e-10 apart after three steps)
+DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+
+
+def compile_with(monkeypatch, options: dict) -> None:
+    """Every `Lowered.compile` in the test (the trainer's and `build_step_fns`' compiles) with `options`
+    on top of its own."""
+    compile_ = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile",
+                        lambda self, compiler_options=None: compile_(self, {**(compiler_options or {}), **options}))
 
 
 # ----------------------------------------------------------------------------- inputs

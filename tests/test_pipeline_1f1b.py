@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FAST_CPU, rel as _rel, rel_by_path, seed_of  # FAST_CPU: ~40 % less compile
+from helpers import FAST_CPU, compile_with, rel as _rel, rel_by_path, seed_of  # FAST_CPU: ~40 % less compile
 from test_tp import TINY, put_params
 
 from boostjax.config import Config, TrainConfig
@@ -67,8 +67,7 @@ def test_1f1b_matches_gpipe_and_one_device(mesh, strategy, kind, micro, remat, v
 
 def test_1f1b_train_step_matches_gpipe(monkeypatch):
     """Three optimizer steps (bf16 compute, fp32 masters) through `build_step_fns`."""
-    compile_ = jax.stages.Lowered.compile
-    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, compiler_options=None: compile_(self, FAST_CPU))
+    compile_with(monkeypatch, FAST_CPU)
     model = replace(TINY, kind="cola", n_layers=2)
     runs = {}
     for schedule in ("gpipe", "1f1b"):
