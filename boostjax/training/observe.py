@@ -20,13 +20,14 @@ trace of chosen steps, and the model FLOPs utilisation (MFU).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import pathlib
+import sys
 import time
 from typing import Any
 
 import jax
-from tensorboardX import SummaryWriter
 
 from boostjax.runtime.hardware import (
     HardwareProfile,
@@ -37,6 +38,23 @@ from boostjax.runtime.hardware import (
 
 TENSORBOARD = "tensorboard"  # run-folder entries written here
 PROFILE = "profile"
+
+
+def _summary_writer_class() -> type:
+    """tensorboardX's `SummaryWriter`, imported without PyTorch. tensorboardX imports torch whenever it
+    is installed, only to name torch tensors in its type hints (2.2 s of every run's start on a 2-core
+    machine); boostjax logs Python floats. A process that imported torch before keeps it."""
+    absent = "torch" not in sys.modules
+    if absent:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+    try:
+        return importlib.import_module("tensorboardX").SummaryWriter
+    finally:
+        if absent:
+            del sys.modules["torch"]
+
+
+SummaryWriter = _summary_writer_class()
 
 
 def hardware_profile(name: str) -> HardwareProfile | None:
