@@ -30,8 +30,10 @@ from helpers import MICRO, cli_command, cli_env, model_flags, one_error_line
 pytestmark = pytest.mark.xdist_group("faults")  # one worker: the subprocess tests share a reference run
 
 FLAGS = [*model_flags(MICRO), "--seq", "32", "--batch", "4", "--no-progress", "--log-every", "1", "--eval-every",
-         "1000", "--ckpt-every", "25"]
-STEPS = 300  # long enough (a few ms per step) that a signal sent after 5 steps lands mid-run
+         "1000", "--ckpt-every", "10"]
+# long enough (15 ms a step on a 2-core AMD EPYC, a few ms on faster machines) that a signal sent after
+# 5 steps lands mid-run, with a checkpoint save every 10 steps for the kill to catch in flight
+STEPS = 120
 
 
 def _cmd(out, steps=STEPS):
