@@ -238,6 +238,14 @@ def cli_command(*args) -> list[str]:
     return [sys.executable, "-m", "boostjax.cli", *map(str, args)]
 
 
+def xla_flags(devices: int | None) -> str:
+    """This session's XLA_FLAGS (conftest.py: the cheap CPU codegen) for a process with `devices`
+    simulated CPU devices instead of 8 (None: the platform's own count, one)."""
+    count = "--xla_force_host_platform_device_count="
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+    return " ".join(flags + ([f"{count}{devices}"] if devices is not None else []))
+
+
 def cli_env(**overrides: str | None) -> dict[str, str]:
     """The environment for a CLI subprocess: this checkout first on PYTHONPATH, CPU devices, the session's
     compilation cache (set by conftest.py) inherited; `overrides` set variables, None removes one."""

@@ -13,6 +13,7 @@ import nbformat
 import pytest
 
 import boostjax
+from helpers import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
@@ -118,11 +119,11 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     n = len(nb.cells)
     # appended check: the kernel runs this interpreter, and the notebook's simulate_devices(4) took effect
     nb.cells.append(nbformat.v4.new_code_cell("import sys, jax\nprint(sys.executable, jax.device_count())"))
-    # a fresh process: our boostjax first on the path, no device count inherited from conftest's XLA_FLAGS;
-    # XLA's cheap CPU codegen (LLVM at -O0 without its expensive passes): the notebook's programs are tiny,
-    # so it saves more compile time than it adds run time (its printed losses may move in the last digits)
+    # a fresh process: our boostjax first on the path, no device count inherited from conftest's XLA_FLAGS,
+    # but its cheap CPU codegen: the notebook's programs are tiny, so it saves more compile time than it
+    # adds run time (its printed losses may move in the last digits)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(None))
     # 4 steps per training run instead of the notebook's 30 (its STEPS): every cell still trains, evaluates,
     # checkpoints and draws; the 30 steps (rotation's eigendecompositions at -O0) were about half of its run time
     monkeypatch.setenv("BOOSTJAX_QUICKSTART_STEPS", "4")

@@ -18,6 +18,7 @@ from boostjax.interop import hf
 from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.runs.load import load_run
 from boostjax.training.trainer import train
+from helpers import xla_flags
 
 MODEL = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64, rank=8)
 MESHES = {"2x2": dict(mesh="data=2,model=2", strategy="fullrank-tp", zero=1),
@@ -58,7 +59,7 @@ def runs(tmp_path_factory):
         t = TrainConfig(steps=STEPS, batch=4, seq=16, ckpt_every=CKPT, log_every=1, eval_every=1000,
                         eval_batches=1, progress=False, out=str(out / name), **mesh)
         train(Config(MODEL, t))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
     proc = subprocess.run([sys.executable, "-c", READER, str(out), *MESHES], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

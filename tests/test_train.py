@@ -12,7 +12,7 @@ from boostjax.cli import main
 from boostjax.config import Config, TrainConfig
 from boostjax.runs.load import load_run, read_metrics
 from boostjax.training.trainer import train
-from helpers import MICRO, cli_command, cli_env, model_flags
+from helpers import MICRO, cli_command, cli_env, model_flags, xla_flags
 
 FAST = TrainConfig(steps=40, batch=8, seq=32, lr=3e-3, log_every=5, eval_every=20, eval_batches=2,
                    ckpt_every=20, progress=False)
@@ -67,7 +67,7 @@ def test_export_hf_from_cli(tmp_path, capsys):
     _run(tmp_path, "dense", replace(MICRO, kind="llama"), steps=10, ckpt_every=10, strategy="fullrank-tp",
          mesh="data=1,model=2")
     done = subprocess.run(cli_command("export-hf", "--run", tmp_path / "dense", "--out", tmp_path / "hf"),
-                          env=cli_env(XLA_FLAGS=""), capture_output=True, text=True)
+                          env=cli_env(XLA_FLAGS=xla_flags(None)), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "config.json").exists()
     hf_model = from_hf(tmp_path / "hf")
