@@ -45,6 +45,7 @@ def test_smoke_run_same_inputs_and_ratios(tmp_path):
     assert (tmp_path / "vs_transformers.md").read_text() == md
 
 
+@pytest.mark.experiment  # the whole smoke benchmark runs before the skip is reported (16 s): `pytest -m experiment`
 def test_missing_real_folder_is_one_line_skip(tmp_path, capsys):
     assert vt.main([*SMOKE, "--rounds", "1", "--real", str(tmp_path / "absent"), "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "vs_transformers.json").read_text())
