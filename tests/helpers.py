@@ -170,8 +170,8 @@ def beyond_code_flips(ref_weights: list, got_weights: list, flips: dict[str, np.
 
 # XLA's cheap CPU codegen (LLVM at -O0, no expensive passes, the element-wise emitter instead of the MLIR
 # fusion emitters) as compiler options; conftest.py sets the same for the whole session, these are for the
-# compiles a test overrides. The optimised HLO is the same (the collectives and buffers a test reads from
-# it too), a test's tiny program compiles in about half the time and runs a little slower.
+# compiles a test overrides. The optimised HLO has the same collectives and nearly the same buffers (see
+# conftest.py); a test's tiny program compiles in about half the time and runs a little slower.
 FAST_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
             "xla_cpu_use_fusion_emitters": False}
 # XLA's default CPU fusion emitters, for a test that asserts bitwise equality between two layouts: the
