@@ -229,14 +229,15 @@ def test_the_cpu_micro_benchmark_times_one_link_of_a_chain():
     # chains of SHORT and of 256 [64, 64] matmuls (small work: the most links), the difference per link
     t = cpu._link_s("matmul", 64, 2 * 64 ** 3, devs, 3)
     assert 0 < t < 0.05
-    # the memory chain is one kernel per link that reads its w: no link fused into another or duplicated
+    # the memory chain is one loop kernel per link (and one joining the taps): none fused into another
     mesh = cpu._mesh(devs, 1)
-    v, ws, spec = cpu._operands("stream", 1 << 12, mesh)
-    for k in (4, 16):
-        text = cpu._chain(cpu.LINKS["stream"], k, mesh, spec).lower(v, ws).compile().as_text()
-        mod = hlo.parse_module(text)
-        kernels = [i for i in mod.computations[mod.entry] if i.opcode in ("fusion", "reduce")]
-        assert len(kernels) == k
+    for size in (1 << 12, 1 << 16):
+        v, ws, spec = cpu._operands("stream", size, mesh)
+        for k in (4, 16):
+            mod = hlo.parse_module(cpu._chain("stream", k, mesh, spec).lower(v, ws).compile().as_text())
+            kernels = [i for i in mod.computations[mod.entry] if i.opcode in ("fusion", "reduce", "divide")]
+            assert len(kernels) == k + 1 and all(i.attr("kind") == "kLoop" for i in kernels)
+    assert cpu.stream_link_bytes(1 << 12) == 3 * (1 << 12)  # s and w read, s written
     # a link measured faster than a smaller one is noise: the curve never decreases with size
     assert cpu._curve([(1, 3e-6), (2, 1e-6), (4, 5e-6)]) == ((1, 3e-6), (2, 3e-6), (4, 5e-6))
     shared = cpu.shared_rates(replace(HW, gemm_curve=((2e6, 1e-4),), stream_curve=((1e6, 1e-5),)), 4)

@@ -9,12 +9,16 @@ work), as seconds per instruction at a few sizes (best of a few repeats after a 
   dots are never fused with each other); `(t(K2) - t(K1)) / (K2 - K1)` (fixed costs cancel) at
   `2 n^3` FLOPs. A second curve chains `v^T @ w_i` (the lhs contracts its major dimension, as a
   weight gradient does): XLA:CPU runs those through another GEMM library, up to 2x slower.
-- memory curve: chains of `s = sum(w * s[:, None], axis=1)` (`w` [rows, 16] per device, read by
-  every link): XLA fuses each link's product into its reduction, one kernel per link that reads `w`,
-  and no link's result feeds two kernels (an element-wise chain such as `x * a + b` is fused into one
-  kernel whatever barrier is put between its links, and one whose result feeds a reduction and the next
-  link is duplicated into both, its cost growing with the square of its length). At `w + 2 s` bytes
-  per link, the operand + result bytes `costs.program_cost` charges an instruction.
+- memory curve: chains of `s = w / (1 + s)` (`s` and `w` [size] per device), each link's first element
+  also feeding the result (`TAPPED`). XLA fuses an element-wise chain into one kernel, barriers or not;
+  a divide is an instruction it will not duplicate into a second consumer, so with the tap every link is
+  one loop kernel of its own, the commonest kind in a training step. At `3 size` bytes per link, the
+  operand + result bytes `costs.program_cost` charges an instruction. (The earlier link, a chain of
+  row reductions, compiles to one YNNPACK fusion for the whole chain at 64 and 256 KiB on jax 0.10:
+  it timed no step's kernel.)
+  Known limit: past about 32K elements XLA:CPU splits a loop kernel over its thread pool and the chain's
+  cost per link jumps 5-20x; a step's large kernels, timed in a profile, cost far less than the chain's,
+  so the curve samples 8 KiB, 64 KiB, 512 KiB and 4 MiB and interpolates across the jump.
   Each curve is made non-decreasing in size (a larger instruction is never cheaper).
 - both chains are longer than XLA:CPU's threshold for running a program's kernels one after the other
   (8 thunks): like every training step, they run on its dataflow executor, which pays a dispatch per
@@ -24,7 +28,7 @@ work), as seconds per instruction at a few sizes (best of a few repeats after a 
   a running program: the cost of launching a program on every device, which a single jitted `psum`
   would time too, cancels). The latency depends on the group (its threads meet): the small psum is
   timed again over groups of every size g dividing the devices (all groups at once), `alpha_by_group`
-  (20-40 us for pairs, 150-190 us for 8 devices on this 2-core machine).
+  (about 30 us for pairs, 100-250 us for 8 devices on the 2-core machines measured).
 - the machine's peak: one `[768, 768]` matmul and one 64 MiB `x * a + b` on one device (XLA spreads them
   over the cores); a device of an n-device mesh gets 1/n of them (`shared_rates`: the time lower bound
   and MFU), never below the rates the curves reached.
@@ -51,8 +55,7 @@ GEMM_N = 768
 STREAM_BYTES = 64 << 20
 REDUCE_BYTES = (1 << 12, 1 << 20)  # per device, fp32
 CURVE_GEMM_N = (16, 48, 128, 384)
-CURVE_STREAM_BYTES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)  # per device: the bytes of w
-STREAM_COLS = 16  # w's columns: a link reads w and s and writes s, w bytes x (1 + 2 / 16)
+CURVE_STREAM_BYTES = (1 << 13, 1 << 16, 1 << 19, 1 << 22)  # per device: the bytes of s
 COLD_WEIGHTS = 32  # different [n, n] weights a GEMM chain reads in turn
 SHORT = 16  # links of the short chain: past XLA:CPU's 8-thunk threshold for sequential execution
 LINK_WORK = 1 << 27  # FLOPs or bytes per device of a long chain: K2 = SHORT + 16 + LINK_WORK / work links, <= 256
@@ -76,12 +79,18 @@ def _mesh(devices: list, group: int) -> Mesh:
 ROWS = P(("r", "g"))  # a chain's `v`: split over every device
 
 
-def _chain(step, k: int, mesh: Mesh, w_spec: P):
-    """`k` links `v = step(v, ws[i % len(ws)])`, i = 0 .. k-1, on every device of `mesh`, jitted."""
+def _chain(link: str, k: int, mesh: Mesh, w_spec: P):
+    """`k` links `v = LINKS[link](v, ws[i % len(ws)])`, i = 0 .. k-1, on every device of `mesh`, jitted. A
+    TAPPED link's first element also feeds the result: a second consumer of each link's `v`, so that XLA
+    keeps every link a kernel of its own (one fused chain would be one kernel)."""
+    step, tap = LINKS[link], link in TAPPED
+
     def body(v, ws):
+        taps = []
         for i in range(k):
             v = step(v, ws[i % len(ws)])
-        return v
+            taps.append(v[:1])
+        return v + jnp.concatenate(taps).sum() if tap else v
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(ROWS, w_spec), out_specs=ROWS))
 
@@ -95,8 +104,8 @@ def _operands(link: str, size: int, mesh: Mesh) -> tuple[jax.Array, list[jax.Arr
         v, spec = jnp.full((d * size, size), 0.5), P()
         ws = [jnp.full((size, size), (1.0 + i / COLD_WEIGHTS) / size) for i in range(COLD_WEIGHTS)]
     elif link == "stream":
-        rows = max(size // 4 // STREAM_COLS, 1)
-        v, ws, spec = jnp.full((d * rows,), 0.5), [jnp.full((d * rows, STREAM_COLS), 1.0 / STREAM_COLS)], ROWS
+        rows = max(size // 4, 1)  # one w read by every link: a step's element-wise kernels mostly read fresh data
+        v, ws, spec = jnp.full((d * rows,), 0.5), [jnp.full((d * rows,), 1.0)], ROWS
     else:
         v, ws, spec = jnp.full((d * (size // 4),), 0.5), [jnp.zeros((1,))], P()
     put = lambda a, sp: jax.device_put(a.astype(jnp.float32), NamedSharding(mesh, sp))  # noqa: E731
@@ -110,7 +119,7 @@ def _link_s(link: str, size: int, work: float, devices: list, repeats: int, grou
     mesh = _mesh(devices, group)
     v, w, spec = _operands(link, size, mesh)
     k2 = int(min(256, SHORT + 16 + LINK_WORK // max(work, 1)))
-    t = [_best(lambda f=_chain(LINKS[link], k, mesh, spec): f(v, w), repeats) for k in (SHORT, k2)]
+    t = [_best(lambda f=_chain(link, k, mesh, spec): f(v, w), repeats) for k in (SHORT, k2)]
     return max(t[1] - t[0], 0.0) / (k2 - SHORT)
 
 
@@ -133,7 +142,7 @@ def _matmul_t(v, w):
 
 
 def _stream(s, w):
-    return jnp.sum(w * s[:, None], axis=1)
+    return w / (1.0 + s)  # a divide: XLA never duplicates it into a second consumer
 
 
 def _psum(v, w):
@@ -141,11 +150,12 @@ def _psum(v, w):
 
 
 LINKS = {"matmul": _matmul, "matmul_t": _matmul_t, "stream": _stream, "psum": _psum}
+TAPPED = {"stream"}  # links XLA would fuse into one kernel without a second consumer
 
 
-def stream_link_bytes(w_bytes: int) -> float:
-    """Operand + result bytes of one stream link whose `w` has `w_bytes` (w, s in, s out)."""
-    return w_bytes * (1 + 2 / STREAM_COLS)
+def stream_link_bytes(s_bytes: int) -> float:
+    """Operand + result bytes of one stream link whose `s` has `s_bytes` (s and w in, s out)."""
+    return 3.0 * s_bytes
 
 
 @functools.lru_cache(maxsize=4)
@@ -185,6 +195,7 @@ def calibrate(devices: int, dtype: str = "float32", repeats: int = 5) -> tuple[H
            "stream_s": stream_s, "memory_bytes_per_s": hbm, "allreduce_devices": t,
            "allreduce_bytes": list(REDUCE_BYTES), "allreduce_s": [t1, t2], "allreduce_bus_bytes_per_s": bus,
            "allreduce_alpha_s": alpha, "allreduce_alpha_by_group": [list(a) for a in alphas], "dtype": dtype,
+           "stream_link": "divide",
            "gemm_curve_n": list(CURVE_GEMM_N), "gemm_curve_s": [t for _, t in gemm_curve],
            "gemm_t_curve_s": [t for _, t in gemm_t_curve], "stream_curve_bytes": list(CURVE_STREAM_BYTES),
            "stream_curve_s": [t for _, t in stream_curve]}
