@@ -15,7 +15,7 @@ work), as seconds per instruction at a few sizes (best of a few repeats after a 
   one loop kernel of its own, the commonest kind in a training step. At `3 size` bytes per link, the
   operand + result bytes `costs.program_cost` charges an instruction. (The earlier link, a chain of
   row reductions, compiles to one YNNPACK fusion for the whole chain at 64 and 256 KiB on jax 0.10:
-  it timed no step's kernel.)
+  a link was not a kernel of its own.)
   Known limit: past about 32K elements XLA:CPU splits a loop kernel over its thread pool and the chain's
   cost per link jumps 5-20x; a step's large kernels, timed in a profile, cost far less than the chain's,
   so the curve samples 8 KiB, 64 KiB, 512 KiB and 4 MiB and interpolates across the jump.
