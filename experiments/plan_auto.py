@@ -289,8 +289,8 @@ def cpu_part(cache: str, rounds: int, step_rounds: int) -> dict:
     done = [r for r in rows if len([g for g in r["measured_runs"] if "step_s" in g]) == rounds]
     retest = [spearman([r["measured_runs"][a]["step_s"] for r in done], [r["measured_runs"][b]["step_s"] for r in done])
               for a in range(rounds) for b in range(a + 1, rounds)] if len(done) > 2 else []
-    rho_best = spearman([r["step_s"] for r in rows if r["measured_best_run_s"]],
-                        [r["measured_best_run_s"] for r in rows if r["measured_best_run_s"]])
+    best = [(r["step_s"], r["measured_best_run_s"]) for r in rows if r["measured_best_run_s"]]
+    rho_best = spearman([p for p, _ in best], [m for _, m in best])
     rho_steps = spearman([r["step_s"] for r in rows], [r["measured_in_process_s"] for r in rows])
     old = [r for r in rows[:ORIGINAL] if r["measured_step_s"]]  # include's order is CPU_CONFIGS'
     rho_old = spearman([r["step_s"] for r in old], [r["measured_step_s"] for r in old])
