@@ -368,3 +368,34 @@ def test_a_pipeline_keeps_one_traced_residual_per_layer_and_activation_slot():
     res = layer_residual_bytes(Key(model, "none", 1, 1, 32, "none", "float32", fused_attention=False))
     charged, grown = 2 * 2 * res, temp[4] - temp[2]  # measured: 0.86 of the charge (XLA drops a few residuals)
     assert 0.75 * charged <= grown <= 1.1 * charged, (grown, charged, res)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_collectives_are_the_compiled_steps(schedule):
+    """`space.pipeline_collectives` against the collectives the compiled pipeline step runs over `stage`
+    (each counted as often as the loops around it run)."""
+    from collections import Counter
+
+    from boostjax.analysis import hlo, memory
+    from boostjax.config import Config, validate
+    from boostjax.planning.space import Candidate, pipeline_collectives, send_bytes
+
+    c = Candidate(1, 2, 1, "none", 1, 3, schedule, "none", 0)
+    cfg = validate(Config(MODEL, memory.train_config(3, 32, "none", "stage=2", "none", "float32", microbatches=3,
+                                                     pipeline_schedule=schedule)))
+    mod = hlo.parse_module(memory.train_step_compiled(cfg).compiled.as_text())
+    got: Counter = Counter()
+    for coll in hlo.collectives(mod):
+        runs = mod.runs(coll.computation)  # None: a loop without a known trip count
+        assert runs is not None and (coll.kind == "collective-permute" or sorted(coll.groups) == [(0, 1)])
+        got[coll.kind, sum(a.bytes() for a in coll.results) if len(coll.results) == 1 else "top"] += runs
+    feature = send_bytes(MODEL, c, 32, "float32")
+    want: Counter = Counter()
+    for kind, nbytes, n in pipeline_collectives(c, feature, top_bytes=1.0):
+        want[kind, "top" if nbytes == 1.0 else int(nbytes)] += n
+    ticks = c.slots + c.stage - 1
+    assert want["collective-permute", feature] == 2 * ticks
+    # XLA drops 1F1B's last backward send (nothing reads it) where it unrolls the one-tick drain loop
+    assert 2 * ticks - 1 <= got.pop(("collective-permute", feature)) <= 2 * ticks
+    want.pop(("collective-permute", feature))
+    assert got == want

@@ -15,9 +15,12 @@ Time (one optimizer step, per device; nothing overlaps):
   bus, or between nodes when the data axis spans several; on the CPU under ZeRO >= 1 one such collective
   per parameter array of the stage (each pays `alpha`: its compiled step has one reduce-scatter and one
   all-gather per array, not combined; a pipeline's stage stacks its layers' arrays), otherwise one;
-- pipeline sends: the activation and its gradient across each of the `stage - 1` boundaries once on
-  the critical path (fill and drain), `[micro_batch, seq, width]` in the compute dtype (width
-  d_model / model under BTP, whose residual is sharded; d_model otherwise).
+- a pipeline's collectives over `stage` (`space.pipeline_collectives`, as its compiled schedule runs them):
+  the sends, one `[micro_batch, seq, width]` output (compute dtype; width d_model / model under BTP, whose
+  residual is sharded; d_model otherwise) forward and its gradient back at the end of every tick of the
+  lockstep schedule, between nodes at the inter-node link; the head's split over the stages; GPipe's
+  per-tick sums of the embedded micro-batch's cotangent; the replicated embedding, norm and head's
+  gradients (`top_weight_bytes`).
 Bubble fraction `(stage - 1) / (slots + stage - 1)`, GPipe and 1F1B alike.
 
 Memory (bytes per device, from the compiled step's `memory_analysis()` split at L/stage layers):
@@ -46,7 +49,7 @@ from boostjax.models.flops import flops_per_token
 from boostjax.models.llama import LLaMA
 from boostjax.planning.cluster import Cluster
 from boostjax.planning.costs import Hardware, coll_time, program_time, scaled, split_layers
-from boostjax.planning.space import ITEMSIZE, Candidate, in_flight
+from boostjax.planning.space import Candidate, in_flight, pipeline_collectives, pipeline_sends_s, send_bytes
 
 TIME_KEYS = ("gemm_s", "memory_s", "comm_s", "gemm_flops", "comm_bytes", "other_bytes")
 MEM_KEYS = ("weight_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes_per_device")
@@ -63,6 +66,23 @@ def param_arrays(model: ModelConfig, layers: float) -> float:
 
 def _bus(cluster: Cluster, hw: Hardware, size: int, inner: int) -> float:
     return hw.p2p_bytes_per_s if cluster.crosses_nodes(size, inner) else hw.bus_bytes_per_s
+
+
+def top_weight_bytes(m: dict[str, Any]) -> float:
+    """fp32 bytes of a device's parameters outside the layers (embedding, final norm, head): the compiled
+    1- and 2-layer steps' parameter bytes taken to 0 layers."""
+    one, two = (float(m[n]["memory"]["weight_bytes"]) for n in ("1", "2"))
+    return max(2 * one - two, 0.0)
+
+
+def _stage_collectives(c: Candidate, feature_bytes: float, top_bytes: float, cluster: Cluster,
+                       hw: Hardware) -> tuple[float, float]:
+    """(seconds, bytes) per step of a pipeline's collectives over `stage` besides its sends
+    (`space.pipeline_collectives`)."""
+    bw = _bus(cluster, hw, c.stage, c.model)
+    ops = [op for op in pipeline_collectives(c, feature_bytes, top_bytes) if op[0] != "collective-permute"]
+    return (sum(n * coll_time(kind, b, c.stage, hw, bw) for kind, b, n in ops),
+            sum(n * b for _, b, n in ops))
 
 
 def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, eta: float, cluster: Cluster,
@@ -96,12 +116,11 @@ def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, e
         dp_bytes = 2 * w
     else:
         dp_s, dp_bytes = coll_time("all-reduce", w, d, hw, data_bus), w
-    width = model.d_model // c.model if c.strategy == "btp" else model.d_model
-    p2p_bytes = c.micro_batch * seq * width * ITEMSIZE.get(dtype, 4)
-    stage_bw = _bus(cluster, hw, c.stage, c.model)
-    p2p_s = 2 * (c.stage - 1) * (hw.p2p_alpha_s + p2p_bytes / stage_bw)
+    p2p_bytes = send_bytes(model, c, seq, dtype)
+    p2p_s = pipeline_sends_s(c, p2p_bytes, cluster, hw)
+    stage_s, stage_bytes = _stage_collectives(c, p2p_bytes, top_weight_bytes(m), cluster, hw)
     fb_s = fb["gemm_s"] + fb["memory_s"] + fb["comm_s"]
-    total = slots * fb_s + opt_s + dp_s + p2p_s
+    total = slots * fb_s + opt_s + dp_s + p2p_s + stage_s
     # memory
     other = mem["activation_bytes"] - w  # the step's buffers besides its fp32 gradient
     if c.stage == 1:
@@ -122,9 +141,10 @@ def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, e
         "peak_bytes_per_device": weights + optim + activations, "weight_bytes": weights, "optimizer_bytes": optim,
         "activation_bytes": activations,
         "time_s": {"compute": slots * fb["gemm_s"], "memory": slots * fb["memory_s"], "model_comm": slots * fb["comm_s"],
-                   "optimizer": opt_s, "data_comm": dp_s, "stage_p2p": p2p_s, "bubble": (c.stage - 1) * fb_s},
+                   "optimizer": opt_s, "data_comm": dp_s, "stage_p2p": p2p_s, "stage_comm": stage_s,
+                   "bubble": (c.stage - 1) * fb_s},
         "comm_bytes": {"model": slots * fb["comm_bytes"] + opt["comm_bytes"], "data": dp_bytes,
-                       "stage": 2 * c.slots * p2p_bytes if c.stage > 1 else 0.0},
+                       "stage": 2 * slots * p2p_bytes + stage_bytes if c.stage > 1 else 0.0},
         "bubble_fraction": (c.stage - 1) / slots, "fwd_bwd_s_per_slot": fb_s,
         "gemm_flops_per_device": slots * fb["gemm_flops"] + opt["gemm_flops"],
     }

@@ -150,29 +150,60 @@ def time_lower_bound(model: ModelConfig, c: Candidate, seq: int, global_batch: i
     return work * stretch / flops_per_s
 
 
+def send_bytes(model: ModelConfig, c: Candidate, seq: int, dtype: str) -> float:
+    """Bytes of one pipeline send: a micro-batch's `[micro_batch, seq, width]` stage output in the compute
+    dtype (width d_model / model under BTP, whose residual is sharded; d_model otherwise)."""
+    width = model.d_model // c.model if c.strategy == "btp" else model.d_model
+    return c.micro_batch * seq * width * ITEMSIZE.get(dtype, 4)
+
+
+def pipeline_collectives(c: Candidate, feature_bytes: float, top_bytes: float = 0.0) -> list[tuple[str, float, int]]:
+    """(kind, result bytes, times per step) of a pipeline's collectives over `stage`, as its compiled step
+    runs them (`feature_bytes`: one send, `send_bytes`; `top_bytes`: a device's fp32 embedding, norm and head):
+    - the stages run in lockstep: each of the `slots + stage - 1` ticks ends in a `ppermute` of its output to
+      the next stage and, in the backward (GPipe's transposed loop, 1F1B's own), one of its gradient back;
+      the next tick waits for it (XLA drops a last send nothing reads where it unrolls a one-tick loop);
+    - the last stage's features are reduce-scattered so every stage runs the head on 1/stage of the tokens,
+      their cotangents all-gathered back: GPipe once for all micro-batches, 1F1B once per micro-batch;
+    - GPipe's backward all-reduces the embedded micro-batch's cotangent over the stages in every tick;
+    - the stage-replicated embedding, norm and head all-reduce their gradients once (GPipe's without the
+      embedding, which those per-tick sums replace: `top_bytes` over-counts it there)."""
+    if c.stage == 1:
+        return []
+    ticks = c.slots + c.stage - 1
+    heads = c.slots if c.schedule == "1f1b" else 1
+    feat = feature_bytes * c.slots / heads
+    out = [("collective-permute", feature_bytes, 2 * ticks), ("reduce-scatter", feat / c.stage, heads),
+           ("all-gather", feat, heads), ("all-reduce", top_bytes, 1)]
+    return out + ([("all-reduce", feature_bytes, ticks)] if c.schedule == "gpipe" else [])
+
+
+def pipeline_sends_s(c: Candidate, nbytes: float, cluster: Cluster, hw: Hardware) -> float:
+    """Seconds per step of the pipeline's sends of `nbytes` each (`pipeline_collectives`' ppermutes), between
+    nodes at the inter-node link or within a node at the bus."""
+    sends = sum(n for kind, _, n in pipeline_collectives(c, nbytes) if kind == "collective-permute")
+    if not sends:
+        return 0.0
+    if cluster.crosses_nodes(c.stage, c.model):
+        return sends * (hw.p2p_alpha_s + nbytes / hw.p2p_bytes_per_s)
+    return sends * coll_time("collective-permute", nbytes, c.stage, hw)
+
+
 def comm_lower_bound(model: ModelConfig, c: Candidate, seq: int, dtype: str, cluster: Cluster, hw: Hardware) -> float:
     """Seconds per optimizer step of the data-axis gradient traffic and the pipeline sends at least:
     `predict.predict`'s formulas on the analytic fp32 parameter bytes of one device's share,
     `4 x param_count / (stage x model)` (the compiled step's parameter bytes, which `predict` uses,
     are at least that: a stage also holds the embedding and head, TP replicates the norms)."""
-    d, slots = c.data, c.slots + c.stage - 1
+    d = c.data
     w = 4.0 * param_count(model) / (c.stage * c.model)
-
-    def bus(size: int, inner: int) -> float:
-        return hw.p2p_bytes_per_s if cluster.crosses_nodes(size, inner) else hw.bus_bytes_per_s
-
-    dp_bus = bus(d, c.stage * c.model)
+    dp_bus = hw.p2p_bytes_per_s if cluster.crosses_nodes(d, c.stage * c.model) else hw.bus_bytes_per_s
     if d == 1:
         dp = 0.0
-    elif c.zero == 3:
-        dp = slots * (2 * coll_time("all-gather", w, d, hw, dp_bus) + coll_time("reduce-scatter", w / d, d, hw, dp_bus))
-    elif c.zero == 1:
+    elif c.zero >= 1:  # gathered once per step and kept for every micro-batch (ZeRO 3 as its compiled step does)
         dp = coll_time("reduce-scatter", w / d, d, hw, dp_bus) + coll_time("all-gather", w, d, hw, dp_bus)
     else:
         dp = coll_time("all-reduce", w, d, hw, dp_bus)
-    width = model.d_model // c.model if c.strategy == "btp" else model.d_model
-    p2p = c.micro_batch * seq * width * ITEMSIZE.get(dtype, 4)
-    return dp + 2 * (c.stage - 1) * (hw.p2p_alpha_s + p2p / bus(c.stage, c.model))
+    return dp + pipeline_sends_s(c, send_bytes(model, c, seq, dtype), cluster, hw)
 
 
 def model_flags(model: ModelConfig, preset_name: str | None = None) -> list[str]:
@@ -232,4 +263,4 @@ def with_seq(model: ModelConfig, seq: int) -> ModelConfig:
 
 
 __all__ = ["Candidate", "accepted", "comm_lower_bound", "commands", "divisors", "enumerate_space", "in_flight", "memory_lower_bound",
-           "model_flags", "strategies_for", "time_lower_bound", "train_argv", "with_seq"]
+           "model_flags", "pipeline_collectives", "pipeline_sends_s", "send_bytes", "strategies_for", "time_lower_bound", "train_argv", "with_seq"]

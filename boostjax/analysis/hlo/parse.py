@@ -83,19 +83,43 @@ class Module:
     def __post_init__(self) -> None:
         self._by_name: dict[tuple[str, str], Instr] = {}
         self._caller: dict[str, Instr] = {}
+        self._loop: dict[str, Instr] = {}
 
     def index(self) -> None:
         self._by_name = {(i.computation, i.name): i for c in self.computations.values() for i in c}
         self._caller = {}
+        self._loop: dict[str, Instr] = {}
         for instrs in self.computations.values():
             for i in instrs:
                 called = i.attr("calls") if i.opcode in ("fusion", "call") else None
                 if called:
                     self._caller.setdefault(called.lstrip("%"), i)
+                if i.opcode == "while" and i.attr("body"):
+                    self._loop.setdefault(i.attr("body").lstrip("%"), i)
 
     def caller(self, computation: str) -> Instr | None:
         """The fusion / call instruction that calls `computation` (None for the entry)."""
         return self._caller.get(computation)
+
+    def runs(self, computation: str) -> int | None:
+        """How many times `computation` runs per run of the entry: the product of the known trip counts
+        (`known_trip_count` in XLA's backend config) of the while loops whose body holds it, through
+        calls and fusions; None where a loop's trip count is unknown."""
+        n, comp, seen = 1, computation, set()
+        while comp not in seen:
+            seen.add(comp)
+            loop = self._loop.get(comp)
+            if loop is not None:
+                m = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
+                if not m:
+                    return None
+                n, comp = n * int(m.group(1)), loop.computation
+                continue
+            call = self._caller.get(comp)
+            if call is None:
+                return n
+            comp = call.computation
+        return n
 
     def lookup(self, computation: str, name: str) -> Instr | None:
         return self._by_name.get((computation, name))
