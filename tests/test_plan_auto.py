@@ -399,3 +399,27 @@ def test_pipeline_collectives_are_the_compiled_steps(schedule):
     assert 2 * ticks - 1 <= got.pop(("collective-permute", feature)) <= 2 * ticks
     want.pop(("collective-permute", feature))
     assert got == want
+
+
+
+def test_accumulation_adds_every_micro_batch_and_pipeline_tick():
+    """`predict` charges the gradient accumulation once per micro-batch (`--grad-accum`) or pipeline tick:
+    one add per parameter array of the device, nothing with a single micro-batch and no stages."""
+    from boostjax.planning.measure import Key, measure
+    from boostjax.planning.predict import accumulation_s, accumulations, param_arrays, predict
+    from boostjax.planning.space import Candidate
+
+    m, _ = measure(Key(MODEL, "none", 1, 1, 32, "none", "float32", fused_attention=False))
+    cluster = parse_cluster("1x4:a100")
+    one = Candidate(1, 1, 1, "none", 1, 1, "-", "none", 0)
+    rows = {c: predict(MODEL, c, m, HW, 1.0, cluster, 32, "float32")
+            for c in (one, replace(one, slots=3), replace(one, stage=2, slots=3, schedule="1f1b"))}
+    assert [accumulations(c) for c in rows] == [0, 3, 4]
+    assert rows[one]["time_s"]["accumulate"] == 0.0
+    w = rows[one]["weight_bytes"]
+    add = accumulation_s(w, param_arrays(MODEL, MODEL.n_layers), 1, HW, 1.0)
+    assert add == pytest.approx(3 * w / HW.hbm_bytes_per_s / HW.hbm_efficiency)  # a GPU: both read, one written
+    assert rows[replace(one, slots=3)]["time_s"]["accumulate"] == pytest.approx(3 * add)
+    for r in rows.values():
+        parts = {k: v for k, v in r["time_s"].items() if k != "bubble"}
+        assert sum(parts.values()) == pytest.approx(r["step_s"])

@@ -9,7 +9,8 @@ work), as seconds per instruction at a few sizes (best of a few repeats after a 
   dots are never fused with each other); `(t(K2) - t(K1)) / (K2 - K1)` (fixed costs cancel) at
   `2 n^3` FLOPs. A second curve chains `v^T @ w_i` (the lhs contracts its major dimension, as a
   weight gradient does): XLA:CPU runs those through another GEMM library, up to 2x slower.
-- memory curve: chains of `s = w / (1 + s)` (`s` and `w` [size] per device), each link's first element
+- memory curve: chains of `s = w / (1 + s)` (`s` and `w` [size] per device, w read in turn from up to 32
+  different arrays, like the GEMM chain's weights), each link's first element
   also feeding the result (`TAPPED`). XLA fuses an element-wise chain into one kernel, barriers or not;
   a divide is an instruction it will not duplicate into a second consumer, so with the tap every link is
   one loop kernel of its own, the commonest kind in a training step. At `3 size` bytes per link, the
@@ -56,7 +57,8 @@ STREAM_BYTES = 64 << 20
 REDUCE_BYTES = (1 << 12, 1 << 20)  # per device, fp32
 CURVE_GEMM_N = (16, 48, 128, 384)
 CURVE_STREAM_BYTES = (1 << 13, 1 << 16, 1 << 19, 1 << 22)  # per device: the bytes of s
-COLD_WEIGHTS = 32  # different [n, n] weights a GEMM chain reads in turn
+COLD_WEIGHTS = 32  # different weights a GEMM chain ([n, n]) or a stream chain ([size]) reads in turn
+COLD_STREAM_BYTES = 64 << 20  # per device: a stream chain's weights together at most (16 of 4 MiB)
 SHORT = 16  # links of the short chain: past XLA:CPU's 8-thunk threshold for sequential execution
 LINK_WORK = 1 << 27  # FLOPs or bytes per device of a long chain: K2 = SHORT + 16 + LINK_WORK / work links, <= 256
 
@@ -98,14 +100,17 @@ def _chain(link: str, k: int, mesh: Mesh, w_spec: P):
 def _operands(link: str, size: int, mesh: Mesh) -> tuple[jax.Array, list[jax.Array], P]:
     """The chain's `v` and `ws` for `link` at `size` (matmuls: n; stream: w's bytes; psum: v's bytes) per
     device. A matmul chain reads COLD_WEIGHTS different weights in turn, as a step's GEMMs read their
-    layers' (one weight would stay in cache from link to link: 1.3-1.6x faster at n = 128)."""
+    layers' (one weight would stay in cache from link to link: 1.3-1.6x faster at n = 128). A stream chain
+    does too: with one w its 8 KiB link measured 0.0-1.8 us over five calibrations (the short chain's time,
+    subtracted, is of the same order), with 32 2.4-3.8 us; its 64 KiB link 24-42 us against 31-34 us."""
     d = mesh.size
     if link in ("matmul", "matmul_t"):
         v, spec = jnp.full((d * size, size), 0.5), P()
         ws = [jnp.full((size, size), (1.0 + i / COLD_WEIGHTS) / size) for i in range(COLD_WEIGHTS)]
-    elif link == "stream":
-        rows = max(size // 4, 1)  # one w read by every link: a step's element-wise kernels mostly read fresh data
-        v, ws, spec = jnp.full((d * rows,), 0.5), [jnp.full((d * rows,), 1.0)], ROWS
+    elif link == "stream":  # w, too, rotates over different arrays (at most COLD_STREAM_BYTES of them)
+        rows, k = max(size // 4, 1), max(1, min(COLD_WEIGHTS, COLD_STREAM_BYTES // max(size, 1)))
+        v, spec = jnp.full((d * rows,), 0.5), ROWS
+        ws = [jnp.full((d * rows,), 1.0 + i / k) for i in range(k)]
     else:
         v, ws, spec = jnp.full((d * (size // 4),), 0.5), [jnp.zeros((1,))], P()
     put = lambda a, sp: jax.device_put(a.astype(jnp.float32), NamedSharding(mesh, sp))  # noqa: E731

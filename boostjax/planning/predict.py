@@ -5,6 +5,11 @@ Time (one optimizer step, per device; nothing overlaps):
   minus its compiled update, `rest + L/stage x layer`; every slot is charged the `rest`: the stage
   with the head sets the pace), its TP collectives from the HLO at the node's bus bandwidth (between
   nodes when the model axis spans several);
+- with several micro-batches, each one's fp32 gradients added into the accumulator: one element-wise add
+  per parameter array of the stage (W / arrays bytes each: both read, one written; in the compiled
+  accumulating step of the tiny preset 39 of its 47 arrays' adds are kernels of their own, the rest fused
+  into a gradient's last kernel), once per micro-batch (`--grad-accum`) or per tick of a pipeline's
+  schedule (`accumulation_s`);
 - the update once, under ZeRO >= 1 priced as the same instructions on 1/data of their FLOPs and bytes
   (the time divided by data at fixed rates; on a calibrated CPU small instructions cost their dispatch
   whatever their size);
@@ -75,6 +80,26 @@ def top_weight_bytes(m: dict[str, Any]) -> float:
     return max(2 * one - two, 0.0)
 
 
+def accumulations(c: Candidate) -> int:
+    """Times per step a micro-batch's gradients are added into the accumulator: every micro-batch under
+    `--grad-accum`, every tick of a pipeline's schedule, never with one micro-batch and no stages."""
+    if c.stage > 1:
+        return c.slots + c.stage - 1
+    return c.slots if c.slots > 1 else 0
+
+
+def accumulation_s(w: float, arrays: float, adds: int, hw: Hardware, eta: float) -> float:
+    """Seconds per step of adding `adds` micro-batches' fp32 gradients into the accumulator: one element-wise
+    add per parameter array each time (both read, one written), `arrays` arrays of `w / arrays` bytes, priced
+    as the compiled program's other instructions (`costs.program_time`)."""
+    if adds == 0:
+        return 0.0
+    size = 3 * w / arrays
+    add = {"gemms": [], "collectives": [], "other_sizes": [size] * round(arrays), "other_bytes": 3 * w,
+           "score_bytes_excluded": 0, "move_bytes_excluded": 0}
+    return adds * program_time(add, hw, eta)["memory_s"]
+
+
 def _stage_collectives(c: Candidate, feature_bytes: float, top_bytes: float, cluster: Cluster,
                        hw: Hardware) -> tuple[float, float]:
     """(seconds, bytes) per step of a pipeline's collectives over `stage` besides its sends
@@ -106,8 +131,9 @@ def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, e
     slots = c.slots + c.stage - 1
     opt_s = opt_shard["gemm_s"] + opt_shard["memory_s"] + opt["comm_s"]
     data_bus = _bus(cluster, hw, d, c.stage * c.model)
-    # collectives per gather / scatter on the CPU (one per parameter array; a pipeline stacks its layers)
-    n = param_arrays(model, 1.0 if c.stage > 1 else layers) if cluster.is_cpu and c.zero >= 1 else 1
+    arrays = param_arrays(model, 1.0 if c.stage > 1 else layers)  # a pipeline's stage stacks its layers
+    # collectives per gather / scatter on the CPU (one per parameter array)
+    n = arrays if cluster.is_cpu and c.zero >= 1 else 1
     if d == 1:
         dp_s, dp_bytes = 0.0, 0.0
     elif c.zero >= 1:  # gathered once per step, every micro-batch uses them (ZeRO 3: before, ZeRO 1: after the update)
@@ -120,7 +146,8 @@ def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, e
     p2p_s = pipeline_sends_s(c, p2p_bytes, cluster, hw)
     stage_s, stage_bytes = _stage_collectives(c, p2p_bytes, top_weight_bytes(m), cluster, hw)
     fb_s = fb["gemm_s"] + fb["memory_s"] + fb["comm_s"]
-    total = slots * fb_s + opt_s + dp_s + p2p_s + stage_s
+    acc_s = accumulation_s(w, arrays, accumulations(c), hw, eta)
+    total = slots * fb_s + acc_s + opt_s + dp_s + p2p_s + stage_s
     # memory
     other = mem["activation_bytes"] - w  # the step's buffers besides its fp32 gradient
     if c.stage == 1:
@@ -141,7 +168,7 @@ def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, e
         "peak_bytes_per_device": weights + optim + activations, "weight_bytes": weights, "optimizer_bytes": optim,
         "activation_bytes": activations,
         "time_s": {"compute": slots * fb["gemm_s"], "memory": slots * fb["memory_s"], "model_comm": slots * fb["comm_s"],
-                   "optimizer": opt_s, "data_comm": dp_s, "stage_p2p": p2p_s, "stage_comm": stage_s,
+                   "accumulate": acc_s, "optimizer": opt_s, "data_comm": dp_s, "stage_p2p": p2p_s, "stage_comm": stage_s,
                    "bubble": (c.stage - 1) * fb_s},
         "comm_bytes": {"model": slots * fb["comm_bytes"] + opt["comm_bytes"], "data": dp_bytes,
                        "stage": 2 * slots * p2p_bytes + stage_bytes if c.stage > 1 else 0.0},

@@ -332,7 +332,7 @@ def _offloaded(p: dict, got: dict, seq: int, c: Candidate) -> dict:
 
 
 _PART_NAMES = {"compute": "more GEMM time", "memory": "more memory traffic", "model_comm": "more TP communication",
-               "optimizer": "a slower optimizer step", "data_comm": "more data-parallel communication",
+               "accumulate": "more gradient accumulation", "optimizer": "a slower optimizer step", "data_comm": "more data-parallel communication",
                "stage_p2p": "more pipeline sends",
                "stage_comm": "more pipeline collectives (head split, gradients over the stages)", "bubble": "a larger pipeline bubble",
                "offload": "an offload plan's recomputation and transfers"}
