@@ -17,7 +17,9 @@ into `Instr` records grouped by computation. On top of it:
 Modules: `parse` (the text into `Module`/`Instr`/`Array`), `comms` (collectives), `gemm` (GEMMs);
 this package re-exports their public names.
 
-Counts are static: an op inside a loop body is counted once (the models here unroll their layers).
+Counts are static: an op inside a loop body is counted once (the models here unroll their layers);
+`Module.runs(computation)` says how often a computation runs per step, from XLA's known trip counts
+(a pipeline schedule's or an accumulation's loop).
 """
 
 from boostjax.analysis.hlo.comms import (Collective, collective_summary, collectives, from_parameter,
