@@ -401,7 +401,6 @@ def test_pipeline_collectives_are_the_compiled_steps(schedule):
     assert got == want
 
 
-
 def test_accumulation_adds_every_micro_batch_and_pipeline_tick():
     """`predict` charges the gradient accumulation once per micro-batch (`--grad-accum`) or pipeline tick:
     one add per parameter array of the device, nothing with a single micro-batch and no stages."""

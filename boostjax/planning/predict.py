@@ -54,7 +54,7 @@ from boostjax.models.flops import flops_per_token
 from boostjax.models.llama import LLaMA
 from boostjax.planning.cluster import Cluster
 from boostjax.planning.costs import Hardware, coll_time, program_time, scaled, split_layers
-from boostjax.planning.space import Candidate, in_flight, pipeline_collectives, pipeline_sends_s, send_bytes
+from boostjax.planning.space import Candidate, axis_bus, in_flight, pipeline_collectives, pipeline_sends_s, send_bytes
 
 TIME_KEYS = ("gemm_s", "memory_s", "comm_s", "gemm_flops", "comm_bytes", "other_bytes")
 MEM_KEYS = ("weight_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes_per_device")
@@ -67,10 +67,6 @@ def param_arrays(model: ModelConfig, layers: float) -> float:
                                                                                  rngs=nnx.Rngs(0))), nnx.Param)))
                 for k in (1, 2))
     return one + (layers - 1) * (two - one)
-
-
-def _bus(cluster: Cluster, hw: Hardware, size: int, inner: int) -> float:
-    return hw.p2p_bytes_per_s if cluster.crosses_nodes(size, inner) else hw.bus_bytes_per_s
 
 
 def top_weight_bytes(m: dict[str, Any]) -> float:
@@ -104,7 +100,7 @@ def _stage_collectives(c: Candidate, feature_bytes: float, top_bytes: float, clu
                        hw: Hardware) -> tuple[float, float]:
     """(seconds, bytes) per step of a pipeline's collectives over `stage` besides its sends
     (`space.pipeline_collectives`)."""
-    bw = _bus(cluster, hw, c.stage, c.model)
+    bw = axis_bus(cluster, hw, c.stage, c.model)
     ops = [op for op in pipeline_collectives(c, feature_bytes, top_bytes) if op[0] != "collective-permute"]
     return (sum(n * coll_time(kind, b, c.stage, hw, bw) for kind, b, n in ops),
             sum(n * b for _, b, n in ops))
@@ -115,7 +111,7 @@ def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, e
     """Seconds per step and bytes per device of `c` (module docstring); `m` from `measure.measure`,
     `hw` one device's rates."""
     layers = model.n_layers / c.stage
-    tp_bus = _bus(cluster, hw, c.model, 1)
+    tp_bus = axis_bus(cluster, hw, c.model, 1)
     shard = c.data if c.zero >= 1 else 1
     t = {(n, p): program_time(m[n][p], hw, eta, tp_bus) for n in ("1", "2") for p in ("step", "opt")}
     t.update({(n, "shard"): program_time(scaled(m[n]["opt"], 1 / shard), hw, eta, tp_bus) for n in ("1", "2")})
@@ -130,7 +126,7 @@ def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, e
     d = c.data
     slots = c.slots + c.stage - 1
     opt_s = opt_shard["gemm_s"] + opt_shard["memory_s"] + opt["comm_s"]
-    data_bus = _bus(cluster, hw, d, c.stage * c.model)
+    data_bus = axis_bus(cluster, hw, d, c.stage * c.model)
     arrays = param_arrays(model, 1.0 if c.stage > 1 else layers)  # a pipeline's stage stacks its layers
     # collectives per gather / scatter on the CPU (one per parameter array)
     n = arrays if cluster.is_cpu and c.zero >= 1 else 1

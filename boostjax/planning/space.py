@@ -150,6 +150,12 @@ def time_lower_bound(model: ModelConfig, c: Candidate, seq: int, global_batch: i
     return work * stretch / flops_per_s
 
 
+def axis_bus(cluster: Cluster, hw: Hardware, size: int, inner: int) -> float:
+    """Bandwidth of a collective over a mesh axis of `size` devices whose inner axes hold `inner`: the
+    inter-node rate where the axis spans nodes, the node's bus otherwise."""
+    return hw.p2p_bytes_per_s if cluster.crosses_nodes(size, inner) else hw.bus_bytes_per_s
+
+
 def send_bytes(model: ModelConfig, c: Candidate, seq: int, dtype: str) -> float:
     """Bytes of one pipeline send: a micro-batch's `[micro_batch, seq, width]` stage output in the compute
     dtype (width d_model / model under BTP, whose residual is sharded; d_model otherwise)."""
@@ -196,7 +202,7 @@ def comm_lower_bound(model: ModelConfig, c: Candidate, seq: int, dtype: str, clu
     are at least that: a stage also holds the embedding and head, TP replicates the norms)."""
     d = c.data
     w = 4.0 * param_count(model) / (c.stage * c.model)
-    dp_bus = hw.p2p_bytes_per_s if cluster.crosses_nodes(d, c.stage * c.model) else hw.bus_bytes_per_s
+    dp_bus = axis_bus(cluster, hw, d, c.stage * c.model)
     if d == 1:
         dp = 0.0
     elif c.zero >= 1:  # gathered once per step and kept for every micro-batch (ZeRO 3 as its compiled step does)
@@ -262,5 +268,5 @@ def with_seq(model: ModelConfig, seq: int) -> ModelConfig:
     return replace(model, max_seq_len=max(model.max_seq_len, seq))
 
 
-__all__ = ["Candidate", "accepted", "comm_lower_bound", "commands", "divisors", "enumerate_space", "in_flight", "memory_lower_bound",
+__all__ = ["Candidate", "accepted", "axis_bus", "comm_lower_bound", "commands", "divisors", "enumerate_space", "in_flight", "memory_lower_bound",
            "model_flags", "pipeline_collectives", "pipeline_sends_s", "send_bytes", "strategies_for", "time_lower_bound", "train_argv", "with_seq"]
