@@ -4,7 +4,10 @@ The simulated devices are threads of one process sharing the machine's cores: wh
 costs a device depends on how many devices run at once and on the instruction's size (a small one
 pays a fixed dispatch cost, small arrays stay in cache, small GEMMs reach a fraction of the peak).
 So the curves below are timed on all `devices` devices at once (`shard_map`, each device the same
-work), as seconds per instruction at a few sizes (best of a few repeats after a compiling warm-up):
+work), as seconds per instruction at a few sizes: after a compiling warm-up, every chain of a curve is
+timed in turn, PASSES passes over them, and each chain's best time is kept (a burst of the shared
+machine's other work spoils one pass, not the curve: one pass of 5 repeats measured the 128^3 GEMM link
+at 419 us under load against 200-250 us in eleven quiet calibrations):
 - GEMM curves: chains of dependent `v @ w_i` at a few n (`[n, n]`, 32 different weights read in turn;
   dots are never fused with each other); `(t(K2) - t(K1)) / (K2 - K1)` (fixed costs cancel) at
   `2 n^3` FLOPs. A second curve chains `v^T @ w_i` (the lhs contracts its major dimension, as a
@@ -61,15 +64,24 @@ COLD_WEIGHTS = 32  # different weights a GEMM chain ([n, n]) or a stream chain (
 COLD_STREAM_BYTES = 64 << 20  # per device: a stream chain's weights together at most (16 of 4 MiB)
 SHORT = 16  # links of the short chain: past XLA:CPU's 8-thunk threshold for sequential execution
 LINK_WORK = 1 << 27  # FLOPs or bytes per device of a long chain: K2 = SHORT + 16 + LINK_WORK / work links, <= 256
+PASSES = 3  # passes over a curve's chains; each chain's best time over all of them is kept (`_best`)
 
 
-def _best(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile, first touch
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
+def _best(fns: dict, repeats: int, passes: int = 1) -> dict:
+    """Best seconds of each zero-argument callable of `fns`: each compiled and touched once, then `passes`
+    passes over all of them (the order reversed every other pass), `repeats` calls each per pass. A burst
+    of other work on a shared machine lasts seconds: consecutive repeats all fall into it, passes spread a
+    callable's samples over the whole calibration."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())  # compile, first touch
+    best = dict.fromkeys(fns, float("inf"))
+    keys = list(fns)
+    for p in range(passes):
+        for k in keys if p % 2 == 0 else keys[::-1]:
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fns[k]())
+                best[k] = min(best[k], time.perf_counter() - t0)
     return best
 
 
@@ -117,15 +129,27 @@ def _operands(link: str, size: int, mesh: Mesh) -> tuple[jax.Array, list[jax.Arr
     return put(v, ROWS), [put(w, spec) for w in ws], spec
 
 
-def _link_s(link: str, size: int, work: float, devices: list, repeats: int, group: int = 1) -> float:
-    """Seconds one link of `link`'s chain at `size` costs each device, all devices running it at once (a
-    psum over groups of `group`): a chain of SHORT links and one of K2 (more for small links), the
-    difference over the links between."""
+def _link_chains(link: str, size: int, work: float, devices: list, group: int = 1) -> tuple[list, int]:
+    """The chains whose difference is one link of `link` at `size`, all devices running it at once (a psum
+    over groups of `group`): SHORT links and K2 (more for small links), as zero-argument callables; and K2."""
     mesh = _mesh(devices, group)
     v, w, spec = _operands(link, size, mesh)
     k2 = int(min(256, SHORT + 16 + LINK_WORK // max(work, 1)))
-    t = [_best(lambda f=_chain(link, k, mesh, spec): f(v, w), repeats) for k in (SHORT, k2)]
-    return max(t[1] - t[0], 0.0) / (k2 - SHORT)
+    return [functools.partial(_chain(link, k, mesh, spec), v, w) for k in (SHORT, k2)], k2
+
+
+def _links_s(links: dict, devices: list, repeats: int, passes: int) -> dict:
+    """Seconds one link costs each device, for each `key: (link, size, work, group)` of `links`: the two
+    chains' best times (`_best`, all of `links` timed in the same passes), their difference over the links
+    between."""
+    chains = {key: _link_chains(link, size, work, devices, group) for key, (link, size, work, group) in links.items()}
+    best = _best({(key, i): fn for key, (fns, _) in chains.items() for i, fn in enumerate(fns)}, repeats, passes)
+    return {key: max(best[key, 1] - best[key, 0], 0.0) / (k2 - SHORT) for key, (_, k2) in chains.items()}
+
+
+def _link_s(link: str, size: int, work: float, devices: list, repeats: int, group: int = 1) -> float:
+    """Seconds one link of `link`'s chain at `size` costs each device (`_links_s` of one link, one pass)."""
+    return _links_s({link: (link, size, work, group)}, devices, repeats, 1)[link]
 
 
 def _curve(times: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
@@ -164,35 +188,42 @@ def stream_link_bytes(s_bytes: int) -> float:
 
 
 @functools.lru_cache(maxsize=4)
-def calibrate(devices: int, dtype: str = "float32", repeats: int = 5) -> tuple[Hardware, dict]:
-    """This machine's rates (and the raw timings) from the micro-benchmark over `devices` simulated devices."""
+def calibrate(devices: int, dtype: str = "float32", repeats: int = 3, passes: int = PASSES) -> tuple[Hardware, dict]:
+    """This machine's rates (and the raw timings) from the micro-benchmark over `devices` simulated devices:
+    each curve's chains timed together in `passes` passes, the best of each kept (`_best`)."""
     dt = jnp.dtype(dtype)
     a = jnp.ones((GEMM_N, GEMM_N), dt)
-    mm = jax.jit(lambda x: x @ x)
-    gemm_s = _best(lambda: mm(a), repeats)
-    flops = 2 * GEMM_N ** 3 / gemm_s
     x = jnp.ones((STREAM_BYTES // 4,), jnp.float32)
-    stream = jax.jit(lambda v: v * 1.5 + 1.0)
-    stream_s = _best(lambda: stream(x), repeats)
+    mm, stream = jax.jit(lambda y: y @ y), jax.jit(lambda v: v * 1.5 + 1.0)
+    peaks = _best({"gemm": lambda: mm(a), "stream": lambda: stream(x)}, repeats, passes)
+    gemm_s, stream_s = peaks["gemm"], peaks["stream"]
+    flops = 2 * GEMM_N ** 3 / gemm_s
     hbm = 2 * STREAM_BYTES / stream_s
     devs = jax.devices()[:devices]
     t = len(devs)
     groups = [g for g in range(2, t + 1) if t % g == 0]
     alphas: list[tuple[int, float]] = []
     if groups:
-        (b1, b2), (t1, t2) = REDUCE_BYTES, [_link_s("psum", b, 8 * b, devs, repeats, t) for b in REDUCE_BYTES]
+        (b1, b2) = REDUCE_BYTES
+        psums = _links_s({"big": ("psum", b2, 8 * b2, t), **{g: ("psum", b1, 8 * b1, g) for g in groups}}, devs,
+                         repeats, passes)
+        t1, t2 = psums[t], psums["big"]
         ring = 2 * (t - 1) / t
         bus = ring * (b2 - b1) / max(t2 - t1, 1e-9)
         for g in groups:  # all groups of g at once; the latency of a group of g: the small psum less its bytes
-            tg = t1 if g == t else _link_s("psum", b1, 8 * b1, devs, repeats, g)
-            alphas.append((g, max(tg - 2 * (g - 1) / g * b1 / bus, 1e-9)))
+            alphas.append((g, max(psums[g] - 2 * (g - 1) / g * b1 / bus, 1e-9)))
         alpha = alphas[-1][1]
     else:
         t1 = t2 = 0.0
         bus, alpha = hbm, 0.0
-    gemm_curve = _curve([(2.0 * n ** 3, _link_s("matmul", n, 2 * n ** 3, devs, repeats)) for n in CURVE_GEMM_N])
-    gemm_t_curve = _curve([(2.0 * n ** 3, _link_s("matmul_t", n, 2 * n ** 3, devs, repeats)) for n in CURVE_GEMM_N])
-    stream_curve = _curve([(stream_link_bytes(b), _link_s("stream", b, b, devs, repeats)) for b in CURVE_STREAM_BYTES])
+
+    def curve(link: str, sizes: tuple[int, ...], work, size_of) -> tuple[tuple[float, float], ...]:
+        got = _links_s({n: (link, n, work(n), 1) for n in sizes}, devs, repeats, passes)
+        return _curve([(size_of(n), got[n]) for n in sizes])
+
+    gemm_curve = curve("matmul", CURVE_GEMM_N, lambda n: 2 * n ** 3, lambda n: 2.0 * n ** 3)
+    gemm_t_curve = curve("matmul_t", CURVE_GEMM_N, lambda n: 2 * n ** 3, lambda n: 2.0 * n ** 3)
+    stream_curve = curve("stream", CURVE_STREAM_BYTES, lambda b: b, stream_link_bytes)
     hw = Hardware(f"cpu ({t} simulated devices, calibrated)", flops, hbm, 1.0, bus, alpha, bus, alpha,
                   gemm_curve=gemm_curve, stream_curve=stream_curve, gemm_t_curve=gemm_t_curve,
                   alpha_by_group=tuple(alphas))
@@ -200,7 +231,7 @@ def calibrate(devices: int, dtype: str = "float32", repeats: int = 5) -> tuple[H
            "stream_s": stream_s, "memory_bytes_per_s": hbm, "allreduce_devices": t,
            "allreduce_bytes": list(REDUCE_BYTES), "allreduce_s": [t1, t2], "allreduce_bus_bytes_per_s": bus,
            "allreduce_alpha_s": alpha, "allreduce_alpha_by_group": [list(a) for a in alphas], "dtype": dtype,
-           "stream_link": "divide",
+           "stream_link": "divide", "repeats": repeats, "passes": passes,
            "gemm_curve_n": list(CURVE_GEMM_N), "gemm_curve_s": [t for _, t in gemm_curve],
            "gemm_t_curve_s": [t for _, t in gemm_t_curve], "stream_curve_bytes": list(CURVE_STREAM_BYTES),
            "stream_curve_s": [t for _, t in stream_curve]}
