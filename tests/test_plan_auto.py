@@ -246,6 +246,20 @@ def test_the_cpu_micro_benchmark_times_one_link_of_a_chain():
     assert cpu.shared_rates(HW, 4).peak_flops == HW.peak_flops / 4
 
 
+def test_the_calibration_times_every_chain_in_passes_and_keeps_its_best():
+    from boostjax.planning import cpu
+
+    calls = []
+
+    def chain(name):
+        return lambda: calls.append(name)
+
+    best = cpu._best({"a": chain("a"), "b": chain("b")}, repeats=2, passes=3)
+    # one warm-up each, then passes over all chains, the order reversed every other pass
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
+    assert set(best) == {"a", "b"} and all(0 <= t < 1 for t in best.values())
+
+
 def test_cpu_zero_pays_one_collective_per_parameter_array():
     import jax
     from flax import nnx
