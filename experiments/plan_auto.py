@@ -299,8 +299,9 @@ def summarize(rows: list[dict], rounds: int, original: list[str]) -> dict:
     pooled median is kept beside it. The choice is the statistic whose halves agree best: the even rounds
     against the odd ones (`split_half`, model-free), 0.91 for the fastest step against 0.77 for the median in
     the 5-round run of 8d9d9e1, and at least as high in each of the four stored runs before it (0.81 / 0.77,
-    0.98 / 0.97, 0.76 / 0.51, 0.89 / 0.81). In-process steps, one of each configuration in turn, share every change of load: their
-    median is kept (its halves agreed 0.96-0.98 there, the fastest step's 0.88-0.98)."""
+    0.98 / 0.97, 0.76 / 0.51, 0.89 / 0.81). In-process steps, one of each configuration in turn, share
+    every change of load: their median is kept (its halves agreed 0.96-0.98 there, the fastest step's
+    0.88-0.98)."""
     for r in rows:
         ok = [g for g in r["measured_runs"] if "step_s" in g]
         r["measured_step_s"] = _pooled(r, min)
@@ -326,7 +327,10 @@ def summarize(rows: list[dict], rounds: int, original: list[str]) -> dict:
     fastest_median = min(r["measured_median_s"] for r in rows if r["measured_median_s"])
     fastest_steps = min(r["measured_in_process_s"] for r in rows)
     first = next(r for r in rows if r["planner_first"])
-    within = lambda x, best: bool(x is not None and x <= 1.1 * best)  # noqa: E731
+
+    def within(x, best):
+        return bool(x is not None and x <= 1.1 * best)
+
     return {"spearman": rho(rows, lambda r: r["measured_step_s"]),
             "measured_statistic": f"fastest of steps 3-{MEASURE_STEPS} over all rounds",
             "spearman_median": rho(rows, lambda r: r["measured_median_s"]),
