@@ -78,6 +78,7 @@ CPU_CONFIGS = (
     (2, 4, 1, "none", 1, 8, "1f1b", "full", 1),
     (8, 1, 1, "none", 1, 2, "-", "none", 0),
 )
+MEASURE_TOP = 3  # the planner times its 3 best-predicted candidates (`plan --auto --measure-top 3`)
 ORIGINAL = 11  # the first configurations, measured since the first validation run
 MEASURE_STEPS = 20  # the median of steps 3..20 (18 steps) is one run's time
 MEASURE_FLAGS = ["--steps", str(MEASURE_STEPS), "--log-every", "1", "--eval-every", "1000", "--eval-batches", "1",
@@ -167,48 +168,13 @@ def _measure(argv: list[str], out: str) -> dict:
 
 
 def step_times(model, rows: list[dict], rounds: int) -> dict[str, list[float]]:
-    """Seconds of each row's compiled training step (`training.step.layout_step`, jitted as `boostjax train`
-    jits it, on zero-filled state and batch), all compiled in this process and run one step each in turn,
-    `rounds` times (the order reversed every other round): a change in the machine's load reaches
-    every configuration alike."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    """Seconds of each row's compiled training step, all compiled in this process and run one step each in
+    turn, `rounds` times (`planning.timing.time_steps`, what `plan --auto --measure-top` times): a change in
+    the machine's load reaches every configuration alike."""
+    from boostjax.planning.timing import time_steps
 
-    from boostjax.analysis import memory
-    from boostjax.config import Config, validate
-    from boostjax.models.llama import LLaMA
-    from boostjax.training.step import layout_step, step_layout, train_state_shapes
-
-    def zeros(s):
-        return jax.device_put(jnp.zeros(s.shape, s.dtype), s.sharding)
-
-    runs = {}
-    for r in rows:
-        t = _candidate(r).train_fields(CPU_SEQ, "float32", "adamw")
-        extra = {k: t[k] for k in ("grad_accum", "zero", "microbatches", "pipeline_schedule") if k in t}
-        cfg = validate(Config(replace(model, attention="xla"), memory.train_config(
-            t["batch"], CPU_SEQ, t["strategy"], t["mesh"], t["remat"], "float32", **extra)))
-        graphdef, state = nnx.split(nnx.eval_shape(lambda cfg=cfg: LLaMA(cfg.model, rngs=nnx.Rngs(0))))
-        lay = step_layout(cfg, graphdef, state.to_pure_dict())
-        sds, b_sds = train_state_shapes(cfg, graphdef, state.to_pure_dict())
-        f = jax.jit(layout_step(cfg, lay), donate_argnums=(0,),
-                    out_shardings=(lay.homes, NamedSharding(lay.placement.mesh, P())))
-        st, batch = jax.tree.map(zeros, sds), jax.tree.map(zeros, b_sds)
-        for _ in range(2):  # compile, first touch
-            st, _ = jax.block_until_ready(f(st, batch))
-        runs[r["label"]] = [f, st, batch, []]
-        log(f"compiled the step of {r['label']}")
-    for k in range(rounds):
-        for label in (list(runs) if k % 2 == 0 else list(runs)[::-1]):
-            f, st, batch, times = runs[label]
-            t0 = time.perf_counter()
-            st, _ = jax.block_until_ready(f(st, batch))
-            times.append(time.perf_counter() - t0)
-            runs[label][1] = st
-    return {label: v[3] for label, v in runs.items()}
+    got = time_steps(model, [_candidate(r) for r in rows], CPU_SEQ, "float32", "adamw", rounds, cpu=True, log=log)
+    return {r["label"]: got[_candidate(r)] for r in rows}
 
 
 def _candidate(r: dict):
@@ -258,12 +224,17 @@ def cpu_part(cache: str, rounds: int, step_rounds: int) -> dict:
     model = preset(CPU_PRESET)
     include = tuple(Candidate(*c) for c in CPU_CONFIGS)
     res = plan_auto(model, "1x8:cpu", CPU_BATCH, CPU_SEQ, include=include, top=3, max_compiles=1,
-                    preset_name=CPU_PRESET, cache_dir=cache, log=log)
+                    preset_name=CPU_PRESET, cache_dir=cache, log=log, measure_top=MEASURE_TOP,
+                    measure_rounds=step_rounds)
+    timed = {r["label"]: r["measured_step_s"] for r in res.candidates if "measured_step_s" in r}
     rows = list(res.included)
-    if res.candidates[0]["label"] not in {r["label"] for r in rows}:
-        rows.append({**res.candidates[0], "fits": True, "rank": 1})
+    for extra in (res.candidates[0], res.winner):  # the planner's choices are always measured
+        if extra["label"] not in {r["label"] for r in rows}:
+            rank = next(i for i, c in enumerate(res.candidates, 1) if c["label"] == extra["label"])
+            rows.append({k: v for k, v in extra.items() if not k.startswith("measured_")} | {"fits": True, "rank": rank})
     for r in rows:
         r["planner_first"] = r["label"] == res.candidates[0]["label"]
+        r["planner_winner"] = r["label"] == res.winner["label"]
     load0 = os.getloadavg()[0]
     steps = step_times(model, rows, step_rounds)
     for r in rows:
@@ -280,6 +251,7 @@ def cpu_part(cache: str, rounds: int, step_rounds: int) -> dict:
         _compiled_peak(model, r)
     old = [r["label"] for r in rows[:ORIGINAL]]  # include's order is CPU_CONFIGS'
     return {"model": CPU_PRESET, "seq": CPU_SEQ, "global_batch": CPU_BATCH, "rounds": rounds,
+            "measure_top": {**res.measured, "timed_step_s": timed},
             "calibration": res.calibration, "hardware": asdict(res.hardware), "search": res.search,
             "rows": rows, "step_rounds": step_rounds, "step_rounds_load": load0,
             **summarize(rows, rounds, old)}
@@ -327,6 +299,7 @@ def summarize(rows: list[dict], rounds: int, original: list[str]) -> dict:
     fastest_median = min(r["measured_median_s"] for r in rows if r["measured_median_s"])
     fastest_steps = min(r["measured_in_process_s"] for r in rows)
     first = next(r for r in rows if r["planner_first"])
+    win = next((r for r in rows if r.get("planner_winner")), None)  # --measure-top's (runs before it: none)
 
     def within(x, best):
         return bool(x is not None and x <= 1.1 * best)
@@ -343,6 +316,9 @@ def summarize(rows: list[dict], rounds: int, original: list[str]) -> dict:
             "spearman_in_process": rho(rows, lambda r: r["measured_in_process_s"]),
             "first_choice_in_process_s": first["measured_in_process_s"], "fastest_in_process_s": fastest_steps,
             "first_choice_within_10pct_in_process": within(first["measured_in_process_s"], fastest_steps),
+            **({"winner": win["label"], "winner_measured_s": win["measured_step_s"],
+                "winner_within_10pct": within(win["measured_step_s"], fastest),
+                "winner_within_10pct_median": within(win["measured_median_s"], fastest_median)} if win else {}),
             "spearman_original": rho(old, lambda r: r["measured_step_s"]),
             "spearman_original_in_process": rho(old, lambda r: r["measured_in_process_s"]),
             "original_rows": len(old)}
@@ -469,13 +445,23 @@ def markdown(res: dict) -> str:
                      f"{c['step_rounds_load']:.1f} when they started). First choice "
                      f"{c['first_choice_in_process_s']:.3f} s, fastest {c['fastest_in_process_s']:.3f} s, within "
                      f"10 %: {c['first_choice_within_10pct_in_process']}.", ""] if "spearman_in_process" in c else []),
+                  *([f"**The planner's winner with `--measure-top {c['measure_top']['top']}`: {c['winner']}.** "
+                     f"The planner timed its {len(c['measure_top']['timed'])} best-predicted candidates "
+                     f"({', '.join(c['measure_top']['timed'])}) in its own process, {c['measure_top']['rounds']} "
+                     "interleaved steps each, and kept the fastest median (" + ", ".join(
+                         f"{k} {v:.3f} s" for k, v in c["measure_top"]["timed_step_s"].items()) + "). In the training "
+                     f"runs above the winner measured {c['winner_measured_s']:.3f} s against the fastest "
+                     f"{c['measured_fastest_s']:.3f} s: within 10 %: {c['winner_within_10pct']} (by the runs' "
+                     f"median: {c['winner_within_10pct_median']}).", ""] if "winner" in c else []),
                   "| configuration | predicted s | measured s (runs) | measured / predicted | runs' median s | "
                   "in-process step s | planned peak MiB/dev | compiled peak MiB/dev | process peak RSS MiB / 8 |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(c["rows"], key=lambda r: r["step_s"]):
             ms = r["measured_step_s"]
             rss = r["measured_max_rss_bytes"]
-            lines.append(f"| {r['label']}{' (first choice)' if r['planner_first'] else ''} | {r['step_s']:.3f} | "
+            tag = ", ".join(t for t, on in (("first choice", r["planner_first"]),
+                                            ("winner, measured", r.get("planner_winner"))) if on)
+            lines.append(f"| {r['label']}{f' ({tag})' if tag else ''} | {r['step_s']:.3f} | "
                          f"{ms if ms is not None else float('nan'):.3f} | "
                          f"{(ms / r['step_s']) if ms else float('nan'):.2f} | "
                          f"{r.get('measured_median_s') or float('nan'):.3f} | "

@@ -113,6 +113,28 @@ def test_the_memory_of_one_micro_batch_on_one_device_is_the_compiled_step(planne
     assert r["peak_bytes_per_device"] == pytest.approx(got["peak_bytes_per_device"], rel=0.02)
 
 
+def test_measure_top_times_the_best_predicted_and_the_fastest_wins(planned):
+    """`plan_auto(measure_top=2)` times the two best-predicted candidates' training steps (here on the
+    fixture's ranking: a second `plan_auto` would go past its compile budget with the cached measurements)."""
+    import copy
+    import statistics
+
+    from boostjax.planning.search import _measure_top
+
+    rows = copy.deepcopy(planned.candidates)
+    res = replace(planned, candidates=rows, measured=_measure_top(MODEL, rows, 2, 3, 32, "float32", "adamw",
+                                                                  parse_cluster("1x4:cpu"), None))
+    timed = res.candidates[:2]
+    assert res.measured["timed"] == [r["label"] for r in timed] and "measured_step_s" not in res.candidates[2]
+    for r in timed:
+        assert len(r["measured_steps_s"]) == 3 and r["measured_step_s"] == statistics.median(r["measured_steps_s"])
+    assert res.winner is min(timed, key=lambda r: r["measured_step_s"])
+    doc = res.to_json()
+    assert doc["winner"] == res.winner["label"] and doc["winner_by"] == "measured"
+    assert planned.to_json()["winner"] == planned.candidates[0]["label"]
+    assert planned.to_json()["winner_by"] == "predicted"
+
+
 @pytest.mark.parametrize("argv, needles", [
     (["--cluster", "8:a100"], ("plan.cluster", "cannot read")),
     (["--cluster", "1x8:B300"], ("plan.cluster", "unknown hardware")),
@@ -120,6 +142,10 @@ def test_the_memory_of_one_micro_batch_on_one_device_is_the_compiled_step(planne
      ("plan.global_batch", "data [2, 4, 8]", "multiple of 2, e.g. 4")),
     (["--cluster", "1x1:RTX3090-24GB", "--preset", "30b", "--global-batch", "1"], ("plan.cluster", "short")),
     (["--cluster", "1x4:cpu", "--mesh", "data=4"], ("plan.auto", "--mesh")),
+    (["--cluster", "1x4:cpu", "--measure-top", "-1"], ("plan.measure_top", ">= 0")),
+    (["--cluster", "1x4:cpu", "--measure-top", "2", "--measure-rounds", "0"], ("plan.measure_rounds", ">= 1")),
+    (["--cluster", "2x8:a100", "--measure-top", "2"], ("plan.measure_top", "2 nodes")),
+    (["--cluster", "1x8:a100", "--measure-top", "2"], ("plan.measure_top", "not this process's")),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, argv, needles):
     out = tmp_path / "plan.json"

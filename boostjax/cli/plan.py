@@ -97,6 +97,13 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="--auto: start no compile (or offload solve) after S seconds of search; candidates past "
                         "it are counted as skipped, and a later plan with the same --cache-dir reads what was "
                         "compiled and goes further (default: 180)")
+    a.add_argument("--measure-top", type=int, default=0, metavar="K",
+                   help="--auto: compile and time the K best-predicted candidates' training steps on this "
+                        "process's devices (a cpu cluster, or one node of the cluster the plan runs on), "
+                        "interleaved, and make the measured fastest the winner; the ranking stays the "
+                        "prediction's (default: 0, none timed)")
+    a.add_argument("--measure-rounds", type=int, default=20, metavar="N",
+                   help="--auto --measure-top: steps timed per candidate, one of each in turn (default: 20)")
     a.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="--auto: keep compiled measurements here as JSON, keyed by configuration, for later plans "
                         "(default: this process only)")
@@ -171,7 +178,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         return run_auto(args, RUN_FLAGS)
     for flag, value in (("--cluster", args.cluster), ("--global-batch", args.global_batch),
-                        ("--cache-dir", args.cache_dir)):
+                        ("--cache-dir", args.cache_dir), ("--measure-top", args.measure_top or None)):
         if value is not None:
             raise ConfigError(f"plan: {flag} plans a whole configuration; fix: add --auto, or drop {flag}")
     inst = instance_from_args(args)

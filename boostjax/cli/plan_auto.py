@@ -7,7 +7,8 @@ Every input is checked before JAX starts (one line, exit 2, nothing written): th
 hardware, the model flags, --global-batch and --seq, --out. `--out` writes the ranked candidates as JSON
 (each with `step_s`, `peak_bytes_per_device`, `train_command`) and, beside it, the offload plan file of
 each candidate that needs one (its `train_command` passes `--offload-plan` with that path); the
-terminal shows the table and the winner's command lines.
+terminal shows the table and the winner's command lines. `--measure-top K` times the K best-predicted
+candidates on this process's devices and makes the measured fastest the winner (`planning.timing`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ def _inputs(args: argparse.Namespace, run_flags: tuple[str, ...]):
     if not args.compile_seconds > 0:
         raise ConfigError(f"plan.compile_seconds: must be > 0, got {args.compile_seconds}; fix: pass "
                           "--compile-seconds 180")
+    if args.measure_top < 0:
+        raise ConfigError(f"plan.measure_top: must be >= 0, got {args.measure_top}; fix: pass --measure-top 3")
+    if args.measure_rounds < 1:
+        raise ConfigError(f"plan.measure_rounds: must be >= 1, got {args.measure_rounds}; fix: pass "
+                          "--measure-rounds 20")
+    if args.measure_top and cluster.nodes > 1 and not cluster.is_cpu:
+        raise ConfigError(f"plan.measure_top: times candidates on this process's devices, and {cluster.text} spans "
+                          f"{cluster.nodes} nodes; fix: drop --measure-top (or plan one node's cluster on it)")
     if args.max_compiles < 1:
         raise ConfigError(f"plan.max_compiles: must be >= 1, got {args.max_compiles}; fix: pass --max-compiles 16")
     seq = args.seq if args.seq is not None else field_default("seq")
@@ -105,7 +114,8 @@ def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
     res = plan_auto(model, cluster, args.global_batch, seq, dtype=dtype, optimizer=args.optimizer or "adamw",
                     top=args.top, max_compiles=args.max_compiles, compile_seconds=args.compile_seconds,
                     preset_name=args.preset, cache_dir=args.cache_dir, log=log,
-                    offload_dir=str(out.parent) if out is not None else ".")
+                    offload_dir=str(out.parent) if out is not None else ".", measure_top=args.measure_top,
+                    measure_rounds=args.measure_rounds)
     doc = plan_json(res, {"model": {k: v for k, v in vars(model).items()}, "preset": args.preset})
     if out is not None:
         write_offload_plans(res.candidates)

@@ -12,16 +12,18 @@ HEADER = ("#", "configuration", "s/step", "tokens/s", "MFU", "peak GiB (w/opt/ac
 
 
 def table(res: PlanResult, rows: int = 10) -> str:
-    """A fixed-width table of the best `rows` candidates."""
-    cells = [HEADER]
+    """A fixed-width table of the best `rows` candidates (with a measured column where the top were timed)."""
+    timed = res.measured is not None
+    cells = [HEADER[:3] + ("measured s/step",) + HEADER[3:-1] + ("vs #1 predicted",) if timed else HEADER]
     for i, c in enumerate(res.candidates[:rows], 1):
         cb = c["comm_bytes"]
-        cells.append((str(i), c["label"], f"{c['step_s']:.4g}", f"{c['tokens_per_s']:.4g}", f"{c['mfu']:.2f}",
+        meas = (f"{c['measured_step_s']:.4g}" if "measured_step_s" in c else "-",) if timed else ()
+        cells.append((str(i), c["label"], f"{c['step_s']:.4g}", *meas, f"{c['tokens_per_s']:.4g}", f"{c['mfu']:.2f}",
                       f"{c['peak_bytes_per_device'] / GIB:.3g} ({c['weight_bytes'] / GIB:.3g}/"
                       f"{c['optimizer_bytes'] / GIB:.3g}/{c['activation_bytes'] / GIB:.3g})",
                       f"{cb['model'] / GIB:.3g}/{cb['data'] / GIB:.3g}/{cb['stage'] / GIB:.3g}",
                       f"{c['bubble_fraction']:.2f}", c.get("why_slower", "")))
-    widths = [max(len(r[i]) for r in cells) for i in range(len(HEADER))]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells)
 
 
@@ -32,8 +34,14 @@ def summary(res: PlanResult, rows: int = 10) -> str:
             f"{s['skipped_time_bound']} slower by bound, {s['skipped_remat_not_needed']} with a remat not needed, "
             f"{s['skipped_compile_budget']} past the compile budget; {s['compiled']} measurements compiled, "
             f"{s['cached']} cached; {s['wall_s']} s); {s['global_batch']} x {s['seq']} tokens per step, {s['dtype']}:")
-    win = res.candidates[0]
-    lines = [head, "", table(res, rows), "", f"winner: {win['label']}", f"  {win['train_command']}"]
+    win = res.winner
+    how = ""
+    if res.measured:
+        m = res.measured
+        how = (f" (measured fastest of the {len(m['timed'])} best predicted, median of {m['rounds']} interleaved "
+               f"steps: {win['measured_step_s']:.4g} s" + ("" if win is res.candidates[0] else
+                                                            f"; predicted first: {m['predicted_first']}") + ")")
+    lines = [head, "", table(res, rows), "", f"winner: {win['label']}{how}", f"  {win['train_command']}"]
     if "launch_command" in win:
         lines.append(f"  {win['launch_command']}")
     if res.cluster.nodes > 1 and not res.cluster.is_cpu:

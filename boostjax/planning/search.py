@@ -27,6 +27,9 @@
    the host), and keys all of whose candidates need an offload plan are compiled after the others.
 The result is ranked by predicted step time (then by peak memory). When nothing fits,
 `NothingFits` names the smallest shortfall.
+5. With `measure_top` K (the cluster's devices this process's: `planning.timing`), the K best-predicted
+   candidates' training steps are compiled and timed, interleaved; the measured fastest is the
+   `winner` (the ranking stays the prediction's, each timed row gains `measured_step_s`).
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from boostjax.config import ConfigError, ModelConfig, validate_model
 from boostjax.planning import cpu
-from boostjax.planning import offloading
+from boostjax.planning import offloading, timing
 from boostjax.planning.cluster import Cluster, parse_cluster, profile_rates
 from boostjax.planning.costs import Hardware
 from boostjax.planning.measure import Key, is_cached, measure
@@ -69,11 +73,21 @@ class PlanResult:
     calibration: dict[str, Any] | None = None
     rejected: list[dict[str, Any]] = field(default_factory=list)  # compiled but over the budget
     included: list[dict[str, Any]] = field(default_factory=list)  # plan_auto(include=...): always predicted
+    measured: dict[str, Any] | None = None  # plan_auto(measure_top=K): how the top K were timed
+
+    @property
+    def winner(self) -> dict[str, Any]:
+        """The candidate to run: the measured fastest of the timed top candidates, else the predicted first."""
+        if self.measured:
+            return next(r for r in self.candidates if r["label"] == self.measured["winner"])
+        return self.candidates[0]
 
     def to_json(self) -> dict[str, Any]:
         return {"cluster": self.cluster.text, "hardware": asdict(self.hardware), "eta": self.eta,
                 "budget_bytes_per_device": self.budget_bytes, "search": self.search,
                 "calibration": self.calibration, "candidates": self.candidates, "rejected": self.rejected[:10],
+                "winner": self.winner["label"], "winner_by": "measured" if self.measured else "predicted",
+                **({"measured": self.measured} if self.measured else {}),
                 **({"included": self.included} if self.included else {})}
 
 
@@ -134,7 +148,7 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
               hardware: Hardware | None = None, eta: float | None = None, budget_bytes: float | None = None,
               max_compiles: int = 8, include: tuple[Candidate, ...] = (), log=None, max_offloads: int = 4,
               offload_time_limit_s: float = 10.0, offload_dir: str = ".",
-              compile_seconds: float | None = None) -> PlanResult:
+              compile_seconds: float | None = None, measure_top: int = 0, measure_rounds: int = 20) -> PlanResult:
     """Rank the configurations of `model` on `cluster` (`"2x8:A100-80GB"`, `"1x8:cpu"`) for `global_batch`
     sequences of `seq` tokens per optimizer step (module docstring). `dtype`: bfloat16 on GPUs, float32
     on the CPU by default. `hardware` / `eta` / `budget_bytes` override the cluster's rates (machine
@@ -144,9 +158,17 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     predicted whatever the bounds and the budget say (`PlanResult.included`; ranked too where they fit).
     `max_offloads` / `offload_time_limit_s`: offload plans solved at most / CP-SAT seconds each;
     `offload_dir`: the folder an offloaded candidate's `train_command` reads its plan file from;
-    `compile_seconds`: no compile or offload solve starts after that many seconds (None: no limit)."""
+    `compile_seconds`: no compile or offload solve starts after that many seconds (None: no limit).
+    `measure_top`: time the K best-predicted candidates' training steps on this process's devices,
+    `measure_rounds` steps each, interleaved (`planning.timing`), and make the fastest the winner."""
     t0 = time.perf_counter()
     cl = check_inputs(model, cluster, global_batch, seq)
+    if measure_top < 0:
+        raise ConfigError(f"plan.measure_top: must be >= 0, got {measure_top}; fix: pass --measure-top 3")
+    if measure_top:
+        timing.check_local(cl)
+        if measure_rounds < 1:
+            raise ConfigError(f"plan.measure_rounds: must be >= 1, got {measure_rounds}; fix: pass --measure-rounds 20")
     dtype = dtype or ("float32" if cl.is_cpu else "bfloat16")
     model = with_seq(model, seq)
     space, counts = checked_space(model, cl, global_batch, seq, dtype, optimizer)
@@ -301,7 +323,28 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
             "rank": next((i for i, (d, _) in enumerate(ranked, 1) if d == c), None)} for c in include]
     rej = [_row(model, c, p, seq, dtype, optimizer, cl, preset_name)
            for c, p in sorted(rejected, key=lambda cp: cp[1]["step_s"])[:10]]
-    return PlanResult(cl, hw, eta, budget, rows, search, calib, rej, inc)
+    measured = _measure_top(model, rows, measure_top, measure_rounds, seq, dtype, optimizer, cl, log) \
+        if measure_top else None
+    return PlanResult(cl, hw, eta, budget, rows, search, calib, rej, inc, measured)
+
+
+def _measure_top(model, rows: list[dict], k: int, rounds: int, seq: int, dtype: str, optimizer: str, cl: Cluster,
+                 log) -> dict[str, Any] | None:
+    """Times the `k` best-predicted rows without an offload plan (`timing.time_steps`), sets each one's
+    `measured_step_s` (median) and `measured_steps_s`, and returns how, with the fastest as `winner`."""
+    chosen = [r for r in rows if "offload_plan" not in r][:k]
+    if not chosen:
+        if log:
+            log("measure-top: every candidate needs an offload plan, which is not timed; the predicted first wins")
+        return None
+    times = timing.time_steps(model, [timing.candidate_of(r) for r in chosen], seq, dtype, optimizer, rounds,
+                              cpu=cl.is_cpu, log=log)
+    for r in chosen:
+        steps = times[timing.candidate_of(r)]
+        r["measured_step_s"], r["measured_steps_s"] = statistics.median(steps), steps
+    best = min(chosen, key=lambda r: r["measured_step_s"])
+    return {"top": k, "rounds": rounds, "statistic": "median of interleaved steps", "timed": [r["label"] for r in chosen],
+            "winner": best["label"], "predicted_first": rows[0]["label"]}
 
 
 def _row(model, c: Candidate, p: dict, seq, dtype, optimizer, cl, preset_name, plan=None,
