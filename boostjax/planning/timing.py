@@ -25,9 +25,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from boostjax.analysis.memory import train_config
 from boostjax.config import Config, ConfigError, ModelConfig, validate
+from boostjax.models.llama import LLaMA
 from boostjax.planning.cluster import Cluster
 from boostjax.planning.space import Candidate
+from boostjax.training.step import layout_step, step_layout, train_state_shapes
 
 WARMUP = 2  # steps of each candidate before timing: compile, first touch
 
@@ -53,10 +56,6 @@ def candidate_of(row: dict[str, Any]) -> Candidate:
 def compiled_step(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str, cpu: bool):
     """`(step, state, batch)`: `c`'s training step jitted as `boostjax train` jits it (CPU: the
     materialised attention its `train_command` passes), and zero-filled state and batch in its layout."""
-    from boostjax.analysis.memory import train_config
-    from boostjax.models.llama import LLaMA
-    from boostjax.training.step import layout_step, step_layout, train_state_shapes
-
     t = c.train_fields(seq, dtype, optimizer)
     extra = {k: t[k] for k in ("grad_accum", "zero", "microbatches", "pipeline_schedule", "optimizer") if k in t}
     cfg = validate(Config(replace(model, attention="xla") if cpu else model,
