@@ -133,6 +133,10 @@ def test_measure_top_times_the_best_predicted_and_the_fastest_wins(planned):
     assert doc["winner"] == res.winner["label"] and doc["winner_by"] == "measured"
     assert planned.to_json()["winner"] == planned.candidates[0]["label"]
     assert planned.to_json()["winner_by"] == "predicted"
+    from boostjax.planning.timing import check_local
+
+    with pytest.raises(ConfigError, match="needs 16 simulated devices and JAX sees 8"):  # conftest: 8 devices
+        check_local(parse_cluster("1x16:cpu"))
 
 
 @pytest.mark.parametrize("argv, needles", [

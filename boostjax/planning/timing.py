@@ -38,9 +38,13 @@ WARMUP = 2  # steps of each candidate before timing: compile, first touch
 def check_local(cluster: Cluster) -> None:
     """ConfigError (one line) unless the cluster's devices are this process's: a CPU cluster (simulated),
     or one node whose devices this process sees on an accelerator."""
-    if cluster.is_cpu:
-        return
     devs = jax.devices()
+    if cluster.is_cpu:
+        if len(devs) < cluster.devices:
+            raise ConfigError(f"plan.measure_top: {cluster.text} needs {cluster.devices} simulated devices and JAX sees "
+                              f"{len(devs)}; fix: call boostjax.runtime.devices.simulate_devices({cluster.devices}, ...) "
+                              "before JAX starts, or drop --measure-top")
+        return
     if cluster.nodes > 1 or devs[0].platform == "cpu" or len(devs) < cluster.devices:
         raise ConfigError(f"plan.measure_top: times candidates on the cluster's devices, but {cluster.text} is not "
                           f"this process's ({len(devs)} {devs[0].platform} device(s)); fix: run the plan on one node "
