@@ -178,10 +178,9 @@ def step_times(model, rows: list[dict], rounds: int) -> dict[str, list[float]]:
 
 
 def _candidate(r: dict):
-    from boostjax.planning.space import Candidate
+    from boostjax.planning.timing import candidate_of
 
-    return Candidate(*(r[k] for k in ("data", "stage", "model", "strategy", "micro_batch", "slots", "schedule",
-                                      "remat", "zero")))
+    return candidate_of(r)
 
 
 def _compiled_peak(model, r: dict) -> None:

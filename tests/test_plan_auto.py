@@ -82,10 +82,9 @@ def test_ranked_candidates_with_bounds_below_their_predictions(planned):
 
 
 def _candidate(row):
-    from boostjax.planning.space import Candidate
+    from boostjax.planning.timing import candidate_of
 
-    return Candidate(*(row[k] for k in ("data", "stage", "model", "strategy", "micro_batch", "slots", "schedule",
-                                        "remat", "zero")))
+    return candidate_of(row)
 
 
 def test_the_train_command_is_the_planned_configuration(planned):

@@ -30,8 +30,6 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from boostjax.config import (
     Config,
@@ -44,7 +42,7 @@ from boostjax.config import (
 )
 from boostjax.models.attention import check_backend
 from boostjax.models.llama import LLaMA
-from boostjax.training.step import layout_step, step_layout, train_state_shapes
+from boostjax.training.step import jit_step, step_layout, train_state_shapes
 
 GIB = float(2**30)
 # never executed: on CPU skip LLVM's expensive passes (the optimised HLO and its buffers are unchanged)
@@ -110,10 +108,7 @@ def train_step_compiled(cfg: Config, compiler_options: dict | None = None) -> Ab
     lay = step_layout(cfg, graphdef, params_like)
     state_sds, b_sds = train_state_shapes(cfg, graphdef, params_like)
     mesh = lay.placement.mesh
-    kw = {}
-    if mesh is not None:  # as StepFns.compile: the state comes back in the layout it came in
-        kw["out_shardings"] = (lay.homes, NamedSharding(mesh, P()))
-    lowered = jax.jit(layout_step(cfg, lay), donate_argnums=(0,), keep_unused=True, **kw).lower(state_sds, b_sds)
+    lowered = jit_step(cfg, lay).lower(state_sds, b_sds)  # as StepFns.compile jits it
     if compiler_options is None and jax.default_backend() == "cpu":
         compiler_options = FAST_CPU
     opt_sds = (state_sds.step, state_sds.opt_state, state_sds.delay)

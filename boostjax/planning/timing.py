@@ -5,16 +5,15 @@ CPU validation (`experiments/plan_auto.py`) the three best of the tiny preset we
 0.7-2.4 % of each other while their measured steps spread over 17-20 %. Where the cluster's devices
 are this process's (`--cluster NxD:cpu`, or one node of GPUs the plan runs on), running them decides:
 `time_steps` compiles each candidate's training step as `boostjax train` compiles it
-(`training.step.layout_step`, jitted with the same donation and output shardings), on zero-filled
-state and batch, and runs one step of each in turn, `rounds` times, the order reversed every other
-round, so that a change in the machine's load reaches every candidate alike; `fastest` is the one with
-the smallest median step. A candidate with an offload plan is not timed (its host placement needs
+(`training.step.jit_step`, with the placement's compiler options), on zero-filled state and batch, and
+runs one step of each in turn, `rounds` times, the order reversed every other round, so that a change
+in the machine's load reaches every candidate alike; `plan_auto` keeps the one with the smallest
+median step. A candidate with an offload plan is not timed (its host placement needs
 `boostjax train`'s offload path).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import replace
 from typing import Any, Callable
@@ -22,15 +21,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from boostjax.analysis.memory import train_config
 from boostjax.config import Config, ConfigError, ModelConfig, validate
 from boostjax.models.llama import LLaMA
 from boostjax.planning.cluster import Cluster
 from boostjax.planning.space import Candidate
-from boostjax.training.step import layout_step, step_layout, train_state_shapes
+from boostjax.training.step import jit_step, step_layout, train_state_shapes
 
 WARMUP = 2  # steps of each candidate before timing: compile, first touch
 
@@ -58,7 +55,7 @@ def candidate_of(row: dict[str, Any]) -> Candidate:
 
 
 def compiled_step(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str, cpu: bool):
-    """`(step, state, batch)`: `c`'s training step jitted as `boostjax train` jits it (CPU: the
+    """`(step, state, batch)`: `c`'s training step compiled as `boostjax train` compiles it (CPU: the
     materialised attention its `train_command` passes), and zero-filled state and batch in its layout."""
     t = c.train_fields(seq, dtype, optimizer)
     extra = {k: t[k] for k in ("grad_accum", "zero", "microbatches", "pipeline_schedule", "optimizer") if k in t}
@@ -67,8 +64,7 @@ def compiled_step(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimi
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg.model, rngs=nnx.Rngs(0))))
     lay = step_layout(cfg, graphdef, state.to_pure_dict())
     sds, b_sds = train_state_shapes(cfg, graphdef, state.to_pure_dict())
-    kw = {"out_shardings": (lay.homes, NamedSharding(lay.placement.mesh, P()))} if lay.placement.mesh else {}
-    step = jax.jit(layout_step(cfg, lay), donate_argnums=(0,), **kw)
+    step = jit_step(cfg, lay).lower(sds, b_sds).compile(compiler_options=lay.placement.compiler_options)
     zeros = lambda s: jax.device_put(jnp.zeros(s.shape, s.dtype), s.sharding)  # noqa: E731
     return step, jax.tree.map(zeros, sds), jax.tree.map(zeros, b_sds)
 
@@ -96,9 +92,4 @@ def time_steps(model: ModelConfig, candidates: list[Candidate], seq: int, dtype:
     return {c: v[3] for c, v in runs.items()}
 
 
-def fastest(times: dict[Candidate, list[float]]) -> Candidate:
-    """The candidate with the smallest median step."""
-    return min(times, key=lambda c: statistics.median(times[c]))
-
-
-__all__ = ["candidate_of", "check_local", "compiled_step", "fastest", "time_steps"]
+__all__ = ["candidate_of", "check_local", "compiled_step", "time_steps"]

@@ -173,12 +173,20 @@ def layout_step(cfg: Config, lay: Layout) -> Callable:
                       accum_sharding=lay.grads, homes=lay.homes if lay.hosted else None, grad_fn=pl.grad_fn)
 
 
+def jit_step(cfg: Config, lay: Layout) -> Callable:
+    """`layout_step` jitted as `StepFns.compile` jits it: the state donated and returned in the layout (and
+    memory) it came in, unused inputs kept. Compile it with `lay.placement.compiler_options`."""
+    kw = {}
+    if lay.placement.mesh is not None:
+        kw["out_shardings"] = (lay.homes, NamedSharding(lay.placement.mesh, P()))
+    return jax.jit(layout_step(cfg, lay), donate_argnums=(0,), keep_unused=True, **kw)
+
+
 def build_step_fns(cfg: Config, graphdef, params_like: Any, placement: Placement | None = None) -> StepFns:
     """Step functions for `placement`, or the placement `cfg` asks for (one device when no mesh is
     given); a placement built by hand (e.g. `Offloaded` with a `Plan` object) must pass `check`."""
     lay = step_layout(cfg, graphdef, params_like, placement)
     pl, t, homes = lay.placement, cfg.train, lay.homes
-    step = layout_step(cfg, lay)
 
     rest_homes = (homes.step, homes.opt_state, homes.delay)
 
@@ -206,10 +214,7 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any, placement: Placement
             return put_global_batch(lay.batch, local * share[1])(batch)
 
     def compile_step(state: TrainState, batch):
-        kw = {}
-        if pl.mesh is not None:  # every step returns the state in the layout (and memory) it got it
-            kw["out_shardings"] = (homes, NamedSharding(pl.mesh, P()))
-        lowered = jax.jit(step, donate_argnums=(0,), keep_unused=True, **kw).lower(state, put_batch(batch))
+        lowered = jit_step(cfg, lay).lower(state, put_batch(batch))
         return lowered.compile(compiler_options=pl.compiler_options)
 
     def eval_loss(params, batch):
