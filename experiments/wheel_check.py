@@ -130,7 +130,10 @@ def install_cell() -> str:
 
 def oldest_jax() -> str:
     """pyproject.toml's lower bound of jax (the scenario `preinstalled-jax` installs it first)."""
-    return next(d.removeprefix("jax>=") for d in pyproject()["dependencies"] if d.startswith("jax>="))
+    from packaging.requirements import Requirement
+
+    jax = next(Requirement(d) for d in pyproject()["dependencies"] if Requirement(d).name == "jax")
+    return next(s.version for s in jax.specifier if s.operator == ">=")
 
 
 def scenario(name: str, wheel: pathlib.Path, scratch: pathlib.Path) -> dict[str, Any]:

@@ -28,9 +28,10 @@ FENCE = re.compile(r"^```(\w*)")
 INLINE = re.compile(r"`([^`\n]+)`")
 
 # The quickstart, verbatim: the main training job, and the test suite (which `.ci/run` runs).
-QUICKSTART_TRAIN = ("python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/boostjax train "
+QUICKSTART_TRAIN = ("python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e . && .venv/bin/boostjax train "
                     "--strategy btp --mesh data=2,model=2 --out runs/quickstart")
-QUICKSTART_TEST = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -n 2"
+QUICKSTART_TEST = ("python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e '.[test]' && "
+                   ".venv/bin/python -m pytest -n 2")
 
 
 def _expand(path: str) -> list[str]:
