@@ -632,7 +632,7 @@ def test_eval_bad_input(capsys, tmp_path, texts):
     _tokenized(texts, tmp_path / "bpe", "train:300")
     ev = ["eval", "--run", run]
     _refused(capsys, [*ev, "--data", tmp_path / "bpe"], "eval.data:", "tokenizer.json", "not with the run's tokenizer")
-    _refused(capsys, [*ev, "--data", texts, "--split", "val"], "eval.split:")
+    _refused(capsys, [*ev, "--data", texts, "--split", "test"], "eval.split:")
     _refused(capsys, [*ev, "--data", tmp_path / "missing"], "eval.data:", "no such file")
     _refused(capsys, [*ev, "--data", texts, "--seq", "0"], "eval.seq")
     _refused(capsys, [*ev, "--data", texts, "--seq", "8192"], "eval.seq", "max_seq_len")

@@ -103,12 +103,13 @@ def test_tokenize_train_eval(tmp_path, capsys):
     val = meta["splits"]["val"]
     assert (res["tokens"], res["bytes"], res["step"]) == (val["tokens"], val["bytes"], 2)
     assert res["bits_per_byte"] == pytest.approx(res["loss"] * res["tokens"] / math.log(2) / res["bytes"], rel=1e-12)
-    # the same documents as text, encoded with the run's tokenizer: the same stream, the same numbers
+    # the same documents as text, all of it (--split all), encoded with the run's tokenizer: the same stream,
+    # the same numbers
     held_out = tmp_path / "held_out"
     held_out.mkdir()
     for i in (2, 5):  # the validation documents (i % 3 == 2)
         (held_out / f"doc{i}.txt").write_text((texts / f"doc{i}.txt").read_text())
-    assert main(["eval", "--run", str(run), "--data", str(held_out), "--json", "--batch", "3"]) == 0
+    assert main(["eval", "--run", str(run), "--data", str(held_out), "--json", "--batch", "3", "--split", "all"]) == 0
     res_text = json.loads(capsys.readouterr().out)
     assert (res_text["tokens"], res_text["bytes"]) == (res["tokens"], res["bytes"])
     assert res_text["loss"] == pytest.approx(res["loss"], rel=1e-6)

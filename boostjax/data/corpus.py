@@ -41,6 +41,8 @@ class Corpus:
     # start offsets (int64, ascending, first 0) of the documents in each split; None = not known
     train_docs: np.ndarray | None = None
     val_docs: np.ndarray | None = None
+    # how the validation split was cut, in words ("every 50th file", "the last 2% of the tokens"); '' = not said
+    split_rule: str = ""
 
     def __post_init__(self) -> None:
         for split in ("train", "val"):
@@ -122,8 +124,9 @@ def text_files(folder: str | os.PathLike) -> list[pathlib.Path]:
 # ----------------------------------------------------------------------------- streams and splits
 
 
-def _tail_split(tokens: np.ndarray, val_fraction: float, name: str) -> Corpus:
-    """Last ``val_fraction`` of ``tokens`` is validation; both splits are views (no copy)."""
+def _tail_split(tokens: np.ndarray, val_fraction: float, name: str, unit: str = "tokens") -> Corpus:
+    """Last ``val_fraction`` of ``tokens`` is validation; both splits are views (no copy). ``unit``
+    names the tokens in `Corpus.split_rule` ("bytes" for text)."""
     n_val = int(round(len(tokens) * val_fraction))
     n_train = len(tokens) - n_val
     if n_val < MIN_SPLIT_TOKENS or n_train < MIN_SPLIT_TOKENS:
@@ -132,7 +135,8 @@ def _tail_split(tokens: np.ndarray, val_fraction: float, name: str) -> Corpus:
             f"gives train={n_train}, val={n_val} (need >= {MIN_SPLIT_TOKENS} each); "
             f"fix: use more data or a different val_fraction"
         )
-    return Corpus(train=tokens[:n_train], val=tokens[n_train:], name=name)
+    return Corpus(train=tokens[:n_train], val=tokens[n_train:], name=name,
+                  split_rule=f"the last {val_fraction:.0%} of the {unit}")
 
 
 def _starts(lengths: Sequence[int]) -> np.ndarray:
@@ -140,9 +144,21 @@ def _starts(lengths: Sequence[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]).astype(np.int64)
 
 
+def _file_chunks(files: Sequence[pathlib.Path]) -> list[bytes]:
+    """Each file's bytes followed by FILE_SEP: the documents of a folder or the built-in corpus."""
+    return [_read_bytes(path) + FILE_SEP for path in files]
+
+
+def files_stream(files: Sequence[pathlib.Path]) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 stream, int64 start offsets of the files) of every file in order, each followed by
+    FILE_SEP: the whole of what `_files_corpus` splits."""
+    chunks = _file_chunks(files)
+    return np.frombuffer(b"".join(chunks), dtype=np.uint8), _starts([len(c) for c in chunks])
+
+
 def _files_corpus(files: list[pathlib.Path], name: str, val_fraction: float) -> Corpus:
     """Concatenate files (each followed by FILE_SEP); file i is validation iff i % 50 == 49."""
-    chunks = [_read_bytes(path) + FILE_SEP for path in files]
+    chunks = _file_chunks(files)
     if all(len(c) == len(FILE_SEP) for c in chunks):
         raise ValueError(
             f"data: empty corpus {name}: {len(files)} files, all empty; fix: point --data at real text"
@@ -152,14 +168,16 @@ def _files_corpus(files: list[pathlib.Path], name: str, val_fraction: float) -> 
     val = np.frombuffer(b"".join(c for c, v in zip(chunks, is_val) if v), dtype=np.uint8)
     if len(train) < MIN_SPLIT_TOKENS or len(val) < MIN_SPLIT_TOKENS:
         # Too few files for a per-file split (e.g. < 50): fall back to the tail of the stream.
-        tail = _tail_split(np.frombuffer(b"".join(chunks), dtype=np.uint8), val_fraction, name)
+        tail = _tail_split(np.frombuffer(b"".join(chunks), dtype=np.uint8), val_fraction, name, "bytes")
         starts = _starts([len(c) for c in chunks])
         n_train = len(tail.train)  # the validation stream may begin inside a file: that piece is a document
         val_docs = np.unique(np.append(starts[starts >= n_train] - n_train, 0))
-        return Corpus(tail.train, tail.val, name, starts[starts < n_train], val_docs)
+        return Corpus(tail.train, tail.val, name, starts[starts < n_train], val_docs,
+                      f"{tail.split_rule}, as {len(files)} files are too few to hold out every {VAL_EVERY}th")
     return Corpus(train=train, val=val, name=name,
                   train_docs=_starts([len(c) for c, v in zip(chunks, is_val) if not v]),
-                  val_docs=_starts([len(c) for c, v in zip(chunks, is_val) if v]))
+                  val_docs=_starts([len(c) for c, v in zip(chunks, is_val) if v]),
+                  split_rule=f"every {VAL_EVERY}th file")
 
 
 # ----------------------------------------------------------------------------- the built-in corpus
@@ -240,7 +258,7 @@ def text_corpus(path: str, val_fraction: float) -> Corpus:
     """A text file as bytes; its last ``val_fraction`` validates."""
     _check_not_empty(path, _stat(path).st_size)
     p = pathlib.Path(path)
-    return _tail_split(np.frombuffer(_read_bytes(p), dtype=np.uint8), val_fraction, str(p))
+    return _tail_split(np.frombuffer(_read_bytes(p), dtype=np.uint8), val_fraction, str(p), "bytes")
 
 
 SCAN_BYTES: int = 1 << 26  # the token scan reads 64 MiB at a time
