@@ -189,7 +189,8 @@ def test_every_refusal_names_real_train_flags():
 
 
 def test_every_flag_the_library_names_is_an_option_of_a_command():
-    known = {s for c in _subparsers() for s in _options(c)} | {"--help"}
+    known = {s for c in _subparsers() for s in _options(c)} | {s for a in build_parser()._actions
+                                                                for s in a.option_strings}  # --help, --version
     bad = [f"{p.relative_to(ROOT)}:{line}: {m}" for p in sorted((ROOT / "boostjax").rglob("*.py"))
            for line, s in _strings(p) for m in FLAG.findall(s) if m not in known and not m.startswith("--no-")]
     assert not bad, "flags no command has:\n" + "\n".join(bad)

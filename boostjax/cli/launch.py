@@ -21,7 +21,7 @@ MULTIHOST_FLAGS = ("--coordinator", "--num-processes", "--process-id")
 def check_launch(args: argparse.Namespace) -> list[str]:
     """Every launch flag and the train command line, checked once here before any process starts
     (`ConfigError`, one line); returns the train command line."""
-    from boostjax.cli.driver import one_line_parse_errors
+    from boostjax.cli.driver import Parser
     from boostjax.cli.train import add_train_command, train_config
     from boostjax.config import ConfigError
     from boostjax.runtime.devices import simulated_device_cap
@@ -61,9 +61,8 @@ def check_launch(args: argparse.Namespace) -> list[str]:
     for flag in MULTIHOST_FLAGS:
         if any(a == flag or a.startswith(flag + "=") for a in rest[1:]):
             raise ConfigError(f"launch: {flag} is set by launch for each process; fix: drop it from the train command")
-    parser = argparse.ArgumentParser(prog="boostjax")
+    parser = Parser(prog="boostjax")  # train's flags as `boostjax train` parses them: no abbreviations
     add_train_command(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
-    parser = one_line_parse_errors(parser)
     train_args = parser.parse_args([*rest, "--coordinator", f"127.0.0.1:{args.port or 1}",
                                     "--num-processes", str(n), "--process-id", "0"])
     cfg = train_config(train_args)  # the whole train configuration, as each process will check it
@@ -92,7 +91,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     """Add `boostjax launch` to the CLI's subcommands."""
     from boostjax.runtime.schedulers import BY_NAME  # imports no JAX
-    p = sub.add_parser("launch", help="run a multi-host job as N local CPU processes (loopback coordinator)")
+    p = sub.add_parser("launch", help="a multi-host job as N local CPU processes")
     p.add_argument("-n", "--num-processes", type=int, default=2, help="processes (default: 2)")
     p.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
     p.add_argument("--scheduler", choices=list(BY_NAME), default=None,
