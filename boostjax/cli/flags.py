@@ -22,6 +22,30 @@ MODEL_FIELDS: tuple[str, ...] = tuple(field_names(ModelConfig))
 TRAIN_FIELDS: tuple[str, ...] = tuple(field_names(TrainConfig))
 PRESET_HELP = (f"model shapes: one of {', '.join(PRESETS)}; the model flags override single fields "
                f"(default: {DEFAULT_PRESET!r})")
+MODEL_GROUP = "model (--preset, then single fields)"
+# `boostjax train --help` by concern: every ModelConfig / TrainConfig field in exactly one group (checked
+# when the parser is built, `add_train_flags`); --preset opens MODEL_GROUP.
+TRAIN_GROUPS: dict[str, tuple[str, ...]] = {
+    "run": ("out", "steps", "seed", "dtype"),
+    "data and batch": ("data", "data_dtype", "doc_mask", "batch", "seq", "grad_accum"),
+    MODEL_GROUP: ("kind", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "attn_head_dim",
+                  "max_seq_len", "tie_embeddings", "norm_eps", "init_std", "only_lr_act"),
+    "low-rank projections (cola, svd, lax)": ("rank", "rank_attn", "rank_kv", "rank_mlp", "auto_dense"),
+    "attention and positions": ("attention", "attention_block", "rope_theta", "rope_type", "rope_factor",
+                                "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"),
+    "special tokens (written to exports, read by generate)": ("bos_token_id", "eos_token_ids", "pad_token_id"),
+    "optimisation": ("optimizer", "lr", "min_lr_ratio", "warmup", "weight_decay", "b1", "b2", "clip", "clip_scope",
+                     "nesterov_psi"),
+    "rotation optimizer (--optimizer rotation)": ("rot_source", "rot_geometry", "rot_refresh", "rot_beta",
+                                                  "rot_max_dim", "rot_order", "rot_damping", "stage_aware_refresh"),
+    "asynchronous pipeline emulation (--pipeline-delay)": ("pipeline_delay", "delay_schedule", "delay_lr_tc"),
+    "parallelism": ("mesh", "strategy", "zero", "microbatches", "pipeline_schedule"),
+    "memory": ("remat", "offload_plan"),
+    "multi-host": ("coordinator", "num_processes", "process_id", "init_timeout"),
+    "checkpoints": ("ckpt_every", "keep_ckpts"),
+    "observability": ("log_every", "eval_every", "eval_batches", "progress", "tensorboard", "profile", "hardware"),
+    "initialisation from a pretrained checkpoint": ("init_from_hf", "init_factor", "calib_tokens"),
+}
 
 
 def _shown_default(name: str) -> str:
@@ -72,6 +96,29 @@ def add_fields(parser: argparse.ArgumentParser, names: type | Iterable[str], tit
     for name in names:
         add_field(group, name)
     return names
+
+
+def check_groups(groups: dict[str, tuple[str, ...]]) -> None:
+    """Every ModelConfig / TrainConfig field in exactly one of `groups` (ValueError naming the first that is not)."""
+    seen = [name for names in groups.values() for name in names]
+    twice = sorted({n for n in seen if seen.count(n) > 1})
+    missing = [n for n in (*MODEL_FIELDS, *TRAIN_FIELDS) if n not in seen]
+    unknown = [n for n in seen if n not in MODEL_FIELDS and n not in TRAIN_FIELDS]
+    for bad, what in ((twice, "is in two groups"), (missing, "is in no group"), (unknown, "is not a field")):
+        if bad:
+            raise ValueError(f"TRAIN_GROUPS: {bad[0]} {what}; fix: list every config field once in "
+                             "boostjax.cli.flags.TRAIN_GROUPS")
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """`--preset` and the flag of every config field, in `TRAIN_GROUPS`' groups (`boostjax train`)."""
+    check_groups(TRAIN_GROUPS)
+    for title, names in TRAIN_GROUPS.items():
+        group = parser.add_argument_group(title)
+        if title == MODEL_GROUP:
+            add_preset(group)
+        for name in names:
+            add_field(group, name)
 
 
 def add_run_flags(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:

@@ -13,8 +13,19 @@ import argparse
 import sys
 from typing import Any
 
-from boostjax.cli.flags import add_fields, add_preset
-from boostjax.config import Config, ModelConfig, TrainConfig
+from boostjax.cli.flags import add_train_flags
+from boostjax.config import Config
+
+EXAMPLES = """\
+examples:
+  # the tiny preset on this Python's standard library sources; the same command again resumes it
+  boostjax train --steps 200 --out runs/first
+  # a 60M CoLA model on a tokenised folder (boostjax tokenize), BOOST's bottleneck TP on 4 devices
+  boostjax train --preset 60m --data data/my_texts --strategy btp --mesh data=2,model=2 --out runs/60m
+  # a Hugging Face checkpoint factored at rank 179, fitted to its activations on --data
+  boostjax train --init-from-hf smollm2/ --model svd --rank-attn 179 --rank-mlp 179 --init-factor whitened \\
+      --data tok-smollm2/ --out runs/smollm2-svd
+"""
 
 
 def train_config(args: argparse.Namespace) -> Config:
@@ -28,10 +39,11 @@ def train_config(args: argparse.Namespace) -> Config:
 
 def add_train_command(sub: Any) -> argparse.ArgumentParser:
     """Add `train` (its flags, no handler) to an argparse subparsers object; returns its parser."""
-    p = sub.add_parser("train", help="train a model (resumes if --out holds a run)")
-    add_preset(p)
-    add_fields(p, ModelConfig, "model (override the preset)")
-    add_fields(p, TrainConfig, "training")
+    p = sub.add_parser("train", help="train a model (resumes if --out holds a run)", epilog=EXAMPLES,
+                       usage="%(prog)s [-h] [--preset NAME] [--data PATH] [--steps N] [--out DIR] [FLAG ...]",
+                       description="Train a model, or resume the run in --out. Every configuration field is a flag.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_flags(p)
     return p
 
 
