@@ -213,22 +213,23 @@ class ModelConfig:
         "auto", "attention kernel: auto (cudnn on a CUDA GPU in bf16/fp16, else chunked), xla (the "
                 "materialised [t, t] reference), cudnn (cuDNN flash attention), chunked (blockwise, no t x t "
                 "buffer); the math is the same, so a resumed run may change it", resume="mutable")
-    attention_block: int = option(512, "query/key positions per tile of the chunked attention (a resumed run "
-                                       "may change it)", resume="mutable")
+    attention_block: int = option(512, "with --attention chunked (or auto where it picks chunked): query/key "
+                                       "positions per tile (a resumed run may change it)", resume="mutable")
     # Hugging Face interop. RoPE scaling (`boostjax.models.ops.rope_inv_freq`)
     rope_type: RopeType = option(
         "default", "RoPE scaling: default (plain), linear (positions / factor), dynamic (NTK: a larger base "
                    "beyond max_seq_len), llama3 (Llama 3.1 frequency bands)")
-    rope_factor: float = option(1.0, "RoPE scaling factor of linear / dynamic / llama3 (1 = none)")
-    rope_low_freq_factor: float = option(1.0, "llama3 RoPE: wavelengths beyond rope_original_max_len / this "
-                                              "are divided by the factor")
-    rope_high_freq_factor: float = option(4.0, "llama3 RoPE: wavelengths below rope_original_max_len / this "
-                                               "are kept")
-    rope_original_max_len: int = option(0, "llama3 RoPE: the pretraining context "
+    rope_factor: float = option(1.0, "RoPE scaling factor; needs --rope-type linear, dynamic or llama3 (1 = none, "
+                                     "the only value --rope-type default takes)")
+    rope_low_freq_factor: float = option(1.0, "with --rope-type llama3: wavelengths beyond rope_original_max_len / "
+                                              "this are divided by the factor")
+    rope_high_freq_factor: float = option(4.0, "with --rope-type llama3: wavelengths below rope_original_max_len / "
+                                               "this are kept")
+    rope_original_max_len: int = option(0, "with --rope-type llama3: the pretraining context "
                                            "(original_max_position_embeddings); 0 = max_seq_len")
     attn_head_dim: int = option(0, "width of one attention head; 0 = d_model / n_heads")
     tie_embeddings: bool = option(False, "the LM head is the embedding transposed (no separate head "
-                                         "parameter; no TP or pipeline)")
+                                         "parameter); not with a TP --strategy or a stage axis in --mesh")
     # special token ids: metadata carried to exports and generation, so a resumed run may change them
     bos_token_id: int = option(-1, "beginning-of-sequence token id written to exports; -1 = none",
                                resume="mutable")
@@ -321,15 +322,16 @@ class TrainConfig:
     clip: float = option(1.0, "gradient clipping threshold (global norm, or each stage's with --clip-scope "
                               "stage); 0 disables it", resume="mutable")
     clip_scope: ClipScope = option("global", "what one clipping norm covers: global (every parameter) or stage "
-                                             "(each --pipeline-delay stage clips its own parameters, as every "
-                                             "device of an asynchronous pipeline does)", resume="mutable")
+                                             "(with --pipeline-delay: each stage clips its own parameters, as "
+                                             "every device of an asynchronous pipeline does; not with --optimizer "
+                                             "adam8bit)", resume="mutable")
     dtype: Dtype = option("float32", "compute dtype; parameters and optimizer state stay fp32", resume="mutable")
     out: str = option("runs/default", "run folder (config.json, metrics.jsonl, checkpoints/); an existing run "
                                       "there is resumed", resume="ignored")
     data: str = option("", "corpus: '' = this Python's standard library sources; a folder written by boostjax "
                            "tokenize (its meta.json gives the dtype and, without --vocab-size, the vocabulary), a "
                            ".bin token file, a text file or a folder of text files")
-    data_dtype: DataDtype = option("uint16", "element type of a pre-tokenised .bin token file")
+    data_dtype: DataDtype = option("uint16", "with a .bin token file as --data: its element type")
     ckpt_every: int = option(100, "save a checkpoint every N steps (and at the last step)", resume="mutable")
     keep_ckpts: int = option(3, "checkpoints kept in OUT/checkpoints/ (older ones are deleted)", resume="mutable")
     log_every: int = option(10, "write a metrics.jsonl record (loss, grad_norm, lr, throughput) every N steps",
@@ -338,19 +340,22 @@ class TrainConfig:
     eval_batches: int = option(4, "held-out batches averaged for each validation loss", resume="mutable")
     strategy: Strategy = option("none", "tensor-parallel strategy over the mesh's model axis: none, fullrank-tp "
                                         "(Megatron, llama only), vanilla-tp (low-rank factors split along r), "
-                                        "btp (BOOST's bottleneck TP, low-rank kinds)", resume="mutable")
+                                        "btp (BOOST's bottleneck TP, low-rank kinds); all but none need --mesh",
+                                resume="mutable")
     # "data=D,stage=P,model=T" or a MeshShape (parsed in __post_init__); None (or "") = one device, no mesh
     mesh: MeshShape | None = option(None, "device mesh, e.g. data=2,stage=2,model=4 ('' = one device, no mesh; "
-                                          "CPU devices are simulated as needed)", resume="mutable")
-    microbatches: int = option(0, "pipeline micro-batches per data shard when the mesh has stage > 1 (0 = auto: "
-                                  "the largest divisor of the shard's batch that is <= 4 x stages; see "
+                                          "CPU devices are simulated as needed); a model axis > 1 needs --strategy",
+                                    resume="mutable")
+    microbatches: int = option(0, "pipeline micro-batches per data shard; needs stage=P (P >= 2) in --mesh (0 = "
+                                  "auto: the largest divisor of the shard's batch that is <= 4 x stages; see "
                                   "boostjax.sharding.pipeline)", resume="mutable")
     grad_accum: int = option(1, "micro-batches of --batch rows per optimizer step (a lax.scan sums their "
-                                "gradients); the effective batch is batch x grad_accum")
-    zero: ZeroStage = option(0, "data-parallel state sharding (ZeRO): 0 replicated, 1 optimizer state split over "
-                                "data, 3 parameters too", resume="mutable")
+                                "gradients); the effective batch is batch x grad_accum; not with --offload-plan")
+    zero: ZeroStage = option(0, "data-parallel state sharding (ZeRO) over the --mesh data axis: 0 replicated, 1 "
+                                "optimizer state split over data, 3 parameters too; not with --offload-plan",
+                             resume="mutable")
     pipeline_schedule: PipelineSchedule = option(
-        "gpipe", "pipeline schedule when the mesh has stage > 1: gpipe (all forwards, then all backwards; "
+        "gpipe", "pipeline schedule; needs stage=P (P >= 2) in --mesh: gpipe (all forwards, then all backwards; "
                  "activations of every micro-batch) or 1f1b (one forward, one backward; activations of about "
                  "2 x stages micro-batches, not M + P - 1); the same bubble (P-1)/(M+P-1)", resume="mutable")
     remat: Remat = option("none", "rematerialisation: none, full (recompute each block in the backward), "
@@ -359,52 +364,55 @@ class TrainConfig:
     optimizer: Optimizer = option(
         "adamw", "optimizer: adamw (optax AdamW; PipeDream under --pipeline-delay), rotation (Adam in a rotated "
                  "Kronecker eigenbasis), pipedream-lr (AdamW, update scaled down by the stage delay), nesterov "
-                 "(torch NAdam), adam8bit (AdamW with block-wise 8-bit moments and fused clipping), muon (Muon on the hidden "
-                 "matrices, update RMS matched to AdamW's so --lr carries over; AdamW on embeddings, head and "
-                 "vectors)")
+                 "(torch NAdam), adam8bit (AdamW with block-wise 8-bit moments and fused clipping), muon (Muon on "
+                 "the hidden matrices, update RMS matched to AdamW's so --lr carries over; AdamW on embeddings, "
+                 "head and vectors)")
     pipeline_delay: int = option(1, "emulate an asynchronous pipeline of S stages (PipeDream's weight "
                                     "stashing): stage s takes its gradient at weights S-1-s updates old; stages "
                                     "are contiguous layer groups (1 = no delay)")
     delay_schedule: DelaySchedule = option(
-        "pipedream", "delays of --pipeline-delay S: pipedream (stage s is S-1-s updates behind) or 2bw "
-                     "(PipeDream-2BW: every stage one update behind whatever S; double-buffered weights)")
-    rot_source: RotSource = option("second", "rotation: the basis from the second moment (EMA of G G^T / G^T G) "
-                                             "or the first (the momentum's singular vectors)")
-    rot_geometry: RotGeometry = option("bilateral", "rotation: rotate both sides of each matrix, or only the "
-                                                    "smaller one (unilateral)")
-    rot_refresh: int = option(10, "rotation: refresh the basis every T steps", resume="mutable")
-    rot_beta: float = option(0.95, "rotation: EMA factor of G G^T / G^T G (SOAP's 0.95: the basis must follow "
-                                   "the current curvature)", resume="mutable")
-    rot_max_dim: int = option(4096, "rotation: a matrix side larger than this is not rotated")
+        "pipedream", "with --pipeline-delay S > 1, the stages' delays: pipedream (stage s is S-1-s updates "
+                     "behind) or 2bw (PipeDream-2BW: every stage one update behind whatever S; double-buffered "
+                     "weights)")
+    rot_source: RotSource = option("second", "with --optimizer rotation: the basis from the second moment (EMA of "
+                                             "G G^T / G^T G) or the first (the momentum's singular vectors)")
+    rot_geometry: RotGeometry = option("bilateral", "with --optimizer rotation: rotate both sides of each matrix, "
+                                                    "or only the smaller one (unilateral)")
+    rot_refresh: int = option(10, "with --optimizer rotation: refresh the basis every T steps", resume="mutable")
+    rot_beta: float = option(0.95, "with --optimizer rotation: EMA factor of G G^T / G^T G (SOAP's 0.95: the basis "
+                                   "must follow the current curvature)", resume="mutable")
+    rot_max_dim: int = option(4096, "with --optimizer rotation: a matrix side larger than this is not rotated")
     rot_order: RotOrder = option(
-        "previous", "rotation: 'previous' projects G_t on bases built from earlier gradients (SOAP); 'current' "
-                    "updates the Gram EMA with G_t, refreshes if due (step 1, every rot_refresh steps), then "
-                    "projects (the basis-rotation reference code)")
-    rot_damping: float = option(4.0, "rotation: the refreshes iterate on the Gram statistic plus this times its "
-                                     "mean eigenvalue (bases far less sensitive to rounding, so a mesh run "
-                                     "follows one device); 0 = the paper's exact eigh and undamped power steps",
-                                resume="follow-stored", legacy=0.0)
-    stage_aware_refresh: bool = option(False, "rotation under --pipeline-delay: stages with a larger delay "
-                                              "refresh their basis more often", resume="mutable")
-    delay_lr_tc: int = option(0, "pipedream-lr: steps T_c until the delay-scaled learning rate reaches lr; 0 = "
-                                 "7/3 of the warmup (the reference: 7 epochs of correction, 3 of warmup)",
-                              resume="follow-stored")
-    nesterov_psi: float = option(-1.0, "nesterov: torch NAdam's momentum_decay psi (mu_t = b1 (1 - 0.96^(psi t) "
-                                       "/ 2)); -1 = scaled to the run so mu_t reaches 0.9 at 4 % of --steps, as "
-                                       "torch's 0.004 does in the reference's ~250k-step run",
+        "previous", "with --optimizer rotation: 'previous' projects G_t on bases built from earlier gradients "
+                    "(SOAP); 'current' updates the Gram EMA with G_t, refreshes if due (step 1, every rot_refresh "
+                    "steps), then projects (the basis-rotation reference code)")
+    rot_damping: float = option(4.0, "with --optimizer rotation: the refreshes iterate on the Gram statistic plus "
+                                     "this times its mean eigenvalue (bases far less sensitive to rounding, so a "
+                                     "mesh run follows one device); 0 = the paper's exact eigh and undamped power "
+                                     "steps", resume="follow-stored", legacy=0.0)
+    stage_aware_refresh: bool = option(False, "with --optimizer rotation and --pipeline-delay: stages with a "
+                                              "larger delay refresh their basis more often", resume="mutable")
+    delay_lr_tc: int = option(0, "with --optimizer pipedream-lr: steps T_c until the delay-scaled learning rate "
+                                 "reaches lr; 0 = 7/3 of the warmup (the reference: 7 epochs of correction, 3 of "
+                                 "warmup)", resume="follow-stored")
+    nesterov_psi: float = option(-1.0, "with --optimizer nesterov: torch NAdam's momentum_decay psi (mu_t = b1 (1 - "
+                                       "0.96^(psi t) / 2)); -1 = scaled to the run so mu_t reaches 0.9 at 4 % of "
+                                       "--steps, as torch's 0.004 does in the reference's ~250k-step run",
                                  resume="follow-stored", legacy=0.004)
     offload_plan: str = option("", "plan.json from boostjax plan (made with this run's flags): per-layer "
-                                   "remat/offload policies, host-resident parameters and optimizer states; '' = "
-                                   "none", resume="mutable")
+                                   "remat/offload policies, host-resident parameters and optimizer states; not "
+                                   "with --grad-accum or --zero; '' = none", resume="mutable")
     progress: bool = option(True, "progress bars on stderr (--no-progress: none, e.g. in log files)",
                             resume="ignored")
     # multi-host (boostjax.runtime.multihost): all three, or none to read BOOSTJAX_* or a scheduler's variables
-    coordinator: str = option("", "multi-host: HOST:PORT of process 0's coordination service ('' = from "
-                                  "BOOSTJAX_COORDINATOR or a SLURM / mpiexec / Kubernetes job)", resume="ignored")
-    num_processes: int = option(0, "multi-host: processes in the job (0 = from the environment, 1 process if "
-                                   "none; 1 = force one)", resume="ignored")
-    process_id: int = option(-1, "multi-host: this process's index, 0..num_processes-1 (-1 = from the "
-                                 "environment)", resume="ignored")
+    coordinator: str = option("", "multi-host, with --num-processes and --process-id (all three or none): "
+                                  "HOST:PORT of process 0's coordination service ('' = from BOOSTJAX_COORDINATOR "
+                                  "or a SLURM / mpiexec / Kubernetes job)", resume="ignored")
+    num_processes: int = option(0, "multi-host, with --coordinator, --process-id and a --mesh over every "
+                                   "process's devices: processes in the job (0 = from the environment, 1 process "
+                                   "if none; 1 = force one)", resume="ignored")
+    process_id: int = option(-1, "multi-host, with --coordinator and --num-processes: this process's index, "
+                                 "0..num_processes-1 (-1 = from the environment)", resume="ignored")
     init_timeout: int = option(300, "multi-host: seconds a process waits for the whole job to join before it "
                                     "gives up", resume="mutable")
     # observability (boostjax.training.observe): what a run shows, not what it computes
@@ -417,20 +425,21 @@ class TrainConfig:
                                "detect from the device (none on a CPU)", resume="mutable")
     # documents: batches carry segment ids and attention never crosses a document boundary
     doc_mask: bool = option(False, "mask attention at document boundaries: packed documents carry a document id "
-                                   "per token and a token attends only to its own document (needs data with "
-                                   "documents: the built-in corpus, a folder or a tokenised folder)")
+                                   "per token and a token attends only to its own document (needs --data with "
+                                   "documents: the built-in corpus, a folder or a tokenised folder; not with "
+                                   "--attention cudnn or a stage axis in --mesh)")
     # boostjax.interop.pretrained: a Hugging Face LLaMA folder a new run starts from ("" = random init)
     init_from_hf: str = option("", "start a new run from a Hugging Face LLaMA folder or a Llama .gguf file "
                                    "(needs boostjax[gguf]) (its shapes; --model "
                                    "svd/cola/lax --rank r factors each projection by truncated SVD, or see "
                                    "--init-factor; init_report.json holds the errors); '' = random init")
     init_factor: InitFactor = option(
-        "svd", "how a low-rank --model factors the pretrained weights (--init-from-hf): svd (truncated SVD of each "
+        "svd", "with --init-from-hf: how a low-rank --model factors the pretrained weights: svd (truncated SVD of each "
                "weight) or whitened (SVD-LLM's truncation-aware whitening: the truncation that least changes each "
                "projection's output on the model's own activations on --calib-tokens tokens of --data; needs "
                "--data)")
     calib_tokens: int = option(
-        0, f"--init-factor whitened: the tokens at the start of --data's training split whose activations the "
+        0, f"needs --init-factor whitened: the tokens at the start of --data's training split whose activations the "
            f"factors are fitted to; 0 = {DEFAULT_CALIB_TOKENS} (or the whole split when it is shorter); "
            "--init-factor svd reads none")
 

@@ -13,7 +13,7 @@ from boostjax.cli.flags import add_run_flags, model_from, renamed, train_from
 from boostjax.config import (LOW_RANK_KINDS, TP_STRATEGIES, Config, ConfigError, MeshShape, ModelConfig, TrainConfig,
                              DEFAULT_PRESET, check_batch_seq, flag_of, validate)
 
-# the run's flags, as `boostjax train` takes them (with train's defaults); --strategy is comm's own (below)
+# the run's flags, as `boostjax train` takes them (with train's defaults); --compare is comm's own (below)
 RUN_FLAGS = ("kind", "attention", "batch", "seq", "mesh", "remat", "dtype", "optimizer", "zero", "grad_accum",
              "pipeline_schedule", "microbatches")
 COMPARED = (*TP_STRATEGIES, "all")
@@ -21,14 +21,16 @@ COMPARED = (*TP_STRATEGIES, "all")
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `comm` subcommand to a `boostjax` argparse subparsers object."""
-    p = subparsers.add_parser("comm", help="all-reduce count and bytes, and peak memory per device, of the "
-                              "compiled step, per TP strategy")
+    p = subparsers.add_parser("comm", help="all-reduces and peak memory of the compiled step per TP strategy")
     add_run_flags(p, RUN_FLAGS)
     g = p.add_argument_group("comparison")
-    g.add_argument("--strategy", default="all", choices=COMPARED,
+    g.add_argument("--compare", default="all", choices=COMPARED,
                    help="the TP strategies to compile and compare: one, or all three (fullrank-tp runs the dense "
-                        "llama, vanilla-tp and btp the low-rank --model); unlike train's --strategy it selects "
-                        "strategies to compare, so it has no 'none' (default: all)")
+                        "llama, vanilla-tp and btp the low-rank --model); also spelled --strategy, its older "
+                        "name (default: all)")
+    # the older name: it kept comm's choices (no 'none', an 'all'), so it is left out of the help, where
+    # --strategy is train's (one strategy of a run)
+    g.add_argument("--strategy", default=None, choices=COMPARED, help=argparse.SUPPRESS)
     g.add_argument("--json", action="store_true", help="print one JSON object {strategy: report}")
     g.add_argument("--dump-hlo", default=None, metavar="DIR", help="write DIR/<strategy>.hlo.txt and .fwd.hlo.txt "
                                                                    "(default: not written)")
@@ -98,7 +100,7 @@ def _check_args(args: argparse.Namespace, names: Sequence[str]) -> tuple[ModelCo
     if low_rank and base.kind not in LOW_RANK_KINDS:
         raise ConfigError(f"comm.kind: {', '.join(low_rank)} split a low-rank model and {base.kind} is dense "
                           f"(fullrank-tp always runs the dense llama); fix: pass {flag_of('kind')} with one of "
-                          f"{', '.join(LOW_RANK_KINDS)}, or {flag_of('strategy')} fullrank-tp")
+                          f"{', '.join(LOW_RANK_KINDS)}, or --compare fullrank-tp")
     base = replace(base, max_seq_len=max(base.max_seq_len, t.seq))  # comm has no --max-seq-len
     for s in names:
         try:
@@ -123,7 +125,8 @@ def _train_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_comm(args: argparse.Namespace) -> int:
-    names = TP_STRATEGIES if args.strategy == "all" else (args.strategy,)
+    compare = args.strategy or args.compare  # --strategy: the older name of --compare
+    names = TP_STRATEGIES if compare == "all" else (compare,)
     base, mesh = _check_args(args, names)
     from boostjax.analysis.comm import comm_report, model_for
     from boostjax.runtime.devices import exact_low_precision, simulate_for_mesh

@@ -24,7 +24,7 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export-hf", help="write a full-rank run's latest checkpoint in Hugging Face LLaMA layout")
+    p = sub.add_parser("export-hf", help="a full-rank run's checkpoint in Hugging Face LLaMA layout")
     p.add_argument("--run", required=True, help="run folder written by boostjax train (--out)")
     p.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")

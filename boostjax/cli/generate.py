@@ -19,15 +19,19 @@ import time
 
 def register(sub) -> None:
     """Add `boostjax generate` to the CLI's subcommands."""
-    p = sub.add_parser("generate", help="continue a prompt with a trained run's model (KV cache; greedy or sampled)")
+    p = sub.add_parser("generate", help="continue a prompt with a run's model (greedy or sampled)")
     p.add_argument("--run", required=True, help="run folder written by boostjax train (--out)")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the most likely tokens holding this much "
-                                                            "probability, in (0, 1] (1 = all)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default: 0)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy; > 0 samples (and --top-k, --top-p, --seed take effect) (default: 0)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="with --temperature > 0: sample among the k most likely tokens (0 = all) (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="with --temperature > 0: nucleus, the most likely tokens holding this much probability, "
+                        "in (0, 1] (1 = all) (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="with --temperature > 0: random seed of the sampling "
+                                                       "(default: 0)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(func=_cmd_generate)

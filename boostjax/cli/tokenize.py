@@ -19,7 +19,7 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("tokenize", help="tokenise text files into a folder that boostjax train --data reads")
+    p = subparsers.add_parser("tokenize", help="text files to a tokenised folder for boostjax train --data")
     p.add_argument("--tokenizer", default="byte",
                    help="a tokenizer.json file or a folder holding one (a run, a Hugging Face model), 'byte' for "
                         "UTF-8 bytes, or train:VOCAB to train a byte-level BPE on the training documents "
