@@ -21,7 +21,10 @@ COMPARED = (*TP_STRATEGIES, "all")
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `comm` subcommand to a `boostjax` argparse subparsers object."""
-    p = subparsers.add_parser("comm", help="all-reduces and peak memory of the compiled step per TP strategy")
+    p = subparsers.add_parser("comm", help="all-reduces and peak memory of the compiled step per TP strategy",
+                              description="Compile one training step per TP strategy on --mesh (required: its "
+                                          "model axis is the TP size) and report its all-reduces and peak memory "
+                                          "per device.")
     add_run_flags(p, RUN_FLAGS)
     g = p.add_argument_group("comparison")
     g.add_argument("--compare", default="all", choices=COMPARED,
