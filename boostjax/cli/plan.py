@@ -10,9 +10,12 @@ and compare it with the baseline policies (no offload, full remat, MegaTrain-sty
         --dtype bfloat16 --optimizer adam8bit --out plan.json
 
 The run's flags (`--preset`, `--model`, the shape flags, `--batch`, `--seq`, `--dtype`, `--optimizer` and
-the flags that shape its state, `--strategy`, `--mesh`) are `boostjax train`'s, with train's defaults
-(`boostjax.cli.flags`): a plan made with the same flags as a run is made for that run. The optimizer
-state is priced by what the optimizer allocates (`boostjax.offload.optstate`).
+the flags that shape its state, `--strategy`, `--mesh`, `--attention`, `--data`) are `boostjax train`'s,
+with train's defaults (`boostjax.cli.flags`): a plan made with the same flags as a run is made for that
+run. The optimizer state is priced by what the optimizer allocates (`boostjax.offload.optstate`); the
+vocabulary is `--vocab-size`, else a tokenised `--data` folder's (`vocab_from_args`); the attention
+memory is what train's `--attention` kernel keeps on a CUDA GPU (`attention_memory`), or
+`--attention-memory materialized|flash` (`--attention materialized|flash`, its old spelling, still works).
 
 `--strategy` and `--mesh` plan ONE device's share of a mesh, as `boostjax train` with the same flags
 lays it out: batch / data rows, one stage's n_layers / stage layers (the same plan serves every
@@ -33,12 +36,13 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 from dataclasses import replace
 from typing import Any
 
-from boostjax.cli.flags import add_run_flags, model_from, renamed, train_from
-from boostjax.config import (ATTENTION_MEMORY, Config, ConfigError, MeshShape, check_batch_seq, field_default, flag_of,
-                             mesh_text, validate, validate_model)
+from boostjax.cli.flags import add_field, add_run_flags, model_from, renamed, train_from
+from boostjax.config import (ATTENTION, ATTENTION_MEMORY, Config, ConfigError, MeshShape, check_batch_seq, field_default,
+                             flag_of, mesh_text, validate, validate_model)
 from boostjax.runtime.profiles import ALIASES, PROFILES, get_profile
 
 GB = 1e9
@@ -53,11 +57,44 @@ RUN_FLAGS = ("kind", "n_layers", "d_model", "d_ff", "n_heads", "n_kv_heads", "ra
              "batch", "seq", "dtype", "optimizer", "rot_source", "rot_geometry", "rot_max_dim", "strategy", "mesh")
 
 
+SUMMARY = "offload plan of one run, or with --auto the fastest configuration (mesh, TP, remat, ZeRO) on a cluster"
+EXAMPLES = """examples:
+  boostjax plan --preset 7b --hardware H800-80GB --memory-cap 70 --batch 8 --seq 2048 --dtype bfloat16 --out plan.json
+  boostjax plan --auto --preset 60m --seq 256 --global-batch 16 --cluster 1x8:cpu
+  boostjax plan --auto --preset 7b --vocab-size 32000 --seq 4096 --global-batch 64 --cluster 8x8:A100-80GB"""
+
+
+def _wrap(text: str) -> str:
+    """A help paragraph wrapped as argparse wraps (the raw description formatter keeps line breaks)."""
+    return textwrap.fill(text, 76)
+
+
+class _Choices(tuple):
+    """train's `--attention` choices (shown, and equal to train's), also accepting `plan --attention`'s
+    old values, the attention memory itself (`--attention-memory`'s choices)."""
+
+    def __contains__(self, value: object) -> bool:
+        return tuple.__contains__(self, value) or value in ATTENTION_MEMORY
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the `plan` subcommand to a `boostjax` argparse subparsers object."""
-    p = subparsers.add_parser("plan", help="solve the offload plan (keep / offload / recompute) for a model and GPU")
+    p = subparsers.add_parser("plan", help=SUMMARY, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              description=_wrap("The offload plan (keep / offload / recompute per layer) of one run on "
+                                                "a GPU, or with --auto the whole configuration of a run on a cluster "
+                                                "(mesh, TP strategy, micro-batches, pipeline schedule, remat, ZeRO), "
+                                                "ranked by predicted step time."))
     add_run_flags(p, RUN_FLAGS)
-    g = p.add_argument_group("planning")
+    r = p.add_argument_group("the run's data and length (as boostjax train takes them)",
+                             _wrap("--data gives the vocabulary as train takes it (a boostjax tokenize folder's "
+                                   "meta.json, without --vocab-size); --auto writes --data and --steps into the train "
+                                   "command it prints (placeholders DATA and STEPS when not given); --steps needs "
+                                   "--auto"))
+    add_field(r, "data")
+    add_field(r, "steps")
+    g = p.add_argument_group("planning", _wrap("--attention is train's, the kernel the run uses: the cost model "
+                                               "assumes the attention memory it keeps on a CUDA GPU "
+                                               "(--attention-memory says it directly)"))
     g.add_argument("--instance", default=None, choices=INSTANCES,
                    help="a fixed published instance instead of a model (lazytrain-27b: 64 layers, 0.703 GiB "
                         "boundaries, 21.55 GB activation budget, H800)")
@@ -66,11 +103,15 @@ def register(subparsers) -> argparse.ArgumentParser:
                         f"or an alias ({', '.join(sorted(ALIASES))}) (default: H800-80GB)")
     g.add_argument("--memory-cap", type=float, default=None, metavar="GB",
                    help="device memory budget in GB (1e9 bytes) (default: 90%% of the profile's memory)")
-    g.add_argument("--attention", default="materialized", choices=ATTENTION_MEMORY,
+    kernel = add_field(g, "attention")  # train's flag: the kernel the run uses, which sets the attention memory
+    kernel.choices = _Choices(ATTENTION)
+    g.add_argument("--attention-memory", default=None, choices=ATTENTION_MEMORY,
                    help="attention memory in the cost model: materialized (the step keeps the fp32 [t, t] "
                         "probabilities: the xla kernel, or chunked with the whole sequence in one block) or flash "
                         "(only the log-sum-exp: cudnn, or chunked over several blocks); train checks it against "
-                        "its --attention kernel (default: materialized)")
+                        "its --attention kernel (default: what --attention keeps on a CUDA GPU: auto is cudnn in "
+                        "bfloat16/float16, else chunked; --attention materialized/flash, its old spelling, still "
+                        "sets it) (not with --auto)")
     g.add_argument("--time-limit", type=float, default=60.0,
                    help="CP-SAT time limit in seconds; the best plan found by then is kept (default: 60)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
@@ -80,13 +121,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     a = p.add_argument_group("auto planning (--auto: the whole configuration on a cluster)")
     a.add_argument("--auto", action="store_true",
                    help="pick the mesh, TP strategy, micro-batching, pipeline schedule, remat and ZeRO stage for the "
-                        "model on --cluster, ranked by predicted step time (boostjax.planning); takes the model "
-                        "flags, --seq, --dtype, --optimizer, --global-batch, --cluster, --out, --json")
+                        "model on --cluster, ranked by predicted step time (boostjax.planning); needs --cluster and "
+                        "--global-batch; takes the model flags, --seq, --dtype, --optimizer, --data, --steps, "
+                        "--out, --json and the flags below")
     a.add_argument("--cluster", default=None, metavar="NODESxDEVICES:HARDWARE",
-                   help="--auto: the machines, e.g. 2x8:A100-80GB (a hardware profile or alias) or 1x8:cpu (this "
-                        "machine's simulated CPU devices, rates measured by a micro-benchmark)")
+                   help="--auto (required with it): the machines, e.g. 2x8:A100-80GB (a hardware profile or alias) "
+                        "or 1x8:cpu (this machine's simulated CPU devices, rates measured by a micro-benchmark)")
     a.add_argument("--global-batch", type=int, default=None, metavar="N",
-                   help="--auto: sequences per optimizer step over the whole cluster")
+                   help="--auto (required with it): sequences per optimizer step over the whole cluster")
     a.add_argument("--top", type=int, default=5,
                    help="--auto: candidates planned in full and shown; a configuration whose time bound is slower "
                         "than the TOP-th is not compiled (default: 5)")
@@ -105,8 +147,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--measure-rounds", type=int, default=20, metavar="N",
                    help="--auto --measure-top: steps timed per candidate, one of each in turn (default: 20)")
     a.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="--auto: keep compiled measurements here as JSON, keyed by configuration, for later plans "
-                        "(default: this process only)")
+                   help="--auto: keep compiled measurements here as JSON, keyed by configuration (and the JAX "
+                        "version and backend), for later plans (default: $XDG_CACHE_HOME/boostjax/plan-auto, "
+                        "else ~/.cache/boostjax/plan-auto)")
+    a.add_argument("--no-cache", action="store_true",
+                   help="--auto: keep no compiled measurements on disk, read none (not with --cache-dir)")
     p.set_defaults(func=_cmd_plan)
     return p
 
@@ -119,6 +164,47 @@ def _number(args: argparse.Namespace, name: str, low: float, high: float, exampl
         raise ConfigError(f"plan.{name}: must be a finite number in ({low:g}, {high:g}], got {v}; "
                           f"fix: pass e.g. {flag} {example}")
     return v
+
+
+def vocab_from_args(args: argparse.Namespace) -> tuple[dict[str, int], str]:
+    """(model overrides, where the vocabulary comes from), as `boostjax train` takes it from the same flags:
+    `--vocab-size`; else a tokenised `--data` folder's meta.json; else the preset's (`search.PRESET_VOCAB`),
+    which is the byte-level tokenizer's, what a text or stdlib `--data` trains with."""
+    from boostjax.data.source import resolve_source
+    from boostjax.planning.search import PRESET_VOCAB
+
+    if args.vocab_size is not None:
+        return {}, "given by --vocab-size"
+    if args.data is None:
+        return {}, PRESET_VOCAB
+    try:
+        src = resolve_source(args.data)
+    except ValueError as e:
+        raise ConfigError(f"plan.{e}") from None
+    if src.vocab is not None:
+        return {"vocab_size": src.vocab}, f"from {src.name}'s meta.json"
+    text = {"builtin": "the stdlib corpus", "folder": "a text folder", "text": "a text file"}
+    return {}, f"byte-level: --data is {text[src.kind]}" if src.kind in text else PRESET_VOCAB  # a .bin names none
+
+
+def attention_memory(args: argparse.Namespace, model: Any, seq: int, dtype: str) -> str:
+    """What the cost model assumes attention keeps: `--attention-memory` (or `--attention materialized/flash`,
+    its old spelling), else what `model.attention` (train's `--attention`, the kernel) keeps on a CUDA GPU
+    (`planning.offloading.gpu_attention_memory`); a kernel and a memory that disagree are refused."""
+    from boostjax.planning.offloading import gpu_attention_memory
+
+    old = args.attention if args.attention in ATTENTION_MEMORY else None
+    memory = args.attention_memory
+    if old and memory and old != memory:
+        raise ConfigError(f"plan.attention_memory: --attention {old} and --attention-memory {memory} disagree; "
+                          f"fix: pass --attention-memory {memory} alone")
+    memory = memory or old
+    kept = gpu_attention_memory(model, seq, dtype)
+    if memory and args.attention in ATTENTION and memory != kept:
+        raise ConfigError(f"plan.attention_memory: --attention {args.attention} keeps {kept} attention memory "
+                          f"(seq {seq}, {dtype}, block {model.attention_block}), not {memory}; fix: drop "
+                          "--attention-memory, or pass the kernel the run uses")
+    return memory or kept
 
 
 def instance_from_args(args: argparse.Namespace) -> Any:
@@ -153,7 +239,9 @@ def instance_from_args(args: argparse.Namespace) -> Any:
         raise ConfigError(f"plan.n_layers: {args.n_layers} layers exceed the planner's {MAX_PLAN_LAYERS}; "
                           f"fix: pass {flag_of('n_layers')} <= {MAX_PLAN_LAYERS}")
     mesh = MeshShape.parse(args.mesh, "plan.mesh") if args.mesh is not None else None
-    model = model_from(args, RUN_FLAGS)
+    vocab, _ = vocab_from_args(args)
+    kernel = {"attention": args.attention} if args.attention in ATTENTION else {}
+    model = model_from(args, RUN_FLAGS, **vocab, **kernel)
     model = replace(model, max_seq_len=max(model.max_seq_len, seq))  # plan has no --max-seq-len
     cfg = Config(model, train_from(args, RUN_FLAGS, mesh=mesh))
     validate_model(cfg.model)
@@ -162,7 +250,7 @@ def instance_from_args(args: argparse.Namespace) -> Any:
         validate(cfg)
     except ConfigError as e:
         raise ConfigError(renamed(e, "plan")) from None
-    return instance_for(cfg, hw, budget_bytes=cap, attention=args.attention)
+    return instance_for(cfg, hw, budget_bytes=cap, attention=attention_memory(args, model, seq, cfg.train.dtype))
 
 
 def solve(inst: Any, time_limit_s: float) -> Any:
@@ -178,7 +266,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         return run_auto(args, RUN_FLAGS)
     for flag, value in (("--cluster", args.cluster), ("--global-batch", args.global_batch),
-                        ("--cache-dir", args.cache_dir), ("--measure-top", args.measure_top or None)):
+                        ("--cache-dir", args.cache_dir), ("--no-cache", args.no_cache or None),
+                        ("--measure-top", args.measure_top or None), ("--steps", args.steps)):
         if value is not None:
             raise ConfigError(f"plan: {flag} plans a whole configuration; fix: add --auto, or drop {flag}")
     inst = instance_from_args(args)
@@ -204,4 +293,4 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["INSTANCES", "RUN_FLAGS", "instance_from_args", "register", "solve"]
+__all__ = ["INSTANCES", "RUN_FLAGS", "attention_memory", "instance_from_args", "register", "solve", "vocab_from_args"]

@@ -4,11 +4,16 @@
     boostjax plan --auto --preset 7b --seq 4096 --global-batch 64 --cluster 8x8:A100-80GB
 
 Every input is checked before JAX starts (one line, exit 2, nothing written): the cluster string and its
-hardware, the model flags, --global-batch and --seq, --out. `--out` writes the ranked candidates as JSON
-(each with `step_s`, `peak_bytes_per_device`, `train_command`) and, beside it, the offload plan file of
-each candidate that needs one (its `train_command` passes `--offload-plan` with that path); the
-terminal shows the table and the winner's command lines. `--measure-top K` times the K best-predicted
+hardware, the model flags, --global-batch and --seq, --data, --out, the cache folder. `--out` writes the
+ranked candidates as JSON (each with `step_s`, `peak_bytes_per_device`, `train_command`: the configuration,
+and `run_command`: it with `--data`, `--out`, `--steps`) and, beside it, the offload plan file of each
+candidate that needs one (its commands pass `--offload-plan` with that path); the terminal shows the
+model planned (a warning when its vocabulary is the preset's default), the table with a legend of its
+labels, the winner's complete command lines and the cache. `--measure-top K` times the K best-predicted
 candidates on this process's devices and makes the measured fastest the winner (`planning.timing`).
+
+Compiled measurements are kept under the user's cache folder (`default_cache_dir`) unless `--cache-dir`
+names another or `--no-cache` keeps none: a second plan of the same model reads them and compiles nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +30,45 @@ from boostjax.config import ConfigError, field_default, flag_of, validate_model
 
 # flags of `boostjax plan` that describe one configuration, which --auto picks itself
 PICKED = ("batch", "strategy", "mesh", "instance", "hardware", "memory_cap")
+# what a run needs besides its configuration, in the printed train command: flag, `plan`'s argument, placeholder
+RUN_ARGS = (("--data", "data", "DATA"), ("--out", None, "RUN"), ("--steps", "steps", "STEPS"))
+
+
+def default_cache_dir() -> pathlib.Path:
+    """Where `plan --auto` keeps compiled measurements: `$XDG_CACHE_HOME/boostjax/plan-auto`, else
+    `~/.cache/boostjax/plan-auto`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "boostjax" / "plan-auto"
+
+
+def cache_dir_of(args: argparse.Namespace) -> str | None:
+    """The cache folder: `--cache-dir`, else `default_cache_dir()`; None with `--no-cache`, or (a warning)
+    when the default cannot be made. A `--cache-dir` that cannot be made or written is refused. Nothing is
+    made here (the first measurement written makes the folder)."""
+    if args.no_cache:
+        if args.cache_dir is not None:
+            raise ConfigError("plan.cache_dir: --cache-dir keeps the measurements and --no-cache keeps none; fix: "
+                              "pass one of them")
+        return None
+    path = pathlib.Path(args.cache_dir) if args.cache_dir is not None else default_cache_dir()
+    made = next(q for q in (path, *path.parents) if q.exists())  # made when the first measurement is written
+    if made.is_dir() and os.access(made, os.W_OK | os.X_OK):
+        return str(path)
+    if args.cache_dir is not None:
+        raise ConfigError(f"plan.cache_dir: {args.cache_dir!r} is not a writable folder; fix: pass another "
+                          "--cache-dir, or --no-cache")
+    print(f"boostjax: warning: cannot write the cache folder {path}; compiled measurements are not kept (set "
+          "XDG_CACHE_HOME or pass --cache-dir DIR)", file=sys.stderr)
+    return None
+
+
+def run_args(args: argparse.Namespace) -> list[str]:
+    """`--data`, `--out`, `--steps` for the train command: the values `plan` was given, else placeholders."""
+    out: list[str] = []
+    for flag, name, placeholder in RUN_ARGS:
+        value = getattr(args, name) if name else None
+        out += [flag, placeholder if value is None else str(value)]
+    return out
 
 
 def check_auto_out(out: str) -> pathlib.Path:
@@ -45,6 +89,7 @@ def check_auto_out(out: str) -> pathlib.Path:
 
 
 def _inputs(args: argparse.Namespace, run_flags: tuple[str, ...]):
+    from boostjax.cli.plan import vocab_from_args
     from boostjax.planning.cluster import parse_cluster
 
     for name in PICKED:
@@ -52,6 +97,11 @@ def _inputs(args: argparse.Namespace, run_flags: tuple[str, ...]):
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"plan.auto: {flag} is one configuration's, and --auto picks it; fix: drop {flag} "
                               "(--cluster names the hardware)")
+    for name in ("attention", "attention_memory"):
+        if getattr(args, name, None) is not None:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"plan.auto: --auto prices attention itself (a GPU cluster: cuDNN's flash kernel, "
+                              f"a cpu cluster: xla, as its train command says); fix: drop {flag}")
     if args.cluster is None:
         raise ConfigError("plan.cluster: --auto needs the machines; fix: pass --cluster NODESxDEVICES:HARDWARE, "
                           "e.g. --cluster 1x8:cpu")
@@ -77,11 +127,14 @@ def _inputs(args: argparse.Namespace, run_flags: tuple[str, ...]):
     seq = args.seq if args.seq is not None else field_default("seq")
     if seq < 1:
         raise ConfigError(f"plan.seq: must be >= 1, got {seq}; fix: pass {flag_of('seq')} N")
-    model = model_from(args, run_flags)
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"plan.steps: must be >= 1, got {args.steps}; fix: pass e.g. {flag_of('steps')} 600")
+    vocab, source = vocab_from_args(args)
+    model = model_from(args, run_flags, **vocab)
     model = replace(model, max_seq_len=max(model.max_seq_len, seq))
     validate_model(model)
     out = check_auto_out(args.out) if args.out else None
-    return cluster, model, seq, out
+    return cluster, model, seq, out, source, cache_dir_of(args)
 
 
 def write_offload_plans(rows: list[dict]) -> None:
@@ -97,7 +150,7 @@ def write_offload_plans(rows: list[dict]) -> None:
 
 def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
     """`boostjax plan --auto` (`run_flags`: the model and run flags `boostjax plan` registered)."""
-    cluster, model, seq, out = _inputs(args, run_flags)
+    cluster, model, seq, out, vocab_source, cache_dir = _inputs(args, run_flags)
     from boostjax.planning.search import checked_space
 
     dtype = args.dtype or ("float32" if cluster.is_cpu else "bfloat16")
@@ -113,9 +166,9 @@ def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else None
     res = plan_auto(model, cluster, args.global_batch, seq, dtype=dtype, optimizer=args.optimizer or "adamw",
                     top=args.top, max_compiles=args.max_compiles, compile_seconds=args.compile_seconds,
-                    preset_name=args.preset, cache_dir=args.cache_dir, log=log,
+                    preset_name=args.preset, cache_dir=cache_dir, log=log,
                     offload_dir=str(out.parent) if out is not None else ".", measure_top=args.measure_top,
-                    measure_rounds=args.measure_rounds)
+                    measure_rounds=args.measure_rounds, run_args=run_args(args), vocab_source=vocab_source)
     doc = plan_json(res, {"model": {k: v for k, v in vars(model).items()}, "preset": args.preset})
     if out is not None:
         write_offload_plans(res.candidates)
@@ -123,6 +176,8 @@ def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
         tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
         os.replace(tmp, out)
     print(json.dumps(doc, indent=1, default=str) if args.json else summary(res))
+    for w in res.warnings if args.json else ():  # (without --json: in the log, before the compiles, and the summary)
+        print(f"boostjax: warning: {w}", file=sys.stderr)
     if out is not None and not args.json:
         print(f"plan written to {out}", file=sys.stderr)
     if out is None and any("offload_plan" in r for r in res.candidates):
@@ -131,4 +186,4 @@ def run_auto(args: argparse.Namespace, run_flags: tuple[str, ...]) -> int:
     return 0
 
 
-__all__ = ["check_auto_out", "run_auto", "write_offload_plans"]
+__all__ = ["cache_dir_of", "check_auto_out", "default_cache_dir", "run_args", "run_auto", "write_offload_plans"]

@@ -24,7 +24,8 @@ Without `fused_attention` (the CPU, whose `train_command` passes `--attention xl
 compile's memory is the memory.
 
 Results are cached by configuration: in this process, and as JSON files under `cache_dir` when given
-(the key's fields hashed into the file name), so a second plan of the same model compiles nothing.
+(the key's fields, the JAX version and backend hashed into the file name), so a second plan of the same
+model compiles nothing (`boostjax plan --auto` keeps them under the user's cache folder by default).
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class Key:
         return validate(Config(model, t))
 
     def digest(self) -> str:
-        blob = json.dumps({"v": CACHE_VERSION, **asdict(self)}, sort_keys=True, default=str)
+        """The cache file's name: the key's fields, `CACHE_VERSION`, and the JAX version and backend that
+        compile it (a cache kept across runs, `boostjax plan --auto`'s by default, never serves another's)."""
+        blob = json.dumps({"v": CACHE_VERSION, "jax": jax.__version__, "backend": jax.default_backend(),
+                           **asdict(self)}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

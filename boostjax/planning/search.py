@@ -40,17 +40,18 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
-from boostjax.config import ConfigError, ModelConfig, validate_model
+from boostjax.config import DEFAULT_PRESET, ConfigError, ModelConfig, validate_model
+from boostjax.models.flops import param_count
 from boostjax.planning import cpu
 from boostjax.planning import offloading, timing
 from boostjax.planning.cluster import Cluster, parse_cluster, profile_rates
 from boostjax.planning.costs import Hardware
 from boostjax.planning.measure import Key, is_cached, measure
 from boostjax.planning.predict import predict
-from boostjax.planning.space import (Candidate, accepted, comm_lower_bound, commands, enumerate_space,
-                                     memory_lower_bound, time_lower_bound, with_seq)
+from boostjax.planning.space import (RUN_PLACEHOLDERS, Candidate, accepted, comm_lower_bound, commands,
+                                     enumerate_space, memory_lower_bound, time_lower_bound, with_seq)
 from boostjax.runtime.profiles import get_profile
 
 GIB = float(1 << 30)
@@ -74,6 +75,8 @@ class PlanResult:
     rejected: list[dict[str, Any]] = field(default_factory=list)  # compiled but over the budget
     included: list[dict[str, Any]] = field(default_factory=list)  # plan_auto(include=...): always predicted
     measured: dict[str, Any] | None = None  # plan_auto(measure_top=K): how the top K were timed
+    model: dict[str, Any] = field(default_factory=dict)  # what was planned (`planned_model`)
+    warnings: list[str] = field(default_factory=list)  # what the answer rests on that the user did not give
 
     @property
     def winner(self) -> dict[str, Any]:
@@ -88,7 +91,8 @@ class PlanResult:
                 "calibration": self.calibration, "candidates": self.candidates, "rejected": self.rejected[:10],
                 "winner": self.winner["label"], "winner_by": "measured" if self.measured else "predicted",
                 **({"measured": self.measured} if self.measured else {}),
-                **({"included": self.included} if self.included else {})}
+                **({"included": self.included} if self.included else {}),
+                "planned_model": self.model, "warnings": self.warnings}
 
 
 def cpu_memory_bytes() -> float:
@@ -131,6 +135,24 @@ def checked_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq: 
     return space, counts
 
 
+PRESET_VOCAB = "preset"  # `vocab_source` of a vocabulary nobody gave: the preset's default (the byte tokenizer's)
+
+
+def planned_model(model: ModelConfig, preset_name: str | None, vocab_source: str | None) -> dict[str, Any]:
+    """The model a plan is for, as the answer shows it: kind, preset, shape, vocabulary and where it came
+    from (`vocab_source`: a flag, a data folder, `PRESET_VOCAB`; None: the caller's ModelConfig), parameters."""
+    return {"kind": model.kind, "preset": preset_name, "n_layers": model.n_layers, "d_model": model.d_model,
+            "vocab_size": model.vocab_size, "vocab_source": vocab_source or "given", "parameters": param_count(model)}
+
+
+def vocab_warning(vocab_size: int, preset_name: str | None) -> str:
+    """The warning of a plan made with the preset's vocabulary: its embedding and head are not the run's."""
+    return (f"vocabulary {vocab_size} is the {preset_name or DEFAULT_PRESET} preset's default (the byte-level "
+            "tokenizer), given by neither --vocab-size nor a tokenised --data folder: a run with another "
+            "tokenizer has another embedding and LM head (their memory and time); fix: pass --vocab-size V "
+            "(the tokenizer's) or --data FOLDER (a boostjax tokenize folder names it)")
+
+
 def check_inputs(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq: int) -> Cluster:
     """One-line ConfigErrors for the inputs, before anything is compiled."""
     cl = parse_cluster(cluster) if isinstance(cluster, str) else cluster
@@ -148,7 +170,8 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
               hardware: Hardware | None = None, eta: float | None = None, budget_bytes: float | None = None,
               max_compiles: int = 8, include: tuple[Candidate, ...] = (), log=None, max_offloads: int = 4,
               offload_time_limit_s: float = 10.0, offload_dir: str = ".",
-              compile_seconds: float | None = None, measure_top: int = 0, measure_rounds: int = 20) -> PlanResult:
+              compile_seconds: float | None = None, measure_top: int = 0, measure_rounds: int = 20,
+              run_args: Sequence[str] = RUN_PLACEHOLDERS, vocab_source: str | None = None) -> PlanResult:
     """Rank the configurations of `model` on `cluster` (`"2x8:A100-80GB"`, `"1x8:cpu"`) for `global_batch`
     sequences of `seq` tokens per optimizer step (module docstring). `dtype`: bfloat16 on GPUs, float32
     on the CPU by default. `hardware` / `eta` / `budget_bytes` override the cluster's rates (machine
@@ -160,7 +183,11 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     `offload_dir`: the folder an offloaded candidate's `train_command` reads its plan file from;
     `compile_seconds`: no compile or offload solve starts after that many seconds (None: no limit).
     `measure_top`: time the K best-predicted candidates' training steps on this process's devices,
-    `measure_rounds` steps each, interleaved (`planning.timing`), and make the fastest the winner."""
+    `measure_rounds` steps each, interleaved (`planning.timing`), and make the fastest the winner.
+    `run_args`: appended to each row's configuration as its `run_command` (`space.commands`; default the
+    placeholders `--data DATA --out RUN --steps STEPS`); `vocab_source`: where `model.vocab_size` came
+    from (`planned_model`; `PRESET_VOCAB` adds `vocab_warning` to the result's `warnings`, and to `log`
+    once the space is known to fit, before anything is compiled)."""
     t0 = time.perf_counter()
     cl = check_inputs(model, cluster, global_batch, seq)
     if measure_top < 0:
@@ -184,6 +211,11 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     if not fits:
         c = min(space, key=lambda c: lb_mem[c])
         raise NothingFits(_shortfall(c, lb_mem[c], budget, cl, "at least"))
+    warnings = [vocab_warning(model.vocab_size, preset_name)] if vocab_source == PRESET_VOCAB else []
+    if log:  # before the compiles: the user may stop and give what is missing
+        for w in warnings:
+            log(f"boostjax: warning: {w}")
+        log(f"compiled measurements: {f'read from and kept in {cache_dir}' if cache_dir else 'not kept on disk'}")
     calib = None
     if hardware is None:
         hardware, eta0, calib = rates(cl, dtype)
@@ -311,21 +343,24 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
               "offload_plans_tried": offloads["tried"], "offload_plans_fitting": offloads["fitted"],
               "predicted": len(ranked) + len(rejected), "fitting": len(ranked), "devices": devices,
               "global_batch": global_batch, "seq": seq, "dtype": dtype, "optimizer": optimizer,
-              "wall_s": round(time.perf_counter() - t0, 1)}
+              "cache_dir": cache_dir, "wall_s": round(time.perf_counter() - t0, 1)}
     if not ranked:
         c, p = min(rejected, key=lambda cp: cp[1]["peak_bytes_per_device"])
         raise NothingFits(_shortfall(c, p["peak_bytes_per_device"], budget, cl, "a predicted"))
     ranked.sort(key=lambda cp: (cp[1]["step_s"], cp[1]["peak_bytes_per_device"]))
-    rows = [_row(model, c, p, seq, dtype, optimizer, cl, preset_name, plans.get(c), offload_dir) for c, p in ranked]
+    def row(c: Candidate, p: dict, plan: Any = None) -> dict[str, Any]:
+        return _row(model, c, p, seq, dtype, optimizer, cl, preset_name, plan, offload_dir, run_args)
+
+    rows = [row(c, p, plans.get(c)) for c, p in ranked]
     _why(rows)
-    inc = [{**_row(model, c, included[c], seq, dtype, optimizer, cl, preset_name, plans.get(c), offload_dir),
+    inc = [{**row(c, included[c], plans.get(c)),
             "fits": included[c]["peak_bytes_per_device"] <= budget,
             "rank": next((i for i, (d, _) in enumerate(ranked, 1) if d == c), None)} for c in include]
-    rej = [_row(model, c, p, seq, dtype, optimizer, cl, preset_name)
-           for c, p in sorted(rejected, key=lambda cp: cp[1]["step_s"])[:10]]
+    rej = [row(c, p) for c, p in sorted(rejected, key=lambda cp: cp[1]["step_s"])[:10]]
     measured = _measure_top(model, rows, measure_top, measure_rounds, seq, dtype, optimizer, cl, log) \
         if measure_top else None
-    return PlanResult(cl, hw, eta, budget, rows, search, calib, rej, inc, measured)
+    return PlanResult(cl, hw, eta, budget, rows, search, calib, rej, inc, measured,
+                      planned_model(model, preset_name, vocab_source), warnings)
 
 
 def _measure_top(model, rows: list[dict], k: int, rounds: int, seq: int, dtype: str, optimizer: str, cl: Cluster,
@@ -348,13 +383,13 @@ def _measure_top(model, rows: list[dict], k: int, rounds: int, seq: int, dtype: 
 
 
 def _row(model, c: Candidate, p: dict, seq, dtype, optimizer, cl, preset_name, plan=None,
-         offload_dir: str = ".") -> dict[str, Any]:
+         offload_dir: str = ".", run_args: Sequence[str] = RUN_PLACEHOLDERS) -> dict[str, Any]:
     row = {"label": c.label + (" +offload" if plan is not None else ""), **asdict(c), **p}
     if plan is None:
-        return {**row, **commands(model, c, seq, dtype, optimizer, cl, preset_name)}
+        return {**row, **commands(model, c, seq, dtype, optimizer, cl, preset_name, run_args=run_args)}
     path = os.path.join(offload_dir, offload_file(c))
     return {**row, "offload_plan": json.loads(plan.to_json()), "offload_plan_file": path,
-            **commands(model, c, seq, dtype, optimizer, cl, preset_name, offload_plan=path)}
+            **commands(model, c, seq, dtype, optimizer, cl, preset_name, offload_plan=path, run_args=run_args)}
 
 
 def offload_file(c: Candidate) -> str:
@@ -381,15 +416,28 @@ _PART_NAMES = {"compute": "more GEMM time", "memory": "more memory traffic", "mo
                "offload": "an offload plan's recomputation and transfers"}
 
 
+def _percent(x: float) -> str:
+    """A positive fraction as a percentage: one decimal, or two significant digits below 0.1 % (never +0.0 %)."""
+    return f"+{x:.1%}" if x >= 1e-3 else f"+{x * 100:.2g}%"
+
+
 def _why(rows: list[dict]) -> None:
-    """`why_slower` of every runner-up: its largest time part over the winner's."""
-    win = rows[0]["time_s"]
+    """`why_slower` of every runner-up against the winner (the first row): its largest time part over the
+    winner's, or `tie` where the predicted step time is the same (ranked behind for its memory)."""
+    first = rows[0]
+    win = first["time_s"]
     for r in rows[1:]:
+        slower = r["step_s"] / first["step_s"] - 1
+        if not slower > 0:  # the same predicted time: ranked by peak memory
+            more = r["peak_bytes_per_device"] - first["peak_bytes_per_device"]
+            r["why_slower"] = ("tie: same predicted time" + (f", {more / GIB:.3g} GiB more peak memory" if more > 0
+                                                             else ""))
+            continue
         delta = {k: r["time_s"].get(k, 0.0) - win.get(k, 0.0) for k in {**win, **r["time_s"]}}
         k = max(delta, key=delta.get)
-        r["why_slower"] = (f"{r['step_s'] / rows[0]['step_s'] - 1:+.1%}: {_PART_NAMES[k]} "
-                           f"(+{delta[k] * 1e3:.3g} ms)")
-    rows[0]["why_slower"] = "fastest"
+        part = f"{_PART_NAMES[k]} (+{delta[k] * 1e3:.3g} ms)" if delta[k] > 0 else "more time over several parts"
+        r["why_slower"] = f"{_percent(slower)}: {part}"
+    first["why_slower"] = "fastest"
 
 
 def _shortfall(c: Candidate, need: float, budget: float, cl: Cluster, what: str) -> str:
@@ -402,5 +450,5 @@ def _shortfall(c: Candidate, need: float, budget: float, cl: Cluster, what: str)
             f"{c.label}, needs {what} {need / GIB:.3g} GiB ({over / GIB:.3g} GiB short); fix: {fix}")
 
 
-__all__ = ["MEMORY_FRACTION", "NothingFits", "PlanResult", "check_inputs", "checked_space", "device_budget",
-           "offload_file", "plan_auto", "rates"]
+__all__ = ["MEMORY_FRACTION", "PRESET_VOCAB", "NothingFits", "PlanResult", "check_inputs", "checked_space",
+           "device_budget", "offload_file", "plan_auto", "planned_model", "rates", "vocab_warning"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Sequence
 
 from boostjax import placement
 from boostjax.config import (DEFAULT_PRESET, PRESETS, REMAT, TP_STRATEGIES, Config, ConfigError, ModelConfig,
@@ -246,21 +246,32 @@ def train_argv(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer
     return argv
 
 
+# what a run needs beyond its configuration, as placeholders the user fills: the corpus, the run folder, the steps
+RUN_PLACEHOLDERS: tuple[str, ...] = ("--data", "DATA", "--out", "RUN", "--steps", "STEPS")
+
+
+def _shell(argv: list[str]) -> str:
+    """A shell line; `$NAME` words (the node's address and rank) stay unquoted for the shell to fill."""
+    return " ".join(a if a.startswith("$") else shlex.quote(a) for a in argv)
+
+
 def commands(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str, cluster: Cluster,
-             preset_name: str | None = None, offload_plan: str | None = None) -> dict[str, str]:
+             preset_name: str | None = None, offload_plan: str | None = None,
+             run_args: Sequence[str] = RUN_PLACEHOLDERS) -> dict[str, str]:
     """`train_command` (one node; with several nodes each runs it with its own process id) and
-    `launch_command` (several processes on this machine: `boostjax launch`), as shell lines."""
+    `launch_command` (several processes on this machine: `boostjax launch`), as shell lines: the
+    configuration, at train's defaults for the rest. `run_command` / `launch_run_command`: the same
+    with `run_args` (`--data`, `--out`, `--steps`: placeholders or the values given) appended."""
     argv = train_argv(model, c, seq, dtype, optimizer, cluster, preset_name, offload_plan)
-    out = {}
+    run = list(run_args)
     if cluster.nodes > 1 and not cluster.is_cpu:
         argv += [flag_of("coordinator"), "$COORDINATOR:12355", flag_of("num_processes"), str(cluster.nodes),
                  flag_of("process_id"), "$NODE_RANK"]
-        out["train_command"] = " ".join(shlex.quote(a) if not a.startswith("$") else a for a in argv)
-        return out
-    out["train_command"] = shlex.join(argv)
+        return {"train_command": _shell(argv), "run_command": _shell(argv + run)}
+    out = {"train_command": shlex.join(argv), "run_command": shlex.join(argv + run)}
     if cluster.nodes > 1:
-        out["launch_command"] = shlex.join(["boostjax", "launch", "--num-processes", str(cluster.nodes), "--",
-                                            *argv[1:]])
+        launch = ["boostjax", "launch", "--num-processes", str(cluster.nodes), "--", *argv[1:]]
+        out.update(launch_command=shlex.join(launch), launch_run_command=shlex.join(launch + run))
     return out
 
 
@@ -268,5 +279,5 @@ def with_seq(model: ModelConfig, seq: int) -> ModelConfig:
     return replace(model, max_seq_len=max(model.max_seq_len, seq))
 
 
-__all__ = ["Candidate", "accepted", "axis_bus", "comm_lower_bound", "commands", "divisors", "enumerate_space", "in_flight", "memory_lower_bound",
+__all__ = ["RUN_PLACEHOLDERS", "Candidate", "accepted", "axis_bus", "comm_lower_bound", "commands", "divisors", "enumerate_space", "in_flight", "memory_lower_bound",
            "model_flags", "pipeline_collectives", "pipeline_sends_s", "send_bytes", "strategies_for", "time_lower_bound", "train_argv", "with_seq"]
