@@ -46,6 +46,8 @@ class StepFns:
     batch_share: tuple[int, int] = (0, 1)  # (index, count): the block of batch rows this process loads
     to_canonical: Callable[[Any], Any] = lambda p: p  # training-layout params -> per-layer params
     info: dict = field(default_factory=dict)  # the placement's facts (pipeline schedule, bubble fraction)
+    # (state, batch) -> the step traced for them; calling it compiles (`compile` is both at once)
+    lower: Callable[[TrainState, dict], Callable[[], Callable]] | None = None
 
 
 def optimizer_for(cfg: Config, pl: Placement, state_like: Any) -> optax.GradientTransformation:
@@ -213,15 +215,19 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any, placement: Placement
             local = len(next(iter(batch.values())))
             return put_global_batch(lay.batch, local * share[1])(batch)
 
-    def compile_step(state: TrainState, batch):
+    def lower_step(state: TrainState, batch) -> Callable[[], Callable]:
         lowered = jit_step(cfg, lay).lower(state, put_batch(batch))
-        return lowered.compile(compiler_options=pl.compiler_options)
+        return lambda: lowered.compile(compiler_options=pl.compiler_options)
+
+    def compile_step(state: TrainState, batch):
+        return lower_step(state, batch)()
 
     def eval_loss(params, batch):
         return pl.loss_fn(to_device(params, homes.params), batch)
 
     return StepFns(init=init, compile=compile_step, eval_loss=jax.jit(eval_loss), put_batch=put_batch,
-                   loss_fn=pl.loss_fn, batch_share=share, to_canonical=pl.to_canonical, info=dict(pl.info))
+                   loss_fn=pl.loss_fn, batch_share=share, to_canonical=pl.to_canonical, info=dict(pl.info),
+                   lower=lower_step)
 
 
 def checkpoint_parts(state: TrainState) -> tuple[Any, Any]:
