@@ -1,5 +1,5 @@
 """What a training run shows besides `metrics.jsonl`: TensorBoard event files, a `jax.profiler`
-trace of chosen steps, and the model FLOPs utilisation (MFU).
+trace of chosen steps, the model FLOPs utilisation (MFU), and which dispatched steps have finished.
 
 - **TensorBoard** (`<run>/tensorboard/`, written by process 0 with `tensorboardX`, no TensorFlow):
   every numeric field of every metrics record is a scalar under its JSON key (`loss`, `val_loss`,
@@ -15,6 +15,8 @@ trace of chosen steps, and the model FLOPs utilisation (MFU).
   `boostjax.models.flops`) over the peak BF16 FLOPs/s of the devices the mesh uses (the
   `--hardware` profile's `bf16_flops` x devices). Logged as a fraction in [0, 1] under `mfu`.
   Unknown hardware (a CPU, a GPU without a profile) gives no MFU.
+- **Finished steps** (`FinishedSteps`): JAX returns from a step as soon as it is dispatched; the progress
+  bar counts a step when its outputs are ready, and the loop runs at most `IN_FLIGHT` steps ahead of it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import math
 import pathlib
 import sys
 import time
-from typing import Any
+from collections import deque
+from typing import Any, Callable
 
 import jax
 
@@ -69,6 +72,32 @@ def hardware_profile(name: str) -> HardwareProfile | None:
 def mfu(flops_per_token: float, tokens_per_s: float, hw: HardwareProfile, devices: int) -> float:
     """Model FLOPs utilisation: achieved FLOPs/s over the devices' peak BF16 FLOPs/s (a fraction)."""
     return flops_per_token * tokens_per_s / (hw.bf16_flops * devices)
+
+
+IN_FLIGHT = 2  # steps dispatched and not yet finished, at most: the device always has the next one queued
+
+
+class FinishedSteps:
+    """Counts dispatched steps once they have finished (an output of each is ready): `on_done(n)`
+    (a progress bar's `update`) hears of steps done, not of steps dispatched."""
+
+    def __init__(self, on_done: Callable[[int], Any]):
+        self.running: deque[jax.Array] = deque()  # one output of each dispatched, unfinished step, oldest first
+        self.on_done = on_done
+
+    def dispatched(self, output: jax.Array) -> None:
+        self.running.append(output)
+
+    def wait(self, in_flight: int = IN_FLIGHT) -> int:
+        """Count the steps that have finished, oldest first, waiting for them until at most `in_flight`
+        are left running (0: all); returns how many were counted."""
+        done = 0
+        while self.running and (len(self.running) > in_flight or self.running[0].is_ready()):
+            jax.block_until_ready(self.running.popleft())
+            done += 1
+        if done:
+            self.on_done(done)
+        return done
 
 
 class TensorBoard:

@@ -21,6 +21,7 @@ import json
 import math
 import pathlib
 import signal
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,10 +42,10 @@ from boostjax.runs import relayout
 from boostjax.runs.checkpoint import CheckpointError, Checkpointer
 from boostjax.runs.folder import RunFolder
 from boostjax.runtime import multihost
-from boostjax.runtime.interrupt import StopSignals
+from boostjax.runtime.interrupt import StopSignals, phase
 from boostjax.runtime.signals import TrainingInterrupted
 from boostjax.training import prepare
-from boostjax.training.observe import PROFILE, StepProfiler, TensorBoard, hardware_profile, mfu
+from boostjax.training.observe import PROFILE, FinishedSteps, StepProfiler, TensorBoard, hardware_profile, mfu
 from boostjax.training.prepare import say as _say
 from boostjax.training.prepare import stacked_layers
 from boostjax.training.step import StepFns, build_step_fns, checkpoint_parts, from_checkpoint
@@ -101,14 +102,6 @@ def _evaluate(fns: StepFns, params, batches: list[dict]) -> float:
     return float(np.mean(jax.device_get(losses)))
 
 
-def _stop_early(stop: StopSignals, folder: RunFolder) -> None:
-    """A signal that came before the first step: nothing new to save, stop now (one process)."""
-    if stop.requested and not stop.multi_process:
-        name = signal.Signals(stop.signum).name
-        raise TrainingInterrupted(f"stopped by {name} before the first step; nothing in {folder.path} changed; "
-                                  f"rerun the same command to train", stop.signum, None)
-
-
 def _restore(ckpt: Checkpointer, params, opt_state, data: BatchIterator,
              other_layout: Callable[[], Any] | None = None) -> tuple[int, Any, Any, bool]:
     """Resume from the newest checkpoint that verifies and restores (damaged newer ones are moved to
@@ -117,7 +110,10 @@ def _restore(ckpt: Checkpointer, params, opt_state, data: BatchIterator,
     whatever mesh and device count wrote the checkpoint); `other_layout` reads a checkpoint written
     in the other layer layout instead (`boostjax.runs.relayout`)."""
     # CheckpointError when none restores
-    restored = other_layout() if other_layout else ckpt.restore_latest(params, opt_state)
+    newest = ckpt.latest_step()
+    restored = phase(f"restoring checkpoint {newest} from {ckpt.directory} (its checksums verified first)"
+                     + (", converting its layer layout" if other_layout else ""),
+                     lambda _: other_layout() if other_layout else ckpt.restore_latest(params, opt_state))
     if restored is None:
         return 0, params, opt_state, True
     for step, why in restored.skipped:
@@ -153,8 +149,9 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
     folder = RunFolder(t.out)  # 4. the run folder
     if multihost.is_main_process():
         folder.check_target()
-    with StopSignals(multi_process=jax.process_count() > 1) as stop, _lock_if_main(folder):
-        _stop_early(stop, folder)
+    with StopSignals(multi_process=jax.process_count() > 1, where=str(folder.path), bars=t.progress) as stop, \
+            _lock_if_main(folder):
+        stop.check_early()
         run = prepare.open_run(folder, cfg)  # the stored config, what a resume may change, the layout
         source, corpus = prepare.open_data(cfg)  # 5. the data
         # 6. the state: fresh, from pretrained weights, or restored from the newest checkpoint
@@ -167,7 +164,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
             pretrained.fresh_report(cfg.model) if not run.resuming and cfg.model.low_rank else None)
         graphdef, like = abstract_model(cfg)
         fns = build_step_fns(cfg, graphdef, like)  # checks strategy, mesh and shapes on shapes alone
-        _stop_early(stop, folder)
+        stop.check_early()
         if start_from is not None:
             # a copy: the step donates its params, and `init` arrays are the caller's
             params = jax.tree.map(lambda p: jax.numpy.array(p, jax.numpy.float32), start_from[0])
@@ -181,43 +178,61 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         data = batch_iterator(corpus.train, corpus.train_docs, t.batch * t.grad_accum, t.seq, t.seed,
                               segments=t.doc_mask, vocab_size=cfg.model.vocab_size,
                               process_index=share, process_count=count)
-        ckpt = Checkpointer(folder.checkpoints, keep=t.keep_ckpts, primary=multihost.is_main_process())
+        open_ckpt = lambda: Checkpointer(folder.checkpoints, keep=t.keep_ckpts,  # noqa: E731
+                                         primary=multihost.is_main_process())
+        ckpt = open_ckpt() if run.resuming else None  # a new run's checkpoints/ comes after the compile
         try:
             other = (lambda: relayout.restore_latest(ckpt, cfg, abstract_model(cfg)[1], stacked_layers(run.old.train),
                                                      params, opt_state)) if run.convert else None
             start, params, opt_state, verified = (_restore(ckpt, params, opt_state, data, other) if run.resuming
                                                   else (0, params, opt_state, True))
             state = from_checkpoint(start, params, opt_state, state)
+            if report is not None:
+                _say(pretrained.summary_line(report))
+            step_fn, compile_s = _compile(cfg, fns, state, data.batch_at(start))
+            stop.check_early()  # a stop up to here changes nothing in the run folder
+            if ckpt is None:
+                ckpt = open_ckpt()
             if multihost.is_main_process():
                 folder.write_config(cfg, start, run.changes, run.data_fingerprint)
                 install_run_tokenizer(folder.path, source)  # load_tokenizer(run folder) gives the run's
                 pretrained.copy_tokenizer(pretrained.source_tokenizer(cfg, source), folder.path)
                 if report is not None:
                     pretrained.write_report(folder.path, report)
-            if report is not None:
-                _say(pretrained.summary_line(report))
             metrics = folder.trim_metrics(start, write=multihost.is_main_process())
             # 7. the loop
-            result = _loop(cfg, graphdef, fns, ckpt, folder, stop, data, state, start, metrics, corpus,
-                           on_log, unverified=None if verified else start)
+            result = _loop(cfg, graphdef, fns, step_fn, compile_s, ckpt, folder, stop, data, state, start, metrics,
+                           corpus, on_log, unverified=None if verified else start)
             if start_from is not None:
                 result.extra["init"] = start_from[1]
             return result
         finally:
-            ckpt.close()
+            if ckpt is not None:
+                ckpt.close()
 
 
-def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFolder, stop: StopSignals,
-          data: BatchIterator, state, start: int, metrics: list[dict], corpus,
+def _compile(cfg: Config, fns: StepFns, state, batch: dict) -> tuple[Callable, float]:
+    """The step compiled for `state` and `batch`, and the seconds it took (traced here, compiled in a
+    `phase`: a signal stops the run during a long compile)."""
+    t = cfg.train
+    t0 = time.perf_counter()
+    mesh = f", mesh {t.mesh}" if t.mesh else ""
+    what = f"compiling the training step ({cfg.model.kind} {t.strategy}{mesh})"
+    if fns.lower is None:
+        return phase(what, lambda _: fns.compile(state, batch), after=0), time.perf_counter() - t0
+    _say(what)  # said at once (every run compiles); tracing runs here, on the main thread, XLA in the phase
+    compile_now = fns.lower(state, batch)
+    return phase(what, lambda _: compile_now(), after=None), time.perf_counter() - t0
+
+
+def _loop(cfg: Config, graphdef, fns: StepFns, step_fn: Callable, compile_s: float, ckpt: Checkpointer,
+          folder: RunFolder, stop: StopSignals, data: BatchIterator, state, start: int, metrics: list[dict], corpus,
           on_log: Callable[[dict], None] | None, unverified: int | None = None) -> TrainResult:
     t = cfg.train
     share, count = fns.batch_share
     val_batches = eval_batches(corpus.val, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
                                process_index=share, process_count=count, docs=corpus.val_docs,
                                segments=t.doc_mask)
-    t0 = time.perf_counter()
-    step_fn = fns.compile(state, data.batch_at(start))
-    compile_s = time.perf_counter() - t0
     tokens_per_step = t.batch * t.grad_accum * t.seq  # all micro-batches of one optimizer step
     fpt = flops_per_token(cfg.model, t.seq)
     hw, devices = hardware_profile(t.hardware), t.sizes.devices  # hw None: no MFU (a CPU, an unknown GPU)
@@ -241,21 +256,27 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
     if fns.info:  # e.g. the pipeline's schedule and bubble fraction, logged once per (re)start
         log({"step": start, **fns.info})
     pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet fetched
-    bar = tqdm(total=t.steps, initial=start, disable=not t.progress or not multihost.is_main_process(),
+    bar = tqdm(total=t.steps, initial=start, disable=not t.progress or not main,
                desc=f"{cfg.model.kind} {t.strategy}" + (f" bubble {fns.info['bubble_fraction']:.0%}"
                                                          if "bubble_fraction" in fns.info else ""),
                unit="step", dynamic_ncols=True)
-    interval_t0, interval_steps = time.perf_counter(), 0
+    lines = main and not t.progress  # --no-progress: a plain line per metrics record, for a scheduler's log
+    loop_t0 = interval_t0 = time.perf_counter()
+    interval_steps = 0
     step = saved = start
-    first_loss = next((m["loss"] for m in metrics if "loss" in m), None)
+    first_loss: float | None = None  # of this invocation: step start + 1 (a resumed run's metrics hold older ones)
+    finished = FinishedSteps(bar.update)  # the bar counts finished steps; the loop runs IN_FLIGHT ahead
 
     def flush_pending(record: bool = True) -> None:
         """Fetch the pending steps' metrics, stop on a non-finite one, log the newest."""
         nonlocal pending, interval_t0, interval_steps, first_loss
         fetched = jax.device_get([m for _, m in pending])
+        finished.wait(0)
         for (s, _), m in zip(pending, fetched):
             if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
                 raise _diverged(cfg, ckpt, s, float(m["loss"]), float(m["grad_norm"]), unverified)
+        if pending and first_loss is None and pending[0][0] == start + 1:
+            first_loss = float(fetched[0]["loss"])
         if pending and record:
             elapsed = time.perf_counter() - interval_t0
             s, m = pending[-1][0], fetched[-1]
@@ -265,10 +286,12 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
                    "tflops_per_s": fpt * tokens_per_step / step_s / 1e12}
             if hw is not None:
                 rec["mfu"] = mfu(fpt, rec["tokens_per_s"], hw, devices)
-            first_loss = first_loss if first_loss is not None else float(fetched[0]["loss"])
             log(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                             **({"mfu": f"{100 * rec['mfu']:.3g}%"} if "mfu" in rec else {}))
+            if lines:
+                print(f"boostjax: step {s}/{t.steps}, loss {rec['loss']:.4f}, {rec['tokens_per_s']:.0f} tokens/s, "
+                      f"elapsed {tqdm.format_interval(time.perf_counter() - loop_t0)}", file=sys.stderr, flush=True)
         pending = []
         interval_t0, interval_steps = time.perf_counter(), 0
 
@@ -281,7 +304,8 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
             step += 1
             interval_steps += 1
             pending.append((step, m))
-            bar.update(1)
+            finished.dispatched(m["loss"])
+            finished.wait()
             if step % t.log_every == 0 or step % t.ckpt_every == 0 or step == t.steps:
                 flush_pending()
             if step % t.eval_every == 0 or step == t.steps:
@@ -310,23 +334,37 @@ def _loop(cfg: Config, graphdef, fns: StepFns, ckpt: Checkpointer, folder: RunFo
         if board:
             board.close()
 
-    final = next(m for m in reversed(metrics) if "loss" in m) if metrics else {}
+    summary = _summary(cfg, fns, metrics, start, step, first_loss, compile_s, ckpt, hw, devices)
+    return TrainResult(cfg, metrics, fns.to_canonical(state.params), graphdef, folder.path,
+                       resumed_from=start or None, summary=summary, extra={"compile_s": compile_s, **fns.info})
+
+
+def _summary(cfg: Config, fns: StepFns, metrics: list[dict], start: int, step: int, first_loss: float | None,
+             compile_s: float, ckpt: Checkpointer, hw, devices: int) -> str:
+    """The run's one line: this invocation's steps (and the step it resumed from), its first and last
+    loss, the last validation loss, the median tokens/s (and MFU) of its records."""
+    t = cfg.train
+    mine = [m for m in metrics if m["step"] > start]  # this invocation's records
+    final = next((m["loss"] for m in reversed(mine) if "loss" in m), float("nan"))
     val = next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), float("nan"))
-    speed = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m and m["step"] > start]
-    mfus = [m["mfu"] for m in metrics if "mfu" in m and m["step"] > start]
+    speed = [m["tokens_per_s"] for m in mine if "tokens_per_s" in m]
+    mfus = [m["mfu"] for m in mine if "mfu" in m]
     mfu_note = f" (MFU {100 * np.median(mfus):.3g}% of {devices} x {hw.name})" if mfus else ""
+    resumed = f" (resumed from {start})" if start else ""
+    if step == start:  # a finished run started again: no step to report
+        losses = "nothing left to train"
+    else:
+        losses = f"loss {first_loss if first_loss is not None else float('nan'):.3f} -> {final:.3f}"
     summary = (
         f"done: {cfg.model.kind} ({param_count(cfg.model) / 1e6:.2f}M params) {t.strategy}, "
-        f"steps {start}->{step}, loss {first_loss if first_loss is not None else float('nan'):.3f} -> "
-        f"{final.get('loss', float('nan')):.3f} (val {val:.3f}), "
+        f"steps {start}->{step}{resumed}, {losses} (val {val:.3f}), "
         f"{np.median(speed) if speed else float('nan'):.0f} tok/s{mfu_note}, compile {compile_s:.1f}s, "
         f"checkpoints in {ckpt.directory}"
     )
     if "bubble_fraction" in fns.info:
         summary += (f"; pipeline {fns.info['schedule']} P={fns.info['stages']} M={fns.info['microbatches']}, "
                     f"bubble {fns.info['bubble_fraction']:.1%}")
-    return TrainResult(cfg, metrics, fns.to_canonical(state.params), graphdef, folder.path,
-                       resumed_from=start or None, summary=summary, extra={"compile_s": compile_s, **fns.info})
+    return summary
 
 
 def _diverged(cfg: Config, ckpt: Checkpointer, step: int, loss: float, grad_norm: float,
