@@ -142,24 +142,35 @@ def token_rows(tokens: np.ndarray, seq: int) -> Iterator[np.ndarray]:
         yield tokens[whole:].astype(np.int32)[None]
 
 
-def input_grams(cfg: ModelConfig, params: Mapping[str, Any], tokens: np.ndarray, seq: int
-                ) -> dict[tuple[int, str], np.ndarray]:
+def row_batches(n_tokens: int, seq: int) -> int:
+    """How many batches `token_rows` cuts a stream of `n_tokens` into (the count of a progress bar)."""
+    whole = n_tokens // seq * seq
+    rows = max(1, ROW_TOKENS // seq)
+    return -(-whole // (rows * seq)) + (whole < n_tokens)
+
+
+def input_grams(cfg: ModelConfig, params: Mapping[str, Any], tokens: np.ndarray, seq: int,
+                done: Callable[[], None] = lambda: None) -> dict[tuple[int, str], np.ndarray]:
     """{(layer, input): Xᵀ X / n} in float64 over the 1-D token stream `tokens` (rows of `seq`): the
-    mean Gram matrix of every projection input of the dense model (fp32 per batch, summed in float64)."""
+    mean Gram matrix of every projection input of the dense model (fp32 per batch, summed in float64).
+    `done()` is called after each batch of `token_rows` (a progress bar of `row_batches`)."""
     total: dict[str, np.ndarray] = {}
     for rows in token_rows(tokens, seq):
         for k, g in jax.device_get(_grams(cfg, params, jnp.asarray(rows))).items():
             total[k] = total.get(k, 0.0) + np.asarray(g, np.float64)
+        done()
     n = len(tokens)
     return {(int(k.split(".")[0]), k.split(".")[1]): g / n for k, g in total.items()}
 
 
 def output_errors(cfg: ModelConfig, kind: str, params: Mapping[str, Any], tokens: np.ndarray, seq: int,
-                  factors: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
+                  factors: Mapping[str, tuple[np.ndarray, np.ndarray]], done: Callable[[], None] = lambda: None
+                  ) -> dict[str, float]:
     """{"layers.i.attn.q": ‖X W − f(X)‖_F / ‖X W‖_F, ...} on the 1-D token stream `tokens` (rows of
     `seq`), X the dense model's input of that projection, W its dense weight and `f` what the factored
     projection computes: `X A B` for svd, `silu(X A) B` for cola/lax (the real map, not its linear
-    part). `factors`: {name: (A, B)} of the factored matrices (a name absent: not reported)."""
+    part). `factors`: {name: (A, B)} of the factored matrices (a name absent: not reported). `done()`:
+    after each batch, as in `input_grams`."""
     blocks = {"q": "attn", "k": "attn", "v": "attn", "o": "attn", "gate": "mlp", "up": "mlp", "down": "mlp"}
     with_w = {}
     for name, (a, b) in factors.items():
@@ -170,4 +181,5 @@ def output_errors(cfg: ModelConfig, kind: str, params: Mapping[str, Any], tokens
     for rows in token_rows(tokens, seq):
         for k, s in jax.device_get(_error_sums(cfg, kind, params, jnp.asarray(rows), with_w)).items():
             sums[k] = sums.get(k, 0.0) + np.asarray(s, np.float64)
+        done()
     return {k: float(np.sqrt(e / ref)) if ref > 0 else 0.0 for k, (e, ref) in ((k, sums[k]) for k in factors)}

@@ -46,6 +46,7 @@ from boostjax.data.tokenizers import TOKENIZER_FILE, load_tokenizer, same_tokeni
 from boostjax.interop import calibration, gguf_in, hf
 from boostjax.models.llama import LLaMA, param_shapes, projections
 from boostjax.runs.folder import RunFolder
+from boostjax.runtime.interrupt import Progress, phase
 
 SOURCE_FIELD = "train.init_from_hf"
 REPORT_FILE = "init_report.json"
@@ -364,12 +365,13 @@ def initial_params(cfg: Config, init: Any = None, corpus: Corpus | None = None) 
     m = cfg.model
     if cfg.train.init_from_hf:
         path = pathlib.Path(cfg.train.init_from_hf)
+        fmt = "gguf" if gguf_in.is_gguf(path) else "huggingface"
+        what = f"reading and dequantizing the weights of {path}" if fmt == "gguf" else f"reading the weights of {path}"
         try:
-            src_cfg, dense = hf.read_hf(path)
+            src_cfg, dense = phase(what, lambda _: hf.read_hf(path))
         except ValueError as e:
             raise _err(" ".join(str(e).split())) from None
-        source: dict[str, Any] = {"source": str(path.resolve()),
-                                  "format": "gguf" if gguf_in.is_gguf(path) else "huggingface"}
+        source: dict[str, Any] = {"source": str(path.resolve()), "format": fmt}
         if dataclasses.replace(_as_source(src_cfg), **{k: getattr(m, k) for k in CHOSEN}) != m:
             raise _err(f"the weights of {path} have other shapes than its config.json says; fix: re-export "
                        "the checkpoint")
@@ -421,19 +423,30 @@ def factored(cfg: Config, dense: Mapping[str, Any], corpus: Corpus | None) -> tu
             raise ConfigError("train.init_factor: whitened needs the run's data for its calibration tokens; fix: "
                               "pass the corpus (train() does), or init_factor='svd'")
         n = calib_tokens(t, len(corpus.train))
-        base = whitened_factor(calibration.input_grams(dense_cfg, dense, corpus.train[:n], t.seq))
+        grams = phase(f"calibrating: the dense model's projection inputs on {n} training tokens",
+                      lambda pr: calibration.input_grams(dense_cfg, dense, corpus.train[:n], t.seq, pr.update),
+                      total=calibration.row_batches(n, t.seq), unit="batch")
+        base = whitened_factor(grams)
         extra["calibration"] = {"tokens": n, "seq": t.seq, "slice": f"training split, tokens [0, {n})"}
     factors: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
-    def factor(name: str, w_io: Any, kind: str, r: int, rng: np.random.Generator):
-        a, b, err = base(name, w_io, kind, r, rng)
-        factors[name] = (a, b)
-        return a, b, err
+    def factoring(progress: Progress) -> tuple[dict, dict]:
+        def factor(name: str, w_io: Any, kind: str, r: int, rng: np.random.Generator):
+            a, b, err = base(name, w_io, kind, r, rng)
+            factors[name] = (a, b)
+            progress.update()
+            return a, b, err
 
-    params, report = lowrank_from_dense(m, dense, seed=t.seed, factor=factor)
+        return lowrank_from_dense(m, dense, seed=t.seed, factor=factor)
+
+    count = m.n_layers * sum(proj.a is not None for proj in projections(m).values())
+    params, report = phase(f"factoring {count} matrices ({t.init_factor}, {m.kind} rank {m.rank})", factoring,
+                           total=count, unit="matrix")
     if corpus is not None:
         held = corpus.val[:HELDOUT_TOKENS]
-        errs = calibration.output_errors(dense_cfg, m.kind, dense, held, t.seq, factors)
+        errs = phase(f"measuring the factored projections' output error on {len(held)} held-out tokens",
+                     lambda pr: calibration.output_errors(dense_cfg, m.kind, dense, held, t.seq, factors, pr.update),
+                     total=calibration.row_batches(len(held), t.seq), unit="batch")
         extra["output"] = {"tokens": len(held), "seq": t.seq, "slice": f"validation split, tokens [0, {len(held)})",
                            "matrices": errs, **_summary(errs)}
     return params, {**report, **extra}
