@@ -30,6 +30,9 @@ KNOWN_LINES = {
     "damaged": re.compile(r"^boostjax: checkpoint (\d+) in \S+ cannot be restored \((.*)\); moved to (\S+); "
                           r"resuming from step (\d+)$"),
     "unverified": re.compile(r"^boostjax: checkpoint (\d+) has no checksums \(.*\); restored without verification$"),
+    # the run's progress under --no-progress: the compile, a phase that lasts, one line per metrics record
+    "progress": re.compile(r"^boostjax: (compiling the training step .*|restoring checkpoint \d+ from .*|"
+                           r"step \d+/\d+, loss \S+, \d+ tokens/s, elapsed [\d:]+)$"),
 }
 
 
