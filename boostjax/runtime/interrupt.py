@@ -17,8 +17,9 @@ factoring, restoring a checkpoint, compiling). `phase` runs each in a worker thr
 polls the stop flag: a signal stops the run within `POLL_S` with the line of `StopSignals.check_early`,
 whatever the phase is doing (an XLA compile would hold the main thread for its whole length, and Python
 runs signal handlers only between bytecodes). A phase that lasts says what it does (one line on stderr,
-process 0, a progress bar where it has a count). The abandoned worker is a daemon thread; if it is still running when the process exits,
-the process ends with `os._exit` and the signal's exit status, before C++ destructors run under it.
+process 0, a progress bar where it has a count). The abandoned worker is a daemon thread; if it is still
+running when the process exits, the process ends with `os._exit` and the signal's exit status, before
+C++ destructors run under it.
 """
 
 from __future__ import annotations
