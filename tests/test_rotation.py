@@ -12,9 +12,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from boostjax.optim.rotation import (DAMPING, RotatedAdamState, orthonormality_error, rotated_adam, rotated_state,
                                       scale_by_rotated_adam)
-from helpers import assert_rel_close, assert_trees_allclose
+from helpers import assert_close_ulps, assert_rel_close, assert_trees_allclose
 
 B1, B2, EPS, WD = 0.9, 0.999, 1e-8, 0.01
+# the stacked leaf against its per-layer leaves (the same arithmetic, two programs): measured <= 0.125 ulps
+# of a leaf's scale with FMA (AVX2, AVX-512), 0 without (SSE4_2, AVX); 4 ulps leaves 32x
+ULPS_STACKED = 4
 
 
 def _tree(seed: int = 0) -> dict:
@@ -344,7 +347,8 @@ def test_grouped_and_stacked_leaves_equal_their_matrices_as_separate_leaves():
     independently. A grouped `[G, m, n]` leaf (axis 0, first-order source) equals its G matrices as
     separate 2-D leaves to rounding (other fusion); a pipeline's stacked `[L, m, G, n]` leaf (axes
     (0, 2), second order, per-layer refresh periods as stage-aware refresh gives them, a stacked norm
-    beside it) equals its L per-layer leaves `[m, G, n]` (axis 1) bit for bit."""
+    beside it) equals its L per-layer leaves `[m, G, n]` (axis 1) to a few ulps: the same arithmetic in
+    another compiled program (one ulp apart in 1 of 40 entries on an AMD EPYC Zen 4 and an Intel Xeon)."""
     def take(x, groups, ix):
         key = [slice(None)] * x.ndim
         for a, i in zip(groups, ix):
@@ -375,8 +379,8 @@ def test_grouped_and_stacked_leaves_equal_their_matrices_as_separate_leaves():
             pairs = [(take(pg["w"], groups, ix), ps[f"w{ix[0]}"]), (take(rg.nu["w"], groups, ix), rs.nu[f"w{ix[0]}"])]
             pairs += [(getattr(rg, f)["w"][ix], getattr(rs, f)[f"w{ix[0]}"]) for f in ("basis_l", "basis_r", "stat_r")]
             for got, want in pairs:
-                if exact:
-                    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+                if exact:  # two programs (stacked vs per-layer leaves): rounding apart by a few ulps of the scale
+                    assert_close_ulps(got, want, ulps=ULPS_STACKED)
                 else:
                     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
         assert rg.basis_l["w"].shape == ((3, 6, 6) if not exact else (2, 2, 5, 5))
