@@ -15,10 +15,13 @@ from boostjax.optim.registry import make_optimizer
 from boostjax.optim.rotation import rotated_state
 from boostjax.optim.delay import (DelayState, assign_stages, delay_init, delay_push, delayed_params,
                                   stage_delays)
-from helpers import assert_trees_allclose
+from helpers import assert_close_ulps, assert_trees_allclose
 from boostjax.training.step import TrainState, train_step
 
 N_LAYERS, D = 12, 3
+# one step's arithmetic in two programs (stacked vs per-layer leaves, with or without a delay state):
+# measured equal on SSE4_2, AVX, AVX2 and AVX-512; 4 ulps of a leaf's scale allow another fusion's FMAs
+ULPS_LAYOUT = 4
 
 
 def _params(seed: int = 0, n_layers: int = N_LAYERS) -> dict:
@@ -88,11 +91,11 @@ def test_assign_stages_on_an_nnx_state():
     _close(delayed_params(hist), state)
 
 
-def test_stacked_layers_delayed_training_equals_per_layer_exactly():
+def test_stacked_layers_delayed_training_equals_per_layer():
     """A pipeline's stacked layers (`layers` one tree of `[L, ...]` leaves): per-layer stages as a
     tuple, a ring of max delay + 1, layer l reading its own version. N delayed steps on the stacked
-    tree (PipeDream-LR: AdamW, then a per-layer scale) equal N steps on the per-layer tree, then stacked, bit for bit
-    (one jitted gradient for both layouts: a differently fused loss may differ by an ulp)."""
+    tree (PipeDream-LR: AdamW, then a per-layer scale) equal N steps on the per-layer tree, then stacked, to a
+    few ulps (one jitted gradient for both layouts; the two update programs may fuse differently)."""
     n_layers, n_stages = 4, 2
     per_layer = _params(n_layers=n_layers)
     per_layer = {**per_layer, "layers": dict(enumerate(per_layer["layers"]))}
@@ -123,9 +126,8 @@ def test_stacked_layers_delayed_training_equals_per_layer_exactly():
             runs.append((p, ds, at))
         (p_s, ds_s, at_s), (p_l, ds_l, at_l) = runs
         assert ds_s.history["layers"]["w"].shape == (2, n_layers, D, D) and ds_s.lags["layers"]["w"].tolist() == [1, 1, 0, 0]
-        for x, y in zip(jax.tree.leaves((p_s, at_s, pick(ds_s))), jax.tree.leaves((stack(p_l), stack(at_l), stack(pick(ds_l)))),
-                        strict=True):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        # two update programs (stacked vs per-layer leaves): the same element-wise arithmetic, another fusion
+        assert_close_ulps((p_s, at_s, pick(ds_s)), (stack(p_l), stack(at_l), stack(pick(ds_l))), ulps=ULPS_LAYOUT)
         now = pick(ds_s)["layers"]["w"]  # what the next step reads: layer 0 (stage 0) one version old, layer 3 current
         assert not np.array_equal(np.asarray(now[0]), np.asarray(p_s["layers"]["w"][0]))
         np.testing.assert_array_equal(np.asarray(now[3]), np.asarray(p_s["layers"]["w"][3]))
@@ -208,19 +210,21 @@ def test_2bw_every_stage_one_step_behind(n_stages):
     assert {x.shape[0] for x in jax.tree.leaves(state.delay.history)} == {lag + 1}
     plain = TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), None)
     grad, update = jax.jit(jax.value_and_grad(_loss)), jax.jit(opt.update)
-    versions, opt_state = [params], opt.init(params)
+    versions, opt_state, own = [params], opt.init(params), [params]
     for t, batch in enumerate(batches):
         at = versions[max(t - lag, 0)]
-        _close(delayed_params(state.delay), at, atol=0, rtol=0)  # every stage reads the version lag steps old
+        # every stage reads its own version lag steps old (a copy: exact)
+        _close(delayed_params(state.delay), own[max(t - lag, 0)], atol=0, rtol=0)
         loss, g = grad(at, batch)
         u, opt_state = update(g, opt_state, versions[-1])
         versions.append(optax.apply_updates(versions[-1], u))
         state, metrics = step(state, batch)
+        own.append(state.params)
         _close(state.params, versions[-1], atol=2e-6, rtol=2e-6)  # as test_emulation_equals_explicit_reference
         np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=3e-6)
         plain, _ = step(plain, batch)
-    if n_stages == 1:
-        _close(state.params, plain.params, atol=0, rtol=0)
+    if n_stages == 1:  # the same step without a delay state: another program, the same arithmetic
+        assert_close_ulps(state.params, plain.params, ulps=ULPS_LAYOUT)
     else:  # the one-step delay is real
         assert not np.allclose(np.asarray(plain.params["embed"]), np.asarray(state.params["embed"]), atol=1e-4)
     stacked = {"layers": {"w": jnp.zeros((n_layers, 2, 2))}, "head": jnp.zeros((2, 2))}  # a pipeline's layout

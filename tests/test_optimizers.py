@@ -20,6 +20,11 @@ from boostjax.config import TrainConfig
 from boostjax.optim import (OPTIMIZERS, assign_stages, build_optimizer, current_lr, delay_init, lr_schedule,
                             make_optimizer, state_specs)
 from boostjax.optim.registry import hyper, make
+from helpers import assert_close_ulps
+
+# the same chain compiled two ways (clipping inside or before it, the rate injected or inside, the
+# schedule alone): measured equal on SSE4_2, AVX, AVX2 and AVX-512; 4 ulps allow another fusion's FMAs
+ULPS_PROGRAMS = 4
 
 
 def _params() -> dict:
@@ -79,18 +84,19 @@ def test_optimizer_conforms(name):
         assert jax.tree.structure(u) == jax.tree.structure(params)
         for x, q in zip(jax.tree.leaves(u), jax.tree.leaves(params)):
             assert x.shape == q.shape and x.dtype == q.dtype and np.all(np.isfinite(x)), (name, t)
-        assert current_lr(s) == lr(jnp.int32(t - 1)), (name, t)  # the rate the step used
+        # the rate the step used; the same scalar schedule in two programs: FMA contraction may differ by an ulp
+        assert_close_ulps(current_lr(s), lr(jnp.int32(t - 1)), ulps=ULPS_PROGRAMS)
     losses = [float(r[3]) for r in run[1:]]
     assert losses[-1] < losses[0], (name, losses)
     # clipping first: the clipped optimizer on the raw gradient = the unclipped one on the clipped
-    # gradient; bit for bit when clipping is the chain's first link, to rounding where adam8bit folds
-    # the scale into its update (measured <= 1e-7 relative)
+    # gradient; to a few ulps when clipping is the chain's first link (the same ops in another program),
+    # to rounding where adam8bit folds the scale into its update (measured <= 1e-7 relative)
     ref = _run(build_optimizer(_config(name, 0.0), params, rotation_mask=MASK), _clipped_grad, jit_init=False)
     for x, y in zip(jax.tree.leaves(run[-1][0]), jax.tree.leaves(ref[-1][0])):
         if OPTIMIZERS[name].fused_clip:
             assert np.linalg.norm(x - y) <= 1e-5 * np.linalg.norm(y), name
-        else:
-            np.testing.assert_array_equal(x, y)
+        else:  # two programs (clip inside the chain vs before it), the same arithmetic
+            assert_close_ulps(x, y, ulps=ULPS_PROGRAMS)
     moved = max(float(np.linalg.norm(a - b)) for a, b in zip(jax.tree.leaves(run[-1][0]), jax.tree.leaves(params)))
     assert moved > 1e-3, name
 
@@ -112,17 +118,16 @@ def test_registry_names_equal_config_literal_and_the_old_names_still_build():
         make_optimizer("adamw", lrr=1.0)
 
 
-def test_injected_learning_rate_is_bit_identical_to_the_schedule():
-    """build_optimizer (learning rate injected) = the same chain with the schedule inside, bit for bit
+def test_injected_learning_rate_equals_the_schedule():
+    """build_optimizer (learning rate injected) = the same chain with the schedule inside, to a few ulps
     (PipeDream-LR: clipping, AdamW and a per-stage scale under the injection)."""
     params, name = _params(), "pipedream-lr"
     t = replace(_config(name, 1.0), pipeline_delay=2, stage_aware_refresh=True)
     stages = {"embed": 0, "layers": {0: {"w": 0, "a_qkv": 0, "norm": 1}}, "head": 1}
     injected = _run(build_optimizer(t, params, rotation_mask=MASK, stages=stages), jax.grad(_loss), 4)
     plain = _run(make(name, lr_schedule(t), hyper(t, rotation_mask=MASK, stages=stages)), jax.grad(_loss), 4)
-    for (p1, *_), (p2, *_) in zip(injected, plain):
-        for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for (p1, *_), (p2, *_) in zip(injected, plain):  # two programs (injected vs inner rate), the same arithmetic
+        assert_close_ulps(p1, p2, ulps=ULPS_PROGRAMS)
 
 
 def test_state_specs_follow_params_and_each_optimizers_replicated_fields():
