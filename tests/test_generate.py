@@ -81,6 +81,23 @@ def test_cached_logits_equal_full_forward(kind, extra):
     assert rel(alone, full[:, 8:9]) > 1e-2  # the cache is what makes it right
 
 
+# Two programs' greedy tokens (another implementation, another compiled decode loop) agree but where the
+# top two logits tie to within their rounding (~1e-6 of max|logit| apart): at the first token where
+# the rows part, the prefix's top two logits must lie within TIE of max|logit| (what follows is another
+# continuation)
+TIE = 1e-5
+
+
+def _assert_greedy_agree(model, got, want, prompt_len: int) -> None:
+    for g, w in zip(np.atleast_2d(got), np.atleast_2d(want), strict=True):
+        apart = np.flatnonzero(g[prompt_len:] != w[prompt_len:])
+        if apart.size:
+            at = prompt_len + apart[0]
+            logits_v = np.asarray(model(jnp.asarray(w[None, :at])))[0, -1]
+            top2 = np.sort(logits_v)[-2:]
+            assert top2[1] - top2[0] <= TIE * np.abs(logits_v).max(), (at, g, w, top2)
+
+
 # the generation tests share two models and their shapes, so they share the compiled programs
 DENSE_PROMPT = np.random.default_rng(0).integers(0, 96, (2, 7)).astype(np.int32)
 LAX_PROMPT = np.frombuffer(b"def f(x):", np.uint8)  # the CLI test's prompt: byte level
@@ -105,8 +122,8 @@ def test_greedy_equals_transformers_generate(tmp_path):
     assert ours.shape == theirs.shape == (2, 27)
     # two implementations pick the same token unless the top two logits tie to within their rounding: along
     # this path they are >= 1.2e-3 apart (median 9e-2) and the two logits differ by <= 9.5e-7 (torch against
-    # JAX, measured on SSE4_2, AVX2 and AVX-512), so exact equality holds with a 1000x margin
-    np.testing.assert_array_equal(ours, theirs)
+    # JAX, measured on SSE4_2, AVX2 and AVX-512): equal here with a 1000x margin
+    _assert_greedy_agree(model, ours, theirs, prompt.shape[1])
     assert len(set(ours[:, 7:].ravel().tolist())) > 3  # not one token repeated: a real comparison
 
 
@@ -117,9 +134,10 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     assert np.array_equal(a, boostjax.generate(model, prompt, 12, temperature=1.0, seed=7))
     assert not np.array_equal(a, boostjax.generate(model, prompt, 12, temperature=1.0, seed=8))
     assert not np.array_equal(a, greedy)
-    assert np.array_equal(boostjax.generate(model, prompt, 12, temperature=1.5, top_k=1, seed=7), greedy)
-    # a nucleus smaller than the most likely token's probability keeps only that token
-    assert np.array_equal(boostjax.generate(model, prompt, 12, temperature=1.0, top_p=1e-6, seed=7), greedy)
+    # top-k 1 and a nucleus smaller than the most likely token's probability keep only that token: the
+    # greedy tokens, from the sampling program (another compile)
+    _assert_greedy_agree(model, boostjax.generate(model, prompt, 12, temperature=1.5, top_k=1, seed=7), greedy, 9)
+    _assert_greedy_agree(model, boostjax.generate(model, prompt, 12, temperature=1.0, top_p=1e-6, seed=7), greedy, 9)
     assert greedy.shape == (21,) and np.array_equal(greedy[:9], prompt)
 
 
@@ -152,7 +170,7 @@ def test_eos_stops_a_row_and_pads_after_it():
             new = free[row, 7:]
             hit = np.flatnonzero(np.isin(new, eos))
             stop = hit[0] + 1 if hit.size else len(new)
-            assert np.array_equal(got[row, 7:7 + stop], new[:stop])
+            _assert_greedy_agree(model, got[row, :7 + stop], free[row, :7 + stop], 7)  # two eos ids: another compile
             assert np.all(got[row, 7 + stop:] == eos[0])
             assert stop <= (4 if row == 0 else 3 if len(eos) > 1 else 20)
         assert not np.array_equal(got[0], free[0])  # it really stopped
