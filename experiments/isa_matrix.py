@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         c = res["cells"][name]
         results_io.log(f"{name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped in {c['wall_s']:.0f} s")
         results_io.write(args.out, "isa_matrix", data=res, md=markdown(res), echo=False)
-    print(markdown(res))
+    results_io.write(args.out, "isa_matrix", data=res, md=markdown(res))
     return 1 if any(c["failed"] or c["exit"] not in (0, 5) for c in res["cells"].values()) else 0
 
 
