@@ -96,7 +96,7 @@ def test_sharded_state_steps_equal_the_replicated_steps(mesh, strategy, optimize
     if schedule:
         model, base = replace(MODEL, n_layers=2), replace(base, pipeline_schedule=schedule, microbatches=2)
     sharded = Config(model, replace(base, zero=zero))
-    same_sums = optimizer != "rotation" and not schedule
+    few_ulps = optimizer != "rotation" and not schedule
     ref = _steps(Config(model, base), 3)
     if optimizer == "rotation":
         state = jax.device_get(ref[5])
@@ -110,7 +110,7 @@ def test_sharded_state_steps_equal_the_replicated_steps(mesh, strategy, optimize
     print(f"{mesh} {optimizer} zero={zero}: params rel {_rel(got[1], ref[1]):.2e} ulps "
           f"{ulps_apart(got[1], ref[1]):.3g}, state rel {_rel(got[2], ref[2]):.2e}")
     assert _rel(got[1], ref[1]) < 1e-6 and _rel(got[2], ref[2]) < 1e-6
-    if same_sums:  # two programs (sharded vs replicated update), the same sums: a few ulps
+    if few_ulps:  # two programs (the sharded and the replicated step) over the same sums: a few ulps
         assert_close_ulps(np.float32(got[0]), np.float32(ref[0]), ulps=ULPS_PARAMS)
         if optimizer == "adam8bit":  # a moment within rounding of a map midpoint may take the next code
             params, states = ([h[i] for h in got[6]] for i in (0, 1))
