@@ -41,6 +41,7 @@ from dataclasses import replace
 from typing import Any
 
 from boostjax.cli.flags import add_field, add_run_flags, model_from, renamed, train_from
+from boostjax.cli.plan_auto import run_auto, vocab_from_args
 from boostjax.config import (ATTENTION, ATTENTION_MEMORY, Config, ConfigError, MeshShape, check_batch_seq, field_default,
                              flag_of, mesh_text, validate, validate_model)
 from boostjax.runtime.profiles import ALIASES, PROFILES, get_profile
@@ -166,27 +167,6 @@ def _number(args: argparse.Namespace, name: str, low: float, high: float, exampl
     return v
 
 
-def vocab_from_args(args: argparse.Namespace) -> tuple[dict[str, int], str]:
-    """(model overrides, where the vocabulary comes from), as `boostjax train` takes it from the same flags:
-    `--vocab-size`; else a tokenised `--data` folder's meta.json; else the preset's (`search.PRESET_VOCAB`),
-    which is the byte-level tokenizer's, what a text or stdlib `--data` trains with."""
-    from boostjax.data.source import resolve_source
-    from boostjax.planning.search import PRESET_VOCAB
-
-    if args.vocab_size is not None:
-        return {}, "given by --vocab-size"
-    if args.data is None:
-        return {}, PRESET_VOCAB
-    try:
-        src = resolve_source(args.data)
-    except ValueError as e:
-        raise ConfigError(f"plan.{e}") from None
-    if src.vocab is not None:
-        return {"vocab_size": src.vocab}, f"from {src.name}'s meta.json"
-    text = {"builtin": "the stdlib corpus", "folder": "a text folder", "text": "a text file"}
-    return {}, f"byte-level: --data is {text[src.kind]}" if src.kind in text else PRESET_VOCAB  # a .bin names none
-
-
 def attention_memory(args: argparse.Namespace, model: Any, seq: int, dtype: str) -> str:
     """What the cost model assumes attention keeps: `--attention-memory` (or `--attention materialized/flash`,
     its old spelling), else what `model.attention` (train's `--attention`, the kernel) keeps on a CUDA GPU
@@ -262,8 +242,6 @@ def solve(inst: Any, time_limit_s: float) -> Any:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.auto:
-        from boostjax.cli.plan_auto import run_auto
-
         return run_auto(args, RUN_FLAGS)
     for flag, value in (("--cluster", args.cluster), ("--global-batch", args.global_batch),
                         ("--cache-dir", args.cache_dir), ("--no-cache", args.no_cache or None),

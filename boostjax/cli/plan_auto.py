@@ -88,8 +88,28 @@ def check_auto_out(out: str) -> pathlib.Path:
     return p
 
 
+def vocab_from_args(args: argparse.Namespace) -> tuple[dict[str, int], str]:
+    """(model overrides, where the vocabulary comes from), as `boostjax train` takes it from the same flags:
+    `--vocab-size`; else a tokenised `--data` folder's meta.json; else the preset's (`search.PRESET_VOCAB`),
+    which is the byte-level tokenizer's, what a text or stdlib `--data` trains with."""
+    from boostjax.data.source import resolve_source
+    from boostjax.planning.search import PRESET_VOCAB
+
+    if args.vocab_size is not None:
+        return {}, "given by --vocab-size"
+    if args.data is None:
+        return {}, PRESET_VOCAB
+    try:
+        src = resolve_source(args.data)
+    except ValueError as e:
+        raise ConfigError(f"plan.{e}") from None
+    if src.vocab is not None:
+        return {"vocab_size": src.vocab}, f"from {src.name}'s meta.json"
+    text = {"builtin": "the stdlib corpus", "folder": "a text folder", "text": "a text file"}
+    return {}, f"byte-level: --data is {text[src.kind]}" if src.kind in text else PRESET_VOCAB  # a .bin names none
+
+
 def _inputs(args: argparse.Namespace, run_flags: tuple[str, ...]):
-    from boostjax.cli.plan import vocab_from_args
     from boostjax.planning.cluster import parse_cluster
 
     for name in PICKED:

@@ -187,6 +187,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
             start, params, opt_state, verified = (_restore(ckpt, params, opt_state, data, other) if run.resuming
                                                   else (0, params, opt_state, True))
             state = from_checkpoint(start, params, opt_state, state)
+            folder.trim_metrics(start, write=False)  # a damaged metrics.jsonl is refused before the compile
             if report is not None:
                 _say(pretrained.summary_line(report))
             step_fn, compile_s = _compile(cfg, fns, state, data.batch_at(start))
