@@ -101,6 +101,11 @@ class BatchIterator:
         rng = np.random.default_rng([self._seed, step])
         return rng.integers(0, len(self.tokens) - self.seq, size=self.batch, dtype=np.int64)
 
+    def epochs(self, steps: int) -> float:
+        """How many times ``steps`` global batches read the stream's worth of tokens: windows drawn with
+        replacement have no epoch boundary, so this counts tokens read over tokens held."""
+        return steps * self.batch * self.seq / len(self.tokens)
+
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
         """This process's share of global batch ``step`` (does not move the iterator)."""
         lo = self.process_index * self.local_batch
@@ -195,6 +200,11 @@ class DocumentIterator(BatchIterator):
                 self._epochs.pop(next(iter(self._epochs)))
             self._epochs[key] = (order, cum, rows)
         return self._epochs[key]
+
+    def epochs(self, steps: int) -> float:
+        """The epochs ``steps`` global batches cover: rows read over rows per epoch (epoch ``e`` ends
+        after global row ``(e + 1) * R - 1``)."""
+        return steps * self.batch / self.rows_per_epoch
 
     def positions(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(token index into ``tokens``, document index) of this process's rows of batch ``step``:

@@ -178,6 +178,8 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         data = batch_iterator(corpus.train, corpus.train_docs, t.batch * t.grad_accum, t.seq, t.seed,
                               segments=t.doc_mask, vocab_size=cfg.model.vocab_size,
                               process_index=share, process_count=count)
+        if data.epochs(t.steps) > 1:
+            _say(epochs_line(data, t.steps))
         open_ckpt = lambda: Checkpointer(folder.checkpoints, keep=t.keep_ckpts,  # noqa: E731
                                          primary=multihost.is_main_process())
         ckpt = open_ckpt() if run.resuming else None  # a new run's checkpoints/ comes after the compile
@@ -210,6 +212,39 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         finally:
             if ckpt is not None:
                 ckpt.close()
+
+
+def _count(n: float) -> str:
+    """A token count in a few digits: 8,192; 52.4K; 4.92M; 1.20B."""
+    if n < 10_000:
+        return f"{int(n):,}"
+    unit, scale = next((u, s) for u, s in (("B", 1e9), ("M", 1e6), ("K", 1e3)) if n >= 0.9995 * s)
+    v = n / scale
+    return f"{v:.2f}{unit}" if v < 10 else f"{v:.1f}{unit}" if v < 100 else f"{v:,.0f}{unit}"
+
+
+def _epochs(e: float) -> str:
+    """0.0012, 0.04, 4.00, 123.45: two decimals, or two significant digits below 0.1."""
+    return f"{e:.2f}" if e >= 0.1 else f"{e:.2g}"
+
+
+def epochs_unit(data: BatchIterator) -> str:
+    """What `BatchIterator.epochs` counts: epochs of packed documents, or passes' worth of tokens
+    of random windows (drawn with replacement, so no epoch boundary)."""
+    return "epochs" if data.sampler == "documents" else "passes' worth of tokens"
+
+
+def epochs_line(data: BatchIterator, steps: int) -> str:
+    """The run's tokens against its training split's, and how the iterator samples them (said at the
+    start when a run reads its data more than once)."""
+    step_tokens = data.batch * data.seq
+    how = ("packed documents: each epoch trains every next-token pair of the split once, in a new order"
+           if data.sampler == "documents" else
+           "random windows drawn with replacement: no epoch boundary, some tokens are read more often "
+           "than others")
+    return (f"{steps:,} steps x {_count(step_tokens)} tokens = {_count(steps * step_tokens)} tokens over a "
+            f"training split of {_count(len(data.tokens))} tokens: about {_epochs(data.epochs(steps))} "
+            f"{epochs_unit(data)} ({how})")
 
 
 def _compile(cfg: Config, fns: StepFns, state, batch: dict) -> tuple[Callable, float]:
@@ -335,15 +370,18 @@ def _loop(cfg: Config, graphdef, fns: StepFns, step_fn: Callable, compile_s: flo
         if board:
             board.close()
 
-    summary = _summary(cfg, fns, metrics, start, step, first_loss, compile_s, ckpt, hw, devices)
+    read = f"{_epochs(data.epochs(step))} {epochs_unit(data)}"
+    summary = _summary(cfg, fns, metrics, start, step, first_loss, compile_s, ckpt, hw, devices, read)
     return TrainResult(cfg, metrics, fns.to_canonical(state.params), graphdef, folder.path,
-                       resumed_from=start or None, summary=summary, extra={"compile_s": compile_s, **fns.info})
+                       resumed_from=start or None, summary=summary,
+                       extra={"compile_s": compile_s, "epochs": data.epochs(t.steps), **fns.info})
 
 
 def _summary(cfg: Config, fns: StepFns, metrics: list[dict], start: int, step: int, first_loss: float | None,
-             compile_s: float, ckpt: Checkpointer, hw, devices: int) -> str:
+             compile_s: float, ckpt: Checkpointer, hw, devices: int, read: str = "") -> str:
     """The run's one line: this invocation's steps (and the step it resumed from), its first and last
-    loss, the last validation loss, the median tokens/s (and MFU) of its records."""
+    loss, the last validation loss, how far the data has been read by the last step (`read`: "0.04
+    epochs"), the median tokens/s (and MFU) of its records."""
     t = cfg.train
     mine = [m for m in metrics if m["step"] > start]  # this invocation's records
     final = next((m["loss"] for m in reversed(mine) if "loss" in m), float("nan"))
@@ -358,7 +396,7 @@ def _summary(cfg: Config, fns: StepFns, metrics: list[dict], start: int, step: i
         losses = f"loss {first_loss if first_loss is not None else float('nan'):.3f} -> {final:.3f}"
     summary = (
         f"done: {cfg.model.kind} ({param_count(cfg.model) / 1e6:.2f}M params) {t.strategy}, "
-        f"steps {start}->{step}{resumed}, {losses} (val {val:.3f}), "
+        f"steps {start}->{step}{resumed}, {losses} (val {val:.3f}), {read + ', ' if read else ''}"
         f"{np.median(speed) if speed else float('nan'):.0f} tok/s{mfu_note}, compile {compile_s:.1f}s, "
         f"checkpoints in {ckpt.directory}"
     )
