@@ -191,9 +191,9 @@ if __name__ == "__main__":
     print("\n".join(upward_imports(g)) or "no upward import")
 
 
-# Optional packages (the `test` extra, not the package's dependencies) and JAX's optional plugin
+# Optional packages (the `test` and `data` extras, not the package's dependencies) and JAX's optional plugin
 # namespace: a library module imports them where they are used, and only there.
-OPTIONAL = {"torch", "transformers", "gguf", "accelerate", "jax_plugins"}
+OPTIONAL = {"torch", "transformers", "gguf", "accelerate", "jax_plugins", "pyarrow", "zstandard"}
 
 
 def deferred_imports() -> list[str]:

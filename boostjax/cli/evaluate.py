@@ -9,6 +9,7 @@ import pathlib
 
 from boostjax.cli.flags import add_field
 from boostjax.config import ConfigError, check_batch_seq, field_default
+from boostjax.data.tokenize import TEXT_FIELD
 
 EVAL_SPLITS: tuple[str, ...] = ("val", "train", "all")  # as boostjax.inference.evaluation.EVAL_SPLITS (no JAX here)
 
@@ -36,7 +37,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"eval.run: the tokenizer in {args.run} has {tok.vocab_size} ids but the model "
                           f"{cfg.model.vocab_size}; fix: restore the run's tokenizer.json")
     dtype = args.data_dtype if args.data_dtype is not None else field_default("data_dtype")
-    d = eval_data(tok, args.data, args.split, args.doc_sep, dtype)
+    d = eval_data(tok, args.data, args.split, args.doc_sep, dtype, args.text_field)
     relation = _relation(args.run, cfg, args.data, dtype, d.split)
     from boostjax.runs.load import load_run  # starts JAX
 
@@ -66,8 +67,11 @@ def _relation(run: str, cfg, data: str, dtype: str, split: str) -> tuple[bool | 
     stored = RunFolder(run).stored_data_fingerprint()
     if stored is None:
         return None, ""
-    src = resolve_source(data, dtype)
-    if src.fingerprint == stored:
+    try:
+        src = resolve_source(data, dtype)
+    except ValueError:  # records (JSONL, Parquet, Arrow): never the trainer's data as they are
+        src = None
+    if src is not None and src.fingerprint == stored:
         return True, {"val": "; this run's training data: the trainer held this split out",
                       "train": "; this run's training data: the run trained on this split",
                       "all": "; this run's training data: the run trained on all but its validation split"}[split]
@@ -91,8 +95,9 @@ def register(subparsers) -> None:
     p.add_argument("--run", required=True, help="run folder written by boostjax train (--out)")
     p.add_argument("--data", required=True,
                    help="a folder written by boostjax tokenize (with the run's tokenizer), a text file or folder of "
-                        "text files (encoded with the run's tokenizer), a .bin token file or '' (the built-in "
-                        "corpus); --split says which part is scored")
+                        "text files, JSONL (.jsonl, .jsonl.gz, .jsonl.zst), Parquet or Arrow files or a Hugging Face "
+                        "datasets folder (encoded with the run's tokenizer; every 50th record is the validation "
+                        "split), a .bin token file or '' (the built-in corpus); --split says which part is scored")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--seq", type=int, default=None, help="predicted tokens per window (default: the run's --seq)")
     p.add_argument("--batch", type=int, default=None, help="windows per forward pass (default: the run's --batch)")
@@ -103,6 +108,9 @@ def register(subparsers) -> None:
     p.add_argument("--doc-sep", default=None, choices=("file", "blank", "line"),
                    help="documents of the text, as in boostjax tokenize (default: file for a folder, blank for a "
                         "single file; byte-level runs read the text as bytes, as they were trained, unless given)")
+    p.add_argument("--text-field", default=TEXT_FIELD,
+                   help="the JSONL key or Parquet/Arrow column that holds a record's text, as in boostjax tokenize "
+                        "(default: %(default)s)")
     add_field(p, "data_dtype")  # train's --data-dtype, for a .bin file
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     add_field(p, "progress")  # train's --progress/--no-progress, with train's default

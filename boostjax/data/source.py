@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from boostjax.config import ConfigError
-from boostjax.data import fingerprint
+from boostjax.data import fingerprint, records
 from boostjax.data.corpus import (
     Corpus,
     _stat,
@@ -42,7 +42,14 @@ from boostjax.data.corpus import (
     text_max,
     token_max,
 )
-from boostjax.data.token_folder import FOLDER_FILES, token_fingerprint, token_folder_corpus, token_meta, vocab_error
+from boostjax.data.token_folder import (
+    FOLDER_FILES,
+    META_FILE,
+    token_fingerprint,
+    token_folder_corpus,
+    token_meta,
+    vocab_error,
+)
 from boostjax.data.tokenizers import (
     TOKENIZER_FILE,
     ByteTokenizer,
@@ -53,6 +60,7 @@ from boostjax.data.tokenizers import (
 )
 
 KINDS: tuple[str, ...] = ("builtin", "tokens", "folder", "bin", "text")
+TMP_PREFIX = ".tokenize-"  # the temporary files of boostjax tokenize (boostjax.data.tokenize)
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,39 @@ def _signature(path: str, st: os.stat_result) -> tuple:
     return tuple(parts)
 
 
+def _tokenize_first(path: str, what: str, data: str) -> ValueError:
+    return ValueError(f"data: {path} holds {what}, not text; fix: boostjax tokenize --data {data} --out FOLDER, "
+                      "then --data FOLDER")
+
+
+def _check_text_file(path: str | os.PathLike, data: str) -> None:
+    """A file read as text holds no records, compressed or binary bytes (`records.sniff`): those would
+    be trained on as bytes. ValueError naming ``boostjax tokenize`` otherwise."""
+    try:
+        what = records.text_refusal(path)
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    if what:
+        raise _tokenize_first(os.fspath(path), what, data)
+
+
+def _check_text_folder(path: str) -> None:
+    """A folder read as text: no record files (JSONL, Parquet, Arrow, a `datasets` folder) that its
+    text reader would pass over, none of its text files binary, no half-written tokenize output."""
+    names = os.listdir(path)
+    left = sorted(n for n in names if n.startswith(TMP_PREFIX))
+    if left and META_FILE not in names:
+        raise ValueError(f"data: {path} holds the temporary files of an interrupted boostjax tokenize ({left[0]}) "
+                         f"and no {META_FILE}; fix: run boostjax tokenize again with --out {path}")
+    if records.is_hf_folder(path):
+        raise _tokenize_first(path, "a Hugging Face datasets folder", path)
+    held = records.record_files(path)
+    if held:
+        raise _tokenize_first(str(held[0]), records.text_refusal(held[0]) or "records", path)
+    for f in text_files(path):
+        _check_text_file(f, path)
+
+
 BUILTIN = Source("builtin", "", "uint8", None, True)
 _SOURCES: dict[tuple, Source] = {}
 KEPT_SOURCES: int = 8  # sources kept per process (the oldest is dropped first)
@@ -154,11 +195,14 @@ def resolve_source(path: str | os.PathLike = "", dtype: str = "uint16") -> Sourc
         return _SOURCES[key]
     if stat.S_ISDIR(st.st_mode):
         meta = token_meta(path)
+        if meta is None:
+            _check_text_folder(path)
         src = (Source("tokens", path, meta["dtype"], meta["vocab_size"], True, meta) if meta is not None
                else Source("folder", path, "uint8", None, True))
     elif path.endswith(".bin"):
         src = Source("bin", path, dtype, None, False)
     else:
+        _check_text_file(path, path)
         src = Source("text", path, "uint8", None, False)
     while len(_SOURCES) >= KEPT_SOURCES:
         _SOURCES.pop(next(iter(_SOURCES)))

@@ -23,6 +23,7 @@ comparable between tokenizers. ``fingerprint`` in ``meta.json`` is the content o
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pathlib
@@ -34,8 +35,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from boostjax.config import ConfigError
-from boostjax.data import corpus, fingerprint
-from boostjax.data.source import resolve_source
+from boostjax.data import corpus, fingerprint, records
+from boostjax.data.source import TMP_PREFIX, _check_kind
 from boostjax.data.token_folder import (
     FINGERPRINT_FILES,
     FOLDER_FILES,
@@ -57,6 +58,7 @@ from boostjax.data.tokenizers import (
 from boostjax.runs.folder import CONFIG, check_folder_path, describe_foreign
 
 DOC_SEPS: tuple[str, ...] = ("file", "blank", "line")
+TEXT_FIELD: str = "text"  # the JSONL key / Parquet, Arrow column of a record's text
 VAL_EVERY: int = corpus.VAL_EVERY
 BATCH_CHARS: int = 1 << 22  # characters per encode_batch call (the Rust side encodes a batch in parallel)
 BATCH_DOCS: int = 4096
@@ -64,7 +66,6 @@ PROGRESS_BYTES: int = 16 << 20  # a progress bar from this much input on
 MAX_TRAINED_VOCAB: int = 1 << 20
 BYTE_SEP: bytes = corpus.FILE_SEP  # b"\n\n" after every document at byte level
 OUTPUT_FILES: frozenset[str] = FOLDER_FILES
-TMP_PREFIX = ".tokenize-"
 _BLANK = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")
 
 
@@ -75,37 +76,59 @@ def _err(what: str) -> ConfigError:
 # ----------------------------------------------------------------------------- documents
 
 
-def input_files(data: str | os.PathLike) -> list[pathlib.Path]:
-    """The text files of ``--data`` (a file, or a folder's text files sorted); one line if none."""
-    path = os.fspath(data)
+def _one_path(path: str) -> None:
+    """What ``--data`` must not be for tokenize (a tokenised folder, token ids, a FIFO), in one line."""
     if path == "":
-        raise _err("data: no input given; fix: pass --data with a text file or a folder of text files")
-    if "\0" not in path and not os.path.lexists(path):
+        raise _err("data: no input given; fix: pass --data with text, JSONL, Parquet or Arrow files or folders")
+    if "\0" in path:
+        raise _err(f"data: {path!r} contains a NUL byte; fix: pass the path of a real file or folder")
+    if not os.path.lexists(path):
+        if glob.has_magic(path):
+            return  # a glob, expanded by records.expand
         raise _err(f"data: no such file or folder: {path!r}; fix: pass --data with a text file or a folder of text "
-                   "files")
-    try:
-        src = resolve_source(path)  # the same one-line messages as boostjax train --data
-        if src.kind == "folder":
-            files = corpus.text_files(path)
-    except ValueError as e:
-        if is_token_folder(path):  # damaged, but a tokenised folder all the same
-            raise _err(f"data: {path} is already a tokenised folder; fix: pass the text it was made from") from None
-        raise ConfigError(str(e).replace("data:", "tokenize.data:", 1)) from None
-    if src.kind == "tokens":
+                   "files (or JSONL, Parquet, Arrow files)")
+    if is_token_folder(path):
         raise _err(f"data: {path} is already a tokenised folder; fix: pass the text it was made from")
-    if src.kind == "folder":
-        if not files:
-            raise _err(f"data: no {'/'.join('*' + s for s in corpus.TEXT_SUFFIXES)} files under {path}; "
-                       "fix: pass a folder of text files or a text file")
-    elif src.kind == "bin":
+    try:
+        _check_kind(path, os.stat(path))
+    except OSError as e:
+        raise _err(f"data: cannot read {path} ({e.strerror}); fix: check the file's permissions") from None
+    except ValueError as e:
+        raise ConfigError(str(e).replace("data:", "tokenize.data:", 1)) from None
+    if os.path.isfile(path) and path.endswith(".bin"):
         raise _err(f"data: {path} looks like token ids (.bin), not text; fix: pass the text files, or train "
                    f"on it directly with boostjax train --data {path}")
-    else:
-        files = [pathlib.Path(path)]
-    if not any(f.stat().st_size for f in files):
-        raise _err(f"data: {path} holds no text ({len(files)} empty file{'s' * (len(files) > 1)}); "
+
+
+def _paths(data) -> list[str]:
+    if isinstance(data, (str, os.PathLike)):
+        return [os.fspath(data)]
+    return [os.fspath(d) for d in data] or [""]
+
+
+def inputs(data) -> list[records.Input]:
+    """The input files of ``--data PATH [PATH ...]`` (files, folders, globs) and how each is read (text,
+    JSONL, Parquet, Arrow: `boostjax.data.records`); one line if there are none or they hold nothing."""
+    paths = _paths(data)
+    for path in paths:
+        _one_path(path)
+    try:
+        found = records.expand(paths)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("data:", "tokenize.data:", 1)) from None
+    name = " ".join(paths)
+    if not found:
+        kinds = "/".join("*" + s for s in corpus.TEXT_SUFFIXES + records.RECORD_SUFFIXES)
+        raise _err(f"data: no {kinds} files under {name}; fix: pass a folder of text or record files, or a file")
+    if not any(i.path.stat().st_size for i in found):
+        raise _err(f"data: {name} holds no text ({len(found)} empty file{'s' * (len(found) > 1)}); "
                    "fix: pass a file or folder with text in it")
-    return files
+    return found
+
+
+def input_files(data: str | os.PathLike) -> list[pathlib.Path]:
+    """The files of ``--data`` (a file, or a folder's text and record files sorted); one line if none."""
+    return [i.path for i in inputs(data)]
 
 
 def _read_text(f: pathlib.Path) -> str:
@@ -132,9 +155,65 @@ def split_documents(text: str, doc_sep: str) -> list[str]:
     return [d for d in parts if d.strip()]
 
 
-def documents(files: Iterable[pathlib.Path], doc_sep: str) -> Iterator[str]:
-    for f in files:
-        yield from split_documents(_read_text(f), doc_sep)
+def stream(found: Iterable[records.Input | pathlib.Path], doc_sep: str,
+           text_field: str = TEXT_FIELD) -> Iterator[records.Document]:
+    """Every document of the inputs in order, with where it is: a text file split by ``doc_sep``, a
+    record file one document per record (`boostjax.data.records`; bad records carry ``bad``)."""
+    for inp in found:
+        if isinstance(inp, pathlib.Path):
+            inp = records.Input(inp, "text")
+        if inp.format == "text":
+            for k, d in enumerate(split_documents(_read_text(inp.path), doc_sep)):
+                yield records.Document(d, f"{inp.path} document {k}")
+        else:
+            yield from records.documents(inp, text_field)
+
+
+class Skipped:
+    """The bad records ``--skip-bad`` left out: how many, and where the first few were."""
+
+    SHOWN = 5
+
+    def __init__(self) -> None:
+        self.count, self.first = 0, []
+
+    def add(self, doc: records.Document) -> None:
+        self.count += 1
+        if len(self.first) < self.SHOWN:
+            self.first.append(f"{doc.where}: {doc.bad}")
+
+    def meta(self) -> dict:
+        return {"records": self.count, "first": self.first}
+
+
+def _bad(doc: records.Document) -> ConfigError:
+    fix = ("pass --text-field with the key that holds the text" if doc.bad.startswith(("no field", "field"))
+           else "correct or remove that record")
+    return _err(f"data: {doc.where}: {doc.bad}; fix: {fix}, or pass --skip-bad to leave bad records out")
+
+
+def texts(docs: Iterable[records.Document], skip_bad: bool = False, skipped: Skipped | None = None) -> Iterator[str]:
+    """The non-empty documents' text; a bad record is an error (one line) or, with ``skip_bad``, counted
+    in ``skipped``; a damaged file is an error either way."""
+    try:
+        for doc in docs:
+            if doc.bad:
+                if not skip_bad:
+                    raise _bad(doc)
+                if skipped is not None:
+                    skipped.add(doc)
+            elif doc.text.strip():
+                yield doc.text
+    except ConfigError:
+        raise
+    except records.RecordError as e:
+        raise ConfigError(str(e).replace("data:", "tokenize.data:", 1)) from None
+
+
+def documents(files: Iterable[records.Input | pathlib.Path], doc_sep: str, text_field: str = TEXT_FIELD,
+              skip_bad: bool = False) -> Iterator[str]:
+    """The non-empty documents of the inputs, in order (`stream`, then `texts`)."""
+    yield from texts(stream(files, doc_sep, text_field), skip_bad)
 
 
 def is_val(i: int, n_docs: int, val_every: int) -> bool:
@@ -265,46 +344,74 @@ class _Writer:
                 "tokens": self.tokens, "bytes": self.bytes}
 
 
+def _source(paths: list[str]) -> str | list[str]:
+    """``meta.json``'s ``source``: the input's absolute path (a list for several)."""
+    full = [str(pathlib.Path(p).absolute()) for p in paths]
+    return full[0] if len(full) == 1 else full
+
+
 def _progress(total: int, show: bool, desc: str):
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc, dynamic_ncols=True,
                 disable=not show or total < PROGRESS_BYTES)
 
 
-def tokenize_corpus(data: str | os.PathLike, out: str | os.PathLike, tokenizer: str | Tokenizer = "byte", *,
+def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "byte", *,
                     doc_sep: str | None = None, val_every: int = VAL_EVERY, progress: bool = True,
-                    log: Callable[[str], None] | None = None) -> dict:
-    """Tokenise the text at ``data`` into the folder ``out`` and return its metadata (``meta.json``).
+                    log: Callable[[str], None] | None = None, text_field: str = TEXT_FIELD,
+                    skip_bad: bool = False) -> dict:
+    """Tokenise ``data`` (a path or a list of paths, folders or globs: text, JSONL, Parquet, Arrow,
+    `boostjax.data.records`) into the folder ``out`` and return its metadata (``meta.json``).
 
     ``tokenizer``: 'byte' (UTF-8 bytes), a ``tokenizer.json`` file or a folder holding one, a tokenizer
     from `boostjax.data.tokenizers`, or 'train:VOCAB' (a byte-level BPE trained on the training documents).
-    ``doc_sep``: how a file splits into documents, 'file', 'blank' or 'line' (default: 'file' for a
-    folder, 'blank' for a single file). Bad input is refused (`ConfigError`, one line) before anything
-    is written; ``out`` may be new, empty, or an earlier output of this function (replaced)."""
-    if doc_sep is None:
-        doc_sep = "file" if os.path.isdir(os.fspath(data)) else "blank"
-    if doc_sep not in DOC_SEPS:
+    ``doc_sep``: how a text file splits into documents, 'file', 'blank' or 'line' (default: 'file' for a
+    folder or several paths, 'blank' for a single file); a record is always one document, its text the
+    ``text_field`` key or column. Bad input (a bad record too, unless ``skip_bad``: then counted in
+    ``meta["skipped"]``) is refused (`ConfigError`, one line) before anything is written; ``out`` may be
+    new, empty, or an earlier output of this function (replaced)."""
+    paths = _paths(data)
+    if doc_sep is not None and doc_sep not in DOC_SEPS:
         raise _err(f"doc_sep: unknown {doc_sep!r}; fix: pass --doc-sep {', '.join(DOC_SEPS)}")
     if isinstance(val_every, bool) or not isinstance(val_every, int) or val_every < 2:
         raise _err(f"val_every: must be an integer >= 2, got {val_every!r}; fix: pass e.g. --val-every 50")
+    if not isinstance(text_field, str) or not text_field:
+        raise _err(f"text_field: need a key or column name, got {text_field!r}; fix: pass e.g. --text-field text")
     tok, train_vocab = parse_tokenizer(tokenizer)
-    files = input_files(data)
+    files = inputs(paths)
+    held = [i.path for i in files if i.format != "text"]
+    if held and doc_sep in ("blank", "line"):
+        raise _err(f"doc_sep: {held[0]} holds records, and each record is one document; fix: drop --doc-sep "
+                   f"{doc_sep} (it splits text files only)")
+    if doc_sep is None:
+        doc_sep = "file" if len(paths) > 1 or os.path.isdir(paths[0]) or len(files) > 1 else "blank"
     replacing = check_out(out)
     say = log or (lambda s: None)
 
-    total_bytes = sum(f.stat().st_size for f in files)
-    n_docs = 0
-    with _progress(total_bytes, progress, "reading") as bar:
-        for f in files:
-            n_docs += len(split_documents(_read_text(f), doc_sep))
-            bar.update(f.stat().st_size)
+    total_bytes = sum(i.path.stat().st_size for i in files)
+    n_docs = text_bytes = 0
+    skipped = Skipped()
+    with _progress(total_bytes, progress, "reading") as bar:  # every record checked before anything is written
+        for inp in files:
+            for d in texts(stream([inp], doc_sep, text_field), skip_bad, skipped):
+                n_docs += 1
+                text_bytes += len(d.encode("utf-8"))
+            bar.update(inp.path.stat().st_size)
+    if skipped.count:
+        say(f"skipped {skipped.count} bad record{'s' * (skipped.count > 1)} (--skip-bad), the first: "
+            + "; ".join(skipped.first))
+    name = " ".join(paths)
     if n_docs < 2:
-        raise _err(f"data: {data} holds {n_docs} non-empty document{'s' * (n_docs != 1)} (--doc-sep {doc_sep}) and "
-                   "needs 2 or more (one is held out for validation); fix: pass more text"
-                   + (", or --doc-sep line" if doc_sep != "line" else ""))
+        raise _err(f"data: {name} holds {n_docs} non-empty document{'s' * (n_docs != 1)}"
+                   + ("" if held else f" (--doc-sep {doc_sep})") + " and needs 2 or more (one is held out for "
+                   "validation); fix: pass more text" + (", or --doc-sep line" if doc_sep != "line" and not held
+                                                         else ""))
+
+    def docs() -> Iterator[str]:
+        return texts(stream(files, doc_sep, text_field), skip_bad)
+
     if tok is None:
         say(f"training a {train_vocab}-token byte-level BPE on the training documents")
-        tok = train_tokenizer((d for i, d in enumerate(documents(files, doc_sep)) if not is_val(i, n_docs, val_every)),
-                              train_vocab)
+        tok = train_tokenizer((d for i, d in enumerate(docs()) if not is_val(i, n_docs, val_every)), train_vocab)
     sep, sep_bytes, dtype = separator(tok), separator_bytes(tok), token_dtype(tok)
 
     folder = pathlib.Path(out)
@@ -317,8 +424,8 @@ def tokenize_corpus(data: str | os.PathLike, out: str | os.PathLike, tokenizer: 
             tmp_files.append(folder / f"{TMP_PREFIX}{os.getpid()}-{s}.bin")
             writers[s] = _Writer(folder, s, dtype)
         i = 0
-        with _progress(total_bytes, progress, "tokenizing") as bar:
-            for batch in _batches(documents(files, doc_sep)):
+        with _progress(text_bytes, progress, "tokenizing") as bar:
+            for batch in _batches(docs()):
                 for d, ids in zip(batch, encode_documents(tok, batch)):
                     n = len(d.encode("utf-8"))
                     writers["val" if is_val(i, n_docs, val_every) else "train"].add(ids, sep, n + sep_bytes)
@@ -336,9 +443,13 @@ def tokenize_corpus(data: str | os.PathLike, out: str | os.PathLike, tokenizer: 
         kind = "byte" if isinstance(tok, ByteTokenizer) else TOKENIZER_FILE
         meta = {"format": TOKENS_FORMAT, "version": TOKENS_VERSION, "tokenizer": kind, "dtype": dtype,
                 "vocab_size": int(tok.vocab_size), "eos_id": getattr(tok, "eos_id", None),
-                "bos_id": getattr(tok, "bos_id", None), "source": str(pathlib.Path(data).absolute()),
+                "bos_id": getattr(tok, "bos_id", None), "source": _source(paths),
                 "splits": {s: w.meta() for s, w in writers.items()},
                 "fingerprint": fingerprint.of_digests((n, digests[n]) for n in FINGERPRINT_FILES)}
+        if held:
+            meta["text_field"] = text_field
+        if skip_bad:
+            meta["skipped"] = skipped.meta()
         tok_tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{TOKENIZER_FILE}"
         if kind != "byte":
             tmp_files.append(tok_tmp)
@@ -371,9 +482,12 @@ def tokenize_corpus(data: str | os.PathLike, out: str | os.PathLike, tokenizer: 
             except OSError:
                 pass
         raise
-    for f in folder.iterdir():  # temporary files of an earlier, interrupted run
-        if f.name.startswith(TMP_PREFIX):
-            f.unlink(missing_ok=True)
+    left = [f for f in folder.iterdir() if f.name.startswith(TMP_PREFIX)]  # of an earlier, interrupted run
+    for f in left:
+        f.unlink(missing_ok=True)
+    if left:
+        say(f"removed {len(left)} temporary file{'s' * (len(left) > 1)} an interrupted earlier tokenize left in "
+            f"{folder} ({left[0].name}{', ...' if len(left) > 1 else ''})")
     if replacing:
         say(f"replaced the earlier tokenize output in {folder}")
     return meta

@@ -23,6 +23,7 @@ from __future__ import annotations
 import codecs
 import functools
 import math
+import pathlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -33,10 +34,11 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from boostjax.config import ConfigError, check_batch_seq
+from boostjax.data import records
 from boostjax.data import tokenize as tz
 from boostjax.data.corpus import FILE_SEP, files_stream, stdlib_sources, text_files
 from boostjax.data.source import open_source, resolve_source
-from boostjax.data.token_folder import token_split
+from boostjax.data.token_folder import is_token_folder, token_split
 from boostjax.data.tokenizers import ByteTokenizer, same_tokenizer, tokenizer_kind
 
 
@@ -151,7 +153,7 @@ class EvalData:
 
 
 def eval_data(tok, data: str, split: str | None = None, doc_sep: str | None = None,
-              dtype: str = "uint16") -> EvalData:
+              dtype: str = "uint16", text_field: str = tz.TEXT_FIELD) -> EvalData:
     """The part of ``--data`` that `boostjax eval` scores with the run's tokenizer ``tok``: ``split``
     'val' (the default) is the validation split the trainer holds out of that data, 'train' the rest,
     'all' all of it. The split is the trainer's own (`boostjax.data.source.open_source`): a tokenised
@@ -159,13 +161,47 @@ def eval_data(tok, data: str, split: str | None = None, doc_sep: str | None = No
     held-out bytes. Those are scored as they are at byte level (exactly the trainer's validation tokens);
     with another tokenizer, or with ``doc_sep``, their text is split into documents (``doc_sep``, as in
     boostjax tokenize) and encoded with ``tok``. A ``.bin`` file's ids are scored as they are. Bad input
-    is a `ConfigError` of one line naming the ``eval.`` field."""
+    is a `ConfigError` of one line naming the ``eval.`` field. Records (JSONL, Parquet, Arrow, a `datasets`
+    folder: `boostjax.data.records`, each one document, its text ``text_field``) are split as boostjax
+    tokenize splits them (every 50th record held out) and encoded with ``tok``."""
     try:
+        if holds_records(data):
+            return _records_data(tok, data, split or "val", doc_sep, text_field)
         return _eval_data(tok, data, split or "val", doc_sep, dtype)
     except ValueError as e:  # the data readers' `data:` and tokenize's `tokenize.data:` are eval's
         msg = " ".join(str(e).split())
         msg = "eval." + msg.removeprefix("tokenize.") if msg.startswith(("tokenize.", "data:")) else msg
         raise ConfigError(msg) from None
+
+
+def holds_records(data: str) -> bool:
+    """``data`` is read as records (`boostjax.data.records`), not by the trainer's readers."""
+    p = pathlib.Path(data)
+    if not data or not p.exists() or is_token_folder(p):
+        return False
+    if p.is_dir():
+        return records.is_hf_folder(p) or bool(records.record_files(p))
+    return p.is_file() and not data.endswith(".bin") and records.file_format(p) != "text"
+
+
+def _records_data(tok, data: str, split: str, doc_sep: str | None, text_field: str) -> EvalData:
+    """The records of ``data``, one document each, the split boostjax tokenize makes of them."""
+    if split not in EVAL_SPLITS:
+        raise ConfigError(f"eval.split: unknown {split!r}; fix: pass --split with one of {', '.join(EVAL_SPLITS)}")
+    if doc_sep not in (None, "file"):
+        raise ConfigError(f"eval.doc_sep: {data} holds records, and each record is one document; fix: drop "
+                          f"--doc-sep {doc_sep}")
+    found = tz.inputs(data)
+    n = sum(1 for _ in tz.documents(found, "file", text_field))  # every record checked before any is encoded
+    keep = (lambda i: True) if split == "all" else (
+        (lambda i: tz.is_val(i, n, tz.VAL_EVERY)) if split == "val" else (lambda i: not tz.is_val(i, n, tz.VAL_EVERY)))
+    texts = (d for i, d in enumerate(tz.documents(found, "file", text_field)) if keep(i))
+    stream, n_bytes, starts = _encode(tok, texts, tz.separator(tok))
+    if len(starts) == 0:
+        raise ConfigError(f"eval.data: {_SPLIT_WORDS[split]} of {data} holds no non-empty record; fix: pass records "
+                          "with text" + (", or --split all" if split != "all" else ""))
+    rule = f"every {tz.VAL_EVERY}th record, as boostjax tokenize holds out"
+    return EvalData(stream, n_bytes, starts, split, len(starts), "" if split == "all" else rule, data)
 
 
 def _eval_data(tok, data: str, split: str, doc_sep: str | None, dtype: str) -> EvalData:

@@ -1,0 +1,342 @@
+"""Corpus records in, one document at a time: JSONL (plain, ``.gz``, ``.zst``), Parquet, Arrow files or a
+Hugging Face `datasets` folder (``save_to_disk``), and text; `sniff` tells them apart by their first bytes.
+
+Every reader is a streaming iterator (a JSONL file a line at a time, Parquet and Arrow a record batch at
+a time, only the text column) of `Document` s carrying where they came from (file and line, or row), so
+that an error names them. A record that cannot be read (bad JSON, a missing, null or non-string field) is
+a `Document` with ``bad`` set; a damaged file (truncated, corrupt) is a `RecordError`.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import pathlib
+import zlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from boostjax.data.corpus import TEXT_SUFFIXES
+
+INSTALL_HINT = "pip install 'boostjax[data]'"
+JSONL_SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson")
+PARQUET_SUFFIXES: tuple[str, ...] = (".parquet",)
+ARROW_SUFFIXES: tuple[str, ...] = (".arrow",)
+RECORD_SUFFIXES: tuple[str, ...] = JSONL_SUFFIXES + PARQUET_SUFFIXES + ARROW_SUFFIXES
+HF_STATE, HF_DICT = "state.json", "dataset_dict.json"  # a `datasets` folder, one split / several
+READ_BYTES: int = 1 << 20  # compressed or plain bytes read at a time
+BATCH_ROWS: int = 1024  # Parquet / Arrow rows decoded at a time
+SNIFF_BYTES: int = 1 << 16
+
+# what a file holds, by its first bytes, in words ("holds {}, not text")
+KIND_WORDS = {"gzip": "gzip-compressed bytes", "zstd": "zstd-compressed bytes", "parquet": "a Parquet table",
+              "arrow": "Arrow record batches", "jsonl": "JSON records", "binary": "binary bytes (NUL bytes)"}
+
+
+class RecordError(ValueError):
+    """A file that cannot be read as records (truncated, corrupt, no such column): one line."""
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input file and how it is read: 'text', 'jsonl', 'parquet' or 'arrow'."""
+
+    path: pathlib.Path
+    format: str
+
+
+@dataclass(frozen=True)
+class Document:
+    """One record's text and where it was (``docs.jsonl line 3``, ``part.parquet row 7``); ``bad`` says
+    why a record was not read (its text is then '')."""
+
+    text: str
+    where: str
+    bad: str = ""
+
+
+def _needs(module: str, path) -> RecordError:
+    return RecordError(f"data: reading {path} needs {module}, which is not installed; fix: {INSTALL_HINT}")
+
+
+# ----------------------------------------------------------------------------- telling formats apart
+
+
+def sniff(path: str | os.PathLike) -> str | None:
+    """What a file holds when it is not plain text, by its first bytes: 'gzip', 'zstd', 'parquet', 'arrow'
+    (the file format or the IPC stream), 'jsonl' (its first non-blank line is a JSON object) or 'binary'
+    (NUL bytes); None for text (or an empty file)."""
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    if head[:2] == b"\x1f\x8b":
+        return "gzip"
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        return "zstd"
+    if head[:4] == b"PAR1":
+        return "parquet"
+    if head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff":
+        return "arrow"
+    if b"\0" in head:
+        return "binary"
+    first = next((ln for ln in head.splitlines() if ln.strip()), b"").strip()
+    if first.startswith(b"{") and first.endswith(b"}"):
+        try:
+            if isinstance(json.loads(first), dict):
+                return "jsonl"
+        except ValueError:
+            pass
+    return None
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    """A folder written by `datasets`' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    p = pathlib.Path(path)
+    return p.is_dir() and ((p / HF_STATE).is_file() or (p / HF_DICT).is_file())
+
+
+def _hf_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    """The ``.arrow`` files of a ``save_to_disk`` folder, in order: its ``train`` split for a DatasetDict."""
+    if (folder / HF_DICT).is_file():
+        try:
+            splits = json.loads((folder / HF_DICT).read_text())["splits"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise RecordError(f"data: {folder / HF_DICT} cannot be read ({e}); fix: save the dataset again with "
+                              "save_to_disk") from None
+        if "train" not in splits:
+            raise RecordError(f"data: {folder} is a DatasetDict without a 'train' split (splits: {', '.join(splits)});"
+                              f" fix: pass the split's folder, e.g. --data {folder / splits[0]}")
+        folder = folder / "train"
+    try:
+        names = [d["filename"] for d in json.loads((folder / HF_STATE).read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RecordError(f"data: {folder / HF_STATE} cannot be read ({e}); fix: save the dataset again with "
+                          "save_to_disk") from None
+    return [folder / n for n in names]
+
+
+def file_format(path: pathlib.Path) -> str:
+    """How a file is read: by its name, then by its first bytes (JSON records are never prose)."""
+    name = path.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if name.endswith(ARROW_SUFFIXES):
+        return "arrow"
+    kind = sniff(path)
+    if kind in ("gzip", "zstd", "jsonl"):
+        return "jsonl"  # compressed input is read as JSONL: a line that is not JSON is named
+    if kind in ("parquet", "arrow"):
+        return kind
+    return "text"
+
+
+def expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Input]:
+    """The input files of ``--data PATH [PATH ...]``: files, folders (their text and record files, sorted by
+    relative path; a ``save_to_disk`` folder's Arrow files) and globs. A missing path is a RecordError."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    found: list[Input] = []
+    for raw in paths:
+        s = os.fspath(raw)
+        if not os.path.lexists(s) and glob.has_magic(s):
+            hits = sorted(glob.glob(s, recursive=True))
+            if not hits:
+                raise RecordError(f"data: no file matches {s!r}; fix: check the pattern (quote it so the shell "
+                                  "leaves it to boostjax)")
+        else:
+            hits = [s]
+        for h in hits:
+            p = pathlib.Path(h)
+            if is_hf_folder(p):
+                found += [Input(f, "arrow") for f in _hf_files(p)]
+            elif p.is_dir():
+                found += [Input(f, file_format(f)) for f in folder_files(p)]
+            else:
+                found.append(Input(p, file_format(p)))
+    return found
+
+
+def folder_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    """Text and record files under ``folder``, sorted by relative POSIX path (directory symlinks not followed)."""
+    out = []
+    for dirpath, _, filenames in os.walk(folder):
+        for n in filenames:
+            if n.lower().endswith(TEXT_SUFFIXES + RECORD_SUFFIXES) and os.path.isfile(os.path.join(dirpath, n)):
+                p = pathlib.Path(dirpath, n)
+                out.append((p.relative_to(folder).as_posix(), p))
+    return [p for _, p in sorted(out)]
+
+
+def record_files(folder: str | os.PathLike) -> list[pathlib.Path]:
+    """The record files (JSONL, Parquet, Arrow) under a folder, sorted: what a text reader must not skip."""
+    return [p for p in folder_files(pathlib.Path(folder)) if p.name.lower().endswith(RECORD_SUFFIXES)]
+
+
+# ----------------------------------------------------------------------------- JSONL
+
+
+def _zstd_chunks(f, path) -> Iterator[bytes]:
+    """Decompressed chunks of a zstd file (frames one after another); a frame cut short is a RecordError."""
+    try:
+        import zstandard  # noqa: PLC0415 (optional: the data extra)
+    except ImportError:
+        raise _needs("zstandard", path) from None
+    dctx = zstandard.ZstdDecompressor()
+    d, fed = dctx.decompressobj(), False
+    try:
+        while chunk := f.read(READ_BYTES):
+            while chunk:
+                out = d.decompress(chunk)
+                fed = True
+                if out:
+                    yield out
+                chunk = b""
+                if d.eof:
+                    chunk, d, fed = d.unused_data, dctx.decompressobj(), False
+    except zstandard.ZstdError as e:
+        raise RecordError(f"data: {path} is not a valid zstd stream ({e}); fix: compress it again or leave it out") \
+            from None
+    if fed:
+        raise RecordError(f"data: {path} ends in the middle of a zstd frame (truncated); fix: copy or download "
+                          "it again, or leave it out")
+
+
+def _byte_chunks(path: pathlib.Path) -> Iterator[bytes]:
+    """The bytes of a plain, gzip or zstd file, decompressed, a chunk at a time."""
+    with open(path, "rb") as f:
+        kind = sniff(path)
+        if kind == "zstd":
+            yield from _zstd_chunks(f, path)
+            return
+        if kind == "gzip":
+            try:
+                with gzip.GzipFile(fileobj=f) as g:
+                    while chunk := g.read(READ_BYTES):
+                        yield chunk
+            except EOFError:
+                raise RecordError(f"data: {path} ends in the middle of a gzip stream (truncated); fix: copy or "
+                                  "download it again, or leave it out") from None
+            except (gzip.BadGzipFile, zlib.error) as e:
+                raise RecordError(f"data: {path} is not a valid gzip stream ({e}); fix: compress it again or "
+                                  "leave it out") from None
+            return
+        while chunk := f.read(READ_BYTES):
+            yield chunk
+
+
+def _lines(chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line without its newline) of a byte stream."""
+    rest, n = b"", 0
+    for chunk in chunks:
+        parts = (rest + chunk).split(b"\n")
+        rest = parts.pop()
+        for ln in parts:
+            n += 1
+            yield n, ln
+    if rest:
+        yield n + 1, rest
+
+
+def _field(rec, field: str) -> str:
+    """Why a record's ``field`` is not a document's text ('' when it is)."""
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not an object"
+    if field not in rec:
+        keys = ", ".join(list(rec)[:8]) or "none"
+        return f"no field {field!r} (keys: {keys})"
+    if not isinstance(rec[field], str):
+        return f"field {field!r} is {type(rec[field]).__name__}, not a string"
+    return ""
+
+
+def jsonl_documents(path: pathlib.Path, field: str) -> Iterator[Document]:
+    """One `Document` per non-blank line of a JSONL file (plain, gzip or zstd)."""
+    for n, raw in _lines(_byte_chunks(path)):
+        if not raw.strip():
+            continue
+        where = f"{path} line {n}"
+        try:
+            rec = json.loads(raw)
+        except UnicodeDecodeError as e:
+            yield Document("", where, f"not UTF-8 ({e.reason} at byte {e.start})")
+            continue
+        except ValueError as e:
+            yield Document("", where, f"not valid JSON ({' '.join(str(e).split())})")
+            continue
+        why = _field(rec, field)
+        yield Document("" if why else rec[field], where, why)
+
+
+# ----------------------------------------------------------------------------- Parquet and Arrow
+
+
+def _column_batches(path: pathlib.Path, fmt: str, field: str) -> Iterator[list]:
+    """The ``field`` column of a Parquet or Arrow file, a record batch at a time, as Python lists."""
+    try:
+        import pyarrow as pa  # noqa: PLC0415 (optional: the data extra)
+        import pyarrow.ipc  # noqa: PLC0415
+        import pyarrow.parquet as pq  # noqa: PLC0415
+    except ImportError:
+        raise _needs("pyarrow", path) from None
+    try:
+        if fmt == "parquet":
+            reader = pq.ParquetFile(path)
+            schema = reader.schema_arrow
+            batches = reader.iter_batches(batch_size=BATCH_ROWS, columns=[field]) if field in schema.names else None
+        else:
+            f = pa.memory_map(str(path))
+            head = f.read(6)
+            f.seek(0)
+            ipc = pa.ipc.open_file(f) if head == b"ARROW1" else pa.ipc.open_stream(f)
+            schema = ipc.schema
+            batches = ((ipc.get_batch(i) for i in range(ipc.num_record_batches)) if head == b"ARROW1" else ipc)
+        if batches is None:
+            raise RecordError(f"data: {path} has no column {field!r} (columns: {', '.join(schema.names)}); fix: "
+                              "pass --text-field with the column that holds the text")
+        typ = schema.field(field).type
+        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
+            raise RecordError(f"data: {path} column {field!r} is {typ}, not a string; fix: pass --text-field with "
+                              "the column that holds the text")
+        for b in batches:
+            yield b.column(b.schema.get_field_index(field)).to_pylist()
+    except RecordError:
+        raise
+    except (pa.ArrowException, OSError) as e:
+        what = "Parquet" if fmt == "parquet" else "Arrow"
+        raise RecordError(f"data: {path} is not a readable {what} file ({' '.join(str(e).split())[:200]}); fix: "
+                          "write it again or leave it out") from None
+
+
+def table_documents(path: pathlib.Path, fmt: str, field: str) -> Iterator[Document]:
+    """One `Document` per row (0-based) of a Parquet or Arrow file."""
+    row = 0
+    for col in _column_batches(path, fmt, field):
+        for v in col:
+            where = f"{path} row {row}"
+            yield Document(v, where) if isinstance(v, str) else Document("", where, f"field {field!r} is null")
+            row += 1
+
+
+# ----------------------------------------------------------------------------- all of them
+
+
+def documents(inp: Input, field: str) -> Iterator[Document]:
+    """The records of one record input ('jsonl', 'parquet' or 'arrow'), each one document."""
+    if inp.format == "jsonl":
+        return jsonl_documents(inp.path, field)
+    if inp.format in ("parquet", "arrow"):
+        return table_documents(inp.path, inp.format, field)
+    raise ValueError(f"records.documents: {inp.path} is {inp.format}, not records")
+
+
+def text_refusal(path: str | os.PathLike) -> str:
+    """Why a file must not be read as text ('' when it may): what it holds, in words, for `resolve_source`."""
+    p = pathlib.Path(path)
+    kind = sniff(p)
+    if kind is None and p.name.lower().endswith(RECORD_SUFFIXES):
+        kind = "jsonl" if p.name.lower().endswith(JSONL_SUFFIXES) else p.suffix.lstrip(".")
+    return KIND_WORDS.get(kind, f"{kind} records") if kind else ""
+
