@@ -9,14 +9,63 @@ permutation; ``segments`` gives each position its document's number in the row. 
 `BatchIterator` draws random windows: global batch ``k``'s starts come from
 ``np.random.default_rng([seed, k])``. Either way batch ``k`` is a pure function of ``(seed, k)`` and each
 process reads only its contiguous block of rows, so batches are deterministic, resumable from
-``state()`` and independent of the process count.
+``state()`` and independent of the process count. From a memory-mapped file, a batch's pages are asked
+for all at once before they are gathered (`prefetch`).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterator
 
 import numpy as np
+
+
+def file_range(tokens: np.ndarray) -> tuple[str, int] | None:
+    """(file, byte offset of ``tokens[0]`` in it) of a contiguous memory-mapped stream (a split may be
+    a slice of the file's memmap); None for an array in memory."""
+    if not isinstance(tokens, np.memmap) or not tokens.flags.c_contiguous:
+        return None
+    root = tokens
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not isinstance(root, np.memmap) or not root.filename:
+        return None
+    return os.fspath(root.filename), int(root.offset) + tokens.ctypes.data - root.ctypes.data
+
+
+def runs(src_bs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first position, length) of every run of consecutive positions in the rows of ``src_bs``
+    (int64[b, n]), row by row: the contiguous pieces of the stream a batch reads."""
+    flat = src_bs.reshape(-1)
+    first = np.ones(flat.shape, bool)  # a run starts at every row and wherever a position does not follow the last
+    first[1:] = flat[1:] != flat[:-1] + 1
+    first[:: src_bs.shape[-1]] = True
+    at = np.flatnonzero(first)
+    return flat[at], np.diff(np.append(at, flat.size))
+
+
+def prefetch(tokens: np.ndarray, src_bs: np.ndarray) -> None:
+    """Ask the kernel to read the file pages of the token positions ``src_bs`` (int64[b, n]) now, all at
+    once (``posix_fadvise(WILLNEED)`` per contiguous run of positions): a memmap otherwise reads a row
+    a page fault at a time, each waiting for its read and a readahead the rows do not use. Advice only:
+    which tokens are read does not change; in-memory arrays and systems without it are left alone."""
+    where = file_range(tokens) if hasattr(os, "posix_fadvise") else None
+    if where is None or src_bs.size == 0:
+        return
+    item = tokens.dtype.itemsize
+    first, lengths = runs(src_bs)
+    try:
+        fd = os.open(where[0], os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        for start, n in zip((where[1] + first * item).tolist(), (lengths * item).tolist()):
+            os.posix_fadvise(fd, start, n, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _check_int(name: str, value: Any, minimum: int, where: str = "BatchIterator") -> int:
@@ -110,7 +159,9 @@ class BatchIterator:
         """This process's share of global batch ``step`` (does not move the iterator)."""
         lo = self.process_index * self.local_batch
         starts_b = self.global_starts(step)[lo : lo + self.local_batch]
-        windows_bs = np.asarray(self.tokens[starts_b[:, None] + self._offsets[None, :]])
+        src_bs = starts_b[:, None] + self._offsets[None, :]
+        prefetch(self.tokens, src_bs)
+        windows_bs = np.asarray(self.tokens[src_bs])
         if self._lazy_vocab_check:
             self._check_vocab(windows_bs)
         windows_bs = windows_bs.astype(np.int32)
@@ -225,6 +276,7 @@ class DocumentIterator(BatchIterator):
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
         """This process's share of global batch ``step`` (does not move the iterator)."""
         src_bs, doc_bs = self.positions(step)
+        prefetch(self.tokens, src_bs)
         windows_bs = np.asarray(self.tokens[src_bs])
         if self._lazy_vocab_check:
             self._check_vocab(windows_bs)
