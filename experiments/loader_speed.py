@@ -150,9 +150,8 @@ def markdown(res: dict) -> str:
     lines += ["", "First batch: the iterator's construction is outside it, the epoch's permutations (documents) "
               "and its first reads are in it. Cold: the token file's pages evicted before every timed batch "
               "(`posix_fadvise(DONTNEED)`), so the rows come from the disk (a virtual disk here, which the host may "
-              "cache); the iterator asks for all of a batch's pages at once (`prefetch` in boostjax/data/batches.py). "
-              "Measured here with the same command before that change: a cold batch of 64 rows took 257 ms "
-              "(1.0M tokens/s), one of 8 rows 132 ms (0.25M tokens/s per host), random windows 183 ms (1.4M), each page fault waiting for its own read."]
+              "cache); the iterator asks for all of a batch's pages at once (`prefetch` in boostjax/data/batches.py; "
+              "docs/data.md gives the times before it)."]
     return "\n".join(lines) + "\n"
 
 
