@@ -132,6 +132,9 @@ def _damaged(tmp_path, docs):
         "cut.jsonl.zst": (zst[:len(zst) // 2], ["cut.jsonl.zst", "truncated"]),
         "cut.jsonl.gz": (gz[:len(gz) // 2], ["cut.jsonl.gz", "truncated"]),
         "corrupt.parquet": (good[:len(good) // 2], ["corrupt.parquet", "not a readable Parquet"]),
+        "notes.gz": (gzip.compress(b"plain prose\n\nmore"), ["notes.gz line 1", "not valid JSON", "decompress it"]),
+        "utf16.txt": ("prose".encode("utf-16"), ["utf16.txt holds binary bytes", "convert it to UTF-8"]),
+        "old.bz2": (b"BZh91AY&SY" + bytes(range(1, 40)), ["old.bz2 holds compressed bytes (bzip2"]),
     }
 
 
@@ -198,7 +201,8 @@ def test_train_refuses_records_and_compressed_bytes_as_text(capsys, tmp_path, in
     (b'{"text": "a"}\n{"text": "b"}\n', "jsonl"), (b"\n\n  {\"a\": 1}\n", "jsonl"),
     (b"{not json} but prose\n", None), (b"[1, 2]\n", None), (b"plain words\n{\"a\": 1}\n", None),
     (b"", None), (b"ab\x00cd", "binary"), (b"PAR1....", "parquet"), (b"ARROW1\x00\x00", "arrow"),
-    (b"\xff\xff\xff\xff\x10\x00", "arrow"), (b"\x1f\x8b\x08", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd")])
+    (b"\xff\xff\xff\xff\x10\x00", "arrow"), (b"\x1f\x8b\x08", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"BZh91AY&SY", "compressed"), (b"\xfd7zXZ\x00\x00", "compressed"), (b"PK\x03\x04", "compressed")])
 def test_sniff_never_takes_json_or_compressed_bytes_for_prose(tmp_path, text, kind):
     (tmp_path / "f").write_bytes(text)
     assert records.sniff(tmp_path / "f") == kind
@@ -258,3 +262,7 @@ def test_eval_scores_records_as_their_tokenised_folder(tmp_path, inputs, split):
         assert (got.n_bytes, got.documents, got.split) == (want.n_bytes, want.documents, split)
     with pytest.raises(ValueError, match="eval.doc_sep: .*each record is one document"):
         eval_data(tok, str(inputs / "docs.jsonl"), split, "line")
+    (tmp_path / "bad.jsonl").write_bytes((inputs / "docs.jsonl").read_bytes() + b"{cut\n")
+    with pytest.raises(ValueError, match=f"^eval.data: {tmp_path / 'bad.jsonl'} line {N_DOCS + 1}: not valid JSON") as e:
+        eval_data(tok, str(tmp_path / "bad.jsonl"), split)
+    assert "--skip-bad" not in str(e.value)  # tokenize's flag, not eval's

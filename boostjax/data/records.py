@@ -32,7 +32,9 @@ SNIFF_BYTES: int = 1 << 16
 
 # what a file holds, by its first bytes, in words ("holds {}, not text")
 KIND_WORDS = {"gzip": "gzip-compressed bytes", "zstd": "zstd-compressed bytes", "parquet": "a Parquet table",
-              "arrow": "Arrow record batches", "jsonl": "JSON records", "binary": "binary bytes (NUL bytes)"}
+              "arrow": "Arrow record batches", "jsonl": "JSON records", "binary": "binary bytes (NUL bytes)",
+              "compressed": "compressed bytes (bzip2, xz or zip)"}
+_OTHER_COMPRESSED = (b"BZh", b"\xfd7zXZ\x00", b"PK\x03\x04")
 
 
 class RecordError(ValueError):
@@ -50,11 +52,12 @@ class Input:
 @dataclass(frozen=True)
 class Document:
     """One record's text and where it was (``docs.jsonl line 3``, ``part.parquet row 7``); ``bad`` says
-    why a record was not read (its text is then '')."""
+    why a record was not read (its text is then ''), ``fix`` what to do where that is not the record's fault."""
 
     text: str
     where: str
     bad: str = ""
+    fix: str = ""
 
 
 def _needs(module: str, path) -> RecordError:
@@ -66,8 +69,8 @@ def _needs(module: str, path) -> RecordError:
 
 def sniff(path: str | os.PathLike) -> str | None:
     """What a file holds when it is not plain text, by its first bytes: 'gzip', 'zstd', 'parquet', 'arrow'
-    (the file format or the IPC stream), 'jsonl' (its first non-blank line is a JSON object) or 'binary'
-    (NUL bytes); None for text (or an empty file)."""
+    (the file format or the IPC stream), 'jsonl' (its first non-blank line is a JSON object), 'compressed'
+    (bzip2, xz, zip: not read) or 'binary' (NUL bytes); None for text (or an empty file)."""
     with open(path, "rb") as f:
         head = f.read(SNIFF_BYTES)
     if head[:2] == b"\x1f\x8b":
@@ -78,6 +81,8 @@ def sniff(path: str | os.PathLike) -> str | None:
         return "parquet"
     if head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff":
         return "arrow"
+    if head.startswith(_OTHER_COMPRESSED):
+        return "compressed"
     if b"\0" in head:
         return "binary"
     first = next((ln for ln in head.splitlines() if ln.strip()), b"").strip()
@@ -130,6 +135,9 @@ def file_format(path: pathlib.Path) -> str:
         return "jsonl"  # compressed input is read as JSONL: a line that is not JSON is named
     if kind in ("parquet", "arrow"):
         return kind
+    if kind in ("compressed", "binary"):
+        raise RecordError(f"data: {path} holds {KIND_WORDS[kind]}, not text or records; fix: decompress or convert "
+                          "it to UTF-8 text, JSONL (.jsonl, .jsonl.gz, .jsonl.zst), Parquet or Arrow, or leave it out")
     return "text"
 
 
@@ -254,6 +262,9 @@ def _field(rec, field: str) -> str:
 
 def jsonl_documents(path: pathlib.Path, field: str) -> Iterator[Document]:
     """One `Document` per non-blank line of a JSONL file (plain, gzip or zstd)."""
+    named = path.name.lower().endswith(JSONL_SUFFIXES)
+    fix = "" if named else (f"{path.name} is read as JSONL by its first bytes; if it is compressed text, decompress "
+                            "it and pass the text file")
     for n, raw in _lines(_byte_chunks(path)):
         if not raw.strip():
             continue
@@ -261,10 +272,10 @@ def jsonl_documents(path: pathlib.Path, field: str) -> Iterator[Document]:
         try:
             rec = json.loads(raw)
         except UnicodeDecodeError as e:
-            yield Document("", where, f"not UTF-8 ({e.reason} at byte {e.start})")
+            yield Document("", where, f"not UTF-8 ({e.reason} at byte {e.start})", fix)
             continue
         except ValueError as e:
-            yield Document("", where, f"not valid JSON ({' '.join(str(e).split())})")
+            yield Document("", where, f"not valid JSON ({' '.join(str(e).split())})", fix)
             continue
         why = _field(rec, field)
         yield Document("" if why else rec[field], where, why)

@@ -186,20 +186,22 @@ class Skipped:
         return {"records": self.count, "first": self.first}
 
 
-def _bad(doc: records.Document) -> ConfigError:
-    fix = ("pass --text-field with the key that holds the text" if doc.bad.startswith(("no field", "field"))
-           else "correct or remove that record")
-    return _err(f"data: {doc.where}: {doc.bad}; fix: {fix}, or pass --skip-bad to leave bad records out")
+def _bad(doc: records.Document, offer_skip: bool) -> ConfigError:
+    fix = doc.fix or ("pass --text-field with the key that holds the text" if doc.bad.startswith(("no field", "field"))
+                      else "correct or remove that record")
+    return _err(f"data: {doc.where}: {doc.bad}; fix: {fix}"
+                + (", or pass --skip-bad to leave bad records out" if offer_skip else ""))
 
 
-def texts(docs: Iterable[records.Document], skip_bad: bool = False, skipped: Skipped | None = None) -> Iterator[str]:
-    """The non-empty documents' text; a bad record is an error (one line) or, with ``skip_bad``, counted
-    in ``skipped``; a damaged file is an error either way."""
+def texts(docs: Iterable[records.Document], skip_bad: bool = False, skipped: Skipped | None = None,
+          offer_skip: bool = True) -> Iterator[str]:
+    """The non-empty documents' text; a bad record is an error (one line; ``offer_skip``: naming
+    ``--skip-bad``) or, with ``skip_bad``, counted in ``skipped``; a damaged file is an error either way."""
     try:
         for doc in docs:
             if doc.bad:
                 if not skip_bad:
-                    raise _bad(doc)
+                    raise _bad(doc, offer_skip)
                 if skipped is not None:
                     skipped.add(doc)
             elif doc.text.strip():
@@ -211,9 +213,9 @@ def texts(docs: Iterable[records.Document], skip_bad: bool = False, skipped: Ski
 
 
 def documents(files: Iterable[records.Input | pathlib.Path], doc_sep: str, text_field: str = TEXT_FIELD,
-              skip_bad: bool = False) -> Iterator[str]:
+              skip_bad: bool = False, offer_skip: bool = True) -> Iterator[str]:
     """The non-empty documents of the inputs, in order (`stream`, then `texts`)."""
-    yield from texts(stream(files, doc_sep, text_field), skip_bad)
+    yield from texts(stream(files, doc_sep, text_field), skip_bad, offer_skip=offer_skip)
 
 
 def is_val(i: int, n_docs: int, val_every: int) -> bool:

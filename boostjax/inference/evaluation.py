@@ -192,10 +192,10 @@ def _records_data(tok, data: str, split: str, doc_sep: str | None, text_field: s
         raise ConfigError(f"eval.doc_sep: {data} holds records, and each record is one document; fix: drop "
                           f"--doc-sep {doc_sep}")
     found = tz.inputs(data)
-    n = sum(1 for _ in tz.documents(found, "file", text_field))  # every record checked before any is encoded
+    n = sum(1 for _ in tz.documents(found, "file", text_field, offer_skip=False))  # all checked before encoding
     keep = (lambda i: True) if split == "all" else (
         (lambda i: tz.is_val(i, n, tz.VAL_EVERY)) if split == "val" else (lambda i: not tz.is_val(i, n, tz.VAL_EVERY)))
-    texts = (d for i, d in enumerate(tz.documents(found, "file", text_field)) if keep(i))
+    texts = (d for i, d in enumerate(tz.documents(found, "file", text_field, offer_skip=False)) if keep(i))
     stream, n_bytes, starts = _encode(tok, texts, tz.separator(tok))
     if len(starts) == 0:
         raise ConfigError(f"eval.data: {_SPLIT_WORDS[split]} of {data} holds no non-empty record; fix: pass records "
