@@ -4,7 +4,8 @@
     corpus.py        Corpus (train / val token streams) read from the built-in stdlib corpus, text files,
                      a folder of text files or a .bin token file
     token_folder.py  reading a tokenised folder (meta.json, the splits, the documents' offsets)
-    tokenize.py      writing one: boostjax tokenize, text in, a tokenised folder out
+    records.py       JSONL (.gz, .zst), Parquet, Arrow and datasets folders as streams of located documents
+    tokenize.py      writing one: boostjax tokenize, text and records in, a tokenised folder out
     source.py        what --data is, decided once (resolve_source -> Source), checked (check_source)
                      and opened (open_source); the run's tokenizer
     batches.py       BatchIterator (random windows), DocumentIterator (packed documents), eval_batches

@@ -1,11 +1,13 @@
-"""`boostjax tokenize`: text in, a tokenised data folder out, which `boostjax train --data` reads.
+"""`boostjax tokenize`: text and records in, a tokenised data folder out, which `boostjax train --data` reads.
 
     boostjax tokenize --tokenizer train:4096 --data my_texts/ --out data/my_texts
 
 Documents: a folder gives one document per ``*.txt``/``*.md``/``*.py`` file (sorted by relative path,
 as `boostjax.data` reads folders); a single file gives one document per blank-line-separated block
 (``--doc-sep blank``, the default for a file), per non-empty line (``line``) or the whole file
-(``file``). Documents that are empty or only whitespace are skipped; text must be UTF-8.
+(``file``). A record of a JSONL, Parquet or Arrow file (`boostjax.data.records`) is one document. Documents
+that are empty or only whitespace are skipped; text must be UTF-8. Every input is read through once
+before anything is written, so a bad record is refused (or counted, ``skip_bad``) first.
 
 Split: document ``i`` (in that order) is held out for validation iff ``i % val_every == val_every - 1``
 (every 50th by default, like the built-in corpus); with fewer than ``val_every`` documents the last one
