@@ -266,3 +266,15 @@ def test_eval_scores_records_as_their_tokenised_folder(tmp_path, inputs, split):
     with pytest.raises(ValueError, match=f"^eval.data: {tmp_path / 'bad.jsonl'} line {N_DOCS + 1}: not valid JSON") as e:
         eval_data(tok, str(tmp_path / "bad.jsonl"), split)
     assert "--skip-bad" not in str(e.value)  # tokenize's flag, not eval's
+
+
+def test_records_with_a_trained_tokenizer_match_the_text_files(tmp_path, inputs):
+    """The end-of-document path (an EOS id, not "\\n\\n") and a BPE trained on the records' training documents."""
+    ref = tmp_path / "ref"
+    ref_meta = tz.tokenize_corpus(inputs / "texts", ref, "train:300", val_every=10, progress=False)
+    got_meta = tz.tokenize_corpus(inputs / "docs.jsonl.zst", tmp_path / "got", "train:300", val_every=10,
+                                  progress=False)
+    assert ref_meta["eos_id"] is not None
+    assert (tmp_path / "got" / "tokenizer.json").read_bytes() == (ref / "tokenizer.json").read_bytes()
+    _same_tokens(tmp_path / "got", ref)
+    assert got_meta["fingerprint"] == ref_meta["fingerprint"]
