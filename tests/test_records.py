@@ -278,3 +278,34 @@ def test_records_with_a_trained_tokenizer_match_the_text_files(tmp_path, inputs)
     assert (tmp_path / "got" / "tokenizer.json").read_bytes() == (ref / "tokenizer.json").read_bytes()
     _same_tokens(tmp_path / "got", ref)
     assert got_meta["fingerprint"] == ref_meta["fingerprint"]
+
+
+@pytest.mark.parametrize("name", ["docs.jsonl", "docs.jsonl.gz", "docs.jsonl.zst"])
+def test_the_reading_bar_counts_a_jsonl_file_as_it_is_read(monkeypatch, tmp_path, name):
+    rng = np.random.default_rng(1)
+    raw = _jsonl([rng.bytes(300).hex() for _ in range(1000)])  # 600 kB that compress to about half
+    pack = {"docs.jsonl": bytes, "docs.jsonl.gz": gzip.compress,
+            "docs.jsonl.zst": zstandard.ZstdCompressor().compress}[name]
+    (tmp_path / name).write_bytes(pack(raw))
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc, **_):
+            self.total, self.desc, self.steps = total, desc, []
+            bars.append(self)
+
+        def update(self, n):
+            self.steps.append(n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(tz, "tqdm", Bar)
+    monkeypatch.setattr(records, "READ_BYTES", 1 << 16)  # several chunks per file
+    tz.tokenize_corpus(tmp_path / name, tmp_path / "tok", progress=True)
+    reading = next(b for b in bars if b.desc == "reading")
+    assert reading.total == (tmp_path / name).stat().st_size == sum(reading.steps)
+    assert min(reading.steps) >= 0 and sum(1 for n in reading.steps if n) > 2  # counted while it is read

@@ -16,7 +16,7 @@ import os
 import pathlib
 import zlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from boostjax.data.corpus import TEXT_SUFFIXES
 
@@ -212,27 +212,39 @@ def _zstd_chunks(f, path) -> Iterator[bytes]:
                           "it again, or leave it out")
 
 
-def _byte_chunks(path: pathlib.Path) -> Iterator[bytes]:
-    """The bytes of a plain, gzip or zstd file, decompressed, a chunk at a time."""
+def _byte_chunks(path: pathlib.Path, on_bytes: Callable[[int], None] | None = None) -> Iterator[bytes]:
+    """The bytes of a plain, gzip or zstd file, decompressed, a chunk at a time; ``on_bytes`` is told how
+    many bytes of the file each chunk took (for a progress bar)."""
     with open(path, "rb") as f:
-        kind = sniff(path)
-        if kind == "zstd":
-            yield from _zstd_chunks(f, path)
-            return
-        if kind == "gzip":
-            try:
-                with gzip.GzipFile(fileobj=f) as g:
-                    while chunk := g.read(READ_BYTES):
-                        yield chunk
-            except EOFError:
-                raise RecordError(f"data: {path} ends in the middle of a gzip stream (truncated); fix: copy or "
-                                  "download it again, or leave it out") from None
-            except (gzip.BadGzipFile, zlib.error) as e:
-                raise RecordError(f"data: {path} is not a valid gzip stream ({e}); fix: compress it again or "
-                                  "leave it out") from None
-            return
+        last = 0
+        for chunk in _decoded(f, path):
+            yield chunk
+            if on_bytes is not None:
+                pos = f.tell()
+                on_bytes(pos - last)
+                last = pos
+
+
+def _decoded(f, path: pathlib.Path) -> Iterator[bytes]:
+    """The decompressed bytes of the open file ``f`` (plain, gzip or zstd by its first bytes)."""
+    kind = sniff(path)
+    if kind == "zstd":
+        yield from _zstd_chunks(f, path)
+        return
+    if kind != "gzip":
         while chunk := f.read(READ_BYTES):
             yield chunk
+        return
+    try:
+        with gzip.GzipFile(fileobj=f) as g:
+            while chunk := g.read(READ_BYTES):
+                yield chunk
+    except EOFError:
+        raise RecordError(f"data: {path} ends in the middle of a gzip stream (truncated); fix: copy or "
+                          "download it again, or leave it out") from None
+    except (gzip.BadGzipFile, zlib.error) as e:
+        raise RecordError(f"data: {path} is not a valid gzip stream ({e}); fix: compress it again or "
+                          "leave it out") from None
 
 
 def _lines(chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
@@ -260,12 +272,14 @@ def _field(rec, field: str) -> str:
     return ""
 
 
-def jsonl_documents(path: pathlib.Path, field: str) -> Iterator[Document]:
-    """One `Document` per non-blank line of a JSONL file (plain, gzip or zstd)."""
+def jsonl_documents(path: pathlib.Path, field: str, on_bytes: Callable[[int], None] | None = None
+                    ) -> Iterator[Document]:
+    """One `Document` per non-blank line of a JSONL file (plain, gzip or zstd; ``on_bytes`` as in
+    `_byte_chunks`)."""
     named = path.name.lower().endswith(JSONL_SUFFIXES)
     fix = "" if named else (f"{path.name} is read as JSONL by its first bytes; if it is compressed text, decompress "
                             "it and pass the text file")
-    for n, raw in _lines(_byte_chunks(path)):
+    for n, raw in _lines(_byte_chunks(path, on_bytes)):
         if not raw.strip():
             continue
         where = f"{path} line {n}"
@@ -334,10 +348,11 @@ def table_documents(path: pathlib.Path, fmt: str, field: str) -> Iterator[Docume
 # ----------------------------------------------------------------------------- all of them
 
 
-def documents(inp: Input, field: str) -> Iterator[Document]:
-    """The records of one record input ('jsonl', 'parquet' or 'arrow'), each one document."""
+def documents(inp: Input, field: str, on_bytes: Callable[[int], None] | None = None) -> Iterator[Document]:
+    """The records of one record input ('jsonl', 'parquet' or 'arrow'), each one document (``on_bytes``:
+    the bytes of a JSONL file read so far, a chunk at a time)."""
     if inp.format == "jsonl":
-        return jsonl_documents(inp.path, field)
+        return jsonl_documents(inp.path, field, on_bytes)
     if inp.format in ("parquet", "arrow"):
         return table_documents(inp.path, inp.format, field)
     raise ValueError(f"records.documents: {inp.path} is {inp.format}, not records")

@@ -157,10 +157,11 @@ def split_documents(text: str, doc_sep: str) -> list[str]:
     return [d for d in parts if d.strip()]
 
 
-def stream(found: Iterable[records.Input | pathlib.Path], doc_sep: str,
-           text_field: str = TEXT_FIELD) -> Iterator[records.Document]:
+def stream(found: Iterable[records.Input | pathlib.Path], doc_sep: str, text_field: str = TEXT_FIELD,
+           on_bytes: Callable[[int], None] | None = None) -> Iterator[records.Document]:
     """Every document of the inputs in order, with where it is: a text file split by ``doc_sep``, a
-    record file one document per record (`boostjax.data.records`; bad records carry ``bad``)."""
+    record file one document per record (`boostjax.data.records`; bad records carry ``bad``;
+    ``on_bytes``: a JSONL file's bytes read so far, a chunk at a time)."""
     for inp in found:
         if isinstance(inp, pathlib.Path):
             inp = records.Input(inp, "text")
@@ -168,7 +169,7 @@ def stream(found: Iterable[records.Input | pathlib.Path], doc_sep: str,
             for k, d in enumerate(split_documents(_read_text(inp.path), doc_sep)):
                 yield records.Document(d, f"{inp.path} document {k}")
         else:
-            yield from records.documents(inp, text_field)
+            yield from records.documents(inp, text_field, on_bytes)
 
 
 class Skipped:
@@ -396,10 +397,16 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
     skipped = Skipped()
     with _progress(total_bytes, progress, "reading") as bar:  # every record checked before anything is written
         for inp in files:
-            for d in texts(stream([inp], doc_sep, text_field), skip_bad, skipped):
+            done = [0]  # the bytes of this file the bar has counted (a JSONL file's while it is read)
+
+            def count(n: int) -> None:
+                done[0] += n
+                bar.update(n)
+
+            for d in texts(stream([inp], doc_sep, text_field, count), skip_bad, skipped):
                 n_docs += 1
                 text_bytes += len(d.encode("utf-8"))
-            bar.update(inp.path.stat().st_size)
+            bar.update(inp.path.stat().st_size - done[0])
     if skipped.count:
         say(f"skipped {skipped.count} bad record{'s' * (skipped.count > 1)} (--skip-bad), the first: "
             + "; ".join(skipped.first))
