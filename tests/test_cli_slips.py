@@ -244,3 +244,22 @@ def test_a_flag_every_command_shares_has_one_set_of_choices():
     assert set(shared["--dtype"]) == {"train", "plan", "comm", "export-hf"}
     for command, flag in (*OTHER_CHOICES, *HIDDEN):
         assert flag in {s for a in subs[command]._actions for s in a.option_strings}, (command, flag)
+
+
+@pytest.mark.parametrize("command, said", [
+    ("train", "boostjax: train: interrupted before any training step; nothing was saved"),
+    ("tokenize", "boostjax: tokenize: interrupted; the output is not finished: run the same command again"),
+    ("eval", "boostjax: eval: interrupted"),
+])
+def test_ctrl_c_before_a_command_has_its_own_handler_names_what_it_means(command, said, capsys):
+    from boostjax.cli.driver import run
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command")
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    parser.set_defaults(func=interrupted)
+    assert run(parser, [command]) == 130
+    assert capsys.readouterr().err.strip() == said

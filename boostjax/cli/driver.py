@@ -116,8 +116,10 @@ def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     try:
         return func(args)
     except KeyboardInterrupt:  # Ctrl-C before a run installs its own handler: nothing was saved
-        print(f"boostjax: {args.command}: interrupted before any training step; nothing was saved",
-              file=sys.stderr)
+        what = ("before any training step; nothing was saved" if args.command in ("train", "launch")
+                else "; the output is not finished: run the same command again" if args.command == "tokenize"
+                else "")
+        print(f"boostjax: {args.command}: interrupted {what}".rstrip().replace(" ;", ";"), file=sys.stderr)
         return 130
     except ConfigError as e:
         print(f"boostjax: error: {one_line(e)}", file=sys.stderr)
