@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from boostjax.data.tokenize import DOC_SEPS, TEXT_FIELD, VAL_EVERY, tokenize_corpus
+from boostjax.data.tokenize import DOC_SEPS, TEXT_FIELD, VAL_EVERY, default_workers, tokenize_corpus
 
 
 def _cmd_tokenize(args: argparse.Namespace) -> int:
     meta = tokenize_corpus(args.data, args.out, args.tokenizer, doc_sep=args.doc_sep, val_every=args.val_every,
                            progress=args.progress, log=lambda s: print(f"boostjax: {s}", file=sys.stderr),
-                           text_field=args.text_field, skip_bad=args.skip_bad)
+                           text_field=args.text_field, skip_bad=args.skip_bad,
+                           workers=args.workers)
     tr, va = meta["splits"]["train"], meta["splits"]["val"]
     print(f"tokenized {' '.join(args.data)} -> {args.out}: {meta['tokenizer']} (vocab {meta['vocab_size']}, {meta['dtype']}), "
           f"train {tr['documents']} documents / {tr['tokens']} tokens / {tr['bytes']} bytes, "
@@ -44,6 +45,9 @@ def register(subparsers) -> None:
     p.add_argument("--val-every", type=int, default=VAL_EVERY,
                    help="document i is held out for validation iff i %% N == N-1 (default: %(default)s; the last "
                         "document when there are fewer)")
+    p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
+                   help="processes that encode with a tokenizer.json tokenizer, in parallel and in bounded memory; "
+                        "the output is the same for any N (default: all cores, %(default)s here)")
     p.add_argument("--progress", default=True, action=argparse.BooleanOptionalAction,
                    help="progress bars on large inputs")
     p.set_defaults(func=_cmd_tokenize)

@@ -6,8 +6,12 @@ Documents: a folder gives one document per ``*.txt``/``*.md``/``*.py`` file (sor
 as `boostjax.data` reads folders); a single file gives one document per blank-line-separated block
 (``--doc-sep blank``, the default for a file), per non-empty line (``line``) or the whole file
 (``file``). A record of a JSONL, Parquet or Arrow file (`boostjax.data.records`) is one document. Documents
-that are empty or only whitespace are skipped; text must be UTF-8. Every input is read through once
-before anything is written, so a bad record is refused (or counted, ``skip_bad``) first.
+that are empty or only whitespace are skipped; text must be UTF-8. The input is read once, as a stream:
+documents are checked, encoded (by ``workers`` processes for a `tokenizers` tokenizer, a bounded number
+of batches in flight) and written in order as they come, so memory stays flat whatever the corpus size
+and the output does not depend on the number of workers. A bad record is refused (or counted,
+``skip_bad``) when it is met, and the files written so far are removed. ``train:VOCAB`` reads the input
+twice more (count and check, train) before that pass.
 
 Split: document ``i`` (in that order) is held out for validation iff ``i % val_every == val_every - 1``
 (every 50th by default, like the built-in corpus); with fewer than ``val_every`` documents the last one
@@ -25,15 +29,20 @@ comparable between tokenizers. ``fingerprint`` in ``meta.json`` is the content o
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import glob
 import json
+import multiprocessing
 import os
 import pathlib
 import re
+import time
 from typing import Callable, Iterable, Iterator
 
 import blake3
 import numpy as np
+from tokenizers import Tokenizer as _HFTok
 from tqdm.auto import tqdm
 
 from boostjax.config import ConfigError
@@ -64,6 +73,8 @@ TEXT_FIELD: str = "text"  # the JSONL key / Parquet, Arrow column of a record's 
 VAL_EVERY: int = corpus.VAL_EVERY
 BATCH_CHARS: int = 1 << 22  # characters per encode_batch call (the Rust side encodes a batch in parallel)
 BATCH_DOCS: int = 4096
+MIN_BATCH_CHARS: int = 1 << 17  # a batch is cut once the input has moved on and it holds this much
+IN_FLIGHT: int = 2  # batches per worker dispatched and not yet written
 PROGRESS_BYTES: int = 16 << 20  # a progress bar from this much input on
 MAX_TRAINED_VOCAB: int = 1 << 20
 BYTE_SEP: bytes = corpus.FILE_SEP  # b"\n\n" after every document at byte level
@@ -297,6 +308,69 @@ def _batches(docs: Iterable[str]) -> Iterator[list[str]]:
         yield batch
 
 
+def default_workers() -> int:
+    """All the cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def encoded(tok: Tokenizer, batch: list[str], sep: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One batch of documents as written: the ids with ``sep`` after every document, each document's
+    token count (its separator included) and UTF-8 byte count."""
+    ids = encode_documents(tok, batch)
+    n_bytes = (np.fromiter((len(a) for a in ids), np.int64, len(ids)) if isinstance(tok, ByteTokenizer)
+               else np.fromiter((len(d.encode("utf-8")) for d in batch), np.int64, len(batch)))
+    n_tokens = np.fromiter((len(a) for a in ids), np.int64, len(ids)) + len(sep)
+    flat = np.concatenate([x for a in ids for x in (a, sep)]).astype(dtype, copy=False) if ids else np.zeros(0, dtype)
+    return flat, n_tokens, n_bytes
+
+
+_WORKER: dict = {}
+
+
+def _start_worker(tok_json: str, name: str, sep: np.ndarray, dtype: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
+    _WORKER.update(tok=HFTokenizer(_HFTok.from_str(tok_json), name), sep=sep, dtype=dtype)
+
+
+def _encode_in_worker(batch: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return encoded(_WORKER["tok"], batch, _WORKER["sep"], _WORKER["dtype"])
+
+
+class _Encoder:
+    """Batches encoded in order: in this process, or by ``workers`` processes with at most ``IN_FLIGHT``
+    batches each dispatched and not yet collected (bounded memory whatever the corpus size)."""
+
+    def __init__(self, tok: Tokenizer, sep: np.ndarray, dtype: str, workers: int):
+        self.tok, self.sep, self.dtype = tok, sep, dtype
+        self.pool = None
+        self.pending: collections.deque = collections.deque()
+        if workers > 1 and isinstance(tok, HFTokenizer):  # bytes encode faster than they can be shipped
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                initargs=(tok.tok.to_str(), tok.name, sep, dtype))
+        self.limit = IN_FLIGHT * workers
+
+    def put(self, batch: list[str], tag) -> Iterator[tuple]:
+        """Dispatch a batch; yield ``(tag, encoded)`` of the batches done, in the order they were put."""
+        if self.pool is None:
+            yield tag, encoded(self.tok, batch, self.sep, self.dtype)
+            return
+        self.pending.append((tag, self.pool.submit(_encode_in_worker, batch)))
+        while len(self.pending) >= self.limit:
+            tag0, fut = self.pending.popleft()
+            yield tag0, fut.result()
+
+    def drain(self) -> Iterator[tuple]:
+        while self.pending:
+            tag0, fut = self.pending.popleft()
+            yield tag0, fut.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+
 # ----------------------------------------------------------------------------- output folder
 
 
@@ -328,24 +402,28 @@ class _Writer:
         self.name, self.dtype = name, np.dtype(dtype)
         self.tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{name}.bin"
         self.f = open(self.tmp, "wb")
-        self.starts: list[int] = []
-        self.tokens = self.bytes = 0
+        self.starts: list[np.ndarray] = []
+        self.tokens = self.bytes = self.docs = 0
         self.hash = blake3.blake3()
 
-    def add(self, ids: np.ndarray, sep: np.ndarray, n_bytes: int) -> None:
-        self.starts.append(self.tokens)
-        for part in (ids.astype(self.dtype).tobytes(), sep.astype(self.dtype).tobytes()):
-            self.f.write(part)
-            self.hash.update(part)
-        self.tokens += len(ids) + len(sep)
-        self.bytes += n_bytes
+    def add(self, flat: np.ndarray, n_tokens: np.ndarray, n_bytes: np.ndarray) -> None:
+        """Documents as `encoded` gives them (ids and separators, per-document token and byte counts)."""
+        if not len(n_tokens):
+            return
+        self.starts.append(self.tokens + np.concatenate(([0], np.cumsum(n_tokens[:-1]))))
+        self.docs += len(n_tokens)
+        data = np.ascontiguousarray(flat, dtype=self.dtype)
+        self.f.write(data)
+        self.hash.update(data.view(np.uint8))
+        self.tokens += int(n_tokens.sum())
+        self.bytes += int(n_bytes.sum())
 
     def close(self) -> None:
         if not self.f.closed:
             self.f.close()
 
     def meta(self) -> dict:
-        return {"file": f"{self.name}.bin", "docs_file": f"{self.name}.docs.npy", "documents": len(self.starts),
+        return {"file": f"{self.name}.bin", "docs_file": f"{self.name}.docs.npy", "documents": self.docs,
                 "tokens": self.tokens, "bytes": self.bytes}
 
 
@@ -360,10 +438,115 @@ def _progress(total: int, show: bool, desc: str):
                 disable=not show or total < PROGRESS_BYTES)
 
 
+def _enough(n_docs: int, name: str, held: list, doc_sep: str) -> None:
+    if n_docs < 2:
+        raise _err(f"data: {name} holds {n_docs} non-empty document{'s' * (n_docs != 1)}"
+                   + ("" if held else f" (--doc-sep {doc_sep})") + " and needs 2 or more (one is held out for "
+                   "validation); fix: pass more text" + (", or --doc-sep line" if doc_sep != "line" and not held
+                                                         else ""))
+
+
+def _read_all(files: list[records.Input], doc_sep: str, text_field: str, skip_bad: bool, skipped: Skipped,
+              bar) -> int:
+    """Count the non-empty documents, checking every record (a bar of the input bytes read)."""
+    n_docs = 0
+    with bar:
+        for inp in files:
+            done = [0]  # the bytes of this file the bar has counted (a JSONL file's while it is read)
+
+            def count(n: int) -> None:
+                done[0] += n
+                bar.update(n)
+
+            for _ in texts(stream([inp], doc_sep, text_field, count), skip_bad, skipped):
+                n_docs += 1
+            bar.update(inp.path.stat().st_size - done[0])
+    return n_docs
+
+
+class _Splitter:
+    """Documents in order to the train or val writer: document ``i`` is held out iff `is_val`. The total is
+    not known while streaming, so among the first ``val_every`` the latest is kept back until the next
+    arrives: the last of fewer than ``val_every`` documents goes to val."""
+
+    def __init__(self, train: _Writer, val: _Writer, val_every: int, sep_bytes: int):
+        self.train, self.val, self.every, self.sep_bytes = train, val, val_every, sep_bytes
+        self.i, self.kept = 0, None
+
+    def add(self, flat: np.ndarray, n_tokens: np.ndarray, n_bytes: np.ndarray) -> None:
+        n_bytes = n_bytes + self.sep_bytes
+        ends = np.cumsum(n_tokens)
+        k = 0
+        while k < len(n_tokens) and self.i < self.every:
+            one = (flat[ends[k] - n_tokens[k]:ends[k]], n_tokens[k:k + 1], n_bytes[k:k + 1])
+            if self.kept is not None:
+                self.train.add(*self.kept)
+                self.kept = None
+            if self.i == self.every - 1:
+                self.val.add(*one)
+            else:
+                self.kept = one
+            self.i, k = self.i + 1, k + 1
+        if k == len(n_tokens):
+            return
+        val = (self.i + np.arange(len(n_tokens) - k)) % self.every == self.every - 1
+        rest = flat[ends[k - 1] if k else 0:]
+        per_token = np.repeat(val, n_tokens[k:])
+        self.train.add(rest[~per_token], n_tokens[k:][~val], n_bytes[k:][~val])
+        self.val.add(rest[per_token], n_tokens[k:][val], n_bytes[k:][val])
+        self.i += len(n_tokens) - k
+
+    def finish(self) -> None:
+        if self.kept is not None:
+            self.val.add(*self.kept)
+            self.kept = None
+
+
+def _encode_all(files: list[records.Input], doc_sep: str, text_field: str, skip_bad: bool, skipped: Skipped,
+                encoder: _Encoder, splitter: _Splitter, bar, total_bytes: int) -> int:
+    """Stream, check, encode and write every document in order; the bar counts the input bytes whose
+    documents are written, with tokens/s. Returns the number of documents."""
+    read = [0]  # input bytes whose complete documents have been handed out
+    shown, tokens, t0 = [0], [0], time.perf_counter()
+
+    def write(done: Iterator[tuple]) -> None:
+        for pos, (flat, n_tokens, n_bytes) in done:
+            splitter.add(flat, n_tokens, n_bytes)
+            tokens[0] += len(flat)
+            bar.update(pos - shown[0])
+            shown[0] = pos
+            if hasattr(bar, "set_postfix_str"):
+                bar.set_postfix_str(f"{tokens[0] / max(time.perf_counter() - t0, 1e-9) / 1e6:.2f}M tokens/s",
+                                    refresh=False)
+
+    def count(n: int) -> None:
+        read[0] += n
+
+    n_docs, batch, chars, mark = 0, [], 0, 0
+    for inp in files:
+        start = read[0]
+        for d in texts(stream([inp], doc_sep, text_field, count), skip_bad, skipped):
+            if batch and ((read[0] > mark and chars >= MIN_BATCH_CHARS) or chars >= BATCH_CHARS
+                          or len(batch) >= BATCH_DOCS):
+                write(encoder.put(batch, read[0]))
+                batch, chars = [], 0
+            if not batch:
+                mark = read[0]
+            batch.append(d)
+            chars += len(d)
+            n_docs += 1
+        read[0] = start + inp.path.stat().st_size
+    if batch:
+        write(encoder.put(batch, total_bytes))
+    write(encoder.drain())
+    bar.update(total_bytes - shown[0])
+    return n_docs
+
+
 def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "byte", *,
                     doc_sep: str | None = None, val_every: int = VAL_EVERY, progress: bool = True,
                     log: Callable[[str], None] | None = None, text_field: str = TEXT_FIELD,
-                    skip_bad: bool = False) -> dict:
+                    skip_bad: bool = False, workers: int | None = None) -> dict:
     """Tokenise ``data`` (a path or a list of paths, folders or globs: text, JSONL, Parquet, Arrow,
     `boostjax.data.records`) into the folder ``out`` and return its metadata (``meta.json``).
 
@@ -371,9 +554,11 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
     from `boostjax.data.tokenizers`, or 'train:VOCAB' (a byte-level BPE trained on the training documents).
     ``doc_sep``: how a text file splits into documents, 'file', 'blank' or 'line' (default: 'file' for a
     folder or several paths, 'blank' for a single file); a record is always one document, its text the
-    ``text_field`` key or column. Bad input (a bad record too, unless ``skip_bad``: then counted in
-    ``meta["skipped"]``) is refused (`ConfigError`, one line) before anything is written; ``out`` may be
-    new, empty, or an earlier output of this function (replaced)."""
+    ``text_field`` key or column. Bad input is refused (`ConfigError`, one line): arguments and files before
+    anything is written, a bad record (unless ``skip_bad``: then counted in ``meta["skipped"]``) when the
+    single streaming pass meets it, removing what it wrote; ``out`` may be new, empty, or an earlier output
+    of this function (replaced). ``workers``: processes that encode with a `tokenizers` tokenizer (default:
+    all cores); the output is the same for any number."""
     paths = _paths(data)
     if doc_sep is not None and doc_sep not in DOC_SEPS:
         raise _err(f"doc_sep: unknown {doc_sep!r}; fix: pass --doc-sep {', '.join(DOC_SEPS)}")
@@ -381,6 +566,9 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
         raise _err(f"val_every: must be an integer >= 2, got {val_every!r}; fix: pass e.g. --val-every 50")
     if not isinstance(text_field, str) or not text_field:
         raise _err(f"text_field: need a key or column name, got {text_field!r}; fix: pass e.g. --text-field text")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise _err(f"workers: must be an integer >= 1, got {workers!r}; fix: pass e.g. --workers "
+                   f"{default_workers()} (all cores)")
     tok, train_vocab = parse_tokenizer(tokenizer)
     files = inputs(paths)
     held = [i.path for i in files if i.format != "text"]
@@ -393,36 +581,15 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
     say = log or (lambda s: None)
 
     total_bytes = sum(i.path.stat().st_size for i in files)
-    n_docs = text_bytes = 0
-    skipped = Skipped()
-    with _progress(total_bytes, progress, "reading") as bar:  # every record checked before anything is written
-        for inp in files:
-            done = [0]  # the bytes of this file the bar has counted (a JSONL file's while it is read)
-
-            def count(n: int) -> None:
-                done[0] += n
-                bar.update(n)
-
-            for d in texts(stream([inp], doc_sep, text_field, count), skip_bad, skipped):
-                n_docs += 1
-                text_bytes += len(d.encode("utf-8"))
-            bar.update(inp.path.stat().st_size - done[0])
-    if skipped.count:
-        say(f"skipped {skipped.count} bad record{'s' * (skipped.count > 1)} (--skip-bad), the first: "
-            + "; ".join(skipped.first))
     name = " ".join(paths)
-    if n_docs < 2:
-        raise _err(f"data: {name} holds {n_docs} non-empty document{'s' * (n_docs != 1)}"
-                   + ("" if held else f" (--doc-sep {doc_sep})") + " and needs 2 or more (one is held out for "
-                   "validation); fix: pass more text" + (", or --doc-sep line" if doc_sep != "line" and not held
-                                                         else ""))
-
-    def docs() -> Iterator[str]:
-        return texts(stream(files, doc_sep, text_field), skip_bad)
-
-    if tok is None:
+    skipped = Skipped()
+    if tok is None:  # a first pass: the documents counted and checked, then the tokenizer trained on them
+        n_docs = _read_all(files, doc_sep, text_field, skip_bad, skipped, _progress(total_bytes, progress, "reading"))
+        _enough(n_docs, name, held, doc_sep)
         say(f"training a {train_vocab}-token byte-level BPE on the training documents")
-        tok = train_tokenizer((d for i, d in enumerate(docs()) if not is_val(i, n_docs, val_every)), train_vocab)
+        tok = train_tokenizer((d for i, d in enumerate(texts(stream(files, doc_sep, text_field), skip_bad))
+                               if not is_val(i, n_docs, val_every)), train_vocab)
+        skipped = Skipped()  # counted again as they are encoded
     sep, sep_bytes, dtype = separator(tok), separator_bytes(tok), token_dtype(tok)
 
     folder = pathlib.Path(out)
@@ -434,21 +601,26 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
         for s in SPLITS:
             tmp_files.append(folder / f"{TMP_PREFIX}{os.getpid()}-{s}.bin")
             writers[s] = _Writer(folder, s, dtype)
-        i = 0
-        with _progress(text_bytes, progress, "tokenizing") as bar:
-            for batch in _batches(docs()):
-                for d, ids in zip(batch, encode_documents(tok, batch)):
-                    n = len(d.encode("utf-8"))
-                    writers["val" if is_val(i, n_docs, val_every) else "train"].add(ids, sep, n + sep_bytes)
-                    bar.update(n)
-                    i += 1
+        splitter = _Splitter(writers["train"], writers["val"], val_every, sep_bytes)
+        encoder = _Encoder(tok, sep, dtype, default_workers() if workers is None else workers)
+        try:  # one pass: every record checked as it is encoded and written (a bad one removes the files)
+            with _progress(total_bytes, progress, "reading") as bar:
+                n_docs = _encode_all(files, doc_sep, text_field, skip_bad, skipped, encoder, splitter, bar,
+                                     total_bytes)
+        finally:
+            encoder.close()
+        splitter.finish()
+        _enough(n_docs, name, held, doc_sep)
+        if skipped.count:
+            say(f"skipped {skipped.count} bad record{'s' * (skipped.count > 1)} (--skip-bad), the first: "
+                + "; ".join(skipped.first))
         digests: dict[str, str] = {}
         for w in writers.values():
             w.close()
             docs_tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{w.name}.docs.npy"
             tmp_files.append(docs_tmp)
             with open(docs_tmp, "wb") as f:
-                np.save(f, np.asarray(w.starts, dtype=np.int64), allow_pickle=False)
+                np.save(f, np.concatenate(w.starts or [np.zeros(0, np.int64)]).astype(np.int64), allow_pickle=False)
             digests[f"{w.name}.bin"] = w.hash.hexdigest()
             digests[f"{w.name}.docs.npy"] = blake3.blake3(docs_tmp.read_bytes()).hexdigest()
         kind = "byte" if isinstance(tok, ByteTokenizer) else TOKENIZER_FILE
