@@ -330,7 +330,8 @@ class TrainConfig:
                                       "there is resumed", resume="ignored")
     data: str = option("", "corpus: '' = this Python's standard library sources; a folder written by boostjax "
                            "tokenize (its meta.json gives the dtype and, without --vocab-size, the vocabulary), a "
-                           ".bin token file, a text file or a folder of text files")
+                           ".bin token file, a text file or a folder of text files; tokenised folders mixed by weight: "
+                           "A:0.7,B:0.3 (A,B: equal weights; docs/data.md, Mixtures)")
     data_dtype: DataDtype = option("uint16", "with a .bin token file as --data: its element type")
     ckpt_every: int = option(100, "save a checkpoint every N steps (and at the last step)", resume="mutable")
     keep_ckpts: int = option(3, "checkpoints kept in OUT/checkpoints/ (older ones are deleted)", resume="mutable")

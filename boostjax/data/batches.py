@@ -9,8 +9,10 @@ permutation; ``segments`` gives each position its document's number in the row. 
 `BatchIterator` draws random windows: global batch ``k``'s starts come from
 ``np.random.default_rng([seed, k])``. Either way batch ``k`` is a pure function of ``(seed, k)`` and each
 process reads only its contiguous block of rows, so batches are deterministic, resumable from
-``state()`` and independent of the process count. From a memory-mapped file, a batch's pages are asked
-for all at once before they are gathered (`prefetch`).
+``state()`` and independent of the process count. `MixtureIterator` draws each row of a batch from one
+of several document streams by weight (``--data A:0.7,B:0.3``), each stream packed by its own
+`DocumentIterator`. From a memory-mapped file, a batch's pages are asked for all at once before they
+are gathered (`prefetch`).
 """
 
 from __future__ import annotations
@@ -261,8 +263,11 @@ class DocumentIterator(BatchIterator):
         """(token index into ``tokens``, document index) of this process's rows of batch ``step``:
         int64[b, seq + 1] each."""
         lo = self.process_index * self.local_batch
-        g_b = step * self.batch + lo + np.arange(self.local_batch, dtype=np.int64)
-        src_bs = np.empty((self.local_batch, self.seq + 1), np.int64)
+        return self.row_positions(step * self.batch + lo + np.arange(self.local_batch, dtype=np.int64))
+
+    def row_positions(self, g_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token index, document index) of the global rows ``g_b`` (int64[b]): int64[b, seq + 1] each."""
+        src_bs = np.empty((len(g_b), self.seq + 1), np.int64)
         doc_bs = np.empty_like(src_bs)
         for e in np.unique(g_b // self.rows_per_epoch):
             sel = g_b // self.rows_per_epoch == e
@@ -275,7 +280,14 @@ class DocumentIterator(BatchIterator):
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
         """This process's share of global batch ``step`` (does not move the iterator)."""
-        src_bs, doc_bs = self.positions(step)
+        return self.gather(*self.positions(step))
+
+    def rows(self, g_b: np.ndarray) -> dict[str, np.ndarray]:
+        """The global rows ``g_b`` (int64[b]) in the format of `next` (does not move the iterator)."""
+        return self.gather(*self.row_positions(g_b))
+
+    def gather(self, src_bs: np.ndarray, doc_bs: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows whose token and document indices `row_positions` gave."""
         prefetch(self.tokens, src_bs)
         windows_bs = np.asarray(self.tokens[src_bs])
         if self._lazy_vocab_check:
@@ -285,6 +297,141 @@ class DocumentIterator(BatchIterator):
         if self.segments:
             out["segments"] = (doc_bs[:, :-1] - doc_bs[:, :1]).astype(np.int32)
         return out
+
+
+MIX_STREAM: int = 0x6D6978  # "mix": keeps the mixture's draws apart from the other random streams
+
+
+class MixtureIterator:
+    """Rows drawn from several document streams by weight; batch ``k`` depends only on ``(seed, k)``
+    and the rows each stream gave before it.
+
+    Row ``i`` of global batch ``k`` comes from stream ``s`` where ``u = default_rng([seed, MIX_STREAM,
+    k]).random(batch)[i]`` falls in ``s``'s share of the cumulative weights. Each stream keeps its own
+    `DocumentIterator` (packed documents, its own epochs): its ``n``-th row drawn is its global row
+    ``n``, so the rows of stream ``s`` in batch ``k`` are the next ones after those of batches ``0 ..
+    k - 1``. `state` carries those counts, so a resume continues exactly; the draws are for the whole
+    global batch, so the batch is the same for any process count (each process reads its block of
+    rows). Same interface as `BatchIterator` (``next``, ``batch_at``, ``state``, ``restore``, ``epochs``).
+    """
+
+    sampler = "mixture"
+
+    def __init__(self, streams: list[tuple[np.ndarray, np.ndarray]], weights: list[float], batch: int, seq: int,
+                 seed: int, *, segments: bool = False, step: int = 0, process_index: int = 0,
+                 process_count: int = 1, vocab_size: int | None = None, names: list[str] | None = None) -> None:
+        w = np.asarray(weights, np.float64)
+        if len(streams) == 0 or w.shape != (len(streams),) or not np.all(np.isfinite(w)) or np.any(w < 0) \
+                or not w.sum() > 0:
+            raise ValueError(f"MixtureIterator: need one weight >= 0 per stream with a sum > 0, got {list(weights)} "
+                             f"for {len(streams)} streams; fix: e.g. --data A:0.7,B:0.3")
+        self.weights = w / w.sum()
+        self.names = list(names) if names is not None else [str(i + 1) for i in range(len(streams))]
+        self._edges = np.cumsum(self.weights)[:-1]  # u in [edge[s - 1], edge[s]) draws stream s
+        self.streams = [DocumentIterator(tokens, docs, batch, seq, seed, segments=segments, vocab_size=vocab_size)
+                        for tokens, docs in streams]  # one process's view: rows by global number
+        first = self.streams[0]
+        self.batch, self.seq, self._seed = first.batch, first.seq, first.seed
+        self._step = _check_int("step", step, 0, "MixtureIterator")
+        self.process_count = _check_int("process_count", process_count, 1, "MixtureIterator")
+        self.process_index = _check_int("process_index", process_index, 0, "MixtureIterator")
+        if self.process_index >= self.process_count or self.batch % self.process_count:
+            raise ValueError(f"MixtureIterator: need process_index < process_count and a global batch divisible by "
+                             f"process_count, got {process_index}, {process_count}, {batch}; fix: use a --batch "
+                             f"that is a multiple of {process_count}")
+        self.local_batch = self.batch // self.process_count
+        self.segments = bool(segments)
+        self._rows = self._rows_before(self._step, 0, np.zeros(len(self.streams), np.int64))
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    def choices(self, step: int) -> np.ndarray:
+        """The stream of each row of global batch ``step``: int64[batch]."""
+        u = np.random.default_rng([self._seed, MIX_STREAM, step]).random(self.batch)
+        return np.searchsorted(self._edges, u, side="right").astype(np.int64)
+
+    def _count(self, step: int) -> np.ndarray:
+        return np.bincount(self.choices(step), minlength=len(self.streams)).astype(np.int64)
+
+    def _rows_before(self, step: int, at: int, rows: np.ndarray) -> np.ndarray:
+        """The rows each stream gave before batch ``step``, counted on from ``rows`` before batch ``at``."""
+        if step < at:
+            at, rows = 0, np.zeros_like(rows)
+        rows = rows.copy()
+        for k in range(at, step):
+            rows += self._count(k)
+        return rows
+
+    def epochs(self, steps: int) -> float:
+        """The epochs of the most-read stream that ``steps`` global batches cover (expected: rows drawn
+        by weight over the stream's rows per epoch); `stream_epochs` gives each."""
+        return max(self.stream_epochs(steps))
+
+    def stream_epochs(self, steps: int) -> list[float]:
+        """Each stream's expected epochs after ``steps`` global batches."""
+        return [float(w) * steps * self.batch / it.rows_per_epoch for w, it in zip(self.weights, self.streams)]
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        """This process's share of global batch ``step`` (does not move the iterator)."""
+        rows = self._rows if step == self._step else self._rows_before(step, self._step, self._rows)
+        src_b = self.choices(step)
+        lo = self.process_index * self.local_batch
+        out: dict[str, np.ndarray] = {}
+        for s, it in enumerate(self.streams):
+            mine = src_b == s
+            row_b = rows[s] + np.cumsum(mine) - 1  # the stream's global row of each row it gives
+            at = np.flatnonzero(mine[lo:lo + self.local_batch])
+            if at.size == 0:
+                continue
+            got = it.rows(row_b[lo + at])
+            for key, v in got.items():
+                if key not in out:
+                    out[key] = np.empty((self.local_batch,) + v.shape[1:], v.dtype)
+                out[key][at] = v
+        return out
+
+    def next(self) -> dict[str, np.ndarray]:
+        out = self.batch_at(self._step)
+        self._rows += self._count(self._step)
+        self._step += 1
+        return out
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return self.next()
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def state(self) -> dict[str, Any]:
+        """JSON-serialisable position: ``{"step", "seed", "sampler": "mixture", "rows": [rows per stream]}``."""
+        return {"step": self._step, "seed": self._seed, "sampler": self.sampler, "rows": self._rows.tolist()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a saved ``state()``; without "rows" they are counted again from batch 0."""
+        if not isinstance(state, dict) or "step" not in state or "seed" not in state:
+            raise ValueError(f"MixtureIterator.restore: need a dict with 'step' and 'seed', got {state!r}")
+        if state.get("sampler") != self.sampler:
+            raise ValueError(f"MixtureIterator.restore: the checkpoint's batches came from the "
+                             f"{state.get('sampler', 'windows')} sampler, not a mixture; fix: resume with the --data "
+                             f"the run was trained on")
+        step = _check_int("step", state["step"], 0, "MixtureIterator")
+        self._seed = _check_int("seed", state["seed"], 0, "MixtureIterator")
+        rows = state.get("rows")
+        if rows is None:
+            rows = self._rows_before(step, 0, np.zeros(len(self.streams), np.int64))
+        elif not (isinstance(rows, list) and len(rows) == len(self.streams)
+                  and all(isinstance(r, int) and r >= 0 for r in rows)):
+            raise ValueError(f"MixtureIterator.restore: need one row count per stream ({len(self.streams)}), got "
+                             f"{rows!r}; fix: resume with the --data the run was trained on")
+        self._step, self._rows = step, np.asarray(rows, np.int64)
+        for it in self.streams:
+            it.restore({"step": 0, "seed": self._seed, "sampler": it.sampler})
 
 
 def batch_iterator(tokens: np.ndarray, docs: np.ndarray | None, batch: int, seq: int, seed: int, *,

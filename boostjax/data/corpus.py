@@ -54,6 +54,22 @@ class Corpus:
                 )
 
 
+@dataclass(frozen=True)
+class Mixture:
+    """The corpora of a mixture of tokenised folders (``--data A:0.7,B:0.3``): (name, weight, `Corpus`)
+    per folder, in order, the weights summing to 1. Batches draw each row's folder by weight
+    (`boostjax.data.batches.MixtureIterator`); validation scores each folder."""
+
+    name: str
+    parts: tuple[tuple[str, float, Corpus], ...]
+
+    @property
+    def train(self) -> np.ndarray:
+        """The training split of the heaviest folder (the first of equal ones): what reads one stream,
+        such as the calibration of ``--init-factor whitened``, reads it."""
+        return max(self.parts, key=lambda p: p[1])[2].train
+
+
 # ----------------------------------------------------------------------------- reading files
 
 

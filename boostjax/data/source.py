@@ -6,6 +6,7 @@
     "folder"   any other folder (its *.txt / *.md / *.py)     bytes                yes (one per file)
     "bin"      a file ending in .bin                          --data-dtype         no
     "text"     any other file                                 bytes                no
+    "mixture"  tokenised folders with weights, A:0.7,B:0.3    the folders' dtype   yes (`parse_mixture`)
 
 Every consumer asks it: the configuration's vocabulary (`boostjax.training.prepare.resolve_config`),
 the data check of `boostjax.training.checks.validate` (`check_source`), the trainer (`open_source`, the
@@ -19,6 +20,7 @@ folder's metadata and tokenizer once however many stages ask.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import pathlib
 import shutil
@@ -30,6 +32,7 @@ from boostjax.config import ConfigError
 from boostjax.data import fingerprint, records
 from boostjax.data.corpus import (
     Corpus,
+    Mixture,
     _stat,
     _stdlib_root,
     _unreadable,
@@ -48,6 +51,7 @@ from boostjax.data.token_folder import (
     token_fingerprint,
     token_folder_corpus,
     token_meta,
+    is_token_folder,
     vocab_error,
 )
 from boostjax.data.tokenizers import (
@@ -59,7 +63,7 @@ from boostjax.data.tokenizers import (
     tokenizer_kind,
 )
 
-KINDS: tuple[str, ...] = ("builtin", "tokens", "folder", "bin", "text")
+KINDS: tuple[str, ...] = ("builtin", "tokens", "folder", "bin", "text", "mixture")
 TMP_PREFIX = ".tokenize-"  # the temporary files of boostjax tokenize (boostjax.data.tokenize)
 
 
@@ -75,6 +79,7 @@ class Source:
     vocab: int | None
     documents: bool
     meta: dict | None = field(default=None, compare=False, repr=False)  # a tokenised folder's meta.json
+    parts: tuple[Part, ...] = field(default=(), compare=False, repr=False)  # a mixture's folders
 
     @property
     def name(self) -> str:
@@ -83,7 +88,10 @@ class Source:
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer | None:
-        """The tokenizer a tokenised folder was written with; None for any other source."""
+        """The tokenizer a tokenised folder was written with (a mixture's: its folders' shared one);
+        None for any other source."""
+        if self.kind == "mixture":
+            return self.parts[0].source.tokenizer
         if self.kind != "tokens":
             return None
         tok = self.meta["tokenizer"]
@@ -96,7 +104,9 @@ class Source:
         tokenised folder's comes from its meta.json; the others are hashed on first use (once per
         process while the files are unchanged)."""
         try:
-            if self.kind == "tokens":
+            if self.kind == "mixture":  # each folder's content and weight, in order (not where they are)
+                fp = fingerprint.of_digests((repr(p.weight), p.source.fingerprint) for p in self.parts)
+            elif self.kind == "tokens":
                 fp = token_fingerprint(self.path, self.meta)
             elif self.kind == "builtin":
                 fp = fingerprint.of_files(_stdlib_root(), stdlib_sources())
@@ -107,6 +117,89 @@ class Source:
         except OSError as e:
             raise _unreadable(e.filename or self.path, e) from None
         return f"{self.kind}:{fp}"
+
+    def mixture_record(self) -> list[dict] | None:
+        """What config.json keeps of a mixture (`data_mixture`): each folder's name, path, weight
+        (normalised) and fingerprint, in order; None for any other source."""
+        if self.kind != "mixture":
+            return None
+        return [{"name": p.name, "path": p.source.path, "weight": p.weight, "fingerprint": p.source.fingerprint}
+                for p in self.parts]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One folder of a mixture: the name its metrics carry (``val_loss/<name>``), its weight (the
+    weights sum to 1) and the folder, resolved."""
+
+    name: str
+    weight: float
+    source: Source
+
+
+def parse_mixture(data: str) -> list[tuple[str, str | None]] | None:
+    """The (folder, weight as written) parts of ``--data A:0.7,B:0.3`` (or ``A,B``: equal weights),
+    or None when ``data`` is not a mixture: an existing path (a colon or comma in a file's name keeps
+    working), or a part that is not a tokenised folder. The weights are read by `resolve_mixture`."""
+    if not data or ("," not in data and ":" not in data) or os.path.exists(data):
+        return None
+    parts: list[tuple[str, str | None]] = []
+    for item in data.split(","):
+        path, weight = item, None
+        if not is_token_folder(item) and ":" in item:
+            path, weight = item.rsplit(":", 1)
+        if not path or not is_token_folder(path):
+            return None
+        parts.append((path, weight))
+    return parts
+
+
+def _weight(path: str, text: str) -> float:
+    try:
+        w = float(text)
+    except ValueError:
+        w = math.nan
+    if not math.isfinite(w) or w < 0:
+        raise ValueError(f"data: the weight of {path} is {text!r}, not a number >= 0; fix: write each folder as "
+                         f"FOLDER:WEIGHT with a weight like 0.3 (e.g. --data A:0.7,B:0.3)")
+    return w
+
+
+def _part_names(paths: list[str]) -> list[str]:
+    """Each folder's base name, or its path as given where two base names are the same."""
+    base = [os.path.basename(os.path.normpath(p)) or p for p in paths]
+    return [b if base.count(b) == 1 else os.path.normpath(p) for b, p in zip(base, paths)]
+
+
+def resolve_mixture(data: str, parts: list[tuple[str, str | None]], dtype: str) -> Source:
+    """The `Source` of a mixture `parse_mixture` found: weights that are numbers >= 0 with a sum > 0
+    (all given, or none: equal), each folder once, one tokenizer for all (ValueError, one line)."""
+    given = [w is not None for _, w in parts]
+    if any(given) and not all(given):
+        bare = next(p for p, w in parts if w is None)
+        raise ValueError(f"data: {bare} has no weight but other folders of {data!r} have; fix: give every folder "
+                         f"a weight (FOLDER:WEIGHT) or none (equal weights)")
+    weights = [_weight(p, w) if w is not None else 1.0 for p, w in parts]
+    total = sum(weights)
+    if not total > 0:
+        raise ValueError(f"data: the weights of {data!r} sum to {total:g}; fix: give at least one folder a weight "
+                         f"> 0 (e.g. --data A:0.7,B:0.3)")
+    paths = [p for p, _ in parts]
+    real = [os.path.realpath(p) for p in paths]
+    for i, r in enumerate(real):
+        if real.index(r) != i:
+            raise ValueError(f"data: {paths[i]} appears twice in {data!r}; fix: name each folder once and give it "
+                             f"the sum of its weights")
+    srcs = [resolve_source(p, dtype) for p in paths]
+    first = srcs[0]
+    for s in srcs[1:]:
+        if s.vocab != first.vocab or not same_tokenizer(s.tokenizer, first.tokenizer):
+            raise ValueError(f"data: {s.path} was tokenised with {tokenizer_kind(s.tokenizer)} ({s.vocab} ids) but "
+                             f"{first.path} with {tokenizer_kind(first.tokenizer)} ({first.vocab} ids), and a mixture "
+                             f"needs one tokenizer; fix: tokenise {s.path}'s text again with "
+                             f"boostjax tokenize --tokenizer {first.path} ...")
+    mix = tuple(Part(n, w / total, s) for n, w, s in zip(_part_names(paths), weights, srcs))
+    return Source("mixture", data, first.dtype, first.vocab, True, None, mix)
 
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
@@ -177,10 +270,11 @@ _SOURCES: dict[tuple, Source] = {}
 KEPT_SOURCES: int = 8  # sources kept per process (the oldest is dropped first)
 
 
-def resolve_source(path: str | os.PathLike = "", dtype: str = "uint16") -> Source:
+def resolve_source(path: str | os.PathLike = "", dtype: str = "uint16", *, mixtures: bool = False) -> Source:
     """The `Source` that ``--data path`` (``--data-dtype dtype``, used by a ``.bin`` file) names.
 
-    A path that is missing, unreadable, not a file or folder (a FIFO, a device), or a tokenised folder
+    A mixture of tokenised folders (``A:0.7,B:0.3``, `parse_mixture`) is read by training alone
+    (``mixtures``); anywhere else it is refused, one folder at a time. A path that is missing, unreadable, not a file or folder (a FIFO, a device), or a tokenised folder
     whose metadata does not match its files is a ValueError of one line. Nothing but ``meta.json`` is
     read; the contents are checked by `check_source` and read by `open_source`."""
     if not isinstance(path, (str, os.PathLike)):
@@ -188,6 +282,12 @@ def resolve_source(path: str | os.PathLike = "", dtype: str = "uint16") -> Sourc
     path = os.fspath(path)
     if path == "":
         return BUILTIN
+    mixture = parse_mixture(path)
+    if mixture is not None:
+        if not mixtures:
+            raise ValueError(f"data: {path!r} is a mixture of tokenised folders, which only boostjax train reads; "
+                             f"fix: pass one folder at a time (--data {mixture[0][0]})")
+        return resolve_mixture(path, mixture, dtype)
     st = _stat(path)
     _check_kind(path, st)
     key = (os.path.abspath(path), path, dtype, _signature(path, st))
@@ -223,7 +323,10 @@ def check_source(src: Source, vocab_size: int) -> None:
     folder's vocabulary from its metadata, a ``.bin`` file scanned once in chunks (and its size a whole
     number of ``dtype`` tokens); text is bytes, ids < 256, so it is read only when ``vocab_size < 256``."""
     byte_level = vocab_size >= ByteTokenizer.vocab_size
-    if src.kind == "builtin" and not byte_level:
+    if src.kind == "mixture":
+        for part in src.parts:
+            check_source(part.source, vocab_size)
+    elif src.kind == "builtin" and not byte_level:
         c = stdlib_corpus()
         top = max(int(c.train.max()), int(c.val.max()))
         if top >= vocab_size:
@@ -252,10 +355,13 @@ def _check_val_fraction(val_fraction: Any) -> None:
         raise ValueError(f"load_corpus: val_fraction must be in (0, 1), got {val_fraction}; fix: e.g. 0.02")
 
 
-def open_source(src: Source, val_fraction: float = 0.02) -> Corpus:
+def open_source(src: Source, val_fraction: float = 0.02) -> Corpus | Mixture:
     """The train and validation streams of ``src`` (memory-mapped token files; text read as bytes; a
-    tokenised folder's splits and a folder's files with their documents' offsets)."""
+    tokenised folder's splits and a folder's files with their documents' offsets; a mixture's, one
+    `Corpus` per folder)."""
     _check_val_fraction(val_fraction)
+    if src.kind == "mixture":
+        return Mixture(src.path, tuple((p.name, p.weight, open_source(p.source)) for p in src.parts))
     if src.kind == "builtin":
         return stdlib_corpus()
     if src.kind == "tokens":
@@ -296,6 +402,8 @@ def check_run_tokenizer(run_dir: str | os.PathLike, src: Source, resuming: bool)
     the run folder (``tokenizer.json``, or byte level without one) is refused."""
     if not resuming or src.tokenizer is None:
         return
+    if src.kind == "mixture":
+        src = src.parts[0].source
     tok = src.tokenizer
     run_tok = load_tokenizer(run_dir)
     if not same_tokenizer(tok, run_tok):
@@ -307,7 +415,10 @@ def check_run_tokenizer(run_dir: str | os.PathLike, src: Source, resuming: bool)
 
 def install_run_tokenizer(run_dir: str | os.PathLike, src: Source) -> None:
     """Copy a tokenised folder's ``tokenizer.json`` into the run folder (atomically), so that
-    ``load_tokenizer(run_dir)`` gives the run's tokenizer; byte-level data leaves none there."""
+    ``load_tokenizer(run_dir)`` gives the run's tokenizer; byte-level data leaves none there (a
+    mixture's folders share theirs)."""
+    if src.kind == "mixture":
+        src = src.parts[0].source
     if src.kind != "tokens":
         return
     dst = pathlib.Path(run_dir) / TOKENIZER_FILE
