@@ -10,7 +10,9 @@
     runs/x/.lock                held (fcntl) by the process that trains in the folder
 
 `config.json` also carries `data_fingerprint`, the content of the run's `--data`
-(`boostjax.data.fingerprint`; absent in runs of an older boostjax).
+(`boostjax.data.fingerprint`; absent in runs of an older boostjax), and for a mixture of tokenised
+folders `data_mixture`: each folder's name, path, weight and fingerprint (checked on resume by
+`boostjax.training.prepare.check_mixture`).
 
 `RunFolder.check_target` refuses, before anything is written, a path that is a file or lies under
 one, a folder that holds something other than a boostjax run (an exported Hugging Face model, a
@@ -62,6 +64,7 @@ FOLLOW_STORED: frozenset[str] = fields_with(ModelConfig, "follow-stored")
 FOLLOW_STORED_TRAIN: frozenset[str] = fields_with(TrainConfig, "follow-stored")
 LEGACY_TRAIN: dict[str, Any] = legacy_values(TrainConfig)
 DATA_FINGERPRINT = "data_fingerprint"  # key of config.json beside "model" and "train"
+DATA_MIXTURE = "data_mixture"  # a mixture's folders: [{"name", "path", "weight", "fingerprint"}] (also a key)
 EXPORT_MARK = "boostjax_export"  # key of an exported config.json (transformers keeps unknown keys)
 # Training fields a resume neither checks nor records (where the run is, how a process finds its job).
 IGNORED: frozenset[str] = fields_with(TrainConfig, "ignored")
@@ -281,6 +284,19 @@ class RunFolder:
         fp = d.get(DATA_FINGERPRINT) if isinstance(d, dict) else None
         return fp if isinstance(fp, str) and fp else None
 
+    def stored_data_mixture(self) -> list[dict] | None:
+        """The `data_mixture` of config.json (each folder's name, path, weight and fingerprint); None
+        when the run's data is no mixture."""
+        try:
+            d = read_json_file(self.config_path, "run configuration")
+        except FileNotFoundError:
+            return None
+        mix = d.get(DATA_MIXTURE) if isinstance(d, dict) else None
+        keys = {"name", "path", "weight", "fingerprint"}
+        if not (isinstance(mix, list) and mix and all(isinstance(p, dict) and keys <= set(p) for p in mix)):
+            return None
+        return mix
+
     def check_data(self, old: Config, new: Config, fingerprints: tuple[str | None, str], resuming: bool) -> bool | None:
         """Whether the new `--data` is the run's data by content (None: the run stored no fingerprint).
         Other data where the checkpoints' data was (at the same path or not) is refused (ConfigError)
@@ -325,11 +341,14 @@ class RunFolder:
         return changes
 
     def write_config(self, cfg: Config, start_step: int, changes: dict[str, list],
-                     data_fingerprint: str | None = None) -> None:
-        """config.json (atomically, with the data's fingerprint) and one line of config_history.jsonl."""
+                     data_fingerprint: str | None = None, data_mixture: list[dict] | None = None) -> None:
+        """config.json (atomically, with the data's fingerprint and a mixture's folders) and one line of
+        config_history.jsonl."""
         d = cfg.to_dict()
         if data_fingerprint:
             d[DATA_FINGERPRINT] = data_fingerprint
+        if data_mixture:
+            d[DATA_MIXTURE] = data_mixture
         tmp = self.path / (CONFIG + ".tmp")
         tmp.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
         tmp.replace(self.config_path)

@@ -23,7 +23,7 @@ def check_run_data(t: TrainConfig, m: ModelConfig) -> Source:
     """`train.data` exists, can be read, and holds no token id >= `model.vocab_size`; documents for
     `--doc-mask`. Returns the resolved source."""
     try:
-        src = resolve_source(t.data, t.data_dtype)
+        src = resolve_source(t.data, t.data_dtype, mixtures=True)
         check_source(src, m.vocab_size)
     except ConfigError:
         raise
@@ -42,6 +42,7 @@ def validate(cfg: Config) -> Config:
         check_hardware(cfg.train.hardware)
     placement.check(cfg)
     source = check_run_data(cfg.train, cfg.model)
-    check_source_tokenizer(cfg, source)
+    for one in (p.source for p in source.parts) if source.kind == "mixture" else (source,):
+        check_source_tokenizer(cfg, one)
     check_calibration(cfg, source)
     return mark_validated(cfg)

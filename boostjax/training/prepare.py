@@ -30,7 +30,7 @@ import jax
 
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, flag_of, is_validated
 from boostjax.config import preset as preset_shapes
-from boostjax.data.corpus import Corpus
+from boostjax.data.corpus import Corpus, Mixture
 from boostjax.data.source import Source, check_run_tokenizer, open_source, resolve_source
 from boostjax.data.token_folder import is_token_folder
 from boostjax.interop import pretrained
@@ -93,7 +93,7 @@ def data_vocab(data: Any, dtype: Any) -> int | None:
     if not isinstance(data, str):
         return None
     try:
-        return resolve_source(data, dtype).vocab
+        return resolve_source(data, dtype, mixtures=True).vocab
     except ValueError as e:
         if is_token_folder(data):
             raise ConfigError(str(e)) from None
@@ -211,6 +211,8 @@ def open_run(folder: RunFolder, cfg: Config) -> Resume:
     resuming = bool(step_dirs(folder.checkpoints))
     src = data_source(cfg)
     fingerprint = src.fingerprint
+    if resuming and old is not None:
+        check_mixture(folder, src)
     changes = folder.check_resume(old, cfg, resuming, (folder.stored_data_fingerprint(), fingerprint))
     if resuming and old is not None and "train.data" in changes:
         say(f"the data at {src.name} is the data this run was trained on at {old.train.data or 'the stdlib'} "
@@ -220,16 +222,38 @@ def open_run(folder: RunFolder, cfg: Config) -> Resume:
     return Resume(old, resuming, changes, convert, fingerprint)
 
 
+def check_mixture(folder: RunFolder, src: Source) -> None:
+    """A resumed run of a mixture keeps its folders' content, order and weights (config.json's
+    `data_mixture`): the first difference is refused in one line naming it (ConfigError). A run
+    without one, or data that is no mixture, is left to the fingerprint's check."""
+    stored, now = folder.stored_data_mixture(), src.mixture_record()
+    if stored is None or now is None:
+        return
+    run = ",".join(f"{p['path']}:{p['weight']}" for p in stored)
+    fix = f"fix: pass {flag_of('data')} {run} (the run's folders and weights, any paths), or another --out for a new run"
+    if len(stored) != len(now):
+        raise ConfigError(f"train.data: the checkpoints in {folder.path} were trained on a mixture of {len(stored)} "
+                          f"folders, this command mixes {len(now)}; {fix}")
+    for i, (a, b) in enumerate(zip(stored, now)):
+        if a["fingerprint"] != b["fingerprint"]:
+            raise ConfigError(f"train.data: {b['path']} (folder {i + 1} of the mixture) holds other data than the run's "
+                              f"{a['path']} (content {b['fingerprint'][:24]}..., the run's {a['fingerprint'][:24]}...); "
+                              f"{fix}")
+        if a["weight"] != b["weight"]:
+            raise ConfigError(f"train.data: the weight of {b['name']} is {b['weight']:.6g} of the total, the run's "
+                              f"{a['weight']:.6g} (a resumed run keeps its batches); {fix}")
+
+
 # ----------------------------------------------------------------------------- 5. the data
 
 
 def data_source(cfg: Config) -> Source:
     """The run's `--data`, resolved (by `validate` already: its files are not read again)."""
-    return resolve_source(cfg.train.data, cfg.train.data_dtype)
+    return resolve_source(cfg.train.data, cfg.train.data_dtype, mixtures=True)
 
 
-def open_data(cfg: Config) -> tuple[Source, Corpus]:
-    """The run's source and its train and validation streams."""
+def open_data(cfg: Config) -> tuple[Source, Corpus | Mixture]:
+    """The run's source and its train and validation streams (a mixture's: per folder)."""
     t = cfg.train
     src = data_source(cfg)
     if pretrained.has_tokenizer(t.init_from_hf) and pretrained.source_tokenizer(cfg, src) is None:

@@ -33,7 +33,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from boostjax.config import Config, TrainConfig, parse_profile, warmup_steps
-from boostjax.data.batches import BatchIterator, batch_iterator, eval_batches
+from boostjax.data.batches import BatchIterator, MixtureIterator, batch_iterator, eval_batches
+from boostjax.data.corpus import Corpus, Mixture
 from boostjax.data.source import install_run_tokenizer
 from boostjax.interop import pretrained
 from boostjax.models.flops import flops_per_token, param_count
@@ -175,9 +176,8 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         params, opt_state = checkpoint_parts(state)
         share, count = fns.batch_share  # the block of each global batch's rows this process loads
         # packed documents where their boundaries are known (segment ids with --doc-mask), else random windows
-        data = batch_iterator(corpus.train, corpus.train_docs, t.batch * t.grad_accum, t.seq, t.seed,
-                              segments=t.doc_mask, vocab_size=cfg.model.vocab_size,
-                              process_index=share, process_count=count)
+        data = train_iterator(corpus, t.batch * t.grad_accum, t.seq, t.seed, segments=t.doc_mask,
+                              vocab_size=cfg.model.vocab_size, process_index=share, process_count=count)
         if data.epochs(t.steps) > 1:
             _say(epochs_line(data, t.steps))
         open_ckpt = lambda: Checkpointer(folder.checkpoints, keep=t.keep_ckpts,  # noqa: E731
@@ -197,9 +197,10 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
             if ckpt is None:
                 ckpt = open_ckpt()
             if multihost.is_main_process():
-                folder.write_config(cfg, start, run.changes, run.data_fingerprint)
+                folder.write_config(cfg, start, run.changes, run.data_fingerprint, source.mixture_record())
                 install_run_tokenizer(folder.path, source)  # load_tokenizer(run folder) gives the run's
-                pretrained.copy_tokenizer(pretrained.source_tokenizer(cfg, source), folder.path)
+                one = source.parts[0].source if source.kind == "mixture" else source  # a mixture's folders share it
+                pretrained.copy_tokenizer(pretrained.source_tokenizer(cfg, one), folder.path)
                 if report is not None:
                     pretrained.write_report(folder.path, report)
             metrics = folder.trim_metrics(start, write=multihost.is_main_process())
@@ -212,6 +213,35 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         finally:
             if ckpt is not None:
                 ckpt.close()
+
+
+def train_iterator(corpus: Corpus | Mixture, batch: int, seq: int, seed: int, **kwargs: Any) -> BatchIterator:
+    """The run's batches: a `MixtureIterator` over a mixture's folders, else packed documents where
+    their boundaries are known (segment ids with ``segments``), else random windows (`batch_iterator`)."""
+    if isinstance(corpus, Mixture):
+        return MixtureIterator([(c.train, c.train_docs) for _, _, c in corpus.parts], [w for _, w, _ in corpus.parts],
+                               batch, seq, seed, names=[n for n, _, _ in corpus.parts],
+                               **kwargs)  # type: ignore[return-value]
+    return batch_iterator(corpus.train, corpus.train_docs, batch, seq, seed, **kwargs)
+
+
+def validation_sets(corpus: Corpus | Mixture, batch: int, seq: int, n: int, **kwargs: Any) -> dict[str, tuple]:
+    """The fixed validation batches, by the metric that averages them: ``{"val_loss": (1.0, batches)}``,
+    or for a mixture ``{"val_loss/<name>": (weight, batches)}`` per folder (`val_record` adds their
+    weighted mean as ``val_loss``)."""
+    parts = corpus.parts if isinstance(corpus, Mixture) else (("", 1.0, corpus),)
+    return {f"val_loss/{name}" if name else "val_loss": (weight, eval_batches(c.val, batch, seq, n, docs=c.val_docs,
+                                                                               **kwargs))
+            for name, weight, c in parts}
+
+
+def val_record(losses: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """The metrics of one evaluation from {metric: (weight, loss)}: a mixture's ``val_loss`` is its
+    folders' losses weighted by the mixture's weights (the expected loss on rows drawn as training
+    draws them), beside each ``val_loss/<name>``."""
+    if "val_loss" in losses:
+        return {"val_loss": losses["val_loss"][1]}
+    return {"val_loss": float(sum(w * v for w, v in losses.values())), **{k: v for k, (_, v) in losses.items()}}
 
 
 def _count(n: float) -> str:
@@ -229,15 +259,21 @@ def _epochs(e: float) -> str:
 
 
 def epochs_unit(data: BatchIterator) -> str:
-    """What `BatchIterator.epochs` counts: epochs of packed documents, or passes' worth of tokens
-    of random windows (drawn with replacement, so no epoch boundary)."""
-    return "epochs" if data.sampler == "documents" else "passes' worth of tokens"
+    """What `BatchIterator.epochs` counts: epochs of packed documents (of a mixture's most-read
+    folder), or passes' worth of tokens of random windows (drawn with replacement, so no epoch boundary)."""
+    return "epochs" if data.sampler in ("documents", "mixture") else "passes' worth of tokens"
 
 
 def epochs_line(data: BatchIterator, steps: int) -> str:
     """The run's tokens against its training split's, and how the iterator samples them (said at the
     start when a run reads its data more than once)."""
     step_tokens = data.batch * data.seq
+    if isinstance(data, MixtureIterator):
+        each = ", ".join(f"{name} (weight {w:.3g}, {_count(len(it.tokens))} tokens) about {_epochs(e)} epochs"
+                         for name, w, it, e in zip(data.names, data.weights, data.streams, data.stream_epochs(steps)))
+        return (f"{steps:,} steps x {_count(step_tokens)} tokens = {_count(steps * step_tokens)} tokens drawn from "
+                f"{len(data.streams)} training splits by weight: {each} (packed documents, each folder in its own "
+                "order)")
     how = ("packed documents: each epoch trains every next-token pair of the split once, in a new order"
            if data.sampler == "documents" else
            "random windows drawn with replacement: no epoch boundary, some tokens are read more often "
@@ -266,9 +302,8 @@ def _loop(cfg: Config, graphdef, fns: StepFns, step_fn: Callable, compile_s: flo
           on_log: Callable[[dict], None] | None, unverified: int | None = None) -> TrainResult:
     t = cfg.train
     share, count = fns.batch_share
-    val_batches = eval_batches(corpus.val, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
-                               process_index=share, process_count=count, docs=corpus.val_docs,
-                               segments=t.doc_mask)
+    val_sets = validation_sets(corpus, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
+                               process_index=share, process_count=count, segments=t.doc_mask)
     tokens_per_step = t.batch * t.grad_accum * t.seq  # all micro-batches of one optimizer step
     fpt = flops_per_token(cfg.model, t.seq)
     hw, devices = hardware_profile(t.hardware), t.sizes.devices  # hw None: no MFU (a CPU, an unknown GPU)
@@ -345,7 +380,8 @@ def _loop(cfg: Config, graphdef, fns: StepFns, step_fn: Callable, compile_s: flo
             if step % t.log_every == 0 or step % t.ckpt_every == 0 or step == t.steps:
                 flush_pending()
             if step % t.eval_every == 0 or step == t.steps:
-                log({"step": step, "val_loss": _evaluate(fns, state.params, val_batches)})
+                log({"step": step, **val_record({k: (w, _evaluate(fns, state.params, b))
+                                                 for k, (w, b) in val_sets.items()})})
             if step % t.ckpt_every == 0 or step == t.steps:
                 ckpt.save(step, *checkpoint_parts(state), data.state())
                 saved = step
