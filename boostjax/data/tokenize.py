@@ -589,7 +589,7 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
     name = " ".join(paths)
     skipped = Skipped()
     if tok is None:  # a first pass: the documents counted and checked, then the tokenizer trained on them
-        n_docs = _read_all(files, doc_sep, text_field, skip_bad, skipped, _progress(total_bytes, progress, "reading"))
+        n_docs = _read_all(files, doc_sep, text_field, skip_bad, skipped, _progress(total_bytes, progress, "checking"))
         _enough(n_docs, name, held, doc_sep)
         say(f"training a {train_vocab}-token byte-level BPE on the training documents")
         tok = train_tokenizer((d for i, d in enumerate(texts(stream(files, doc_sep, text_field), skip_bad))
