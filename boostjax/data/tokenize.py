@@ -563,7 +563,9 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
     anything is written, a bad record (unless ``skip_bad``: then counted in ``meta["skipped"]``) when the
     single streaming pass meets it, removing what it wrote; ``out`` may be new, empty, or an earlier output
     of this function (replaced). ``workers``: processes that encode with a `tokenizers` tokenizer (default:
-    all cores); the output is the same for any number."""
+    all cores); the output is the same for any number. The workers are started with multiprocessing's
+    ``spawn`` (no fork of a process that may run JAX threads), so a script calling this at its top level
+    needs the usual ``if __name__ == "__main__":`` guard."""
     paths = _paths(data)
     if doc_sep is not None and doc_sep not in DOC_SEPS:
         raise _err(f"doc_sep: unknown {doc_sep!r}; fix: pass --doc-sep {', '.join(DOC_SEPS)}")
