@@ -197,3 +197,11 @@ def test_a_resumed_mixture_run_equals_the_uninterrupted_one(ab, tmp_path):
                                           r"the run's .*b \(content"):
         train(_cfg(f"{a}:0.7,{other}:0.3", tmp_path / "whole", 6))
     assert {f.name: f.read_bytes() for f in (tmp_path / "whole").iterdir() if f.is_file()} == before
+
+    # eval on one of the mixed folders knows it as the run's data (by each folder's fingerprint)
+    from boostjax.cli.evaluate import _relation
+
+    ours, said = _relation(str(tmp_path / "whole"), _cfg(data, tmp_path / "whole", 4), a, "uint16", "val")
+    assert ours is True and said == "; folder a of this run's mixture (weight 0.7): the trainer held this split out"
+    ours, said = _relation(str(tmp_path / "whole"), _cfg(data, tmp_path / "whole", 4), other, "uint16", "val")
+    assert ours is False and "not this run's training data" in said

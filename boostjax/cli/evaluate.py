@@ -71,10 +71,14 @@ def _relation(run: str, cfg, data: str, dtype: str, split: str) -> tuple[bool | 
         src = resolve_source(data, dtype)
     except ValueError:  # records (JSONL, Parquet, Arrow): never the trainer's data as they are
         src = None
-    if src is not None and src.fingerprint == stored:
-        return True, {"val": "; this run's training data: the trainer held this split out",
-                      "train": "; this run's training data: the run trained on this split",
-                      "all": "; this run's training data: the run trained on all but its validation split"}[split]
+    mixed = {m.get("fingerprint"): m for m in RunFolder(run).stored_data_mixture() or []}
+    if src is not None and (src.fingerprint == stored or src.fingerprint in mixed):
+        m = mixed.get(src.fingerprint)
+        whose = (f"folder {m.get('name')} of this run's mixture (weight {float(m.get('weight') or 0):.3g})" if m
+                 else "this run's training data")
+        return True, {"val": f"; {whose}: the trainer held this split out",
+                      "train": f"; {whose}: the run trained on this split",
+                      "all": f"; {whose}: the run trained on all but its validation split"}[split]
     try:  # the text that the run's tokenised folder was made from?
         run_src = resolve_source(cfg.train.data, cfg.train.data_dtype)
     except ValueError:
