@@ -76,7 +76,20 @@ def _check_int(name: str, value: Any, minimum: int, where: str = "BatchIterator"
     return int(value)
 
 
-class BatchIterator:
+class _Batches:
+    """Iteration over batches for the iterators below: each defines `next()`."""
+
+    def next(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return self.next()
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+
+class BatchIterator(_Batches):
     """Random windows of ``seq + 1`` tokens; batch ``k`` depends only on ``(seed, k)``.
 
     ``next()`` returns ``{"inputs": int32[b, seq], "targets": int32[b, seq]}`` with
@@ -173,12 +186,6 @@ class BatchIterator:
         out = self.batch_at(self._step)
         self._step += 1
         return out
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        return self.next()
-
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        return self
 
     def state(self) -> dict[str, Any]:
         """JSON-serialisable position: ``{"step": int, "seed": int, "sampler": "windows"|"documents"}``."""
@@ -302,7 +309,7 @@ class DocumentIterator(BatchIterator):
 MIX_STREAM: int = 0x6D6978  # "mix": keeps the mixture's draws apart from the other random streams
 
 
-class MixtureIterator:
+class MixtureIterator(_Batches):
     """Rows drawn from several document streams by weight; batch ``k`` depends only on ``(seed, k)``
     and the rows each stream gave before it.
 
@@ -401,12 +408,6 @@ class MixtureIterator:
         self._rows += self._count(self._step)
         self._step += 1
         return out
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        return self.next()
-
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        return self
 
     def state(self) -> dict[str, Any]:
         """JSON-serialisable position: ``{"step", "seed", "sampler": "mixture", "rows": [rows per stream]}``."""
