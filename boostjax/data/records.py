@@ -35,6 +35,8 @@ KIND_WORDS = {"gzip": "gzip-compressed bytes", "zstd": "zstd-compressed bytes", 
               "arrow": "Arrow record batches", "jsonl": "JSON records", "binary": "binary bytes (NUL bytes)",
               "compressed": "compressed bytes (bzip2, xz or zip)"}
 _OTHER_COMPRESSED = (b"BZh", b"\xfd7zXZ\x00", b"PK\x03\x04")
+_BOM = b"\xef\xbb\xbf"
+_DECODER = json.JSONDecoder()  # what json.loads uses, without its per-call checks
 
 
 class RecordError(ValueError):
@@ -49,15 +51,29 @@ class Input:
     format: str
 
 
-@dataclass(frozen=True)
 class Document:
     """One record's text and where it was (``docs.jsonl line 3``, ``part.parquet row 7``); ``bad`` says
-    why a record was not read (its text is then ''), ``fix`` what to do where that is not the record's fault."""
+    why a record was not read (its text is then ''), ``fix`` what to do where that is not the record's fault.
 
-    text: str
-    where: str
-    bad: str = ""
-    fix: str = ""
+    ``where`` may be given as ``(file, unit, n)`` and is then written out only when asked for (an error,
+    a skipped record): the reader makes one `Document` per record and most are never named."""
+
+    __slots__ = ("text", "_where", "bad", "fix")
+
+    def __init__(self, text: str, where: str | tuple[str, str, int], bad: str = "", fix: str = "") -> None:
+        self.text, self._where, self.bad, self.fix = text, where, bad, fix
+
+    @property
+    def where(self) -> str:
+        w = self._where
+        return w if isinstance(w, str) else f"{w[0]} {w[1]} {w[2]}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Document) and (self.text, self.where, self.bad, self.fix) == (
+            other.text, other.where, other.bad, other.fix)
+
+    def __repr__(self) -> str:
+        return f"Document(text={self.text!r}, where={self.where!r}, bad={self.bad!r}, fix={self.fix!r})"
 
 
 def _needs(module: str, path) -> RecordError:
@@ -279,20 +295,26 @@ def jsonl_documents(path: pathlib.Path, field: str, on_bytes: Callable[[int], No
     named = path.name.lower().endswith(JSONL_SUFFIXES)
     fix = "" if named else (f"{path.name} is read as JSONL by its first bytes; if it is compressed text, decompress "
                             "it and pass the text file")
+    src, decode = str(path), _DECODER.decode
     for n, raw in _lines(_byte_chunks(path, on_bytes)):
-        if not raw.strip():
+        if not raw or raw.isspace():
             continue
-        where = f"{path} line {n}"
+        if raw[:3] == _BOM:  # json.loads reads a UTF-8 byte order mark as utf-8-sig
+            raw = raw[3:]
         try:
-            rec = json.loads(raw)
+            rec = decode(raw.decode("utf-8", "surrogatepass"))  # as json.loads(bytes)
         except UnicodeDecodeError as e:
-            yield Document("", where, f"not UTF-8 ({e.reason} at byte {e.start})", fix)
+            yield Document("", (src, "line", n), f"not UTF-8 ({e.reason} at byte {e.start})", fix)
             continue
         except ValueError as e:
-            yield Document("", where, f"not valid JSON ({' '.join(str(e).split())})", fix)
+            yield Document("", (src, "line", n), f"not valid JSON ({' '.join(str(e).split())})", fix)
             continue
-        why = _field(rec, field)
-        yield Document("" if why else rec[field], where, why)
+        text = rec.get(field) if type(rec) is dict else None
+        if type(text) is str:
+            yield Document(text, (src, "line", n))
+        else:
+            why = _field(rec, field)
+            yield Document("" if why else rec[field], (src, "line", n), why)
 
 
 # ----------------------------------------------------------------------------- Parquet and Arrow
@@ -337,11 +359,11 @@ def _column_batches(path: pathlib.Path, fmt: str, field: str) -> Iterator[list]:
 
 def table_documents(path: pathlib.Path, fmt: str, field: str) -> Iterator[Document]:
     """One `Document` per row (0-based) of a Parquet or Arrow file."""
-    row = 0
+    row, src = 0, str(path)
     for col in _column_batches(path, fmt, field):
         for v in col:
-            where = f"{path} row {row}"
-            yield Document(v, where) if isinstance(v, str) else Document("", where, f"field {field!r} is null")
+            yield Document(v, (src, "row", row)) if isinstance(v, str) else \
+                Document("", (src, "row", row), f"field {field!r} is null")
             row += 1
 
 
