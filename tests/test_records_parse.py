@@ -2,7 +2,9 @@
 
 import json
 
+from boostjax.cli import main
 from boostjax.data import records
+from helpers import one_error_line
 
 LINES = [
     b'{"text": "plain"}',
@@ -55,3 +57,40 @@ def test_a_document_names_its_place_only_when_asked(tmp_path):
     assert lazy.where == f"{tmp_path / 'a.jsonl'} line 7"
     assert lazy == records.Document("t", f"{tmp_path / 'a.jsonl'} line 7")
     assert lazy != records.Document("t", f"{tmp_path / 'a.jsonl'} line 8")
+
+
+def _records(n: int) -> list[dict]:
+    return [{"text": f"record {i}: " + "some words here " * (i % 5 + 1), "id": i} for i in range(n)]
+
+
+def test_a_json_list_of_records_tokenises_as_its_jsonl_does(tmp_path):
+    from boostjax.data.tokenize import tokenize_corpus
+
+    recs = _records(40)
+    (tmp_path / "a.json").write_text(json.dumps(recs, indent=2))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    pretty = tokenize_corpus(tmp_path / "a.json", tmp_path / "from_json", "byte", progress=False, workers=1)
+    lines = tokenize_corpus(tmp_path / "a.jsonl", tmp_path / "from_jsonl", "byte", progress=False, workers=1)
+    assert pretty["fingerprint"] == lines["fingerprint"]  # the same token files, byte for byte
+    assert pretty["splits"] == lines["splits"]
+
+
+def _refused(capsys, argv, *needles) -> str:
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2, (rc, err)
+    return one_error_line(err, *needles)
+
+
+def test_a_json_document_is_never_prose_and_other_json_is_one_line(capsys, tmp_path):
+    recs = _records(30)
+    (tmp_path / "obj.json").write_text(json.dumps({"data": recs, "version": 1}, indent=2))
+    (tmp_path / "unnamed.dat").write_text(json.dumps(recs, indent=2))
+    (tmp_path / "notes.txt").write_text(json.dumps(recs, indent=2))  # named as text: read as text
+    assert records.file_format(tmp_path / "unnamed.dat") == "json"
+    assert records.file_format(tmp_path / "notes.txt") == "text"
+    _refused(capsys, ["tokenize", "--data", tmp_path / "obj.json", "--out", tmp_path / "t", "--no-progress"],
+             "holds a JSON object with lists under 'data'", "jq -c '.data[]'")
+    _refused(capsys, ["train", "--data", tmp_path / "unnamed.dat", "--steps", "1", "--out", tmp_path / "run"],
+             "holds a JSON document, not text; fix: boostjax tokenize")
+    assert not (tmp_path / "t").exists() and not (tmp_path / "run").exists()

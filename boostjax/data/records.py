@@ -24,7 +24,8 @@ INSTALL_HINT = "pip install 'boostjax[data]'"
 JSONL_SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson")
 PARQUET_SUFFIXES: tuple[str, ...] = (".parquet",)
 ARROW_SUFFIXES: tuple[str, ...] = (".arrow",)
-RECORD_SUFFIXES: tuple[str, ...] = JSONL_SUFFIXES + PARQUET_SUFFIXES + ARROW_SUFFIXES
+RECORD_SUFFIXES: tuple[str, ...] = JSONL_SUFFIXES + PARQUET_SUFFIXES + ARROW_SUFFIXES  # what a folder's records are
+JSON_SUFFIXES: tuple[str, ...] = (".json",)  # a list of records in one JSON document: read when named, read whole
 HF_STATE, HF_DICT = "state.json", "dataset_dict.json"  # a `datasets` folder, one split / several
 READ_BYTES: int = 1 << 20  # compressed or plain bytes read at a time
 BATCH_ROWS: int = 1024  # Parquet / Arrow rows decoded at a time
@@ -32,11 +33,16 @@ SNIFF_BYTES: int = 1 << 16
 
 # what a file holds, by its first bytes, in words ("holds {}, not text")
 KIND_WORDS = {"gzip": "gzip-compressed bytes", "zstd": "zstd-compressed bytes", "parquet": "a Parquet table",
-              "arrow": "Arrow record batches", "jsonl": "JSON records", "binary": "binary bytes (NUL bytes)",
+              "arrow": "Arrow record batches", "jsonl": "JSON records", "json": "a JSON document",
+              "binary": "binary bytes (NUL bytes)",
               "compressed": "compressed bytes (bzip2, xz or zip)"}
 _OTHER_COMPRESSED = (b"BZh", b"\xfd7zXZ\x00", b"PK\x03\x04")
 _BOM = b"\xef\xbb\xbf"
 _DECODER = json.JSONDecoder()  # what json.loads uses, without its per-call checks
+
+
+_JSON_OPENERS = (b"[", b"{")
+_JSON_SECOND = (b'"', b"{", b"[", b"]", b"}")  # what follows a JSON document's opening bracket, blanks aside
 
 
 class RecordError(ValueError):
@@ -85,8 +91,9 @@ def _needs(module: str, path) -> RecordError:
 
 def sniff(path: str | os.PathLike) -> str | None:
     """What a file holds when it is not plain text, by its first bytes: 'gzip', 'zstd', 'parquet', 'arrow'
-    (the file format or the IPC stream), 'jsonl' (its first non-blank line is a JSON object), 'compressed'
-    (bzip2, xz, zip: not read) or 'binary' (NUL bytes); None for text (or an empty file)."""
+    (the file format or the IPC stream), 'jsonl' (its first non-blank line is a JSON object), 'json' (a JSON
+    document spread over lines: a bracket, then a quote or another bracket), 'compressed' (bzip2, xz, zip: not
+    read) or 'binary' (NUL bytes); None for text (or an empty file)."""
     with open(path, "rb") as f:
         head = f.read(SNIFF_BYTES)
     if head[:2] == b"\x1f\x8b":
@@ -108,7 +115,22 @@ def sniff(path: str | os.PathLike) -> str | None:
                 return "jsonl"
         except ValueError:
             pass
+    body = head.lstrip()
+    if body[:1] in _JSON_OPENERS and body[1:].lstrip()[:1] in _JSON_SECOND:
+        return "json"
     return None
+
+
+def _sniff_named(path: pathlib.Path) -> str | None:
+    """`sniff`, with the name deciding between text and a JSON document: a ``.json`` file is one, a file
+    named as text (``.txt``, ``.md``, ``.py``) that merely starts with a bracket is not."""
+    kind = sniff(path)
+    name = path.name.lower()
+    if kind is None and name.endswith(JSON_SUFFIXES):
+        return "json"
+    if kind == "json" and name.endswith(TEXT_SUFFIXES):
+        return None
+    return kind
 
 
 def is_hf_folder(path: str | os.PathLike) -> bool:
@@ -146,9 +168,11 @@ def file_format(path: pathlib.Path) -> str:
         return "parquet"
     if name.endswith(ARROW_SUFFIXES):
         return "arrow"
-    kind = sniff(path)
+    kind = _sniff_named(path)
     if kind in ("gzip", "zstd", "jsonl"):
         return "jsonl"  # compressed input is read as JSONL: a line that is not JSON is named
+    if kind == "json":
+        return "json"
     if kind in ("parquet", "arrow"):
         return kind
     if kind in ("compressed", "binary"):
@@ -317,6 +341,35 @@ def jsonl_documents(path: pathlib.Path, field: str, on_bytes: Callable[[int], No
             yield Document("" if why else rec[field], (src, "line", n), why)
 
 
+def json_documents(path: pathlib.Path, field: str, on_bytes: Callable[[int], None] | None = None
+                   ) -> Iterator[Document]:
+    """One `Document` per element (counted from 0) of a JSON file holding a list of records, read whole (as
+    `datasets`' JSON reader does); anything else is a RecordError naming the fix (JSON lines stream)."""
+    fix = "fix: write one record per line (JSONL), e.g. jq -c '.[]' in.json > out.jsonl"
+    try:
+        with open(path, "rb") as f:
+            data = json.load(f)
+    except UnicodeDecodeError as e:
+        raise RecordError(f"data: {path} is not UTF-8 JSON ({e.reason} at byte {e.start}); {fix}") from None
+    except ValueError as e:
+        raise RecordError(f"data: {path} is not valid JSON ({' '.join(str(e).split())}); fix: correct it, or "
+                          f"{fix[5:]}") from None
+    if on_bytes is not None:
+        on_bytes(path.stat().st_size)
+    if not isinstance(data, list):
+        lists = [k for k, v in data.items() if isinstance(v, list)] if isinstance(data, dict) else []
+        under = f" with lists under {', '.join(map(repr, lists[:4]))}" if lists else ""
+        key = lists[0] if lists else "KEY"
+        what = {"dict": "object", "str": "string", "int": "number", "float": "number"}.get(type(data).__name__, "value")
+        raise RecordError(f"data: {path} holds a JSON {what}{under}, not a list of records; fix: "
+                          f"write its records one per line (JSONL), e.g. jq -c '.{key}[]' {path.name} > "
+                          f"{path.stem}.jsonl")
+    src = str(path)
+    for i, rec in enumerate(data):
+        why = _field(rec, field)
+        yield Document("" if why else rec[field], (src, "record", i), why)
+
+
 # ----------------------------------------------------------------------------- Parquet and Arrow
 
 
@@ -371,10 +424,12 @@ def table_documents(path: pathlib.Path, fmt: str, field: str) -> Iterator[Docume
 
 
 def documents(inp: Input, field: str, on_bytes: Callable[[int], None] | None = None) -> Iterator[Document]:
-    """The records of one record input ('jsonl', 'parquet' or 'arrow'), each one document (``on_bytes``:
-    the bytes of a JSONL file read so far, a chunk at a time)."""
+    """The records of one record input ('jsonl', 'json', 'parquet' or 'arrow'), each one document
+    (``on_bytes``: the bytes of a JSON file read so far, a chunk at a time)."""
     if inp.format == "jsonl":
         return jsonl_documents(inp.path, field, on_bytes)
+    if inp.format == "json":
+        return json_documents(inp.path, field, on_bytes)
     if inp.format in ("parquet", "arrow"):
         return table_documents(inp.path, inp.format, field)
     raise ValueError(f"records.documents: {inp.path} is {inp.format}, not records")
@@ -383,7 +438,7 @@ def documents(inp: Input, field: str, on_bytes: Callable[[int], None] | None = N
 def text_refusal(path: str | os.PathLike) -> str:
     """Why a file must not be read as text ('' when it may): what it holds, in words, for `resolve_source`."""
     p = pathlib.Path(path)
-    kind = sniff(p)
+    kind = _sniff_named(p)
     if kind is None and p.name.lower().endswith(RECORD_SUFFIXES):
         kind = "jsonl" if p.name.lower().endswith(JSONL_SUFFIXES) else p.suffix.lstrip(".")
     return KIND_WORDS.get(kind, f"{kind} records") if kind else ""
