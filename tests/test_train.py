@@ -59,7 +59,7 @@ def test_bf16_compute_trains(tmp_path):
 
 def test_export_hf_from_cli(tmp_path, capsys):
     """A run trained on a data=1,model=2 mesh exports from a process with one device (the restore
-    takes this process's devices, not the saved topology); a low-rank run is refused before reading."""
+    takes this process's devices, not the saved topology); a cola run's --densify is refused before reading."""
     import subprocess
 
     from boostjax.interop.hf import from_hf
@@ -75,7 +75,7 @@ def test_export_hf_from_cli(tmp_path, capsys):
     toks = np.arange(16, dtype=np.int32).reshape(2, 8)
     np.testing.assert_allclose(hf_model(toks), model(toks), rtol=1e-6, atol=1e-6)
     _run(tmp_path, "lowrank", steps=10, ckpt_every=10)
-    assert main(["export-hf", "--run", str(tmp_path / "lowrank"), "--out", str(tmp_path / "hf2")]) == 2
+    assert main(["export-hf", "--run", str(tmp_path / "lowrank"), "--out", str(tmp_path / "hf2"), "--densify"]) == 2
     assert "low-rank" in capsys.readouterr().err and not (tmp_path / "hf2").exists()
 
 

@@ -10,7 +10,9 @@ rotate-half RoPE and fp32 RMSNorm statistics, so logits agree to fp32 rounding. 
 `read_hf` / `read_tensors` / `from_hf` also take a Llama `.gguf` file (`boostjax.interop.gguf_in`:
 dequantized to fp32 by transformers' GGUF loader, the `gguf` extra).
 
-Low-rank kinds (cola, svd, lax) have no Hugging Face LLaMA layout and are refused by `to_hf`.
+Low-rank kinds (cola, svd, lax) have no Hugging Face LLaMA layout and are refused by `to_hf`;
+`boostjax.interop.hf_lowrank.to_hf_lowrank` writes them (their factors with a modeling file, or an svd
+model densified).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import dataclasses
 import json
 import pathlib
 import shutil
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +37,7 @@ from boostjax.data.tokenizers import load_tokenizer
 from boostjax.interop import gguf_in
 from boostjax.interop.hf_config import (
     GENERATION_NAME,
+    REMOTE_CODE_FILES,
     TOKENIZER_CONFIG_NAME,
     check_exportable,
     config_from_hf,
@@ -58,6 +61,7 @@ __all__ = [
     "read_hf",
     "read_tensors",
     "to_hf",
+    "write_folder",
 ]
 
 WEIGHTS_NAME = "model.safetensors"
@@ -293,6 +297,15 @@ def to_hf(model_or_params: Any, path: str | pathlib.Path, cfg: ModelConfig | Non
     """
     cfg, params = _resolve(model_or_params, cfg)
     tensors = params_to_hf(cfg, params, dtype)
+    return write_folder(tensors, path, lambda c: hf_config(c, dtype), cfg, max_shard_size=max_shard_size,
+                        source=source)
+
+
+def write_folder(tensors: Mapping[str, np.ndarray], path: str | pathlib.Path,
+                 config: Callable[[ModelConfig], dict[str, Any]], cfg: ModelConfig, *,
+                 max_shard_size: int | str = 0, source: str | pathlib.Path | None = None) -> pathlib.Path:
+    """Write an export folder: `tensors`, the side files of `source` and `config(cfg)` (cfg with the
+    tokenizer's ids) as `config.json`. Every argument is checked before the first file is written."""
     if max_shard_size:
         parse_size(max_shard_size)
     src = pathlib.Path(source) if source is not None else None
@@ -302,9 +315,11 @@ def to_hf(model_or_params: Any, path: str | pathlib.Path, cfg: ModelConfig | Non
     out = pathlib.Path(path)
     check_export_target(out)  # never into a run folder or a folder of files boostjax did not write
     out.mkdir(parents=True, exist_ok=True)
+    for name in REMOTE_CODE_FILES:
+        (out / name).unlink(missing_ok=True)  # an earlier low-rank export's: the new config decides
     _write_weights(out, tensors, max_shard_size)
     cfg = _side_files(cfg, out, src)
-    write_json(out / CONFIG_NAME, hf_config(cfg, dtype))
+    write_json(out / CONFIG_NAME, config(cfg))
     return out
 
 

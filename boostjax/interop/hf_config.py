@@ -19,6 +19,8 @@ from boostjax.runs.folder import EXPORT_MARK
 
 GENERATION_NAME = "generation_config.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+# the modeling code a low-rank export carries (boostjax/interop/hf_remote/, `auto_map` in its config.json)
+REMOTE_CODE_FILES = ("configuration_boostjax_lowrank.py", "modeling_boostjax_lowrank.py")
 ROPE_SCALED = ("linear", "dynamic", "llama3")  # rope types boostjax reproduces besides "default"
 
 
@@ -91,7 +93,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     if cfg.low_rank:
         raise ValueError(
             f"to_hf: model kind {cfg.kind!r} is low-rank; Hugging Face LLaMA layout holds full-rank models "
-            f"only; fix: train/export a kind='llama' model, or materialise the dense weights into one first")
+            f"only; fix: export its factors with boostjax.interop.hf_lowrank.to_hf_lowrank (or boostjax export-hf)")
     if cfg.kind != "llama":
         raise ValueError(f"to_hf: unknown model kind {cfg.kind!r}; fix: export a kind='llama' model")
 

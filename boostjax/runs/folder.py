@@ -379,7 +379,8 @@ def check_export_target(path: str | pathlib.Path) -> None:
     if names & {CONFIG, METRICS, CHECKPOINTS} and describe_foreign(p) is None:
         raise ConfigError(f"export.out: {p} is a boostjax run folder; fix: export into a new folder, not a run's")
     export_files = {"config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json",
-                    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+                    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "configuration_boostjax_lowrank.py", "modeling_boostjax_lowrank.py"}  # a low-rank export's code
     shards = {n for n in names if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n)}
     weights = (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file()
     ours = weights and _is_boostjax_export(p / CONFIG)
