@@ -346,8 +346,10 @@ def check_bytes(tb, folder: pathlib.Path, meta: dict) -> None:
     """The byte table reproduces the val split's UTF-8 byte count exactly (or the script stops)."""
     import numpy as np
 
+    from boostjax.data.token_folder import token_split
+
     val = meta["splits"]["val"]
-    ids = np.memmap(folder / val["file"], dtype=meta["dtype"], mode="r")
+    ids, _ = token_split(folder, meta, "val")
     got = int(tb[np.asarray(ids)].sum())
     if got != val["bytes"]:
         raise SystemExit(f"real_finetune: the token byte table gives {got} bytes for the val split, meta.json "

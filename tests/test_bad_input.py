@@ -614,8 +614,8 @@ def test_train_on_a_tokenised_folder_bad_input(capsys, tmp_path, texts):
     meta = _tokenized(texts, tok, "train:300")
     run = ["--out", tmp_path / "run", "--data", tok]
     _refused(capsys, [*TRAIN, *run, "--vocab-size", "100"], "model.vocab_size: 100", f"--vocab-size {meta['vocab_size']}")
-    (tok / "val.bin").write_bytes((tok / "val.bin").read_bytes()[:-2])  # cut short
-    _refused(capsys, [*TRAIN, *run], "val.bin", "the metadata says")
+    (tok / "val-00000.bin").write_bytes((tok / "val-00000.bin").read_bytes()[:-2])  # cut short
+    _refused(capsys, [*TRAIN, *run], "val-00000.bin", "the metadata says")
     (tok / "meta.json").write_text(json.dumps({**meta, "version": 7}))
     _refused(capsys, [*TRAIN, *run], "meta.json", "version 7")
     (tok / "meta.json").write_text('{"format": "boostjax-tokens", "version": 1, "incomplete": true}')

@@ -38,17 +38,21 @@ def _train(out, data, steps) -> int:
 def test_tokenize_writes_the_fingerprint_of_its_token_files(tmp_path):
     tok = tmp_path / "tok"
     meta = tokenize_corpus(_texts(tmp_path / "a", 0), tok, "byte", val_every=3, progress=False)
-    # by hand: b3sum train.bin train.docs.npy val.bin val.docs.npy | b3sum --no-names
-    lines = "".join(f"{blake3.blake3((tok / n).read_bytes()).hexdigest()}  {n}\n" for n in FINGERPRINT_FILES)
+    # by hand: b3sum of train.bin (the stream: its shards, one here), train.docs.npy, val.bin, val.docs.npy | b3sum
+    files = {n: n.replace(".bin", "-00000.bin") for n in FINGERPRINT_FILES}
+    lines = "".join(f"{blake3.blake3((tok / f).read_bytes()).hexdigest()}  {n}\n" for n, f in files.items())
     assert meta["fingerprint"] == "blake3:" + blake3.blake3(lines.encode()).hexdigest()
     assert json.loads((tok / META_FILE).read_text())["fingerprint"] == meta["fingerprint"]
     assert resolve_source(tok).fingerprint == "tokens:" + meta["fingerprint"]
-    # a folder written before fingerprints existed: its files are hashed, to the same value
+    # a version 1 folder (train.bin, val.bin) written before fingerprints existed: hashed, to the same value
     old = tmp_path / "old"
     shutil.copytree(tok, old)
     d = json.loads((old / META_FILE).read_text())
     del d["fingerprint"]
-    (old / META_FILE).write_text(json.dumps(d))
+    for s in ("train", "val"):
+        (old / f"{s}-00000.bin").rename(old / f"{s}.bin")
+        d["splits"][s] = {"file": f"{s}.bin", **{k: v for k, v in d["splits"][s].items() if k != "shards"}}
+    (old / META_FILE).write_text(json.dumps({**d, "version": 1}))
     assert resolve_source(old).fingerprint == "tokens:" + meta["fingerprint"]
     assert "fingerprint" not in json.loads((old / META_FILE).read_text())  # the data folder is not rewritten
     # text, a folder of text, a .bin: by content, whatever the path; the kind is part of it

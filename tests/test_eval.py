@@ -70,7 +70,7 @@ def test_bits_per_byte_of_byte_level_data_is_loss_over_ln2(tmp_path, model):
         (d / f"{i}.txt").write_text(f"text number {i}, été. " * (3 + i))
     tokenize_corpus(d, tmp_path / "tok", "byte", val_every=2, progress=False)
     stream, n_bytes, _, starts = eval_stream(ByteTokenizer(), str(tmp_path / "tok"), None, None)
-    val = np.fromfile(tmp_path / "tok" / "val.bin", dtype=np.uint8)
+    val = np.fromfile(tmp_path / "tok" / "val-00000.bin", dtype=np.uint8)
     assert stream[0] == ord("\n") and (stream[1:] == val).all() and n_bytes == len(val)
     assert (starts == np.load(tmp_path / "tok" / "val.docs.npy") + 1).all()
     res = evaluate(model, stream, seq=32, batch=4, n_bytes=n_bytes)

@@ -69,9 +69,9 @@ def test_held_out_plays_are_the_val_split_and_bytes_per_token_are_exact(tmp_path
     assert meta["splits"]["val"]["bytes"] == sum(len((texts / n).read_bytes()) for n in held)
     tb = rf.token_bytes(tmp_path / "data" / "tokenizer.json", tok.vocab_size)
     rf.check_bytes(tb, tmp_path / "data", meta)  # the table reproduces the split's byte count
-    ids = np.fromfile(tmp_path / "data" / "train.bin", dtype=meta["dtype"])
+    ids = np.fromfile(tmp_path / "data" / "train-00000.bin", dtype=meta["dtype"])
     assert int(tb[ids].sum()) == meta["splits"]["train"]["bytes"]
-    val = np.fromfile(tmp_path / "data" / "val.bin", dtype=meta["dtype"])
+    val = np.fromfile(tmp_path / "data" / "val-00000.bin", dtype=meta["dtype"])
     with pytest.raises(SystemExit):  # one id's length off by one byte
         rf.check_bytes(tb + (np.arange(len(tb)) == val[0]), tmp_path / "data", meta)
     # the held-out split is exactly those two files, in order, each followed by the eos id

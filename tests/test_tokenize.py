@@ -95,7 +95,7 @@ def test_replacing_an_earlier_output_and_a_crash(text_dir, tmp_path, monkeypatch
     monkeypatch.undo()
     meta = tokenize_corpus(text_dir, out, "byte", val_every=3, progress=False)  # its own output may be replaced
     assert meta["tokenizer"] == "byte" and not (out / "tokenizer.json").exists()
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "train.docs.npy", "val.bin",
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train-00000.bin", "train.docs.npy", "val-00000.bin",
                                                      "val.docs.npy"]
 
 

@@ -69,7 +69,7 @@ def test_workers_give_the_same_bytes_as_one(corpus, tmp_path, small_batches, mon
             for s in ("train", "val")}
     got = tmp_path / "docs.jsonl-False-2"
     for s, parts in want.items():
-        np.testing.assert_array_equal(np.fromfile(got / f"{s}.bin", np.uint16), np.concatenate(parts))
+        np.testing.assert_array_equal(np.fromfile(got / f"{s}-00000.bin", np.uint16), np.concatenate(parts))
         np.testing.assert_array_equal(np.load(got / f"{s}.docs.npy"), np.cumsum([0] + [len(p) for p in parts[:-1]]))
 
 
@@ -78,7 +78,7 @@ def test_fewer_documents_than_val_every_hold_out_the_last(corpus, tmp_path):
     (tmp_path / "few.jsonl").write_bytes(b"".join(lines[:7]))
     meta = tz.tokenize_corpus(tmp_path / "few.jsonl", tmp_path / "out", "byte", progress=False, workers=2)
     assert (meta["splits"]["train"]["documents"], meta["splits"]["val"]["documents"]) == (6, 1)
-    assert (tmp_path / "out" / "val.bin").read_bytes() == docs[6].encode() + b"\n\n"
+    assert (tmp_path / "out" / "val-00000.bin").read_bytes() == docs[6].encode() + b"\n\n"
 
 
 def test_the_bar_counts_documents_written(corpus, tmp_path, small_batches, monkeypatch):

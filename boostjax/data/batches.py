@@ -12,7 +12,8 @@ process reads only its contiguous block of rows, so batches are deterministic, r
 ``state()`` and independent of the process count. `MixtureIterator` draws each row of a batch from one
 of several document streams by weight (``--data A:0.7,B:0.3``), each stream packed by its own
 `DocumentIterator`. From a memory-mapped file, a batch's pages are asked for all at once before they
-are gathered (`prefetch`).
+are gathered (`prefetch`); from a tokenised folder (`boostjax.data.shards.TokenShards`), only the byte
+ranges of this process's rows are read.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import os
 from typing import Any, Iterator
 
 import numpy as np
+
+from boostjax.data.shards import TokenShards, runs
 
 
 def file_range(tokens: np.ndarray) -> tuple[str, int] | None:
@@ -34,17 +37,6 @@ def file_range(tokens: np.ndarray) -> tuple[str, int] | None:
     if not isinstance(root, np.memmap) or not root.filename:
         return None
     return os.fspath(root.filename), int(root.offset) + tokens.ctypes.data - root.ctypes.data
-
-
-def runs(src_bs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(first position, length) of every run of consecutive positions in the rows of ``src_bs``
-    (int64[b, n]), row by row: the contiguous pieces of the stream a batch reads."""
-    flat = src_bs.reshape(-1)
-    first = np.ones(flat.shape, bool)  # a run starts at every row and wherever a position does not follow the last
-    first[1:] = flat[1:] != flat[:-1] + 1
-    first[:: src_bs.shape[-1]] = True
-    at = np.flatnonzero(first)
-    return flat[at], np.diff(np.append(at, flat.size))
 
 
 def prefetch(tokens: np.ndarray, src_bs: np.ndarray) -> None:
@@ -111,7 +103,7 @@ class BatchIterator(_Batches):
         process_count: int = 1,
         vocab_size: int | None = None,
     ) -> None:
-        tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+        tokens = tokens if isinstance(tokens, (np.ndarray, TokenShards)) else np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"BatchIterator: tokens must be 1-D, got shape {tokens.shape}")
         self.batch = _check_int("batch", batch, 1)
@@ -135,8 +127,8 @@ class BatchIterator(_Batches):
                 f"fix: a smaller --seq or more data"
             )
         self.vocab_size = vocab_size
-        # In-memory arrays are checked once; memmaps lazily per batch (never scan a huge file).
-        self._lazy_vocab_check = vocab_size is not None and isinstance(tokens, np.memmap)
+        # In-memory arrays are checked once; files (memmaps, shards) lazily per batch (never scan a huge file).
+        self._lazy_vocab_check = vocab_size is not None and isinstance(tokens, (np.memmap, TokenShards))
         if vocab_size is not None and not self._lazy_vocab_check:
             self._check_vocab(tokens)
         self.tokens = tokens

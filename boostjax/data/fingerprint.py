@@ -4,9 +4,13 @@ at another path and refuses other data at the same path (`boostjax.training.prep
 A fingerprint is ``blake3:<hex>``, the BLAKE3 digest of the `b3sum` lines (``<digest>  <name>``) of
 the files that make up the data, in the order the data is read:
 
-    a tokenised folder   train.bin, train.docs.npy, val.bin, val.docs.npy (written into its meta.json by
-                         `boostjax tokenize`: ``b3sum train.bin train.docs.npy val.bin val.docs.npy |
-                         b3sum --no-names`` in the folder gives it by hand); a folder written before
+    a tokenised folder   train.bin, train.docs.npy, val.bin, val.docs.npy, where a split's ``.bin`` is its
+                         stream, the concatenation of its shards (so the fingerprint is the same for any
+                         shard size and for a version 1 folder of the same tokens); written into meta.json
+                         by `boostjax tokenize`, by hand in the folder (docs/tokenised-data.md):
+                         ``{ cat train-*.bin | b3sum --no-names | sed 's/$/  train.bin/'; b3sum
+                         train.docs.npy; cat val-*.bin | b3sum --no-names | sed 's/$/  val.bin/'; b3sum
+                         val.docs.npy; } | b3sum --no-names``; a version 1 folder written before
                          fingerprints existed is hashed when a run needs it (meta.json is left as it is)
     a folder of text     its text files, named relative to the folder
     '' (the stdlib)      this interpreter's stdlib sources, named relative to the stdlib: another

@@ -51,6 +51,7 @@ from boostjax.data.token_folder import (
     token_fingerprint,
     token_folder_corpus,
     token_meta,
+    is_folder_file,
     is_token_folder,
     vocab_error,
 )
@@ -218,13 +219,17 @@ def _check_kind(path: str, st: os.stat_result) -> None:
 
 def _signature(path: str, st: os.stat_result) -> tuple:
     """What changes when the files a source is resolved from change (a folder: the files of a
-    tokenised folder too, present or not)."""
+    tokenised folder too, present or not, and its shards)."""
     def sig(s: os.stat_result) -> tuple:
         return s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns
 
     parts: list[Any] = [sig(st)]
     if stat.S_ISDIR(st.st_mode):
-        for name in sorted(FOLDER_FILES):
+        try:
+            shards = {n for n in os.listdir(path) if is_folder_file(n)}
+        except OSError:
+            shards = set()
+        for name in sorted(FOLDER_FILES | shards):
             try:
                 parts.append(sig(os.stat(os.path.join(path, name))))
             except OSError:

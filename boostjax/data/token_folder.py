@@ -1,15 +1,19 @@
 """Reading a tokenised folder, the format `boostjax tokenize` writes (`boostjax.data.tokenize`).
 
-    meta.json          {"format": "boostjax-tokens", "version": 1, "tokenizer": "byte" | "tokenizer.json",
-                        "dtype", "vocab_size", "eos_id", "bos_id", "source",
-                        "splits": {"train": {"file", "docs_file", "documents", "tokens", "bytes"}, "val": ...},
-                        "fingerprint": "blake3:<hex>"}   (the token files' content; absent before it existed)
+    meta.json          {"format": "boostjax-tokens", "version": 2, "tokenizer": "byte" | "tokenizer.json",
+                        "dtype", "vocab_size", "eos_id", "bos_id", "source", "fingerprint": "blake3:<hex>",
+                        "splits": {"train": {"shards": [{"file", "tokens"}, ...], "docs_file", "documents",
+                                             "tokens", "bytes"}, "val": ...}}
     tokenizer.json     the tokenizer, unless byte level
-    train.bin, val.bin raw token ids of that dtype, every document followed by its separator
-    train.docs.npy ... int64 start offsets of the documents
+    train-00000.bin .. the shards: raw token ids of that dtype, every document followed by its separator and
+                       in exactly one shard; a split's stream is its shards in order
+    train.docs.npy ... int64 start offsets of the documents in that stream
 
-`read_token_meta` checks the metadata against the files; `token_folder_corpus` memory-maps the splits
-with their documents' offsets; `token_fingerprint` is the data's identity (`boostjax.data.fingerprint`). Every problem is a ValueError of one line naming the file and the fix.
+Version 1 (still read, never rewritten) has one ``train.bin`` / ``val.bin`` per split (``"file"``
+instead of ``"shards"``) and may lack the fingerprint. `read_token_meta` checks the metadata against
+the files; `token_folder_corpus` opens the splits as `boostjax.data.shards.TokenShards` (a batch reads
+only its rows' bytes) with their documents' offsets; `token_fingerprint` is the data's identity
+(`boostjax.data.fingerprint`). Every problem is a ValueError of one line naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -17,22 +21,36 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 
 import numpy as np
 
 from boostjax.data import fingerprint
 from boostjax.data.corpus import MIN_SPLIT_TOKENS, TOKEN_DTYPES, Corpus, _unreadable
+from boostjax.data.shards import TokenShards
 
 META_FILE: str = "meta.json"  # a tokenised data folder is marked by this file
 TOKENS_FORMAT: str = "boostjax-tokens"
-TOKENS_VERSION: int = 1
+TOKENS_VERSION: int = 2  # the version boostjax tokenize writes
+READ_VERSIONS: tuple[int, ...] = (1, 2)
 SPLITS: tuple[str, ...] = ("train", "val")
 TOKENIZER_FILE: str = "tokenizer.json"  # as in boostjax.data.tokenizers
-# the files whose content is the data, in the order `fingerprint` names them
+# a version 1 folder's files whose content is the data, in the order `fingerprint` names them
 FINGERPRINT_FILES: tuple[str, ...] = tuple(f"{s}{ext}" for s in SPLITS for ext in (".bin", ".docs.npy"))
-# every file of a tokenised folder
+# every file of a tokenised folder but the shards (`is_folder_file`)
 FOLDER_FILES: frozenset[str] = frozenset({META_FILE, TOKENIZER_FILE}
                                          | {f"{s}{ext}" for s in SPLITS for ext in (".bin", ".docs.npy")})
+_SHARD = re.compile(r"(train|val)-[0-9]{5,}\.bin")
+
+
+def shard_name(split: str, i: int) -> str:
+    """The file of shard ``i`` of a split: ``train-00000.bin``, ``train-00001.bin``, ..."""
+    return f"{split}-{i:05d}.bin"
+
+
+def is_folder_file(name: str) -> bool:
+    """Whether ``name`` is a file a tokenised folder holds (of either version)."""
+    return name in FOLDER_FILES or _SHARD.fullmatch(name) is not None
 
 
 def is_token_folder(path: str | os.PathLike) -> bool:
@@ -94,8 +112,10 @@ def check_token_meta(p: pathlib.Path, d: object) -> dict:
         raise _meta_error(p, f"not a {TOKENS_FORMAT} metadata file")
     if d.get("incomplete"):
         raise _meta_error(p, "an interrupted boostjax tokenize left this folder incomplete")
-    if d.get("version") != TOKENS_VERSION:
-        raise _meta_error(p, f"version {d.get('version')!r}; this boostjax reads version {TOKENS_VERSION}")
+    version = d.get("version")
+    if isinstance(version, bool) or version not in READ_VERSIONS:
+        raise _meta_error(p, f"version {version!r}; this boostjax reads versions "
+                             f"{', '.join(map(str, READ_VERSIONS))}")
     if d.get("dtype") not in TOKEN_DTYPES:
         raise _meta_error(p, f"dtype must be one of {', '.join(TOKEN_DTYPES)}, got {d.get('dtype')!r}")
     vocab = _int_field(d, "vocab_size", p, 1)
@@ -111,42 +131,76 @@ def check_token_meta(p: pathlib.Path, d: object) -> dict:
     if tok != "byte" and not (p / tok).is_file():
         raise _meta_error(p, f"names the tokenizer {tok} but {p / tok} is missing")
     fp = d.get("fingerprint")
-    if fp is not None and not (isinstance(fp, str) and fingerprint.PATTERN.fullmatch(fp)):
+    if (fp is not None or version > 1) and not (isinstance(fp, str) and fingerprint.PATTERN.fullmatch(fp)):
         raise _meta_error(p, f"fingerprint must be 'blake3:' and 64 hex digits, got {fp!r}")
     splits = d.get("splits")
     if not isinstance(splits, dict) or set(splits) != set(SPLITS):
         raise _meta_error(p, f"splits must name exactly {', '.join(SPLITS)}")
-    itemsize = np.dtype(d["dtype"]).itemsize
     for name in SPLITS:
         s = splits[name]
-        if not isinstance(s, dict) or s.get("file") != f"{name}.bin" or s.get("docs_file") != f"{name}.docs.npy":
-            raise _meta_error(p, f"split {name} must name {name}.bin and {name}.docs.npy")
+        if not isinstance(s, dict) or s.get("docs_file") != f"{name}.docs.npy":
+            raise _meta_error(p, f"split {name} must name {name}.docs.npy")
         tokens = _int_field(s, "tokens", p, MIN_SPLIT_TOKENS, f"splits.{name}.")
         _int_field(s, "documents", p, 1, f"splits.{name}.")
         _int_field(s, "bytes", p, 0, f"splits.{name}.")
-        f = p / s["file"]
-        try:
-            size = os.stat(f).st_size
-        except FileNotFoundError:
-            raise _meta_error(p, f"{f} is missing") from None
-        except OSError as e:
-            raise _unreadable(f, e) from None
-        if size != tokens * itemsize:
-            raise _meta_error(p, f"{f} has {size} bytes but the metadata says {tokens} {d['dtype']} tokens "
-                                 f"({tokens * itemsize} bytes)")
+        shards = _shards(p, d, name, version)
+        if sum(n for _, n in shards) != tokens:
+            raise _meta_error(p, f"the shards of split {name} hold {sum(n for _, n in shards)} tokens but "
+                                 f"splits.{name}.tokens says {tokens}")
+        for f, n in shards:
+            _check_size(p, p / f, n, d["dtype"])
     return d
 
 
-def token_split(folder: str | os.PathLike, meta: dict, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(memory-mapped tokens, document start offsets) of one split of a tokenised folder whose
-    metadata `read_token_meta` gave."""
+def _shards(p: pathlib.Path, d: dict, name: str, version: int) -> list[tuple[str, int]]:
+    """(file, tokens) of each shard of a split, as ``meta.json`` names them (version 1: its one file)."""
+    s = d["splits"][name]
+    if version == 1:
+        if s.get("file") != f"{name}.bin":
+            raise _meta_error(p, f"split {name} must name {name}.bin and {name}.docs.npy")
+        return [(s["file"], s["tokens"])]
+    shards = s.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise _meta_error(p, f"splits.{name}.shards must be a non-empty list of {{file, tokens}}")
+    out = []
+    for i, sh in enumerate(shards):
+        if not isinstance(sh, dict) or sh.get("file") != shard_name(name, i):
+            raise _meta_error(p, f"splits.{name}.shards[{i}] must name {shard_name(name, i)}, got "
+                                 f"{sh.get('file') if isinstance(sh, dict) else sh!r}")
+        out.append((sh["file"], _int_field(sh, "tokens", p, 1, f"splits.{name}.shards[{i}].")))
+    return out
+
+
+def _check_size(p: pathlib.Path, f: pathlib.Path, tokens: int, dtype: str) -> None:
+    try:
+        size = os.stat(f).st_size
+    except FileNotFoundError:
+        raise _meta_error(p, f"{f} is missing") from None
+    except OSError as e:
+        raise _unreadable(f, e) from None
+    if size != tokens * np.dtype(dtype).itemsize:
+        raise _meta_error(p, f"{f} has {size} bytes but the metadata says {tokens} {dtype} tokens "
+                             f"({tokens * np.dtype(dtype).itemsize} bytes)")
+
+
+def split_files(folder: str | os.PathLike, meta: dict, name: str) -> list[pathlib.Path]:
+    """The token files of one split, in reading order (version 1: ``train.bin``; 2: the shards)."""
+    s = meta["splits"][name]
+    return [pathlib.Path(folder) / (sh["file"] if "shards" in s else sh) for sh in s.get("shards", [s.get("file")])]
+
+
+def token_split(folder: str | os.PathLike, meta: dict, name: str) -> tuple[TokenShards, np.ndarray]:
+    """(the tokens as `TokenShards`, document start offsets) of one split of a tokenised folder whose
+    metadata `read_token_meta` gave. Only the offsets are read now; the tokens, as they are indexed."""
     folder = pathlib.Path(folder)
     s = meta["splits"][name]
+    files = split_files(folder, meta, name)
+    counts = [sh["tokens"] for sh in s["shards"]] if "shards" in s else [s["tokens"]]
+    tokens = TokenShards(files, counts, meta["dtype"])
     try:
-        tokens = np.memmap(folder / s["file"], dtype=np.dtype(meta["dtype"]), mode="r")
         docs = np.load(folder / s["docs_file"], allow_pickle=False)
     except OSError as e:
-        raise _unreadable(folder / s["file"], e) from None
+        raise _unreadable(folder / s["docs_file"], e) from None
     except ValueError as e:
         raise _meta_error(folder, f"{s['docs_file']} is not a numpy array file ({e})") from None
     n = s["documents"]

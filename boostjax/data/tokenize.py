@@ -18,13 +18,16 @@ Split: document ``i`` (in that order) is held out for validation iff ``i % val_e
 is. A trained tokenizer (``train:VOCAB``) sees the training documents only.
 
 The folder (read back by `boostjax.data.token_folder`): ``meta.json``, ``tokenizer.json`` (unless
-byte level), ``train.bin`` / ``val.bin`` (raw ids; every document is followed by the tokenizer's
-end-of-document id, or by the bytes ``"\\n\\n"`` at byte level) and ``train.docs.npy`` / ``val.docs.npy``
-(int64 start offsets). ``bytes`` per split counts the UTF-8 bytes its tokens stand for (the documents and,
-at byte level, their separators; an end-of-document token stands for none), so bits per byte are
-comparable between tokenizers. ``fingerprint`` in ``meta.json`` is the content of the four token files
-(`boostjax.data.fingerprint`), hashed as they are written. Everything is written under temporary names and renamed into place with
-``meta.json`` last: a crash never leaves a ``meta.json`` describing incomplete files.
+byte level), the shards ``train-00000.bin``, ... / ``val-00000.bin``, ... (raw ids; every document is
+followed by the tokenizer's end-of-document id, or by the bytes ``"\\n\\n"`` at byte level, and lies in
+one shard, closed at the first document end from ``shard_tokens`` tokens on) and ``train.docs.npy`` /
+``val.docs.npy`` (int64 start offsets in the split's stream, its shards in order). ``bytes`` per split
+counts the UTF-8 bytes its tokens stand for (the documents and, at byte level, their separators; an
+end-of-document token stands for none), so bits per byte are comparable between tokenizers.
+``fingerprint`` in ``meta.json`` is the content of the splits' streams and offsets
+(`boostjax.data.fingerprint`; the same for any shard size), hashed as they are written. Everything is
+written under temporary names and renamed into place with ``meta.json`` last: a crash never leaves a
+``meta.json`` describing incomplete files.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ from boostjax.data.token_folder import (
     SPLITS,
     TOKENS_FORMAT,
     TOKENS_VERSION,
+    is_folder_file,
     is_token_folder,
+    shard_name,
 )
 from boostjax.data.tokenizers import (
     MIN_TRAINED_VOCAB,
@@ -78,7 +83,8 @@ IN_FLIGHT: int = 2  # batches per worker dispatched and not yet written
 PROGRESS_BYTES: int = 16 << 20  # a progress bar from this much input on
 MAX_TRAINED_VOCAB: int = 1 << 20
 BYTE_SEP: bytes = corpus.FILE_SEP  # b"\n\n" after every document at byte level
-OUTPUT_FILES: frozenset[str] = FOLDER_FILES
+OUTPUT_FILES: frozenset[str] = FOLDER_FILES  # and the shards, train-00000.bin ... (`is_folder_file`)
+SHARD_TOKENS: int = 1 << 27  # a shard is closed at the first document end from this many tokens on
 _BLANK = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")
 
 
@@ -392,7 +398,7 @@ def check_out(out: str | os.PathLike) -> bool:
     mine = {n for n in names if n.startswith(TMP_PREFIX)}
     if not names - mine:
         return False
-    ours = (p / META_FILE).is_file() and is_token_folder(p) and not names - mine - OUTPUT_FILES
+    ours = (p / META_FILE).is_file() and is_token_folder(p) and all(is_folder_file(n) for n in names - mine)
     if not ours:
         raise _err(f"out: {p} is not empty and is not an earlier boostjax tokenize output; fix: pass a new or empty "
                    "folder to --out (boostjax never overwrites files it did not write)")
@@ -400,13 +406,15 @@ def check_out(out: str | os.PathLike) -> bool:
 
 
 class _Writer:
-    """Token ids and document offsets of one split, appended to temporary files in the output folder
-    and hashed as they are written (the folder's fingerprint costs no second read)."""
+    """Token ids and document offsets of one split, appended to temporary shard files in the output
+    folder (a shard is closed after the document that brings it to ``shard_tokens`` tokens) and hashed
+    as one stream as they are written (the folder's fingerprint costs no second read)."""
 
-    def __init__(self, folder: pathlib.Path, name: str, dtype: str):
-        self.name, self.dtype = name, np.dtype(dtype)
-        self.tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{name}.bin"
-        self.f = open(self.tmp, "wb")
+    def __init__(self, folder: pathlib.Path, name: str, dtype: str, shard_tokens: int):
+        self.folder, self.name, self.dtype, self.shard_tokens = folder, name, np.dtype(dtype), shard_tokens
+        self.tmps: list[pathlib.Path] = []  # the shards' temporary files, in order
+        self.counts: list[int] = []  # their tokens
+        self.f = None
         self.starts: list[np.ndarray] = []
         self.tokens = self.bytes = self.docs = 0
         self.hash = blake3.blake3()
@@ -418,18 +426,34 @@ class _Writer:
         self.starts.append(self.tokens + np.concatenate(([0], np.cumsum(n_tokens[:-1]))))
         self.docs += len(n_tokens)
         data = np.ascontiguousarray(flat, dtype=self.dtype)
-        self.f.write(data)
         self.hash.update(data.view(np.uint8))
+        ends = np.cumsum(n_tokens)  # where each document ends in `data`
+        lo = 0
+        while lo < len(data):
+            if self.f is None:
+                self.tmps.append(self.folder / f"{TMP_PREFIX}{os.getpid()}-{shard_name(self.name, len(self.tmps))}")
+                self.counts.append(0)
+                self.f = open(self.tmps[-1], "wb")
+            j = int(np.searchsorted(ends, lo + self.shard_tokens - self.counts[-1]))  # the document that fills it
+            hi = int(ends[min(j, len(ends) - 1)])
+            self.f.write(data[lo:hi])
+            self.counts[-1] += hi - lo
+            if j < len(ends):
+                self.f.close()
+                self.f = None
+            lo = hi
         self.tokens += int(n_tokens.sum())
         self.bytes += int(n_bytes.sum())
 
     def close(self) -> None:
-        if not self.f.closed:
+        if self.f is not None:
             self.f.close()
+            self.f = None
 
     def meta(self) -> dict:
-        return {"file": f"{self.name}.bin", "docs_file": f"{self.name}.docs.npy", "documents": self.docs,
-                "tokens": self.tokens, "bytes": self.bytes}
+        return {"shards": [{"file": shard_name(self.name, i), "tokens": n} for i, n in enumerate(self.counts)],
+                "docs_file": f"{self.name}.docs.npy", "documents": self.docs, "tokens": self.tokens,
+                "bytes": self.bytes}
 
 
 def _source(paths: list[str]) -> str | list[str]:
@@ -551,7 +575,7 @@ def _encode_all(files: list[records.Input], doc_sep: str, text_field: str, skip_
 def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "byte", *,
                     doc_sep: str | None = None, val_every: int = VAL_EVERY, progress: bool = True,
                     log: Callable[[str], None] | None = None, text_field: str = TEXT_FIELD,
-                    skip_bad: bool = False, workers: int | None = None) -> dict:
+                    skip_bad: bool = False, workers: int | None = None, shard_tokens: int = SHARD_TOKENS) -> dict:
     """Tokenise ``data`` (a path or a list of paths, folders or globs: text, JSONL, Parquet, Arrow,
     `boostjax.data.records`) into the folder ``out`` and return its metadata (``meta.json``).
 
@@ -563,7 +587,8 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
     anything is written, a bad record (unless ``skip_bad``: then counted in ``meta["skipped"]``) when the
     single streaming pass meets it, removing what it wrote; ``out`` may be new, empty, or an earlier output
     of this function (replaced). ``workers``: processes that encode with a `tokenizers` tokenizer (default:
-    all cores); the output is the same for any number. The workers are started with multiprocessing's
+    all cores); the output is the same for any number. ``shard_tokens``: a split's shard file is closed
+    at the first document end from this many tokens on (`_Writer`). The workers are started with multiprocessing's
     ``spawn`` (no fork of a process that may run JAX threads), so a script calling this at its top level
     needs the usual ``if __name__ == "__main__":`` guard."""
     paths = _paths(data)
@@ -576,6 +601,9 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise _err(f"workers: must be an integer >= 1, got {workers!r}; fix: pass e.g. --workers "
                    f"{default_workers()} (all cores)")
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise _err(f"shard_tokens: must be an integer >= 1, got {shard_tokens!r}; fix: pass e.g. --shard-tokens "
+                   f"{SHARD_TOKENS} (the default)")
     tok, train_vocab = parse_tokenizer(tokenizer)
     files = inputs(paths)
     held = [i.path for i in files if i.format != "text"]
@@ -606,8 +634,7 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
     tmp_files: list[pathlib.Path] = []
     try:
         for s in SPLITS:
-            tmp_files.append(folder / f"{TMP_PREFIX}{os.getpid()}-{s}.bin")
-            writers[s] = _Writer(folder, s, dtype)
+            writers[s] = _Writer(folder, s, dtype, shard_tokens)
         splitter = _Splitter(writers["train"], writers["val"], val_every, sep_bytes)
         encoder = _Encoder(tok, sep, dtype, default_workers() if workers is None else workers)
         try:  # one pass: every record checked as it is encoded and written (a bad one removes the files)
@@ -654,8 +681,13 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
             stub.write_text(json.dumps({"format": TOKENS_FORMAT, "version": TOKENS_VERSION, "incomplete": True}))
             os.replace(stub, folder / META_FILE)
         for w in writers.values():
-            os.replace(w.tmp, folder / f"{w.name}.bin")
+            for i, tmp in enumerate(w.tmps):
+                os.replace(tmp, folder / shard_name(w.name, i))
             os.replace(folder / f"{TMP_PREFIX}{os.getpid()}-{w.name}.docs.npy", folder / f"{w.name}.docs.npy")
+        written = {shard_name(w.name, i) for w in writers.values() for i in range(len(w.tmps))}
+        for f in folder.iterdir():  # an earlier output's token files this one has not (more shards, a train.bin)
+            if f.name.endswith(".bin") and is_folder_file(f.name) and f.name not in written:
+                f.unlink()
         if kind != "byte":
             os.replace(tok_tmp, folder / TOKENIZER_FILE)
         else:
@@ -664,7 +696,7 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
     except BaseException:
         for w in writers.values():
             w.close()
-        for f in tmp_files:
+        for f in tmp_files + [t for w in writers.values() for t in w.tmps]:
             f.unlink(missing_ok=True)
         if created:
             try:
