@@ -339,6 +339,16 @@ class TrainConfig:
                             resume="mutable")
     eval_every: int = option(100, "validation loss every N steps (and at the last step)", resume="mutable")
     eval_batches: int = option(4, "held-out batches averaged for each validation loss", resume="mutable")
+    eval_at_start: bool = option(False, "validation loss at step 0 too, before the first update (the 'before' of a "
+                                        "fine-tune; a resumed run does not repeat it)", resume="mutable")
+    # distillation (boostjax.training.distill): loss = W T^2 KL(teacher || student at temperature T) + (1 - W) CE
+    distill_from: str = option("", "train on KL to a frozen teacher's logits: a Hugging Face LLaMA folder, a Llama "
+                                   ".gguf file or a boostjax run folder (its newest checkpoint) of the student's "
+                                   "vocabulary and the data's tokenizer; '' = no teacher")
+    distill_temperature: float = option(1.0, "with --distill-from: temperature T of both softmaxes in the KL term "
+                                             "(the term is scaled by T^2); > 0", resume="mutable")
+    distill_weight: float = option(0.5, "with --distill-from: W, the KL term's share of the loss (1 - W on the "
+                                        "cross-entropy to the data), in [0, 1]", resume="mutable")
     strategy: Strategy = option("none", "tensor-parallel strategy over the mesh's model axis: none, fullrank-tp "
                                         "(Megatron, llama only), vanilla-tp (low-rank factors split along r), "
                                         "btp (BOOST's bottleneck TP, low-rank kinds); all but none need --mesh",

@@ -43,7 +43,9 @@ TRAIN_GROUPS: dict[str, tuple[str, ...]] = {
     "memory": ("remat", "offload_plan"),
     "multi-host": ("coordinator", "num_processes", "process_id", "init_timeout"),
     "checkpoints": ("ckpt_every", "keep_ckpts"),
-    "observability": ("log_every", "eval_every", "eval_batches", "progress", "tensorboard", "profile", "hardware"),
+    "observability": ("log_every", "eval_every", "eval_batches", "eval_at_start", "progress", "tensorboard", "profile",
+                      "hardware"),
+    "distillation (--distill-from)": ("distill_from", "distill_temperature", "distill_weight"),
     "initialisation from a pretrained checkpoint": ("init_from_hf", "init_factor", "calib_tokens"),
 }
 

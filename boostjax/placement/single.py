@@ -11,17 +11,21 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from boostjax.config import Config
+from boostjax.models.collectives import LOCAL
 from boostjax.models.ops import cast_params
 from boostjax.placement.base import Canonical, Role
 from boostjax.sharding import rules
 
 
-def local_loss_fn(cfg: Config, graphdef, remat: Any = None):
-    """Mean next-token cross-entropy on one device (`remat`: a policy name or an offload schedule)."""
+def local_loss_fn(cfg: Config, graphdef, remat: Any = None, objective: Any = None):
+    """Mean next-token cross-entropy on one device (`remat`: a policy name or an offload schedule);
+    with `objective`, `objective(logits_btv, batch, coll)` instead (e.g. distillation's)."""
     remat = cfg.train.remat if remat is None else remat
 
     def loss_fn(params, batch):
         model = nnx.merge(graphdef, cast_params(params, cfg.train.dtype))
+        if objective is not None:
+            return objective(model(batch["inputs"], remat=remat, segments=batch.get("segments")), batch, LOCAL)
         return model.loss(batch["inputs"], batch["targets"], remat=remat, segments=batch.get("segments"))
 
     return loss_fn
@@ -37,6 +41,7 @@ class SingleDevice(Canonical):
     info: dict = field(default_factory=dict)
     compiler_options: None = None
     grad_fn: None = None
+    objective: Any = None  # (logits_btv, batch, coll) -> loss or (loss, aux); None: cross-entropy
 
     @property
     def batch_sharding(self) -> SingleDeviceSharding:
@@ -52,4 +57,4 @@ class SingleDevice(Canonical):
 
     @cached_property
     def loss_fn(self):
-        return local_loss_fn(self.cfg, self.graphdef, self.remat)
+        return local_loss_fn(self.cfg, self.graphdef, self.remat, self.objective)

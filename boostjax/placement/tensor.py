@@ -20,21 +20,29 @@ from boostjax.sharding.mesh import loss_mesh
 from boostjax.sharding import rules, zero
 
 
-def _local_loss(cfg: Config, graphdef, mesh: Mesh, specs: Any, remat: Any) -> tuple[Callable, Mesh, P, Any]:
+def _local_loss(cfg: Config, graphdef, mesh: Mesh, specs: Any, remat: Any, objective: Any = None
+                ) -> tuple[Callable, Mesh, P, Any]:
     """`(local, inner mesh, rows spec, specs)`: the loss of one device's rows under the strategy's
-    collectives (`local(params, inputs_bt, targets_bt, segments_bt=None)`), the mesh its `shard_map`
-    runs over, and the parameters' specs there (all replicated on a `model` axis of size 1)."""
+    collectives (`local(params, inputs_bt, targets_bt, segments_bt=None, **extra)`), the mesh its `shard_map`
+    runs over, and the parameters' specs there (all replicated on a `model` axis of size 1). With
+    `objective`: `objective(logits_btv, rows, coll)` (the rows, targets included) instead of the cross-entropy."""
     coll = rules.STRATEGIES[cfg.train.strategy].collectives
     if mesh.shape[MODEL] == 1:
         coll = rules.STRATEGIES["none"].collectives
         specs = jax.tree.map(lambda _: P(), specs, is_leaf=is_spec)
     inner, rows = loss_mesh(mesh)
 
-    def local(params, inputs_bt, targets_bt, segments_bt=None):
+    def local(params, inputs_bt, targets_bt, segments_bt=None, **extra):
         model = nnx.merge(graphdef, cast_params(params, cfg.train.dtype))
+        if objective is not None:
+            logits_btv = model(inputs_bt, coll, remat, segments=segments_bt)
+            return objective(logits_btv, {"targets": targets_bt, **extra}, coll)
         return model.loss(inputs_bt, targets_bt, coll, remat, segments=segments_bt)
 
     return local, inner, rows, specs
+
+
+ROW_KEYS = ("inputs", "targets", "segments")  # the batch's token rows; any other key goes to the objective
 
 
 def _rows(batch: dict) -> tuple:
@@ -42,18 +50,27 @@ def _rows(batch: dict) -> tuple:
     return (batch["inputs"], batch["targets"]) + ((batch["segments"],) if "segments" in batch else ())
 
 
-def shard_loss_fn(cfg: Config, graphdef, mesh: Mesh, specs: Any, remat: Any) -> Callable[[Any, dict], jax.Array]:
-    """The mean loss over the global batch, computed by `shard_map` with the strategy's collectives."""
-    local, inner, rows, specs = _local_loss(cfg, graphdef, mesh, specs, remat)
+def shard_loss_fn(cfg: Config, graphdef, mesh: Mesh, specs: Any, remat: Any, objective: Any = None
+                  ) -> Callable[[Any, dict], jax.Array]:
+    """The mean loss over the global batch, computed by `shard_map` with the strategy's collectives
+    (with `objective`: its loss, or its (loss, aux), each averaged over `data`; the batch's other
+    rows, e.g. a teacher's logits, go to it split like the tokens)."""
+    local, inner, rows, specs = _local_loss(cfg, graphdef, mesh, specs, remat, objective)
 
-    def mean(*args):
-        loss = local(*args)
-        return jax.lax.pmean(loss, DATA) if DATA in inner.axis_names else loss
+    def mean(*args, **extra):
+        out = local(*args, **extra)
+        return jax.tree.map(lambda x: jax.lax.pmean(x, DATA), out) if DATA in inner.axis_names else out
 
     sharded = jax.shard_map(mean, mesh=inner, in_specs=(specs, rows, rows), out_specs=P())
     with_segments = jax.shard_map(mean, mesh=inner, in_specs=(specs, rows, rows, rows), out_specs=P())
 
     def loss_fn(params, batch):
+        extra = {k: v for k, v in batch.items() if k not in ROW_KEYS}
+        if extra:
+            n = len(_rows(batch))
+            with_extra = jax.shard_map(lambda p, r, e: mean(p, *r, **e), mesh=inner,
+                                       in_specs=(specs, (rows,) * n, {k: rows for k in extra}), out_specs=P())
+            return with_extra(params, _rows(batch), extra)
         return (with_segments if "segments" in batch else sharded)(params, *_rows(batch))
 
     return loss_fn
@@ -79,6 +96,7 @@ class TensorParallel(Canonical):
     mesh: Mesh
     params_like: Any  # canonical parameter shapes
     remat: Any = None  # None: `cfg.train.remat`
+    objective: Any = None  # (logits_btv, rows, coll) -> loss or (loss, aux); None: cross-entropy
 
     @property
     def info(self) -> dict:
@@ -124,8 +142,8 @@ class TensorParallel(Canonical):
     def grad_fn(self):
         """The data-parallel gradient, summed over `data` explicitly (`boostjax.sharding.zero`):
         reduce-scattered where ZeRO (stage >= 1) splits it, all-reduced otherwise. None without a
-        `data` axis of more than one device (the step differentiates `loss_fn`)."""
-        if self.mesh.shape[DATA] == 1:
+        `data` axis of more than one device, or with an `objective` (the step differentiates `loss_fn`)."""
+        if self.mesh.shape[DATA] == 1 or self.objective is not None:
             return None
         like = self.to_state_like
         specs = self.param_specs(like)
@@ -133,7 +151,7 @@ class TensorParallel(Canonical):
 
     def make_loss_fn(self, specs: Any, remat: Any) -> Callable:
         """The mean loss over the mesh of parameters laid out by `specs`."""
-        return shard_loss_fn(self.cfg, self.graphdef, self.mesh, specs, remat)
+        return shard_loss_fn(self.cfg, self.graphdef, self.mesh, specs, remat, self.objective)
 
     def make_grad_fn(self, specs: Any, split: Any, remat: Any) -> Callable:
         """(loss, gradient) with the gradient summed over `data` into the layout `split`."""

@@ -4,9 +4,9 @@ so a job checks it once.
 
 In order: the fields (`boostjax.config.validate`), the hardware profile, what the placement can run
 (`boostjax.placement.check`: strategy and mesh against the shapes, pipeline stages, an offload plan),
-the data (`boostjax.data.source`: it reads a token file once, in chunks) and last, with
+the data (`boostjax.data.source`: it reads a token file once, in chunks), with
 `--init-from-hf`, the checkpoint's tokenizer against a tokenised folder's and `--calib-tokens` against
-the data's training split.
+the data's training split, and last a `--distill-from` teacher (`boostjax.training.distill.check`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from boostjax.config import validate as validate_fields
 from boostjax.data.source import Source, check_source, resolve_source
 from boostjax.interop.pretrained import check_calibration, check_source_tokenizer
 from boostjax.runtime.hardware import check_hardware
+from boostjax.training import distill
 
 
 def check_run_data(t: TrainConfig, m: ModelConfig) -> Source:
@@ -45,4 +46,5 @@ def validate(cfg: Config) -> Config:
     for one in (p.source for p in source.parts) if source.kind == "mixture" else (source,):
         check_source_tokenizer(cfg, one)
     check_calibration(cfg, source)
+    distill.check(cfg, source)
     return mark_validated(cfg)

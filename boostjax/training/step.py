@@ -3,11 +3,13 @@
 `build_step_fns` is a straight line: the placement (`boostjax.placement.choose`) says where the
 state lives and what loss to differentiate, the optimizer says how its state is laid out, and the
 step (`train_step`) is the same for every placement. Parameters stay fp32; with `dtype="bfloat16"`
-they are cast for the compute.
+they are cast for the compute. With a teacher (`boostjax.training.distill`) the step takes its
+parameters as a third argument and the placement's loss is the distillation objective.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -24,6 +26,7 @@ from boostjax.optim.registry import has_lr
 from boostjax.placement import Placement, choose, on_host, to_device, to_home
 from boostjax.sharding import rules
 from boostjax.sharding.zero import micro_batches
+from boostjax.training import distill
 
 
 class TrainState(NamedTuple):
@@ -48,6 +51,7 @@ class StepFns:
     info: dict = field(default_factory=dict)  # the placement's facts (pipeline schedule, bubble fraction)
     # (state, batch) -> the step traced for them; calling it compiles (`compile` is both at once)
     lower: Callable[[TrainState, dict], Callable[[], Callable]] | None = None
+    teacher: dict = field(default_factory=dict)  # the placed teacher's memory (`distill.memory`); {} without one
 
 
 def optimizer_for(cfg: Config, pl: Placement, state_like: Any) -> optax.GradientTransformation:
@@ -60,7 +64,8 @@ def optimizer_for(cfg: Config, pl: Placement, state_like: Any) -> optax.Gradient
 
 def train_step(loss_fn, tx: optax.GradientTransformation, *, accum: int = 1,
                micro_sharding: Any = None, accum_sharding: Any = None, homes: TrainState | None = None,
-               grad_fn: Callable[[Any, dict], tuple[jax.Array, Any]] | None = None):
+               grad_fn: Callable[[Any, dict], tuple[jax.Array, Any]] | None = None,
+               teacher: Callable[[Any, dict], jax.Array] | None = None):
     """`step(state, batch) -> (state, metrics)`, the one step every placement trains with.
 
     With `state.delay` (asynchronous pipeline emulation) the gradient is taken at the per-stage
@@ -69,35 +74,51 @@ def train_step(loss_fn, tx: optax.GradientTransformation, *, accum: int = 1,
     `accum` N > 1 (gradient accumulation): the batch holds N micro-batches (`micro_batches`); a
     `lax.scan` sums their losses and fp32 gradients (the running sum laid out by `accum_sharding`)
     and the optimizer applies the mean once. `grad_fn` (`Placement.grad_fn`, ZeRO's reduce-scattered
-    gradient) replaces all of it: it takes the whole batch, micro-batches included.
+    gradient) replaces all of it: it takes the whole batch, micro-batches included. `teacher`
+    (`distill.forward`): the step is `step(state, batch, teacher_params)`, the batch gets the
+    teacher's logits (`"teacher"`, no gradient) and `loss_fn` returns `(loss, {"kl", "ce"})`, both
+    in the metrics.
     """
+    def one(at, mb):  # (loss, its parts, grads) of one (micro-)batch
+        if teacher is None:
+            loss, g = jax.value_and_grad(loss_fn)(at, mb)
+            return loss, {}, g
+        (loss, parts), g = jax.value_and_grad(loss_fn, has_aux=True)(at, mb)
+        return loss, parts, g
+
     def value_and_grad(at, batch):
         if grad_fn is not None:
-            return grad_fn(at, batch)
+            loss, g = grad_fn(at, batch)
+            return loss, {}, g
         if accum == 1:
-            return jax.value_and_grad(loss_fn)(at, batch)
+            return one(at, batch)
         keep = (lambda t: t) if accum_sharding is None else (
             lambda t: jax.lax.with_sharding_constraint(t, accum_sharding))
 
         def add(carry, mb):
-            loss_sum, g_sum = carry
-            loss, g = jax.value_and_grad(loss_fn)(at, mb)
+            loss_sum, parts_sum, g_sum = carry
+            loss, parts, g = one(at, mb)
             g_sum = keep(jax.tree.map(lambda s, x: s + x.astype(jnp.float32), g_sum, g))
-            return (loss_sum + loss.astype(jnp.float32), g_sum), None
+            parts_sum = jax.tree.map(lambda s, x: s + x.astype(jnp.float32), parts_sum, parts)
+            return (loss_sum + loss.astype(jnp.float32), parts_sum, g_sum), None
 
         zeros = keep(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), at))
-        (loss_sum, g_sum), _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), zeros),
-                                            micro_batches(batch, accum, micro_sharding))
-        return loss_sum / accum, jax.tree.map(lambda s, p: (s / accum).astype(p.dtype), g_sum, at)
+        no_parts = {} if teacher is None else {"kl": jnp.zeros((), jnp.float32), "ce": jnp.zeros((), jnp.float32)}
+        (loss_sum, parts_sum, g_sum), _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), no_parts, zeros),
+                                                       micro_batches(batch, accum, micro_sharding))
+        return (loss_sum / accum, jax.tree.map(lambda s: s / accum, parts_sum),
+                jax.tree.map(lambda s, p: (s / accum).astype(p.dtype), g_sum, at))
 
-    def step(state: TrainState, batch):
+    def step(state: TrainState, batch, teacher_params=None):
         if homes is not None:
             state = to_device(state, homes)
+        if teacher is not None:
+            batch = {**batch, "teacher": teacher(teacher_params, batch)}
         at = state.params if state.delay is None else delay.delayed_params(state.delay)
-        loss, grads = value_and_grad(at, batch)
+        loss, parts, grads = value_and_grad(at, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        metrics = {"loss": loss, **parts, "grad_norm": optax.tree.norm(grads)}
         if has_lr(opt_state):  # `build_optimizer` injects it (optax.inject_hyperparams)
             metrics["lr"] = current_lr(opt_state)
         history = None if state.delay is None else delay.delay_push(state.delay, params)
@@ -126,11 +147,14 @@ class Layout:
         return any(on_host(s) for s in jax.tree.leaves(self.homes))
 
 
-def step_layout(cfg: Config, graphdef, params_like: Any, placement: Placement | None = None) -> Layout:
+def step_layout(cfg: Config, graphdef, params_like: Any, placement: Placement | None = None,
+                objective: Callable | None = None) -> Layout:
     """The placement (`placement`, or the one `cfg` asks for), optimizer and the sharding of every
-    leaf of the state and the batch."""
+    leaf of the state and the batch. `objective`: the placement's loss (`distill.objective`)."""
     t = cfg.train
     pl = choose(cfg, graphdef, params_like) if placement is None else placement
+    if objective is not None:  # `distill.check` refused the placements without one (pipeline, offload)
+        pl = dataclasses.replace(pl, objective=objective)  # type: ignore[type-var]
     state_like = jax.eval_shape(pl.to_state, params_like)
     tx = optimizer_for(cfg, pl, state_like)
     pspecs = pl.param_specs(state_like)
@@ -167,28 +191,40 @@ def train_state_shapes(cfg: Config, graphdef, params_like: Any) -> tuple[TrainSt
     return _shapes(lay.like, lay.homes), batch
 
 
-def layout_step(cfg: Config, lay: Layout) -> Callable:
+def layout_step(cfg: Config, lay: Layout, teacher: Callable | None = None) -> Callable:
     """The (unjitted) training step on `lay`'s placement, as `StepFns.compile` jits it: lower it with
-    `train_state_shapes` to compile the step abstractly."""
+    `train_state_shapes` to compile the step abstractly. `teacher`: `distill.forward`."""
     pl = lay.placement
     return train_step(pl.loss_fn, lay.tx, accum=cfg.train.grad_accum, micro_sharding=pl.micro_sharding,
-                      accum_sharding=lay.grads, homes=lay.homes if lay.hosted else None, grad_fn=pl.grad_fn)
+                      accum_sharding=lay.grads, homes=lay.homes if lay.hosted else None, grad_fn=pl.grad_fn,
+                      teacher=teacher)
 
 
-def jit_step(cfg: Config, lay: Layout) -> Callable:
+def jit_step(cfg: Config, lay: Layout, teacher: Callable | None = None) -> Callable:
     """`layout_step` jitted as `StepFns.compile` jits it: the state donated and returned in the layout (and
     memory) it came in, unused inputs kept. Compile it with `lay.placement.compiler_options`."""
     kw = {}
     if lay.placement.mesh is not None:
         kw["out_shardings"] = (lay.homes, NamedSharding(lay.placement.mesh, P()))
-    return jax.jit(layout_step(cfg, lay), donate_argnums=(0,), keep_unused=True, **kw)
+    return jax.jit(layout_step(cfg, lay, teacher), donate_argnums=(0,), keep_unused=True, **kw)
 
 
-def build_step_fns(cfg: Config, graphdef, params_like: Any, placement: Placement | None = None) -> StepFns:
+def build_step_fns(cfg: Config, graphdef, params_like: Any, placement: Placement | None = None,
+                   teacher: distill.Teacher | None = None) -> StepFns:
     """Step functions for `placement`, or the placement `cfg` asks for (one device when no mesh is
-    given); a placement built by hand (e.g. `Offloaded` with a `Plan` object) must pass `check`."""
-    lay = step_layout(cfg, graphdef, params_like, placement)
-    pl, t, homes = lay.placement, cfg.train, lay.homes
+    given); a placement built by hand (e.g. `Offloaded` with a `Plan` object) must pass `check`.
+    `teacher` (`distill.load`): its params are placed here and every step distils from them."""
+    t = cfg.train
+    objective = None if teacher is None else distill.objective(t.distill_temperature, t.distill_weight)
+    lay = step_layout(cfg, graphdef, params_like, placement, objective)
+    pl, homes = lay.placement, lay.homes
+    forward = tparams = None
+    memory: dict = {}
+    if teacher is not None:
+        forward = distill.forward(teacher.model, pl.mesh)
+        tparams = distill.place(teacher, pl.mesh, t.zero, t.dtype)
+        memory = {"params": teacher.n_params,
+                  **distill.memory(tparams, t.batch * t.grad_accum * t.seq * teacher.model.vocab_size * 4)}
 
     rest_homes = (homes.step, homes.opt_state, homes.delay)
 
@@ -216,8 +252,16 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any, placement: Placement
             return put_global_batch(lay.batch, local * share[1])(batch)
 
     def lower_step(state: TrainState, batch) -> Callable[[], Callable]:
-        lowered = jit_step(cfg, lay).lower(state, put_batch(batch))
-        return lambda: lowered.compile(compiler_options=pl.compiler_options)
+        if forward is None:
+            lowered = jit_step(cfg, lay).lower(state, put_batch(batch))
+            return lambda: lowered.compile(compiler_options=pl.compiler_options)
+        lowered = jit_step(cfg, lay, forward).lower(state, put_batch(batch), tparams)
+
+        def compile_with_teacher() -> Callable:
+            compiled = lowered.compile(compiler_options=pl.compiler_options)
+            return lambda s, b: compiled(s, b, tparams)
+
+        return compile_with_teacher
 
     def compile_step(state: TrainState, batch):
         return lower_step(state, batch)()
@@ -227,7 +271,7 @@ def build_step_fns(cfg: Config, graphdef, params_like: Any, placement: Placement
 
     return StepFns(init=init, compile=compile_step, eval_loss=jax.jit(eval_loss), put_batch=put_batch,
                    loss_fn=pl.loss_fn, batch_share=share, to_canonical=pl.to_canonical, info=dict(pl.info),
-                   lower=lower_step)
+                   lower=lower_step, teacher=memory)
 
 
 def checkpoint_parts(state: TrainState) -> tuple[Any, Any]:

@@ -45,7 +45,7 @@ from boostjax.runs.folder import RunFolder
 from boostjax.runtime import multihost
 from boostjax.runtime.interrupt import StopSignals, phase
 from boostjax.runtime.signals import TrainingInterrupted
-from boostjax.training import prepare
+from boostjax.training import distill, prepare
 from boostjax.training.observe import PROFILE, FinishedSteps, StepProfiler, TensorBoard, hardware_profile, mfu
 from boostjax.training.prepare import say as _say
 from boostjax.training.prepare import stacked_layers
@@ -163,8 +163,12 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
             _say(f"resuming from the checkpoints in {folder.checkpoints}; the init= params are not used")
         report = start_from[1] if start_from is not None else (
             pretrained.fresh_report(cfg.model) if not run.resuming and cfg.model.low_rank else None)
+        teacher = None
+        if t.distill_from:  # read before any compile; a resumed run keeps its teacher
+            teacher = distill.load(t.distill_from)
+            distill.check_resume(folder.path, teacher, run.resuming)
         graphdef, like = abstract_model(cfg)
-        fns = build_step_fns(cfg, graphdef, like)  # checks strategy, mesh and shapes on shapes alone
+        fns = build_step_fns(cfg, graphdef, like, teacher=teacher)  # checks strategy, mesh and shapes on shapes alone
         stop.check_early()
         if start_from is not None:
             # a copy: the step donates its params, and `init` arrays are the caller's
@@ -203,6 +207,8 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
                 pretrained.copy_tokenizer(pretrained.source_tokenizer(cfg, one), folder.path)
                 if report is not None:
                     pretrained.write_report(folder.path, report)
+                if teacher is not None:
+                    distill.write_record(folder.path, teacher, fns.teacher)
             metrics = folder.trim_metrics(start, write=multihost.is_main_process())
             # 7. the loop
             result = _loop(cfg, graphdef, fns, step_fn, compile_s, ckpt, folder, stop, data, state, start, metrics,
@@ -352,7 +358,8 @@ def _loop(cfg: Config, graphdef, fns: StepFns, step_fn: Callable, compile_s: flo
             elapsed = time.perf_counter() - interval_t0
             s, m = pending[-1][0], fetched[-1]
             step_s = elapsed / max(interval_steps, 1)
-            rec = {"step": s, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+            rec = {"step": s, "loss": float(m["loss"]), **{k: float(m[k]) for k in ("kl", "ce") if k in m},
+                   "grad_norm": float(m["grad_norm"]),
                    "lr": float(m["lr"]), "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
                    "tflops_per_s": fpt * tokens_per_step / step_s / 1e12}
             if hw is not None:
@@ -366,6 +373,16 @@ def _loop(cfg: Config, graphdef, fns: StepFns, step_fn: Callable, compile_s: flo
         pending = []
         interval_t0, interval_steps = time.perf_counter(), 0
 
+    def evaluate(at: int) -> None:
+        log({"step": at, **val_record({k: (w, _evaluate(fns, state.params, b)) for k, (w, b) in val_sets.items()})})
+
+    if t.eval_at_start and start == 0 and not any(m["step"] == 0 and "val_loss" in m for m in metrics):
+        evaluate(0)  # the parameters before the first update (a resume, or a restart of one, does not repeat it)
+        before = metrics[-1]["val_loss"]
+        bar.set_postfix(val=f"{before:.3f}")
+        if lines:
+            print(f"boostjax: step 0/{t.steps}, val_loss {before:.4f}", file=sys.stderr, flush=True)
+        interval_t0 = time.perf_counter()
     try:
         while step < t.steps and not (stop.requested and not stop.multi_process):
             batch = fns.put_batch(data.next())
@@ -380,8 +397,7 @@ def _loop(cfg: Config, graphdef, fns: StepFns, step_fn: Callable, compile_s: flo
             if step % t.log_every == 0 or step % t.ckpt_every == 0 or step == t.steps:
                 flush_pending()
             if step % t.eval_every == 0 or step == t.steps:
-                log({"step": step, **val_record({k: (w, _evaluate(fns, state.params, b))
-                                                 for k, (w, b) in val_sets.items()})})
+                evaluate(step)
             if step % t.ckpt_every == 0 or step == t.steps:
                 ckpt.save(step, *checkpoint_parts(state), data.state())
                 saved = step
@@ -422,6 +438,8 @@ def _summary(cfg: Config, fns: StepFns, metrics: list[dict], start: int, step: i
     mine = [m for m in metrics if m["step"] > start]  # this invocation's records
     final = next((m["loss"] for m in reversed(mine) if "loss" in m), float("nan"))
     val = next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), float("nan"))
+    before = next((m["val_loss"] for m in metrics if m["step"] == 0 and "val_loss" in m), None)
+    vals = f"val {before:.3f} -> {val:.3f}" if before is not None else f"val {val:.3f}"
     speed = [m["tokens_per_s"] for m in mine if "tokens_per_s" in m]
     mfus = [m["mfu"] for m in mine if "mfu" in m]
     mfu_note = f" (MFU {100 * np.median(mfus):.3g}% of {devices} x {hw.name})" if mfus else ""
@@ -432,10 +450,16 @@ def _summary(cfg: Config, fns: StepFns, metrics: list[dict], start: int, step: i
         losses = f"loss {first_loss if first_loss is not None else float('nan'):.3f} -> {final:.3f}"
     summary = (
         f"done: {cfg.model.kind} ({param_count(cfg.model) / 1e6:.2f}M params) {t.strategy}, "
-        f"steps {start}->{step}{resumed}, {losses} (val {val:.3f}), {read + ', ' if read else ''}"
+        f"steps {start}->{step}{resumed}, {losses} ({vals}), {read + ', ' if read else ''}"
         f"{np.median(speed) if speed else float('nan'):.0f} tok/s{mfu_note}, compile {compile_s:.1f}s, "
         f"checkpoints in {ckpt.directory}"
     )
+    if fns.teacher:
+        steps_s = [m["step_s"] for m in mine if "step_s" in m]
+        summary += (f"; teacher {cfg.train.distill_from}: {fns.teacher['params'] / 1e6:.2f}M params, "
+                    f"{fns.teacher['param_bytes'] / 2**20:.1f} MiB ({fns.teacher['param_bytes_per_device'] / 2**20:.1f} "
+                    f"MiB on the fullest device), logits {fns.teacher['logits_bytes'] / 2**20:.1f} MiB a step; "
+                    f"step {np.median(steps_s) if steps_s else float('nan'):.3g} s with it")
     if "bubble_fraction" in fns.info:
         summary += (f"; pipeline {fns.info['schedule']} P={fns.info['stages']} M={fns.info['microbatches']}, "
                     f"bubble {fns.info['bubble_fraction']:.1%}")
