@@ -25,7 +25,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("tokenize", help="text, JSONL, Parquet or Arrow files to a tokenised folder for boostjax "
                                                      "train --data")
     p.add_argument("--tokenizer", default="byte",
-                   help="a tokenizer.json file or a folder holding one (a run, a Hugging Face model), 'byte' for "
+                   help="a tokenizer.json file or a folder holding one (a run, a Hugging Face model), a llama.cpp "
+                        ".gguf file (its own tokenizer, built by transformers: the gguf extra), 'byte' for "
                         "UTF-8 bytes, or train:VOCAB to train a byte-level BPE on the training documents "
                         "(default: byte)")
     p.add_argument("--data", required=True, nargs="+", metavar="PATH",

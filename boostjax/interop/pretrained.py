@@ -42,7 +42,8 @@ from boostjax.config import (DEFAULT_CALIB_TOKENS, PROJECTION_GROUPS, Config, Co
                              flag_of)
 from boostjax.data.corpus import Corpus
 from boostjax.data.source import Source, open_source
-from boostjax.data.tokenizers import TOKENIZER_FILE, load_tokenizer, same_tokenizer, tokenizer_kind
+from boostjax.data.tokenizers import (TOKENIZER_FILE, ByteTokenizer, Tokenizer, gguf_side_files, gguf_tokenizer,
+                                      load_tokenizer, same_tokenizer, tokenizer_kind)
 from boostjax.interop import calibration, gguf_in, hf
 from boostjax.models.llama import LLaMA, param_shapes, projections
 from boostjax.runs.folder import RunFolder
@@ -507,42 +508,96 @@ def write_report(folder: pathlib.Path, report: Mapping[str, Any]) -> pathlib.Pat
 # ------------------------------------------------------------------------------------ tokenizer
 
 
+# what a run folder started from a Hugging Face folder keeps beside its tokenizer.json (the chat template too)
+TOKENIZER_SIDE_FILES: tuple[str, ...] = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _gguf_tokenizer(path: str) -> Tokenizer | None:
+    """The tokenizer of a `.gguf` file, None when transformers cannot build one from it."""
+    try:
+        return gguf_tokenizer(path)
+    except ConfigError:
+        return None
+
+
 def has_tokenizer(folder: str) -> bool:
-    return bool(folder) and (pathlib.Path(folder) / TOKENIZER_FILE).is_file()
+    """Whether checkpoint `folder` has its own tokenizer: a `tokenizer.json` in the folder, or a `.gguf`
+    file whose tokenizer transformers can build (once per file and process)."""
+    if not folder:
+        return False
+    if gguf_in.is_gguf(folder):
+        return _gguf_tokenizer(folder) is not None
+    return (pathlib.Path(folder) / TOKENIZER_FILE).is_file()
+
+
+def checkpoint_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of checkpoint `path`: its `tokenizer.json`, a `.gguf` file's own (ConfigError
+    naming `train.init_from_hf` when transformers cannot build it), byte level for a folder without one."""
+    if gguf_in.is_gguf(path):
+        try:
+            return gguf_tokenizer(path)
+        except ConfigError as e:
+            raise _err(f"{str(e).removeprefix('tokenizer: ').split('; fix:')[0]}, so the token ids of the data "
+                       "cannot be checked against it; fix: pass --data as text (read as bytes), or import the "
+                       "model's Hugging Face folder with its tokenizer.json") from None
+    try:
+        return load_tokenizer(path)
+    except ConfigError as e:
+        raise _err(f"cannot load the tokenizer of {path} ({str(e).removeprefix('tokenizer: ').split('; fix:')[0]}); "
+                   "fix: restore the checkpoint's tokenizer.json") from None
 
 
 def source_tokenizer(cfg: Config, data: Source) -> pathlib.Path | None:
-    """The checkpoint folder's `tokenizer.json` that the run folder gets: when the data holds token
-    ids (a `.bin` file, or a tokenised folder, whose tokenizer must then be the same:
-    `check_source_tokenizer`). None when the checkpoint has none or the data is read as bytes (the
-    built-in corpus, text files): the run is then byte level. `data`: the run's `cfg.train.data`,
-    resolved (`boostjax.data.source.resolve_source`)."""
-    if not has_tokenizer(cfg.train.init_from_hf) or data.kind not in ("bin", "tokens"):
+    """Where the run folder's tokenizer comes from (`copy_tokenizer`): the checkpoint folder's
+    `tokenizer.json`, or the `.gguf` file itself, when the data holds token ids (a `.bin` file, or a
+    tokenised folder, whose tokenizer must then be the same: `check_source_tokenizer`). None when the
+    checkpoint has none or the data is read as bytes (the built-in corpus, text files): the run is then
+    byte level. `data`: the run's `cfg.train.data`, resolved (`boostjax.data.source.resolve_source`)."""
+    path = cfg.train.init_from_hf
+    if not has_tokenizer(path) or data.kind not in ("bin", "tokens"):
         return None
-    return pathlib.Path(cfg.train.init_from_hf) / TOKENIZER_FILE
+    return pathlib.Path(path) if gguf_in.is_gguf(path) else pathlib.Path(path) / TOKENIZER_FILE
 
 
 def check_source_tokenizer(cfg: Config, data: Source) -> None:
-    """A tokenised folder given with a checkpoint that has a tokenizer must have been written with that
-    tokenizer (ConfigError otherwise: the ids would mean other text)."""
-    src = source_tokenizer(cfg, data)
-    if src is None or data.kind != "tokens":
+    """A tokenised folder given with a checkpoint must have been written with the checkpoint's own
+    tokenizer (`checkpoint_tokenizer`: a folder's tokenizer.json, a `.gguf`'s, byte level for a folder
+    without one), compared by content (`same_tokenizer`); ConfigError otherwise, naming both: the ids
+    would mean other text. A `.bin` file's ids cannot be checked; text is encoded by the run itself."""
+    path = cfg.train.init_from_hf
+    if not path or data.kind != "tokens":
         return
-    try:
-        mine = load_tokenizer(src)
-    except (OSError, ValueError) as e:
-        raise _err(f"cannot load {src} ({' '.join(str(e).split())[:200]}); fix: restore the checkpoint's "
-                   "tokenizer.json") from None
-    if not same_tokenizer(data.tokenizer, mine):
-        raise _err(f"{cfg.train.data} was tokenised with {tokenizer_kind(data.tokenizer)}, not the checkpoint's "
-                   f"{src} (the token ids would mean other text); fix: tokenise the text with it (boostjax tokenize "
-                   f"--tokenizer {cfg.train.init_from_hf} ...)")
+    mine = checkpoint_tokenizer(path)
+    if same_tokenizer(data.tokenizer, mine):
+        return
+    theirs = "byte level" if isinstance(mine, ByteTokenizer) else tokenizer_kind(mine)
+    if isinstance(mine, ByteTokenizer):
+        theirs += f": {path} holds no {TOKENIZER_FILE}"
+    raise _err(f"{data.path} was tokenised with {tokenizer_kind(data.tokenizer)}, not the checkpoint's own tokenizer "
+               f"({theirs}), so its token ids would mean other text; fix: tokenise the text with it (boostjax "
+               f"tokenize --tokenizer {path} ...)" + (f", or save the model's tokenizer.json into {path}"
+                                                     if isinstance(mine, ByteTokenizer) else ""))
+
+
+def _write(dst: pathlib.Path, data: bytes) -> None:
+    tmp = dst.with_name(dst.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(dst)
 
 
 def copy_tokenizer(src: pathlib.Path | None, run_dir: pathlib.Path) -> None:
-    """Copy the checkpoint's tokenizer into the run folder (atomically)."""
+    """The checkpoint's tokenizer into the run folder (each file atomically): a folder's `tokenizer.json`
+    with its `TOKENIZER_SIDE_FILES`; a `.gguf`'s, as transformers builds it, with its
+    `tokenizer_config.json` and chat template (`gguf_side_files`). `load_tokenizer(run_dir)`, generate
+    and export-hf then find them."""
     if src is None:
         return
-    tmp = run_dir / (TOKENIZER_FILE + ".tmp")
-    tmp.write_bytes(src.read_bytes())
-    tmp.replace(run_dir / TOKENIZER_FILE)
+    if gguf_in.is_gguf(src):
+        _write(run_dir / TOKENIZER_FILE, gguf_tokenizer(src).tok.to_str().encode("utf-8"))
+        for name, text in gguf_side_files(src).items():
+            _write(run_dir / name, text.encode("utf-8"))
+        return
+    _write(run_dir / TOKENIZER_FILE, src.read_bytes())
+    for name in TOKENIZER_SIDE_FILES:
+        if (src.parent / name).is_file():
+            _write(run_dir / name, (src.parent / name).read_bytes())
