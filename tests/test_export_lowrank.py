@@ -96,6 +96,8 @@ def test_factors_load_in_transformers(tmp_path, kw, greedy):
     if "rank_kv" in kw:  # a group kept dense is a plain linear
         assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)
     assert ("lm_head.weight" in tensors) == (not cfg.tie_embeddings)
+    with pytest.raises(ValueError, match="low-rank boostjax export.*--densify"):  # not read back as a LLaMA
+        hf.read_hf(tmp_path)
 
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32)
     ref.eval()

@@ -173,6 +173,10 @@ def config_from_hf(d: Mapping[str, Any], generation: Mapping[str, Any] | None = 
         raise ValueError(f"config_from_hf: need a config object (dict), got a {type(d).__name__}; "
                          f"fix: pass the parsed config.json of a LlamaForCausalLM")
     model_type = d.get("model_type", "llama")
+    if model_type == "boostjax_lowrank_llama":
+        raise _bad("model_type", model_type, "this is a low-rank boostjax export (factors, loaded by transformers "
+                                             "with trust_remote_code=True); boostjax reads dense LLaMA folders: "
+                                             "export an svd run with --densify, or start from the run folder")
     if model_type not in ("llama", "mistral"):
         raise _bad("model_type", model_type, "boostjax imports LLaMA-architecture models (model_type 'llama', or "
                                              "'mistral' without a sliding window)")
