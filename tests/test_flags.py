@@ -74,7 +74,7 @@ def test_the_resume_sets_follow_the_fields():
         "ckpt_every", "keep_ckpts", "log_every", "eval_every", "eval_batches", "strategy", "mesh",
         "microbatches", "pipeline_schedule", "zero", "remat", "rot_refresh", "rot_beta", "stage_aware_refresh",
         "clip_scope", "offload_plan", "progress", "coordinator", "num_processes", "process_id", "init_timeout",
-        "tensorboard", "profile", "hardware"}
+        "tensorboard", "profile", "hardware", "eval_at_start", "distill_temperature", "distill_weight"}
     assert folder.MUTABLE_MODEL == {"attention", "attention_block", "bos_token_id", "eos_token_ids", "pad_token_id"}
     assert folder.IGNORED == {"out", "progress", "coordinator", "num_processes", "process_id"}
     assert folder.FOLLOW_STORED == {"only_lr_act", "norm_eps", "auto_dense"}
