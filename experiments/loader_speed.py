@@ -2,16 +2,17 @@
 
     python experiments/loader_speed.py
 
-Writes a synthetic tokenised folder (`boostjax.data.token_folder`'s layout: meta.json, train.bin /
-val.bin of uint16 ids, train.docs.npy / val.docs.npy) of `--tokens` training tokens in documents of
-random lengths into a temporary folder (removed at the end), opens it as `boostjax train --data` does
-(`resolve_source`, `open_source`: the splits memory-mapped) and builds `batch_iterator` as the trainer
-does (packed documents, with and without `--doc-mask` segments; random windows for a file without
-documents), as process 0 of 1 and of 8. After `--warmup` batches, each of `--batches` batches is timed
-alone; the result is the median, as tokens/s per host (this process's rows x seq over the seconds).
-The file was just written, so its pages are in the page cache; the `cold` rows evict them
-(`posix_fadvise(DONTNEED)`) before every timed batch, so each batch's rows come from the disk. Goal:
->= 1M tokens/s per host. Writes <out>/loader_speed.json and .md."""
+Writes a synthetic tokenised folder (`boostjax.data.token_folder`'s layout: meta.json, the shards
+train-00000.bin, ... / val-00000.bin of uint16 ids cut as `boostjax tokenize --shard-tokens` cuts them,
+train.docs.npy / val.docs.npy) of `--tokens` training tokens in documents of random lengths into a
+temporary folder (removed at the end), opens it as `boostjax train --data` does (`resolve_source`,
+`open_source`: the splits as `TokenShards`, which read a batch's rows with `os.preadv`) and builds
+`batch_iterator` as the trainer does (packed documents, with and without `--doc-mask` segments; random
+windows for a file without documents), as process 0 of 1 and of 8. After `--warmup` batches, each of
+`--batches` batches is timed alone; the result is the median, as tokens/s per host (this process's rows
+x seq over the seconds). The files were just written, so their pages are in the page cache; the `cold`
+rows evict them (`posix_fadvise(DONTNEED)`) before every timed batch, so each batch's rows come from the
+disk. Goal: >= 1M tokens/s per host. Writes <out>/loader_speed.json and .md."""
 
 from __future__ import annotations
 
@@ -33,15 +34,30 @@ import results_io
 
 from boostjax.data.batches import batch_iterator
 from boostjax.data.source import open_source, resolve_source
+from boostjax.data.tokenize import SHARD_TOKENS
 
 GOAL = 1_000_000  # tokens/s per host
 VOCAB = 32_000
 CHUNK = 8_000_000  # tokens written at a time
 
 
-def write_folder(folder: pathlib.Path, n_train: int, n_val: int, mean_doc: int, seed: int = 0) -> dict:
+def shard_edges(starts: np.ndarray, n: int, shard_tokens: int | None) -> list[int]:
+    """Where the shards of a stream of `n` tokens whose documents start at `starts` begin and end, as
+    `boostjax tokenize --shard-tokens` cuts them (at the first document end from `shard_tokens` on)."""
+    edges = [0]
+    while shard_tokens is not None and edges[-1] + shard_tokens < n:
+        nxt = starts[np.searchsorted(starts, edges[-1] + shard_tokens)] if starts[-1] >= edges[-1] + shard_tokens else n
+        if nxt >= n:
+            break
+        edges.append(int(nxt))
+    return edges + [n]
+
+
+def write_folder(folder: pathlib.Path, n_train: int, n_val: int, mean_doc: int, seed: int = 0,
+                 shard_tokens: int | None = None) -> dict:
     """A tokenised folder of random uint16 ids in [1, VOCAB), documents of geometric lengths (mean
-    `mean_doc`) each ending with EOS (0). Returns its meta.json."""
+    `mean_doc`) each ending with EOS (0): version 1 (train.bin, val.bin) or, with `shard_tokens`,
+    version 2 in shards. Returns its meta.json."""
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True)
     splits = {}
@@ -49,22 +65,34 @@ def write_folder(folder: pathlib.Path, n_train: int, n_val: int, mean_doc: int, 
         lens = rng.geometric(1 / mean_doc, size=n // mean_doc * 2 + 16)
         starts = np.concatenate([[0], np.cumsum(lens)])
         starts = starts[starts < n].astype(np.int64)
-        with open(folder / f"{name}.bin", "wb") as f:
-            for lo in range(0, n, CHUNK):
-                ids = rng.integers(1, VOCAB, min(CHUNK, n - lo), dtype=np.uint16)
-                ends = starts[(starts > lo) & (starts <= lo + len(ids))] - 1 - lo  # the token before a start
-                ids[ends] = 0
-                ids.tofile(f)
-            f.seek((n - 1) * 2)  # the last document ends with EOS too
-            np.zeros(1, np.uint16).tofile(f)
+        edges = shard_edges(starts, n, shard_tokens)
+        files = [f"{name}.bin"] if shard_tokens is None else [f"{name}-{i:05d}.bin" for i in range(len(edges) - 1)]
+        outs = [open(folder / f, "wb") for f in files]
+        for lo in range(0, n, CHUNK):
+            ids = rng.integers(1, VOCAB, min(CHUNK, n - lo), dtype=np.uint16)
+            ends = starts[(starts > lo) & (starts <= lo + len(ids))] - 1 - lo  # the token before a start
+            ids[ends] = 0
+            if lo + len(ids) == n:
+                ids[-1] = 0  # the last document ends with EOS too
+            for i, f in enumerate(outs):  # each shard's part of this chunk
+                a, b = max(edges[i], lo), min(edges[i + 1], lo + len(ids))
+                if a < b:
+                    ids[a - lo:b - lo].tofile(f)
+        for f in outs:
             f.flush()
             os.fsync(f.fileno())  # clean pages, so that the cold rows can evict them
+            f.close()
         np.save(folder / f"{name}.docs.npy", starts)
-        splits[name] = {"file": f"{name}.bin", "docs_file": f"{name}.docs.npy", "documents": len(starts),
-                        "tokens": n, "bytes": n * 2}
-    meta = {"format": "boostjax-tokens", "version": 1, "tokenizer": "byte", "dtype": "uint16",
-            "vocab_size": VOCAB, "eos_id": 0, "bos_id": None, "source": "synthetic (experiments/loader_speed.py)",
-            "splits": splits}
+        splits[name] = {"docs_file": f"{name}.docs.npy", "documents": len(starts), "tokens": n, "bytes": n * 2}
+        if shard_tokens is None:
+            splits[name]["file"] = files[0]
+        else:
+            splits[name]["shards"] = [{"file": f, "tokens": b - a} for f, a, b in zip(files, edges, edges[1:])]
+    meta = {"format": "boostjax-tokens", "version": 1 if shard_tokens is None else 2, "tokenizer": "byte",
+            "dtype": "uint16", "vocab_size": VOCAB, "eos_id": 0, "bos_id": None,
+            "source": "synthetic (experiments/loader_speed.py)", "splits": splits}
+    if shard_tokens is not None:  # a name for the data, not its hash: this folder is never resumed
+        meta["fingerprint"] = "blake3:" + f"{seed:064x}"
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
 
@@ -90,19 +118,19 @@ def read_bytes() -> int:
 def measure(corpus, *, documents: bool, segments: bool, processes: int, batch: int, seq: int, warmup: int,
             batches: int, cold: pathlib.Path | None = None, seed: int = 0) -> dict:
     """Times `batches` batches of process 0's iterator after `warmup`; the first batch separately.
-    `cold`: the token file, evicted from the page cache and mapped afresh before every timed batch
-    (a page that a live memmap maps is not evicted, and a read maps far more than its rows: the cold rows
-    read through no other mapping, and take another `seed` than the warm ones)."""
+    `cold`: the token folder, its training files evicted from the page cache and opened afresh before
+    every timed batch (with another `seed` than the warm rows, so that no row was read before)."""
     it = batch_iterator(corpus.train, corpus.train_docs if documents else None, batch, seq, seed, segments=segments,
                         vocab_size=VOCAB, process_index=0, process_count=processes)
 
-    def remap() -> None:  # unmap the pages the last batch read, evict the file's pages, map it again
+    def reopen() -> None:  # evict the split's pages, open its files again
         it.tokens = None
-        evict(cold)
-        it.tokens = np.memmap(cold, dtype=np.uint16, mode="r")
+        for f in sorted(cold.glob("train*.bin")):
+            evict(f)
+        it.tokens = open_source(resolve_source(str(cold))).train
 
-    if cold is not None:  # the corpus's own mapping is never read: its pages could not be evicted
-        remap()
+    if cold is not None:
+        reopen()
     t = time.perf_counter()
     it.next()
     first_s = time.perf_counter() - t
@@ -111,7 +139,7 @@ def measure(corpus, *, documents: bool, segments: bool, processes: int, batch: i
     times, faults, reads = [], [], []
     for _ in range(batches):
         if cold is not None:
-            remap()
+            reopen()
         f0, r0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt, read_bytes()
         t = time.perf_counter()
         out = it.next()
@@ -134,7 +162,8 @@ def markdown(res: dict) -> str:
         "",
         f"Global batch {res['batch']} x {res['seq']} tokens from a synthetic tokenised folder of "
         f"{res['train_tokens'] / 1e6:.0f}M uint16 training tokens ({res['documents']:,} documents, mean "
-        f"{res['mean_doc']} tokens), memory-mapped as `boostjax train --data` opens it; `batch_iterator` as the "
+        f"{res['mean_doc']} tokens) in shards of {res['shard_tokens'] / 1e6:.0f}M tokens, read as `boostjax train --data` "
+        f"reads it (`TokenShards`: the rows' byte ranges with `os.preadv`); `batch_iterator` as the "
         f"trainer builds it, process 0 of 1 or 8. Median of {res['batches']} timed batches after "
         f"{res['warmup']} warm-up batches. {res['cpus']} CPUs, load average {res['load_before'][0]:.2f} before and "
         f"{res['load_after'][0]:.2f} after (1 min); a shared machine. Goal: >= {GOAL / 1e6:.0f}M tokens/s per host.",
@@ -150,8 +179,8 @@ def markdown(res: dict) -> str:
     lines += ["", "First batch: the iterator's construction is outside it, the epoch's permutations (documents) "
               "and its first reads are in it. Cold: the token file's pages evicted before every timed batch "
               "(`posix_fadvise(DONTNEED)`), so the rows come from the disk (a virtual disk here, which the host may "
-              "cache); the iterator asks for all of a batch's pages at once (`prefetch` in boostjax/data/batches.py; "
-              "docs/data.md gives the times before it)."]
+              "cache); the reader asks for all of a batch's byte ranges at once (`posix_fadvise(WILLNEED)`) before "
+              "it reads them (boostjax/data/shards.py; docs/data.md gives the times before)."]
     return "\n".join(lines) + "\n"
 
 
@@ -168,9 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed batches first, the first one included "
                     "(default 3)")
     ap.add_argument("--batches", type=int, default=30, help="timed batches per row of the table (default 30)")
+    ap.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS,
+                    help="tokens per shard of the synthetic folder, as boostjax tokenize --shard-tokens (default "
+                         "%(default)s)")
     ap.add_argument("--tmp", default=None, help="where the temporary folder goes (default: the system's temp dir)")
     args = ap.parse_args(argv)
-    for name in ("tokens", "mean_doc", "batch", "seq", "warmup", "batches"):
+    for name in ("tokens", "mean_doc", "batch", "seq", "warmup", "batches", "shard_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.tokens < 2 * args.seq + 2:
@@ -181,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         folder = tmp / "tokens"
         results_io.log(f"writing {args.tokens / 1e6:.0f}M tokens ({args.tokens * 2 / 1e9:.2f} GB) to {folder}")
-        meta = write_folder(folder, args.tokens, max(args.tokens // 100, 2 * args.seq + 2), args.mean_doc)
+        meta = write_folder(folder, args.tokens, max(args.tokens // 100, 2 * args.seq + 2), args.mean_doc,
+                            shard_tokens=args.shard_tokens)
         src = resolve_source(str(folder))
         corpus = open_source(src)
         rows = []
@@ -195,12 +228,12 @@ def main(argv: list[str] | None = None) -> int:
                 results_io.log(f"{r['sampler']} segments={segments} processes={processes}: {r['median_ms']:.2f} ms, "
                                f"{r['tokens_per_s'] / 1e6:.1f}M tokens/s per host")
                 rows.append(r)
-        corpus = open_source(src)  # a fresh mapping
+        corpus = open_source(src)  # fresh readers
         for documents, processes in ((True, 1), (True, 8), (False, 1)):
             if args.batch % processes:
                 continue
             r = measure(corpus, documents=documents, segments=False, processes=processes, batch=args.batch,
-                        seq=args.seq, warmup=args.warmup, batches=args.batches, cold=folder / "train.bin",
+                        seq=args.seq, warmup=args.warmup, batches=args.batches, cold=folder,
                         seed=1 + documents)
             results_io.log(f"{r['sampler']} processes={processes} cold: {r['median_ms']:.2f} ms, "
                            f"{r['tokens_per_s'] / 1e6:.1f}M tokens/s per host")
@@ -208,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     res = {"batch": args.batch, "seq": args.seq, "train_tokens": args.tokens, "mean_doc": args.mean_doc,
+           "shard_tokens": args.shard_tokens, "shards": len(meta["splits"]["train"]["shards"]),
            "documents": meta["splits"]["train"]["documents"], "warmup": args.warmup, "batches": args.batches,
            "cpus": os.cpu_count(), "load_before": [round(x, 2) for x in load_before],
            "load_after": [round(x, 2) for x in os.getloadavg()], "goal_tokens_per_s": GOAL,

@@ -25,7 +25,7 @@ from boostjax.data.token_folder import META_FILE, read_token_meta
 from boostjax.data.tokenize import tokenize_corpus
 from boostjax.runtime.signals import TrainingInterrupted
 from boostjax.training.trainer import train
-from helpers import MICRO, model_flags, one_error_line
+from helpers import MICRO, load_experiment, model_flags, one_error_line
 
 SEQ, BATCH = 24, 8
 
@@ -244,3 +244,18 @@ def test_a_version_1_run_resumes_on_its_folder_and_on_the_shards(folders, tmp_pa
     assert train(Config(model, replace(t, out=str(tmp_path / "moved"), data=str(sharded)))).resumed_from == 2
     assert len(losses("whole")) == 5 and losses("v1") == losses("whole") == losses("moved")
     assert reads and max(reads) <= 4 * 17  # batch x (seq + 1): the splits hold hundreds of tokens
+
+
+@pytest.mark.experiment  # an experiment script's end-to-end smoke run (a few seconds): `pytest -m experiment`
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="the kernel's count of bytes read is Linux's")
+def test_shard_reads_smoke_run_writes_the_table(tmp_path):
+    sr = load_experiment("shard_reads")
+    args = ["--tokens", "60000", "--shard-tokens", "9000", "--mean-doc", "300", "--batch", "8", "--seq", "64",
+            "--processes", "1,2", "--tmp", str(tmp_path), "--out", str(tmp_path / "out")]
+    assert sr.main(args) == 0
+    res = json.loads((tmp_path / "out" / "shard_reads.json").read_text())
+    assert res["shards"] > 3 and [(r["processes"], r["index"]) for r in res["rows"]] == [(1, 0), (2, 0), (2, 1)]
+    assert all(r["reader_bytes"] == r["rows"] * 65 * 2 and r["kernel_bytes"] > r["reader_bytes"] for r in res["rows"])
+    assert len({r["kernel_bytes"] - r["reader_bytes"] for r in res["rows"]}) == 1  # opening costs every process alike
+    assert "| 2 | 1 |" in (tmp_path / "out" / "shard_reads.md").read_text()
+    assert list(tmp_path.iterdir()) == [tmp_path / "out"]  # the token folder is removed
