@@ -45,7 +45,9 @@ ClipScope = Literal["global", "stage"]
 # the [t, t] probabilities, or a fused kernel's per-row log-sum-exp only
 AttentionMemory = Literal["materialized", "flash"]
 # how --init-from-hf factors a dense projection for a low-rank kind (`boostjax.interop.pretrained`)
-InitFactor = Literal["svd", "whitened"]
+InitFactor = Literal["svd", "whitened", "linearised", "refit", "sequential"]
+# how `train --rank-budget` turns a share of the projection parameters into ranks (`boostjax.interop.ranks`)
+RankPolicy = Literal["uniform", "sensitivity"]
 ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 ATTENTION: tuple[str, ...] = get_args(Attention)
 MODEL_KINDS: tuple[str, ...] = get_args(ModelKind)
@@ -71,6 +73,8 @@ CLIP_SCOPES: tuple[str, ...] = get_args(ClipScope)
 DELAY_TC_PER_WARMUP: float = 7 / 3
 ATTENTION_MEMORY: tuple[str, ...] = get_args(AttentionMemory)
 INIT_FACTORS: tuple[str, ...] = get_args(InitFactor)
+CALIBRATED_FACTORS: tuple[str, ...] = ("whitened", "linearised", "refit", "sequential")  # read --data
+RANK_POLICIES: tuple[str, ...] = get_args(RankPolicy)
 DEFAULT_CALIB_TOKENS: int = 32768  # --calib-tokens 0
 # Sizes past which a number is a typo, not a run: token positions and ids are int32 in the step, and a
 # materialised attention of a longer sequence has more than 2^40 scores per head and sequence.
@@ -446,13 +450,24 @@ class TrainConfig:
                                    "--init-factor; init_report.json holds the errors); '' = random init")
     init_factor: InitFactor = option(
         "svd", "with --init-from-hf: how a low-rank --model factors the pretrained weights: svd (truncated SVD of each "
-               "weight) or whitened (SVD-LLM's truncation-aware whitening: the truncation that least changes each "
-               "projection's output on the model's own activations on --calib-tokens tokens of --data; needs "
-               "--data)")
+               "weight), whitened (SVD-LLM's truncation-aware whitening: the truncation that least changes each "
+               "projection's output on the model's own activations on --calib-tokens tokens of --data; cola at "
+               "half its rank), linearised (whitened at the full rank; cola through SiLU's small-signal "
+               "linearisation), refit (linearised, then each B refitted by ridge least squares on the real "
+               "activations) or sequential (refit, each layer on the inputs the already factored layers below "
+               "produce); all but svd need --data")
     calib_tokens: int = option(
         0, f"needs --init-factor whitened: the tokens at the start of --data's training split whose activations the "
            f"factors are fitted to; 0 = {DEFAULT_CALIB_TOKENS} (or the whole split when it is shorter); "
            "--init-factor svd reads none")
+    rank_budget: float = option(
+        0.0, "with --init-from-hf and a low-rank --model: the share F of the dense projection parameters the "
+             "factors may hold (0 < F < 1), turned into --rank-attn/--rank-kv/--rank-mlp by --rank-policy; "
+             "0 = the ranks are given")
+    rank_policy: RankPolicy = option(
+        "uniform", "how --rank-budget becomes ranks: uniform (one rank for every group, the largest that fits; a "
+                   "group whose factors would not be smaller stays dense) or sensitivity (per group, the ranks "
+                   "that least raise the whitened truncation loss, measured on --calib-tokens tokens of --data)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mesh", as_mesh(self.mesh))  # the one parse of a mesh string
@@ -828,16 +843,36 @@ def _validate_init_factor(t: TrainConfig, m: ModelConfig) -> None:
                                          f"{' or '.join(INIT_FACTORS)}")
     _need(t.calib_tokens >= 0, f"train.calib_tokens: must be >= 0 (0 = {DEFAULT_CALIB_TOKENS}), got "
                                f"{t.calib_tokens}; fix: pass {calib} N with N >= 1")
-    if t.init_factor != "whitened":
+    _validate_rank_budget(t, m)
+    measured = t.rank_budget and t.rank_policy == "sensitivity"
+    if t.init_factor not in CALIBRATED_FACTORS and not measured:
         _need(t.calib_tokens == 0, f"train.calib_tokens: {t.calib_tokens} calibration tokens, but {flag} "
                                    f"{t.init_factor} reads no data; fix: drop {calib} or pass {flag} whitened")
         return
-    _need(m.low_rank, f"train.init_factor: whitened factors pretrained weights for a low-rank model, and "
+    what = t.init_factor if t.init_factor in CALIBRATED_FACTORS else "--rank-policy sensitivity"
+    _need(m.low_rank, f"train.init_factor: {what} factors pretrained weights for a low-rank model, and "
                       f"{flag_of('kind')} {m.kind} keeps them dense; fix: pass {flag_of('kind')} svd, cola or lax, "
                       f"or drop {flag}")
-    _need(bool(t.data), f"train.init_factor: whitened fits the factors to activations on {flag_of('data')}, and "
+    _need(bool(t.data), f"train.init_factor: {what} fits the factors to activations on {flag_of('data')}, and "
                         f"none is given (the built-in corpus is bytes, not the checkpoint's tokens); fix: pass "
                         f"{flag_of('data')} with text tokenised for the checkpoint, or {flag} svd")
+
+
+def _validate_rank_budget(t: TrainConfig, m: ModelConfig) -> None:
+    """--rank-budget F in (0, 1) (0: unset), with --init-from-hf and a low-rank kind; --rank-policy a name."""
+    flag = flag_of("rank_budget")
+    _need(t.rank_policy in RANK_POLICIES, f"train.rank_policy: {t.rank_policy!r}; fix: pass "
+                                          f"{flag_of('rank_policy')} {' or '.join(RANK_POLICIES)}")
+    b = t.rank_budget
+    _need(isinstance(b, (int, float)) and not isinstance(b, bool) and (b == 0 or 0 < b < 1),
+          f"train.rank_budget: {b!r} is not a share of the projection parameters; fix: pass {flag} F with "
+          f"0 < F < 1 (e.g. 0.5 for half)")
+    if b:
+        _need(bool(t.init_from_hf), f"train.rank_budget: {flag} shares out a pretrained model's parameters, and "
+                                    f"no {flag_of('init_from_hf')} is given; fix: pass {flag_of('init_from_hf')} "
+                                    f"PATH, or --rank R")
+        _need(m.low_rank, f"train.rank_budget: {flag_of('kind')} {m.kind} keeps every projection dense; fix: pass "
+                          f"{flag_of('kind')} svd, cola or lax, or drop {flag}")
 
 
 def _validate_observe(t: TrainConfig) -> None:

@@ -46,7 +46,8 @@ TRAIN_GROUPS: dict[str, tuple[str, ...]] = {
     "observability": ("log_every", "eval_every", "eval_batches", "eval_at_start", "progress", "tensorboard", "profile",
                       "hardware"),
     "distillation (--distill-from)": ("distill_from", "distill_temperature", "distill_weight"),
-    "initialisation from a pretrained checkpoint": ("init_from_hf", "init_factor", "calib_tokens"),
+    "initialisation from a pretrained checkpoint": ("init_from_hf", "init_factor", "calib_tokens", "rank_budget",
+                                                    "rank_policy"),
 }
 
 

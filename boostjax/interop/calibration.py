@@ -183,3 +183,23 @@ def output_errors(cfg: ModelConfig, kind: str, params: Mapping[str, Any], tokens
             sums[k] = sums.get(k, 0.0) + np.asarray(s, np.float64)
         done()
     return {k: float(np.sqrt(e / ref)) if ref > 0 else 0.0 for k, (e, ref) in ((k, sums[k]) for k in factors)}
+
+
+# ------------------------------------------------------------------------------------ whitening
+
+
+RIDGE = 1e-6  # the whitening's Gram gets RIDGE * mean(diag G) * I (x10 until the Cholesky succeeds)
+
+
+def whitening(gram_ii: Any) -> np.ndarray:
+    """Lower-triangular S with S Sᵀ = G + λ I (float64), λ = RIDGE · mean(diag G), raised tenfold until
+    the Cholesky factorisation succeeds: channels the calibration never excited cannot blow up S⁻ᵀ."""
+    g = np.asarray(gram_ii, np.float64)
+    g = (g + g.T) / 2
+    scale = float(np.mean(np.diag(g))) or 1.0
+    for k in range(12):
+        try:
+            return np.linalg.cholesky(g + RIDGE * 10**k * scale * np.eye(len(g)))
+        except np.linalg.LinAlgError:
+            continue
+    raise ValueError("whitening: the calibration Gram matrix is not finite; fix: check the checkpoint's weights")

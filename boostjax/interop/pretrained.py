@@ -38,13 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from boostjax.config import (DEFAULT_CALIB_TOKENS, PROJECTION_GROUPS, Config, ConfigError, ModelConfig, TrainConfig,
-                             flag_of)
+from boostjax.config import (CALIBRATED_FACTORS, DEFAULT_CALIB_TOKENS, PROJECTION_GROUPS, Config, ConfigError,
+                             ModelConfig, TrainConfig, flag_of)
 from boostjax.data.corpus import Corpus
-from boostjax.data.source import Source, open_source
+from boostjax.data.source import Source, open_source, resolve_source
 from boostjax.data.tokenizers import (TOKENIZER_FILE, ByteTokenizer, Tokenizer, gguf_side_files, gguf_tokenizer,
                                       load_tokenizer, same_tokenizer, tokenizer_kind)
-from boostjax.interop import calibration, gguf_in, hf
+from boostjax.interop import calibration, gguf_in, hf, ranks, refit
 from boostjax.models.llama import LLaMA, param_shapes, projections
 from boostjax.runs.folder import RunFolder
 from boostjax.runtime.interrupt import Progress, phase
@@ -151,13 +151,25 @@ def resolve_config(cfg: Config, explicit: Iterable[str] | None = None) -> Config
                               f"fix: drop {flag_of(f.name)} (with --init-from-hf the shapes are the "
                               "checkpoint's)")
     m = dataclasses.replace(src, **{k: getattr(cfg.model, k) for k in CHOSEN})
-    _check_rank(m)
+    if given is None or "rank" in given:  # the CLI without --rank: `chosen_ranks` fills the ranks in and checks
+        _check_rank(m)
+    b = cfg.train.rank_budget
+    ranks_unset = all(getattr(m, f) == getattr(default, f) for f in RANK_FIELDS)
+    if given is None and m.low_rank and b and ranks_unset and isinstance(b, (int, float)) and 0 < b < 1:
+        if cfg.train.rank_policy != "uniform":  # measured: the CLI's config_from_flags, or ranks.allocate
+            raise ConfigError(f"train.rank_policy: {cfg.train.rank_policy} measures the checkpoint on --data, which "
+                              "resolve_config does not; fix: pass the ranks (boostjax.interop.ranks.allocate, or "
+                              "pretrained.budget_ranks), or use boostjax train")
+        m = dataclasses.replace(m, **ranks.rank_fields(m, ranks.ranks_for_budget(m, b)))
     return cfg if m == cfg.model else dataclasses.replace(cfg, model=m)  # the same object: still validated
+
+
+RANK_FIELDS: tuple[str, ...] = ("rank", "rank_attn", "rank_kv", "rank_mlp")
 
 
 def config_from_flags(given: Mapping[str, Any], preset_given: bool) -> Config:
     """The CLI's config of `train --init-from-hf`: the checkpoint's shapes, `--model` (default: the dense
-    llama), `--rank`, and the training flags."""
+    llama), its ranks (`chosen_ranks`), and the training flags."""
     if preset_given:
         raise _err("--preset sets the model shapes, and with --init-from-hf they are the checkpoint's; "
                    "fix: drop --preset")
@@ -165,7 +177,121 @@ def config_from_flags(given: Mapping[str, Any], preset_given: bool) -> Config:
     model_given = {k: v for k, v in given.items() if k in names(ModelConfig)}
     model = ModelConfig(**{"kind": "llama", **model_given})
     train = TrainConfig(**{k: v for k, v in given.items() if k in names(TrainConfig)})
-    return resolve_config(Config(model, train), explicit=model_given)
+    return chosen_ranks(resolve_config(Config(model, train), explicit=model_given), model_given)
+
+
+def chosen_ranks(cfg: Config, given: Iterable[str]) -> Config:
+    """A low-rank model's ranks from what the command line gives (`given`: the model flags given), never the
+    preset's: `--rank-budget F` (`--rank-policy`; not with a rank flag); else `--rank` for every group without
+    its own `--rank-<group>`; else each group without a rank stays dense (`auto_dense`). No rank at all:
+    ConfigError."""
+    m, t = cfg.model, cfg.train
+    if not (isinstance(m, ModelConfig) and isinstance(t, TrainConfig)) or not m.low_rank:
+        return cfg
+    said = [f for f in RANK_FIELDS if f in set(given)]
+    if t.rank_budget:
+        if said:
+            raise ConfigError(f"train.rank_budget: {flag_of('rank_budget')} and {flag_of(said[0])} both set the "
+                              f"ranks; fix: pass one of them")
+        fraction = ranks.check_fraction(t.rank_budget)
+        if t.rank_policy == "sensitivity":
+            chosen = budget_ranks(cfg, fraction)
+        else:
+            chosen = ranks.ranks_for_budget(m, fraction)
+        m = dataclasses.replace(m, **ranks.rank_fields(m, chosen))
+        _check_rank(m)
+        return dataclasses.replace(cfg, model=m)
+    if not said:
+        raise ConfigError(f"model.rank: --model {m.kind} from a checkpoint needs its ranks (a preset's rank means "
+                          f"nothing for {t.init_from_hf}); fix: pass {flag_of('rank')} R, "
+                          f"{flag_of('rank_attn')}/{flag_of('rank_kv')}/{flag_of('rank_mlp')} R (a group left out "
+                          f"stays dense), or {flag_of('rank_budget')} F")
+    if "rank" in said:
+        return cfg
+    fields: dict[str, int] = {}
+    for g in PROJECTION_GROUPS:
+        if f"rank_{g}" in said:
+            continue
+        if not m.auto_dense:
+            raise ConfigError(f"model.rank_{g}: not given, and with --no-auto-dense a group without a rank cannot "
+                              f"stay dense; fix: pass {flag_of(f'rank_{g}')} R or {flag_of('rank')} R")
+        fields[f"rank_{g}"] = min(m.group_shape(g))  # auto_dense keeps a full-rank group dense
+    low = [getattr(m, f"rank_{g}") for g in PROJECTION_GROUPS if f"rank_{g}" in said]
+    m = dataclasses.replace(m, rank=max(low), **fields)
+    _check_rank(m)
+    return dataclasses.replace(cfg, model=m)
+
+
+# (checkpoint, data, calibration tokens, seq) -> {(layer, input): Gram}; (checkpoint,) -> dense params:
+# what `--rank-policy sensitivity` measured at configuration, for the factoring of the same process
+_MEASURED: dict[tuple, Any] = {}
+
+
+def _dense_params(path: str) -> Any:
+    if (path,) not in _MEASURED:
+        try:
+            _MEASURED[path,] = phase(f"reading the weights of {path}", lambda _: hf.read_hf(pathlib.Path(path)))[1]
+        except ValueError as e:
+            raise _err(" ".join(str(e).split())) from None
+    return _MEASURED[path,]
+
+
+def _grams(dense_cfg: ModelConfig, dense: Any, t: TrainConfig, train_tokens: np.ndarray) -> tuple[dict, int]:
+    """The mean input Grams of every projection on the first `calib_tokens` training tokens (once per process)."""
+    n = calib_tokens(t, len(train_tokens))
+    key = (t.init_from_hf, t.data, n, t.seq)
+    if key not in _MEASURED or not t.init_from_hf:
+        _MEASURED[key] = phase(f"calibrating: the dense model's projection inputs on {n} training tokens",
+                               lambda pr: calibration.input_grams(dense_cfg, dense, train_tokens[:n], t.seq,
+                                                                  pr.update),
+                               total=calibration.row_batches(n, t.seq), unit="batch")
+    return _MEASURED[key], n
+
+
+def truncation_losses(m: ModelConfig, dense: Mapping[str, Any], grams: Mapping[tuple[int, str], Any]
+                      ) -> dict[str, list[np.ndarray]]:
+    """{group: [the `ranks.truncation_loss` of each matrix of the group, all layers]}: each matrix's relative
+    output error against its rank, from the whitened spectrum of `Sᵀ W` (`factor_whitened`)."""
+    out: dict[str, list[np.ndarray]] = {g: [] for g in PROJECTION_GROUPS}
+    table = projections(dataclasses.replace(m, kind="llama"))
+    layers = dense["layers"]
+    for i in range(m.n_layers):
+        layer = layers[i] if i in layers else layers[str(i)]
+        for short, proj in table.items():
+            s_ii = whitening(grams[i, calibration.INPUT_OF[short]])
+            sig = np.linalg.svd(s_ii.T @ np.asarray(layer[proj.blk][proj.dense], np.float64), compute_uv=False)
+            out[proj.group].append(ranks.truncation_loss(sig))
+    return out
+
+
+def budget_ranks(cfg: Config, fraction: float, dense: Any = None, train_tokens: np.ndarray | None = None
+                 ) -> dict[str, int | None]:
+    """`--rank-policy sensitivity`: the per-group ranks `ranks.allocate` chooses for `fraction` from the
+    checkpoint's whitened truncation losses on the calibration tokens of `--data` (a run folder in `--out`
+    that started from the same checkpoint and budget: its ranks, not measured again). `dense` and
+    `train_tokens`: the dense params and training stream when the caller has them."""
+    m, t = cfg.model, cfg.train
+    try:
+        stored = RunFolder(t.out).stored_config() if isinstance(t.out, str) and t.out.strip() else None
+    except (OSError, ValueError):
+        stored = None
+    if stored is not None and (stored.train.init_from_hf, stored.train.rank_budget, stored.train.rank_policy) == (
+            t.init_from_hf, t.rank_budget, t.rank_policy):
+        sm = stored.model
+        return {g: (sm.group_rank(g) if sm.group_low_rank(g) else None) for g in PROJECTION_GROUPS}
+    if dense is None:
+        dense = _dense_params(t.init_from_hf)
+    if train_tokens is None:
+        try:
+            train_tokens = open_source(resolve_source(t.data, t.data_dtype)).train
+        except ValueError as e:
+            raise ConfigError(" ".join(str(e).split())) from None
+    dense_cfg = dataclasses.replace(m, kind="llama")
+    grams, _ = _grams(dense_cfg, dense, t, train_tokens)
+    losses = phase("measuring each matrix's whitened truncation loss",
+                   lambda _: truncation_losses(m, dense, grams))
+    _MEASURED["losses", t.init_from_hf, t.data, t.rank_budget] = losses
+    return ranks.allocate(m, losses, fraction)
 
 
 # ------------------------------------------------------------------------------------ factoring
@@ -210,21 +336,7 @@ def _factor(w_io: Any, kind: str, r: int, rng: np.random.Generator) -> tuple[np.
     return a, b, err
 
 
-RIDGE = 1e-6  # the whitening's Gram gets RIDGE * mean(diag G) * I (x10 until the Cholesky succeeds)
-
-
-def whitening(gram_ii: Any) -> np.ndarray:
-    """Lower-triangular S with S Sᵀ = G + λ I (float64), λ = RIDGE · mean(diag G), raised tenfold until
-    the Cholesky factorisation succeeds: channels the calibration never excited cannot blow up S⁻ᵀ."""
-    g = np.asarray(gram_ii, np.float64)
-    g = (g + g.T) / 2
-    scale = float(np.mean(np.diag(g))) or 1.0
-    for k in range(12):
-        try:
-            return np.linalg.cholesky(g + RIDGE * 10**k * scale * np.eye(len(g)))
-        except np.linalg.LinAlgError:
-            continue
-    raise ValueError("whitening: the calibration Gram matrix is not finite; fix: check the checkpoint's weights")
+RIDGE, whitening = calibration.RIDGE, calibration.whitening  # (the whitening lives beside the Grams)
 
 
 def factor_whitened(w_io: Any, gram_ii: Any, kind: str, r: int, rng: np.random.Generator
@@ -291,7 +403,8 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
     LLaMA of the same shapes, and the report: `{"kind", "rank", "ranks", "dense", "matrices":
     {"layers.i.attn.q": rel. error, ...}, "mean", "max", "by_projection"}` (see the module docstring
     for the split; projections of a group kept dense are copied, and listed under "dense"). `factor`
-    factors one matrix: `plain_factor` (truncated SVD) or `whitened_factor(grams)`."""
+    factors one matrix: `plain_factor` (truncated SVD), `whitened_factor(grams)`, or a `refit.LayerFit`
+    (its `start_layer(i, factored_layers)` is called before layer i, `finish()` after the last)."""
     if not isinstance(cfg, ModelConfig) or not cfg.low_rank:
         raise ConfigError(f"lowrank_from_dense: need a ModelConfig of kind svd, cola or lax, got "
                           f"{getattr(cfg, 'kind', type(cfg).__name__)!r}; fix: pass ModelConfig(kind='svd', rank=r, ...)")
@@ -304,7 +417,10 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
     out: dict[str, Any] = {k: dense_params[k] for k in like if "." not in k}
     out["layers"] = {}
     layers = dense_params["layers"]
+    start_layer = getattr(factor, "start_layer", None)  # a factor fitted layer by layer (`refit.LayerFit`)
     for i in range(cfg.n_layers):
+        if start_layer is not None:
+            start_layer(i, out["layers"])
         dense = layers[i] if i in layers else layers[str(i)]
         layer: dict[str, dict[str, Any]] = {blk: {"norm": dense[blk]["norm"]} for blk in ("attn", "mlp")}
         for short, proj in table.items():
@@ -326,6 +442,8 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
             if f"layers.{i}.{blk}.cross" in like:
                 layer[blk]["cross"] = np.zeros(like[f"layers.{i}.{blk}.cross"], np.float32)
         out["layers"][i] = layer
+    if start_layer is not None:
+        factor.finish()
     check_params(cfg, out, "lowrank_from_dense")  # the grouped layout is the model's
     out = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), out)
     return out, {"kind": cfg.kind, "rank": cfg.rank, **rank_report(cfg), "matrices": errs, **_summary(errs)}
@@ -369,9 +487,11 @@ def initial_params(cfg: Config, init: Any = None, corpus: Corpus | None = None) 
         fmt = "gguf" if gguf_in.is_gguf(path) else "huggingface"
         what = f"reading and dequantizing the weights of {path}" if fmt == "gguf" else f"reading the weights of {path}"
         try:
-            src_cfg, dense = phase(what, lambda _: hf.read_hf(path))
+            cached = _MEASURED.pop((str(cfg.train.init_from_hf),), None)  # read by --rank-policy sensitivity
+            src_cfg, dense = (None, cached) if cached is not None else phase(what, lambda _: hf.read_hf(path))
         except ValueError as e:
             raise _err(" ".join(str(e).split())) from None
+        src_cfg = src_cfg if src_cfg is not None else _source_or_stored(str(path), cfg.train.out)
         source: dict[str, Any] = {"source": str(path.resolve()), "format": fmt}
         if dataclasses.replace(_as_source(src_cfg), **{k: getattr(m, k) for k in CHOSEN}) != m:
             raise _err(f"the weights of {path} have other shapes than its config.json says; fix: re-export "
@@ -393,7 +513,7 @@ HELDOUT_TOKENS = 4096  # the output errors' tokens: the start of the validation 
 
 
 def calib_tokens(t: TrainConfig, train_tokens: int) -> int:
-    """The calibration tokens `--init-factor whitened` reads: `--calib-tokens`, or for 0 the default
+    """The calibration tokens a calibrated `--init-factor` reads: `--calib-tokens`, or for 0 the default
     (`DEFAULT_CALIB_TOKENS`, at most the training split)."""
     return t.calib_tokens or min(DEFAULT_CALIB_TOKENS, train_tokens)
 
@@ -402,7 +522,8 @@ def check_calibration(cfg: Config, data: Source) -> None:
     """`--calib-tokens` within `--data`'s training split (ConfigError otherwise; reads the split's size:
     memory-mapped token files, text read as bytes)."""
     t = cfg.train
-    if t.init_factor != "whitened" or not t.calib_tokens:
+    if (t.init_factor not in CALIBRATED_FACTORS and not (t.rank_budget and t.rank_policy == "sensitivity")
+            or not t.calib_tokens):
         return
     n = len(open_source(data).train)
     if t.calib_tokens > n:
@@ -418,17 +539,23 @@ def factored(cfg: Config, dense: Mapping[str, Any], corpus: Corpus | None) -> tu
     first `calib_tokens` tokens of the training split (rows of `cfg.train.seq`)."""
     m, t = cfg.model, cfg.train
     dense_cfg = dataclasses.replace(m, kind="llama")
-    base, extra = plain_factor, {"init_factor": t.init_factor}
-    if t.init_factor == "whitened":
+    base: Any = plain_factor
+    extra: dict[str, Any] = {"init_factor": t.init_factor}
+    if t.rank_budget:
+        key = ("losses", t.init_from_hf, t.data, t.rank_budget)
+        chosen = {g: (m.group_rank(g) if m.group_low_rank(g) else None) for g in PROJECTION_GROUPS}
+        extra["budget"] = ranks.budget_report(m, chosen, t.rank_budget, t.rank_policy, _MEASURED.pop(key, None))
+    if t.init_factor in CALIBRATED_FACTORS:
         if corpus is None:
-            raise ConfigError("train.init_factor: whitened needs the run's data for its calibration tokens; fix: "
-                              "pass the corpus (train() does), or init_factor='svd'")
+            raise ConfigError(f"train.init_factor: {t.init_factor} needs the run's data for its calibration tokens; "
+                              "fix: pass the corpus (train() does), or init_factor='svd'")
         n = calib_tokens(t, len(corpus.train))
-        grams = phase(f"calibrating: the dense model's projection inputs on {n} training tokens",
-                      lambda pr: calibration.input_grams(dense_cfg, dense, corpus.train[:n], t.seq, pr.update),
-                      total=calibration.row_batches(n, t.seq), unit="batch")
-        base = whitened_factor(grams)
         extra["calibration"] = {"tokens": n, "seq": t.seq, "slice": f"training split, tokens [0, {n})"}
+        if t.init_factor == "whitened":
+            base = whitened_factor(_grams(dense_cfg, dense, t, corpus.train)[0])
+        else:
+            base = refit.LayerFit(m, dense, corpus.train[:n], t.seq, t.init_factor)
+            extra["calibration"]["eps_max"] = refit.EPS_MAX
     factors: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def factoring(progress: Progress) -> tuple[dict, dict]:
@@ -438,6 +565,8 @@ def factored(cfg: Config, dense: Mapping[str, Any], corpus: Corpus | None) -> tu
             progress.update()
             return a, b, err
 
+        if hasattr(base, "start_layer"):  # fitted layer by layer
+            factor.start_layer, factor.finish = base.start_layer, base.finish  # type: ignore[attr-defined]
         return lowrank_from_dense(m, dense, seed=t.seed, factor=factor)
 
     count = m.n_layers * sum(proj.a is not None for proj in projections(m).values())
@@ -483,6 +612,11 @@ def summary_line(report: Mapping[str, Any]) -> str:
         ranks = ", ".join(f"{g} {r}" for g, r in report["ranks"].items())
         dense = ", ".join(report["dense"])
         head += f" (ranks: {ranks}" + (f"; kept dense, their factors would not be smaller: {dense})" if dense else ")")
+    if "budget" in report:
+        b = report["budget"]
+        went = ", ".join(f"{g} {v['share_of_used']:.0%}" for g, v in b["groups"].items())
+        head += (f"; budget {b['fraction']:.0%} ({b['policy']}): {b['used_fraction']:.1%} of the dense projection "
+                 f"parameters, of which {went}")
     if "matrices" not in report:
         return head
     by = " ".join(f"{p} {e:.3f}" for p, e in report["by_projection"].items())
