@@ -39,7 +39,8 @@ class TokenShards:
         self.dtype = np.dtype(dtype)
         self.edges = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # shard i holds [edges[i], edges[i+1])
         self.bytes_read = 0  # bytes read from the files so far
-        self.filename = str(self.files[0]) if len(self.files) == 1 else f"{self.files[0].parent}/{self.files[0].name}.."
+        first = self.files[0]  # what messages name: the file, or the shards as a pattern
+        self.filename = str(first) if len(self.files) == 1 else str(first.with_name(first.name.rsplit("-", 1)[0] + "-*.bin"))
         self._fds: dict[int, int] = {}
 
     def __len__(self) -> int:
@@ -117,6 +118,8 @@ class TokenShards:
     def gather(self, src: np.ndarray) -> np.ndarray:
         """``tokens[src]`` for an integer array ``src`` of any shape: only its runs are read."""
         src = np.asarray(src, np.int64)
+        if src.size == 0:
+            return np.empty(src.shape, self.dtype)
         first, lengths = runs(src.reshape(-1, src.shape[-1]) if src.ndim else src.reshape(1))
         return self.read_runs(first, lengths).reshape(src.shape)
 
