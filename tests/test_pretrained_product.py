@@ -45,15 +45,10 @@ def _permute(w_oi: np.ndarray, heads: int) -> np.ndarray:
     return w_oi.reshape(heads, 2, w_oi.shape[0] // heads // 2, *w_oi.shape[1:]).swapaxes(1, 2).reshape(w_oi.shape)
 
 
-def write_gguf(path: pathlib.Path, cfg: ModelConfig, params, tok) -> pathlib.Path:
+def write_gguf(path: pathlib.Path, cfg: ModelConfig, params, tok=None) -> pathlib.Path:
     """A F32 GGUF of `cfg`'s weights with `tok` (a byte-level BPE) as llama.cpp stores a GPT-2 style
-    vocabulary: tokens, merges, token types (the end-of-text token a control token) and a chat template."""
-    d = json.loads(tok.tok.to_str())
-    tokens = [""] * tok.vocab_size
-    for t, i in d["model"]["vocab"].items():
-        tokens[i] = t
-    for a in d["added_tokens"]:
-        tokens[a["id"]] = a["content"]
+    vocabulary: tokens, merges, token types (the end-of-text token a control token) and a chat template;
+    without `tok`, placeholder tokens and no merges (no tokenizer transformers can build)."""
     w = gguf.GGUFWriter(str(path), "llama")
     for add, v in (("context_length", cfg.max_seq_len), ("embedding_length", cfg.d_model),
                    ("block_count", cfg.n_layers), ("feed_forward_length", cfg.d_ff), ("head_count", cfg.n_heads),
@@ -61,13 +56,22 @@ def write_gguf(path: pathlib.Path, cfg: ModelConfig, params, tok) -> pathlib.Pat
                    ("rope_freq_base", cfg.rope_theta), ("layer_norm_rms_eps", cfg.norm_eps)):
         getattr(w, f"add_{add}")(v)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in d["model"]["merges"]])
-    w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
-    w.add_bos_token_id(tok.eos_id)
-    w.add_eos_token_id(tok.eos_id)
-    w.add_chat_template(TEMPLATE)
+    if tok is None:
+        w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    else:
+        d = json.loads(tok.tok.to_str())
+        tokens = [""] * tok.vocab_size
+        for t, i in d["model"]["vocab"].items():
+            tokens[i] = t
+        for a in d["added_tokens"]:
+            tokens[a["id"]] = a["content"]
+        w.add_tokenizer_pre("gpt2")
+        w.add_token_list(tokens)
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in d["model"]["merges"]])
+        w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
+        w.add_bos_token_id(tok.eos_id)
+        w.add_eos_token_id(tok.eos_id)
+        w.add_chat_template(TEMPLATE)
     tensors = hf.params_to_hf(cfg, params)
     w.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", tensors["model.norm.weight"])
@@ -123,24 +127,28 @@ def test_tokenize_with_a_gguf_gives_transformers_ids(world):
     assert world["tok"].decode(ids[:40]) == ours.decode(ids[:40])
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf", "hf-without-tokenizer"])
+@pytest.mark.parametrize("source", ["hf", "gguf", "hf-without-tokenizer", "gguf-without-tokenizer"])
 def test_mismatch_refused_from_each_checkpoint(world, tmp_path, capsys, source):
     """Data tokenised with another tokenizer than the checkpoint's: one line naming both, exit 2, nothing
     written; the checkpoint's own tokenizer passes the same check. A folder without tokenizer.json is
-    byte level, so BPE ids are refused there too."""
+    byte level, so BPE ids are refused there too; a GGUF whose tokenizer cannot be built refuses any."""
     src = world[source.split("-")[0]]
     if source == "hf-without-tokenizer":
         src = tmp_path / "bare"
         src.mkdir()
         for f in ("config.json", "model.safetensors"):
             (src / f).write_bytes((world["hf"] / f).read_bytes())
+    if source == "gguf-without-tokenizer":
+        src = write_gguf(tmp_path / "placeholders.gguf", CFG, world["params"])
     out = tmp_path / "run"
-    rc = main(["train", "--init-from-hf", str(src), "--data", str(world["root"] / "other"), "--out", str(out),
-               "--steps", "1", *RUN])
+    data = world["root"] / ("same" if source == "gguf-without-tokenizer" else "other")
+    rc = main(["train", "--init-from-hf", str(src), "--data", str(data), "--out", str(out), "--steps", "1", *RUN])
     err = capsys.readouterr().err
     assert rc == 2 and not out.exists(), err
-    line = one_error_line(err, "train.init_from_hf", str(world["root"] / "other"), "fix: tokenise the text",
-                          f"--tokenizer {src}")
+    if source == "gguf-without-tokenizer":
+        one_error_line(err, "train.init_from_hf", "transformers cannot build a tokenizer from", str(src))
+        return
+    line = one_error_line(err, "train.init_from_hf", str(data), "fix: tokenise the text", f"--tokenizer {src}")
     assert ("holds no tokenizer.json" in line) == (source == "hf-without-tokenizer"), line
     cfg = Config(train=TrainConfig(init_from_hf=str(src)))
     if source != "hf-without-tokenizer":

@@ -36,8 +36,9 @@ BOS_NAMES: tuple[str, ...] = ("<s>", "<|begin_of_text|>", "<bos>")
 MIN_TRAINED_VOCAB = 257  # 256 byte tokens + the end-of-document token
 GGUF_SUFFIX = ".gguf"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-# (resolved path, size, mtime) -> (the tokenizer's JSON, {side file name: its text}) of the last .gguf read
-_GGUF: dict[tuple[str, int, int], tuple[str, dict[str, str]]] = {}
+# (resolved path, size, mtime) -> (the tokenizer's JSON, {side file name: its text}), or the ConfigError of a
+# file transformers cannot build one from, of the last .gguf read
+_GGUF: dict[tuple[str, int, int], tuple[str, dict[str, str]] | ConfigError] = {}
 
 
 class ByteTokenizer:
@@ -188,30 +189,38 @@ def _gguf_files(path: str | pathlib.Path) -> tuple[str, dict[str, str]]:
     st = p.stat()
     key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _GGUF:
-        try:
-            from transformers import AutoTokenizer  # noqa: PLC0415 (optional: the gguf extra)
-        except ImportError:
-            raise ConfigError(f"tokenizer: reading the tokenizer of {p} needs the optional packages gguf and "
-                              "transformers; fix: pip install 'boostjax[gguf]'") from None
-        try:
-            with contextlib.redirect_stderr(io.StringIO()), tempfile.TemporaryDirectory() as tmp:
-                alone = pathlib.Path(tmp) / "in"  # the file alone: a tokenizer.json beside it would be read instead
-                alone.mkdir()
-                (alone / p.name).symlink_to(p.resolve())
-                tok = AutoTokenizer.from_pretrained(str(alone), gguf_file=p.name)
-                tok.save_pretrained(pathlib.Path(tmp) / "out")
-                files = {f.name: f.read_text(encoding="utf-8") for f in (pathlib.Path(tmp) / "out").iterdir()
-                         if f.is_file()}
-        except Exception as e:  # the converter raises whatever a vocabulary it cannot read trips on
-            why = " ".join(str(e).split())[:200] or type(e).__name__
-            raise ConfigError(f"tokenizer: transformers cannot build a tokenizer from {p} ({why}); fix: pass the "
-                              "model's tokenizer.json (or a folder holding one) instead") from None
-        if TOKENIZER_FILE not in files:
-            raise ConfigError(f"tokenizer: transformers built no fast tokenizer from {p}; fix: pass the model's "
-                              "tokenizer.json instead")
         _GGUF.clear()
-        _GGUF[key] = (files.pop(TOKENIZER_FILE), files)
-    return _GGUF[key]
+        _GGUF[key] = _build_gguf(p)
+    got = _GGUF[key]
+    if isinstance(got, ConfigError):
+        raise ConfigError(str(got))
+    return got
+
+
+def _build_gguf(p: pathlib.Path) -> tuple[str, dict[str, str]] | ConfigError:
+    """`_gguf_files` of `p`, built now; the ConfigError is returned, to be kept with the file's key."""
+    try:
+        from transformers import AutoTokenizer  # noqa: PLC0415 (optional: the gguf extra)
+    except ImportError:
+        return ConfigError(f"tokenizer: reading the tokenizer of {p} needs the optional packages gguf and "
+                           "transformers; fix: pip install 'boostjax[gguf]'")
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), tempfile.TemporaryDirectory() as tmp:
+            alone = pathlib.Path(tmp) / "in"  # the file alone: a tokenizer.json beside it would be read instead
+            alone.mkdir()
+            (alone / p.name).symlink_to(p.resolve())
+            tok = AutoTokenizer.from_pretrained(str(alone), gguf_file=p.name)
+            tok.save_pretrained(pathlib.Path(tmp) / "out")
+            files = {f.name: f.read_text(encoding="utf-8") for f in (pathlib.Path(tmp) / "out").iterdir()
+                     if f.is_file()}
+    except Exception as e:  # the converter raises whatever a vocabulary it cannot read trips on
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        return ConfigError(f"tokenizer: transformers cannot build a tokenizer from {p} ({why}); fix: pass the "
+                           "model's tokenizer.json (or a folder holding one) instead")
+    if TOKENIZER_FILE not in files:
+        return ConfigError(f"tokenizer: transformers built no fast tokenizer from {p}; fix: pass the model's "
+                           "tokenizer.json instead")
+    return files.pop(TOKENIZER_FILE), files
 
 
 def gguf_tokenizer(path: str | pathlib.Path) -> HFTokenizer:

@@ -671,9 +671,8 @@ def checkpoint_tokenizer(path: str) -> Tokenizer:
         try:
             return gguf_tokenizer(path)
         except ConfigError as e:
-            raise _err(f"{str(e).removeprefix('tokenizer: ').split('; fix:')[0]}, so the token ids of the data "
-                       "cannot be checked against it; fix: pass --data as text (read as bytes), or import the "
-                       "model's Hugging Face folder with its tokenizer.json") from None
+            raise _err(f"{str(e).removeprefix('tokenizer: ').split('; fix:')[0]}, so no token ids can be checked "
+                       "against it; fix: use the model's Hugging Face folder with its tokenizer.json instead") from None
     try:
         return load_tokenizer(path)
     except ConfigError as e:
