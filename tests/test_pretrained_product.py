@@ -216,6 +216,9 @@ def test_eval_of_a_start(world, capsys):
     cola = _eval(capsys, "--init-from-hf", world["gguf"], "--data", same, "--seq", 16, "--batch", 2, "--model", "cola",
                  "--rank", 8, "--init-factor", "whitened", "--calib-tokens", 64)
     assert cola["start"]["init_factor"] == "whitened" and np.isfinite(cola["loss"]) and cola["loss"] != dense["loss"]
+    half = _eval(capsys, "--init-from-hf", world["hf"], "--data", same, "--seq", 16, "--batch", 2, "--model", "svd",
+                 "--rank-budget", 0.5)
+    assert half["start"]["kind"] == "svd" and set(half["start"]["ranks"]) == {"attn", "kv", "mlp"}
     assert main(["eval", "--init-from-hf", str(world["hf"]), "--data", str(same), "--seq", "16", "--no-progress"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("scored: the validation split of") and "eval: the pretrained start" in out[1]
@@ -229,6 +232,8 @@ def test_eval_of_a_start(world, capsys):
     (["--init-from-hf", "HF", "--seq", "512"], ["eval.seq:", "max_seq_len 128"]),
     (["--init-from-hf", "HF", "--data", "OTHER"], ["eval.data:", "not the checkpoint's own tokenizer"]),
     (["--init-from-hf", "NOPE"], ["eval.init_from_hf:", "does not exist"]),
+    (["--init-from-hf", "HF", "--model", "svd"], ["eval.rank:", "needs its ranks"]),
+    (["--init-from-hf", "HF", "--model", "svd", "--rank", "8", "--rank-budget", "0.5"], ["eval.rank_budget:"]),
 ])
 def test_eval_start_bad_input_one_line(world, capsys, tmp_path, extra, needles):
     names = {"HF": str(world["hf"]), "RUN": str(tmp_path), "OTHER": str(world["root"] / "other"),

@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
 import numpy as np
 
 from boostjax.cli.flags import add_field
-from boostjax.config import ConfigError, check_batch_seq, field_default, flag_of
+from boostjax.config import CALIBRATED_FACTORS, ConfigError, check_batch_seq, field_default, flag_of
 from boostjax.data.tokenize import TEXT_FIELD
 
 EVAL_SPLITS: tuple[str, ...] = ("val", "train", "all")  # as boostjax.inference.evaluation.EVAL_SPLITS (no JAX here)
 # the flags that build a start from --init-from-hf, as boostjax train has them (after the source itself)
 START_FIELDS: tuple[str, ...] = ("init_from_hf", "kind", "rank", "rank_attn", "rank_kv", "rank_mlp", "auto_dense",
-                                 "init_factor", "calib_tokens", "seed")
+                                 "rank_budget", "rank_policy", "init_factor", "calib_tokens", "seed")
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -96,8 +97,8 @@ def _renamed(e: ConfigError) -> ConfigError:
 
 def _eval_start(args: argparse.Namespace) -> int:
     """Score the start `boostjax train --init-from-hf MODEL` would begin from (step 0), built the same way:
-    the checkpoint's weights, factored for a low-rank `--model` (`pretrained.initial_params`; whitened on
-    the training split of `--data`, encoded with the model's tokenizer)."""
+    the checkpoint's weights, factored for a low-rank `--model` (`pretrained.initial_params`; a calibrated
+    `--init-factor` fits the training split of `--data`, encoded with the model's tokenizer)."""
     from boostjax.config import validate as validate_fields
     from boostjax.data import tokenize as tz
     from boostjax.data.corpus import Corpus
@@ -115,7 +116,8 @@ def _eval_start(args: argparse.Namespace) -> int:
     dtype = args.data_dtype if args.data_dtype is not None else field_default("data_dtype")
     try:
         cfg = pretrained.config_from_flags({**given, "seq": seq, "batch": batch, "data": args.data,
-                                            "data_dtype": dtype}, preset_given=False)
+                                            "data_dtype": dtype, "out": os.devnull},  # no run folder
+                                           preset_given=False)
         if seq > cfg.model.max_seq_len:  # the checkpoint's: not a flag to raise
             raise ConfigError(f"eval.seq: {seq} exceeds the model's max_seq_len {cfg.model.max_seq_len}; fix: pass "
                               f"--seq <= {cfg.model.max_seq_len}")
@@ -142,7 +144,7 @@ def _eval_start(args: argparse.Namespace) -> int:
     corpus = None
     if cfg.model.low_rank:  # factored as train factors it; the output errors measured on the scored tokens
         train = d.tokens
-        if cfg.train.init_factor == "whitened":
+        if cfg.train.init_factor in CALIBRATED_FACTORS:
             train = d.tokens if d.split == "train" else eval_data(tok, args.data, "train", args.doc_sep, dtype,
                                                                     args.text_field).tokens
             if cfg.train.calib_tokens > len(train):
