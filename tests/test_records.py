@@ -213,14 +213,16 @@ def test_sniff_never_takes_json_or_compressed_bytes_for_prose(tmp_path, text, ki
 def test_an_interrupted_tokenize_never_looks_finished(monkeypatch, tmp_path, inputs, capsys):
     calls = []
 
-    def interrupted(tok, batch):
+    encoded = tz.encoded
+
+    def interrupted(tok, batch, sep, dtype):
         calls.append(len(batch))
         if len(calls) == 2:
             raise KeyboardInterrupt  # Ctrl-C in the middle of the tokens
-        return tok.encode_batch(batch) if hasattr(tok, "encode_batch") else [tok.encode(d) for d in batch]
+        return encoded(tok, batch, sep, dtype)
 
     monkeypatch.setattr(tz, "BATCH_DOCS", 16)
-    monkeypatch.setattr(tz, "encode_documents", interrupted)
+    monkeypatch.setattr(tz, "encoded", interrupted)
     out = tmp_path / "tok"
     with pytest.raises(KeyboardInterrupt):
         tz.tokenize_corpus(inputs / "docs.jsonl", out, progress=False)

@@ -37,6 +37,8 @@ def _reference(raw: bytes) -> tuple[str, str]:
         return "", "no field"
     if not isinstance(rec["text"], str):
         return "", "field"
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in rec["text"]):
+        return "", "a lone surrogate"  # json.loads gives it, but it is no text: UTF-8 cannot encode it
     return rec["text"], ""
 
 
@@ -94,3 +96,16 @@ def test_a_json_document_is_never_prose_and_other_json_is_one_line(capsys, tmp_p
     _refused(capsys, ["train", "--data", tmp_path / "unnamed.dat", "--steps", "1", "--out", tmp_path / "run"],
              "holds a JSON document, not text; fix: boostjax tokenize")
     assert not (tmp_path / "t").exists() and not (tmp_path / "run").exists()
+
+
+def test_bytes_of_a_batch_are_each_documents_utf8_and_its_blank_line(tmp_path):
+    from boostjax.data.tokenize import tokenize_corpus
+
+    texts = [f"doc {i} " + ["plain ascii", "été à Noël", "数据 🙂 mix", "  padded  "][i % 4] * (i % 3 + 1) for i in range(23)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    meta = tokenize_corpus(tmp_path / "d.jsonl", tmp_path / "out", "byte", val_every=5, progress=False, workers=1)
+    for split in ("train", "val"):
+        mine = [t for i, t in enumerate(texts) if (i % 5 == 4) == (split == "val")]
+        got = b"".join(f.read_bytes() for f in sorted((tmp_path / "out").glob(f"{split}-*.bin")))
+        assert got == b"".join(t.encode("utf-8") + b"\n\n" for t in mine)
+        assert meta["splits"][split]["bytes"] == sum(len(t.encode("utf-8")) + 2 for t in mine)

@@ -85,10 +85,10 @@ def test_replacing_an_earlier_output_and_a_crash(text_dir, tmp_path, monkeypatch
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     import boostjax.data.tokenize as tz
 
-    def crash(tok, docs):
+    def crash(tok, docs, sep, dtype):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(tz, "encode_documents", crash)
+    monkeypatch.setattr(tz, "encoded", crash)
     with pytest.raises(RuntimeError):
         tokenize_corpus(text_dir, out, "byte", progress=False)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the earlier output is intact

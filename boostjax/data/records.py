@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import pathlib
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -39,6 +40,7 @@ KIND_WORDS = {"gzip": "gzip-compressed bytes", "zstd": "zstd-compressed bytes", 
 _OTHER_COMPRESSED = (b"BZh", b"\xfd7zXZ\x00", b"PK\x03\x04")
 _BOM = b"\xef\xbb\xbf"
 _DECODER = json.JSONDecoder()  # what json.loads uses, without its per-call checks
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a JSON escape such as \ud83d alone is no Unicode text
 
 
 _JSON_OPENERS = (b"[", b"{")
@@ -309,7 +311,15 @@ def _field(rec, field: str) -> str:
         return f"no field {field!r} (keys: {keys})"
     if not isinstance(rec[field], str):
         return f"field {field!r} is {type(rec[field]).__name__}, not a string"
-    return ""
+    return _unicode(rec[field], field)
+
+
+def _unicode(text: str, field: str) -> str:
+    """Why a decoded JSON string is not Unicode text ('' when it is): a lone surrogate escape."""
+    if text.isascii():
+        return ""
+    bad = _SURROGATE.search(text)
+    return f"a lone surrogate {bad.group()!r} in field {field!r} (not Unicode text)" if bad else ""
 
 
 def jsonl_documents(path: pathlib.Path, field: str, on_bytes: Callable[[int], None] | None = None
@@ -334,7 +344,7 @@ def jsonl_documents(path: pathlib.Path, field: str, on_bytes: Callable[[int], No
             yield Document("", (src, "line", n), f"not valid JSON ({' '.join(str(e).split())})", fix)
             continue
         text = rec.get(field) if type(rec) is dict else None
-        if type(text) is str:
+        if type(text) is str and not _unicode(text, field):
             yield Document(text, (src, "line", n))
         else:
             why = _field(rec, field)

@@ -224,7 +224,7 @@ def texts(docs: Iterable[records.Document], skip_bad: bool = False, skipped: Ski
                     raise _bad(doc, offer_skip)
                 if skipped is not None:
                     skipped.add(doc)
-            elif doc.text.strip():
+            elif doc.text and not doc.text.isspace():  # what strip() would leave non-empty, without the copy
                 yield doc.text
     except ConfigError:
         raise
@@ -327,6 +327,11 @@ def default_workers() -> int:
 def encoded(tok: Tokenizer, batch: list[str], sep: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One batch of documents as written: the ids with ``sep`` after every document, each document's
     token count (its separator included) and UTF-8 byte count."""
+    if isinstance(tok, ByteTokenizer) and batch:  # the batch's bytes in one encode, separators included
+        sep_text = sep.astype(np.uint8).tobytes().decode("utf-8")
+        flat = np.frombuffer((sep_text.join(batch) + sep_text).encode("utf-8"), np.uint8)
+        n_bytes = np.fromiter((len(d) if d.isascii() else len(d.encode("utf-8")) for d in batch), np.int64, len(batch))
+        return flat, n_bytes + len(sep), n_bytes
     ids = encode_documents(tok, batch)
     n_bytes = (np.fromiter((len(a) for a in ids), np.int64, len(ids)) if isinstance(tok, ByteTokenizer)
                else np.fromiter((len(d.encode("utf-8")) for d in batch), np.int64, len(batch)))
