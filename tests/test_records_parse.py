@@ -109,3 +109,14 @@ def test_bytes_of_a_batch_are_each_documents_utf8_and_its_blank_line(tmp_path):
         got = b"".join(f.read_bytes() for f in sorted((tmp_path / "out").glob(f"{split}-*.bin")))
         assert got == b"".join(t.encode("utf-8") + b"\n\n" for t in mine)
         assert meta["splits"][split]["bytes"] == sum(len(t.encode("utf-8")) + 2 for t in mine)
+
+
+def test_tokenize_names_a_mixture_and_a_comma_list_for_what_they_are(capsys, tmp_path):
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in _records(12)))
+    a, b, out = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "t"
+    _refused(capsys, ["tokenize", "--data", f"{a}:0.7,{b}:0.3", "--out", out], "is a weighted mixture",
+             f"--data {a} --out a_tok", "train --data a_tok:W1")
+    _refused(capsys, ["tokenize", "--data", f"{a},{b}", "--out", out], "comma-separated list", f"--data {a} {b}")
+    _refused(capsys, ["tokenize", "--data", f"{a}:0.7,{tmp_path / 'none'}:0.3", "--out", out], "no such file")
+    assert not out.exists()

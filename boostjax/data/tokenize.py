@@ -104,6 +104,16 @@ def _one_path(path: str) -> None:
     if not os.path.lexists(path):
         if glob.has_magic(path):
             return  # a glob, expanded by records.expand
+        items = path.split(",")
+        if len(items) > 1 and all(os.path.lexists(p) for p in items):
+            raise _err(f"data: {path!r} is a comma-separated list; fix: give the paths separated by spaces, "
+                       f"--data {' '.join(items)}")
+        parts = [item.rsplit(":", 1)[0] for item in items]
+        if ":" in path and all(p and os.path.lexists(p) for p in parts):
+            name = pathlib.Path(parts[0]).name.split(".")[0] or "source"
+            raise _err(f"data: {path!r} is a weighted mixture, which boostjax train reads from tokenised folders; fix: "
+                       f"tokenise each source into its own folder (boostjax tokenize --data {parts[0]} --out "
+                       f"{name}_tok, ...), then train --data {name}_tok:W1,...")
         raise _err(f"data: no such file or folder: {path!r}; fix: pass --data with a text file or a folder of text "
                    "files (or JSONL, Parquet, Arrow files)")
     if is_token_folder(path):
