@@ -194,6 +194,10 @@ def test_eval_at_start_once_and_the_teacher_kept_on_resume(files, tmp_path):
     assert {"loss", "kl", "ce"} <= set(first.metrics[1]) and "teacher" in first.summary and "val " in first.summary
     record = json.loads((run / distill.RECORD).read_text())
     assert record["format"] == "huggingface" and record["fingerprint"].startswith("blake3:")
+    as_teacher = distill.load(str(run))  # a run folder is a teacher too: its newest checkpoint
+    assert (as_teacher.format, as_teacher.step, as_teacher.model) == ("run", 2, STUDENT)
+    tokens = {"inputs": jnp.asarray(random_tokens(256, (2, 16)))}
+    assert rel(jax.jit(distill.forward(STUDENT, None))(as_teacher.params, tokens), first.model(tokens["inputs"])) < 1e-6
     again = train(Config(STUDENT, replace(t, steps=3)))
     assert [m["step"] for m in again.metrics if "val_loss" in m] == [0, 2, 3]  # step 0 not evaluated again
     _teacher(teacher, seed=1)  # other weights at the same path
