@@ -216,6 +216,14 @@ def test_rank_budget_needs_a_checkpoint(capsys, tmp_path):
     one_error_line(capsys.readouterr().err, "train.rank_budget", "--init-from-hf")
 
 
+def test_fitted_start_needs_pretrained_weights(capsys, tmp_path, ids):
+    argv = [*RUN, "--d-model", "16", "--n-layers", "1", "--n-heads", "2", "--d-ff", "24", "--model", "cola",
+            "--rank", "4", "--init-factor", "sequential", "--data", str(ids), "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    one_error_line(capsys.readouterr().err, "train.init_factor: sequential", "--init-from-hf")
+    assert not (tmp_path / "run").exists()
+
+
 def test_omitted_group_rank_stays_dense(checkpoint):
     """`--rank-attn 4 --rank-mlp 4` without `--rank`: k/v stay dense, not the preset's rank 32 (or any)."""
     cfg = pretrained.config_from_flags({"init_from_hf": str(checkpoint), "kind": "svd", "rank_attn": 4,

@@ -39,19 +39,24 @@ from boostjax.models.llama import Block
 
 EPS_MAX = 0.25  # the largest latent scale of the linearised CoLA start (z's RMS)
 REFIT_RIDGE = 1e-4  # relative ridge of the refit's normal equations
+SEQ_RIDGE = 0.1  # relative ridge pulling a sequential fit towards W (`fit_linear`)
 STARTS = ("linearised", "refit", "sequential")  # the --init-factor values this module fits
 
 
 # ------------------------------------------------------------------------------------ one matrix
 
 
-def fit_linear(gram_ii: Any, w_io: Any, r: int, cross_ii: Any = None
+def fit_linear(gram_ii: Any, w_io: Any, r: int, cross_ii: Any = None, ridge: float = 0.0
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(A0 [in, r] = S̃⁻ᵀ U_r, σ [r], Vᵀ [r, out]) of the best rank-r `M = A0 diag(σ) Vᵀ` in ‖X̃ M − X W‖_F,
-    from G̃ = X̃ᵀX̃ and C = X̃ᵀX (`cross_ii`; None: X̃ = X, T = S̃ᵀ W). float64."""
+    """(A0 [in, r] = S̃⁻ᵀ U_r, σ [r], Vᵀ [r, out]) of the best rank-r `M = A0 diag(σ) Vᵀ` in ‖X̃ M − X W‖_F
+    + λ‖M − W‖ (λ = `ridge` · mean diag G̃: a correction the calibration tokens cannot pin down is shrunk
+    to W), from G̃ = X̃ᵀX̃ and C = X̃ᵀX (`cross_ii`; None: X̃ = X, T = S̃ᵀ W). float64."""
     w = np.asarray(w_io, np.float64)
-    s_ii = calibration.whitening(gram_ii)
-    t = s_ii.T @ w if cross_ii is None else np.linalg.solve(s_ii, np.asarray(cross_ii, np.float64) @ w)
+    g = np.asarray(gram_ii, np.float64)
+    lam = ridge * (float(np.mean(np.diag(g))) or 1.0)
+    s_ii = calibration.whitening(g + lam * np.eye(len(g)))
+    t = s_ii.T @ w if cross_ii is None else np.linalg.solve(
+        s_ii, (np.asarray(cross_ii, np.float64) + lam * np.eye(len(g))) @ w)
     u, sig, vt = np.linalg.svd(t, full_matrices=False)
     return np.linalg.solve(s_ii.T, u[:, :r]), sig[:r], vt[:r]
 
@@ -99,7 +104,7 @@ def _normal(kind: str, x_ni, a_ir, y_no):
 
 
 def fit(w_io: Any, kind: str, r: int, how: str, x_ni: Any, xt_ni: Any | None = None,
-        eps_max: float = EPS_MAX) -> tuple[np.ndarray, np.ndarray]:
+        eps_max: float = EPS_MAX, seq_ridge: float = SEQ_RIDGE) -> tuple[np.ndarray, np.ndarray]:
     """(A [in, r], B [r, out]) of one matrix on calibration inputs: X (the dense model's) and X̃ (`xt_ni`, the
     factored model's; None: X). `how`: `linearised` (the whitened rank-r map; cola linearised), `refit`
     and `sequential` (then B refitted on σ(X̃ A) against X W; sequential is `refit` with X̃ given)."""
@@ -107,9 +112,10 @@ def fit(w_io: Any, kind: str, r: int, how: str, x_ni: Any, xt_ni: Any | None = N
     xt = x if xt_ni is None else jnp.asarray(xt_ni, jnp.float32)
     gram, cross = _grams(xt, x)
     gram = np.asarray(gram, np.float64)
-    a0, sig, vt = fit_linear(gram, w_io, r, None if xt_ni is None else np.asarray(cross, np.float64))
+    seq = xt_ni is not None
+    a0, sig, vt = fit_linear(gram, w_io, r, np.asarray(cross, np.float64) if seq else None, seq_ridge if seq else 0.0)
     a, b = balanced(a0, sig, vt) if kind == "svd" else linearise(a0, sig, vt, eps_max)[:2]
-    if how != "linearised":
+    if how != "linearised" and not (kind == "svd" and seq):  # svd: the sequential fit is already B's best
         y = jnp.dot(x, jnp.asarray(w_io, jnp.float32), precision=HIGHEST)
         b = ridge_refit(xt, a, y, kind)
         if kind == "svd":  # keep the pairs balanced (the map unchanged)
@@ -158,10 +164,10 @@ class LayerFit:
     model and, for `sequential`, the factored one. `done()` after each layer (a progress bar)."""
 
     def __init__(self, m: ModelConfig, dense: Mapping[str, Any], tokens: np.ndarray, seq: int, how: str,
-                 done: Callable[[], None] = lambda: None, eps_max: float = EPS_MAX):
+                 done: Callable[[], None] = lambda: None, eps_max: float = EPS_MAX, seq_ridge: float = SEQ_RIDGE):
         if how not in STARTS:
             raise ValueError(f"LayerFit: how={how!r}; fix: one of {', '.join(STARTS)}")
-        self.m, self.how, self.done, self.eps_max = m, how, done, eps_max
+        self.m, self.how, self.done, self.eps_max, self.seq_ridge = m, how, done, eps_max, seq_ridge
         self.dense_cfg = dataclasses.replace(m, kind="llama", attention="xla")
         self.low_cfg = dataclasses.replace(m, attention="xla")
         self.dense = dense
@@ -205,7 +211,7 @@ class LayerFit:
             raise ValueError(f"LayerFit: {name} asked while layer {self.layer} is calibrated")
         inp = calibration.INPUT_OF[short]
         a, b = fit(w_io, kind, r, self.how, self.xs[inp], None if self.xts is None else self.xts[inp],
-                   self.eps_max)
+                   self.eps_max, self.seq_ridge)
         return a, b, weight_error(w_io, a, b, kind)
 
 

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import jax
 
-from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, flag_of, is_validated
+from boostjax.config import CALIBRATED_FACTORS, Config, ConfigError, ModelConfig, TrainConfig, flag_of, is_validated
 from boostjax.config import preset as preset_shapes
 from boostjax.data.corpus import Corpus, Mixture
 from boostjax.data.source import Source, check_run_tokenizer, open_source, resolve_source
@@ -129,8 +129,9 @@ def configure(cfg: Config, init: Any = None) -> Config:
         cfg = checks.validate(cfg)
     if init is not None and cfg.train.init_from_hf:
         raise ConfigError("train.init: both init= params and init_from_hf are given; fix: pass one of them")
-    if cfg.train.init_factor == "whitened" and init is None and not cfg.train.init_from_hf:
-        raise ConfigError(f"train.init_factor: whitened factors pretrained weights, and a random init has none; "
+    if cfg.train.init_factor in CALIBRATED_FACTORS and init is None and not cfg.train.init_from_hf:
+        raise ConfigError(f"train.init_factor: {cfg.train.init_factor} factors pretrained weights, and a random "
+                          f"init has none; "
                           f"fix: pass {flag_of('init_from_hf')} PATH (or init= dense params), or drop "
                           f"{flag_of('init_factor')}")
     return cfg
