@@ -18,6 +18,7 @@ same batches here.
     python experiments/real_finetune.py --quick         # a few steps per row: -> real_finetune_quick.*
     python experiments/real_finetune.py --rows dense,svd50-white   # some rows only
     python experiments/real_finetune.py --render        # tables and plot again from the JSON
+    python experiments/real_finetune.py --starts-only --calib-tokens 16384   # the starts alone: real_starts.*
 
 Resumes: every finished row is written to <out>/<name>.json at once and a rerun skips it; a row killed
 mid-way resumes from its run folder's checkpoint (experiments/.cache/runs/<name>/<row>/). The inputs are
@@ -182,7 +183,7 @@ def token_folder(texts: pathlib.Path, hf: pathlib.Path, out: pathlib.Path) -> di
 # ----------------------------------------------------------------------------- budgets and rows
 
 GROUP_MATRICES = {"attn": ("q", "o"), "kv": ("k", "v"), "mlp": ("gate", "up", "down")}  # ModelConfig's groups
-RANK_POLICIES = ("rank", "fraction")
+RANK_POLICIES = ("rank", "fraction")  # this script's names: rank = the library's uniform
 POLICY_TEXT = {
     "rank": "One rank r for every projection group (q/o, k/v, gate/up/down), the largest whose projections fit "
             "the budget; a group whose factorisation at r saves nothing (r (in + out) >= in x out) stays dense",
@@ -191,45 +192,29 @@ POLICY_TEXT = {
 
 
 def projection_params(m, ranks: dict[str, int | None]) -> int:
-    """Parameters of every layer's projections: a group of rank r holds r (in + out) per matrix, a dense
-    one (rank None) in x out."""
-    total = 0
-    for g, names in GROUP_MATRICES.items():
-        (i, o), r = m.group_shape(g), ranks.get(g)
-        total += len(names) * (i * o if r is None else r * (i + o))
-    return total * m.n_layers
+    """Parameters of every layer's projections (`boostjax.interop.ranks.projection_params`)."""
+    from boostjax.interop.ranks import projection_params as count
+
+    return count(m, ranks)
 
 
 def ranks_for_budget(m, fraction: float, policy: str = "rank") -> dict[str, int | None]:
-    """Per-group ranks (None: dense) for about `fraction` of the dense projection parameters of `m`.
+    """Per-group ranks (None: dense) for about `fraction` of the dense projection parameters of `m`: the
+    library's policy (`boostjax.interop.ranks.ranks_for_budget`; this script's "rank" is its "uniform")."""
+    from boostjax.config import ConfigError
+    from boostjax.interop.ranks import ranks_for_budget as choose
 
-    policy "rank": one rank r for every group (CoLA's single rank), the largest whose projections fit,
-    a group whose factorisation at r saves nothing (r (in + out) >= in x out, `ModelConfig.group_low_rank`
-    with `auto_dense`; here kv from r = 144) left dense. The count is non-decreasing in r: a scan finds it.
-    policy "fraction": each group keeps `fraction` of its own parameters, r = floor(fraction in out / (in +
-    out)) (dense only where that saves nothing)."""
-    shapes = {g: m.group_shape(g) for g in GROUP_MATRICES}
-
-    def dense_or(r: int, i: int, o: int) -> int | None:
-        return r if r * (i + o) < i * o else None
-
-    if policy == "fraction":
-        return {g: dense_or(max(1, int(fraction * i * o / (i + o))), i, o) for g, (i, o) in shapes.items()}
-    budget = fraction * projection_params(m, {})
-    best = None
-    for r in range(1, max(min(s) for s in shapes.values()) + 1):
-        if projection_params(m, {g: dense_or(r, i, o) for g, (i, o) in shapes.items()}) <= budget:
-            best = r
-    if best is None:
-        raise SystemExit(f"real_finetune: no rank fits {fraction:.0%} of the projection parameters")
-    return {g: dense_or(best, i, o) for g, (i, o) in shapes.items()}
+    try:
+        return choose(m, fraction, "uniform" if policy == "rank" else policy)
+    except ConfigError as e:
+        raise SystemExit(f"real_finetune: {e}") from None
 
 
 def rank_flags(m, ranks: dict[str, int | None]) -> dict[str, int]:
-    """ModelConfig fields for `ranks`: `rank` and `rank_<group>`; a dense group gets its full rank
-    min(in, out), which `auto_dense` keeps dense (factors of that rank would not be smaller)."""
-    per = {f"rank_{g}": (r if r is not None else min(m.group_shape(g))) for g, r in ranks.items()}
-    return {"rank": max(r for r in ranks.values() if r is not None), **per}
+    """ModelConfig fields for `ranks` (`boostjax.interop.ranks.rank_fields`)."""
+    from boostjax.interop.ranks import rank_fields
+
+    return rank_fields(m, ranks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -738,6 +723,140 @@ CHOICES = [
 ]
 
 
+# ----------------------------------------------------------------------------- the starts alone (--starts-only)
+
+STARTS_NAME = "real_starts"
+START_SHORT = {"white": "whitened", "lin": "linearised", "refit": "refit", "seq": "sequential"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """One factored start scored without training: kind, budget, `--init-factor`, `--rank-policy`."""
+    kind: str
+    budget: float
+    short: str  # a key of START_SHORT
+    policy: str = "uniform"
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{round(100 * self.budget)}-{self.short}" + ("-sens" if self.policy == "sensitivity" else "")
+
+    @property
+    def label(self) -> str:
+        return (f"{'SVD' if self.kind == 'svd' else 'CoLA'} {self.budget:.0%}, {START_SHORT[self.short]}, "
+                f"{self.policy} ranks")
+
+
+def starts_of(budgets=(0.75, 0.5)) -> list[Start]:
+    """The starts in the order they run, 50 % first: sequential, linearised CoLA, today's whitened ones,
+    sequential with sensitivity ranks; then CoLA's refit alone. svd's linearised start is its whitened one."""
+    out = []
+    for b in sorted(budgets):
+        for short, policy, kinds in (("seq", "uniform", ("svd", "cola")), ("lin", "uniform", ("cola",)),
+                                     ("white", "uniform", ("svd", "cola")), ("seq", "sensitivity", ("svd", "cola"))):
+            out += [Start(k, b, short, policy) for k in kinds]
+    return out + [Start("cola", b, "refit") for b in sorted(budgets)]
+
+
+def start_flags(st: Start, s: Settings, hf: pathlib.Path, data: pathlib.Path, runs: pathlib.Path) -> dict[str, Any]:
+    """`boostjax train` fields of a start: the budget through the product (`--rank-budget`, `--rank-policy`)."""
+    flags = {k: v for k, v in train_flags(Row("dense", "llama"), s, hf, data, None).items()}
+    return flags | {"kind": st.kind, "rank_budget": st.budget, "rank_policy": st.policy,
+                    "init_factor": START_SHORT[st.short], "calib_tokens": s.calib_tokens,
+                    "out": str(runs / st.name)}
+
+
+def score_start(ctx: Context, st: Start) -> dict:
+    """The start's held-out scores on the fine-tune's batches, its ranks and where the parameters went."""
+    from boostjax import resolve_config, validate
+
+    t0 = time.perf_counter()
+    flags = start_flags(st, ctx.s, ctx.hf, ctx.data, ctx.runs)
+    cfg = validate(resolve_config(flags))
+    params, report = initial_params(cfg, ctx.corpus)
+    t1 = time.perf_counter()
+    score = ctx.held.scores(eval_loss(cfg, params, ctx.held))
+    del params
+    _LOSS.clear()
+    return {"name": st.name, "label": st.label, "kind": st.kind, "budget": st.budget,
+            "init_factor": START_SHORT[st.short], "policy": st.policy, **param_facts(cfg.model),
+            "before": score, "init": init_summary(report), "allocation": report.get("budget"),
+            "command": command_of({k: v for k, v in flags.items() if k != "out"}),
+            "start_s": round(t1 - t0, 1), "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def starts_markdown(res: dict) -> str:
+    rows = list(res["starts"].values())
+    zs = res.get("zero_shot")
+    lines = ["# Factored starts of a pretrained model, scored without training", "",
+             f"Command: `{res['command']}`  ",
+             f"Wall time: {res['wall_s'] / 60:.1f} min ({res['platform']}).", "",
+             f"Model: {res['model']}; held-out: the fine-tune's {res['settings']['eval_batches']} validation batches of "
+             f"{res['settings']['batch']} x {res['settings']['seq']} tokens (`real_finetune.md`); calibration: the "
+             f"first {res['settings']['calib_tokens']:,} training tokens. Dense zero-shot: "
+             + (f"{_ppl(zs)}." if zs else "-"), "",
+             "| start | ranks | projections | held-out ppl | bits/byte | output error mean (held-out) | "
+             "weight error mean | start time |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ranks = ", ".join(f"{g} {'dense' if v is None else v}" for g, v in r["ranks"].items())
+        i = r["init"]
+        out = f"{i['output']['mean']:.3f}" if "output" in i else "-"
+        lines.append(f"| {r['label']} | {ranks} | {r['projection_fraction']:.1%} | {_ppl(r['before'])} | "
+                     f"{r['before']['bpb']:.3f} | {out} | {i['mean']:.3f} | {r['start_s']:.0f} s |")
+    lines += ["", "Output error: `‖X W − f(X)‖_F / ‖X W‖_F` per matrix on held-out inputs of the dense model "
+              "(`init_report.json`); weight error: against the factored map's linear part at 0 (A B; A B / 2 for "
+              "CoLA).", "", "## Where the parameters went (sensitivity)", ""]
+    for r in rows:
+        a = r.get("allocation")
+        if a and a["policy"] == "sensitivity":
+            parts = ", ".join(f"{g} {v['rank']} ({v['share_of_used']:.0%}, loss {v.get('loss', 0):.2f})"
+                              for g, v in a["groups"].items())
+            lines.append(f"- {r['label']}: {parts}; {a['used_fraction']:.1%} of the dense projection parameters")
+    return "\n".join(lines)
+
+
+def starts_main(args, s: Settings, argv) -> None:
+    """`--starts-only`: each chosen start's held-out score before training, into real_starts.{json,md}
+    (a finished start is kept and skipped on a rerun of the same settings)."""
+    out = pathlib.Path(args.out)
+    path = out / f"{STARTS_NAME}.json"
+    res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    if res.get("settings") != json.loads(json.dumps(dataclasses.asdict(s))):
+        res = {}
+    every = starts_of()
+    chosen = [st for st in every if not args.rows or st.name in args.rows.split(",")]
+    gguf, texts = find_inputs()
+    hf = pathlib.Path(args.hf_folder) if args.hf_folder else hf_folder(gguf, CACHE / "smollm2-hf")
+    data = CACHE / "shakespeare-smollm2"
+    meta = token_folder(texts, hf, data)
+    import jax
+
+    runs = CACHE / "runs" / f"{STARTS_NAME}-{s.key()}"
+    runs.mkdir(parents=True, exist_ok=True)
+    ctx = make_context(s, hf, data, meta, runs)
+    res.update({"settings": dataclasses.asdict(s), "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised)",
+                "platform": f"{jax.default_backend()}, {os.cpu_count()} cores, load average "
+                            f"{os.getloadavg()[0]:.1f} at start",
+                "command": results_io.command_line("real_finetune", argv)})
+    res.setdefault("starts", {})
+    res["wall_s"] = res.get("wall_s", 0.0)
+    if "zero_shot" not in res:
+        _, cfg = ctx.config(Row("dense", "llama"))
+        res["zero_shot"] = ctx.held.scores(eval_loss(cfg, initial_params(cfg, ctx.corpus)[0], ctx.held))
+        _LOSS.clear()
+    for st in chosen:
+        if st.name in res["starts"]:
+            continue
+        results_io.log(f"{st.name}: {st.label}")
+        r = score_start(ctx, st)
+        res["starts"][st.name] = r
+        res["wall_s"] = round(res["wall_s"] + r["wall_s"], 1)
+        results_io.write(out, STARTS_NAME, data=res, md=lambda: starts_markdown(res), echo=False)
+        results_io.log(f"{st.name}: held-out ppl {_ppl(r['before'])}, {r['wall_s']:.0f} s")
+    results_io.write(out, STARTS_NAME, data=res, md=lambda: starts_markdown(res), echo=False)
+    print(starts_markdown(res))
+
+
 def overrides(args) -> dict[str, Any]:
     return {k: getattr(args, k) for k in ("steps", "seq", "batch", "lr", "warmup", "eval_every", "eval_batches",
                                           "calib_tokens", "rank_policy") if getattr(args, k) is not None}
@@ -762,7 +881,19 @@ def main(argv: list[str] | None = None) -> None:
                              ("eval_batches", int, "held-out batches"),
                              ("calib_tokens", int, "whitening calibration tokens")):
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=f"{what} (override)")
+    p.add_argument("--starts-only", dest="starts_only", action="store_true",
+                   help=f"score the factored starts alone, no training (the 'before' column): {STARTS_NAME}.*; "
+                   "--rows then names starts: " + ", ".join(st.name for st in starts_of()))
     args = p.parse_args(argv)
+    if args.starts_only:
+        s = dataclasses.replace(QUICK if args.quick else Settings(), **overrides(args))
+        unknown = sorted(set(filter(None, args.rows.split(","))) - {st.name for st in starts_of()})
+        if unknown:
+            print(f"real_finetune: no start {unknown[0]!r}; fix: --rows with names from "
+                  f"{', '.join(st.name for st in starts_of())}", file=sys.stderr)
+            sys.exit(2)
+        starts_main(args, s, argv)
+        return
     name = "real_finetune_quick" if args.quick else "real_finetune"
     out = pathlib.Path(args.out)
     path = out / f"{name}.json"
