@@ -15,6 +15,7 @@ import pytest
 
 from boostjax.cli import main
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig
+from boostjax.data import fingerprint
 from boostjax.data.tokenize import tokenize_corpus
 from boostjax.data.tokenizers import train_tokenizer
 from boostjax.interop import hf
@@ -99,13 +100,17 @@ def test_weight_zero_is_plain_training_and_only_the_student_learns():
     assert rel(s_grads, plain_grads) > 1e-3  # the KL term moves the student
 
 
-@pytest.mark.parametrize("strategy,kind,mesh", [("none", "cola", "data=4"), ("fullrank-tp", "llama", "data=2,model=4"),
-                                                ("btp", "cola", "data=2,model=2"), ("vanilla-tp", "svd", "data=1,model=2")])
-def test_sharded_distillation_matches_one_device(strategy, kind, mesh):
+@pytest.mark.parametrize("strategy,kind,mesh,docs", [("none", "cola", "data=4", False),
+                                                     ("fullrank-tp", "llama", "data=2,model=4", False),
+                                                     ("btp", "cola", "data=2,model=2", True),
+                                                     ("vanilla-tp", "svd", "data=1,model=2", False)])
+def test_sharded_distillation_matches_one_device(strategy, kind, mesh, docs):
     """The teacher's logits (split like a dense model) and the student's loss, parts and gradients under each
-    placement against one device."""
+    placement against one device (`docs`: with document segment ids, as --doc-mask batches carry them)."""
     cfg = Config(replace(STUDENT, kind=kind), TrainConfig(batch=8, seq=8, strategy=strategy, mesh=mesh))
     graphdef, params, batch, tparams = _inputs(cfg, seed=3)
+    if docs:  # two documents per row, split at a different place in each row
+        batch["segments"] = jnp.asarray((np.arange(8)[None, :] >= np.arange(1, 9)[:, None]).astype(np.int32))
     t = distill.Teacher("t", "huggingface", TEACHER, tparams, "blake3:0")
     obj = distill.objective(2.0, 0.5)
     with jax.default_matmul_precision("highest"):
@@ -140,6 +145,19 @@ def test_zero3_step_with_accumulation_matches_one_device(files):
     one, dp = out[None], out["data=4"]
     assert set(one) >= {"loss", "kl", "ce", "grad_norm"}
     assert all(abs(dp[k] - one[k]) < TOL * abs(one[k]) for k in ("loss", "kl", "ce", "grad_norm")), (one, dp)
+
+
+def test_a_gguf_teacher_is_the_folder_of_the_same_weights(files, tmp_path):
+    pytest.importorskip("gguf")
+    from test_gguf import write_gguf
+
+    folder = files[0]
+    with_ids = replace(TEACHER, bos_token_id=1, eos_token_ids="2")  # llama.cpp files name both
+    gguf_file = write_gguf(tmp_path / "teacher.gguf", with_ids, hf.read_hf(folder)[1])
+    a, b = distill.load(str(folder)), distill.load(str(gguf_file))
+    assert (a.format, b.format) == ("huggingface", "gguf") and b.fingerprint == fingerprint.of_file(gguf_file)
+    tokens = {"inputs": jnp.asarray(random_tokens(256, (2, 16)))}
+    assert rel(distill.forward(b.model, None)(b.params, tokens), distill.forward(a.model, None)(a.params, tokens)) < 1e-6
 
 
 def _error(capsys, *args) -> str:
