@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from boostjax.config import Config, TrainConfig, parse_profile, warmup_steps
+from boostjax.config import Config, ConfigError, TrainConfig, parse_profile, warmup_steps
 from boostjax.data.batches import BatchIterator, MixtureIterator, batch_iterator, eval_batches
 from boostjax.data.corpus import Corpus, Mixture
 from boostjax.data.source import install_run_tokenizer
@@ -182,6 +182,8 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         # packed documents where their boundaries are known (segment ids with --doc-mask), else random windows
         data = train_iterator(corpus, t.batch * t.grad_accum, t.seq, t.seed, segments=t.doc_mask,
                               vocab_size=cfg.model.vocab_size, process_index=share, process_count=count)
+        val_sets = validation_sets(corpus, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
+                                   process_index=share, process_count=count, segments=t.doc_mask)
         if data.epochs(t.steps) > 1:
             _say(epochs_line(data, t.steps))
         open_ckpt = lambda: Checkpointer(folder.checkpoints, keep=t.keep_ckpts,  # noqa: E731
@@ -212,7 +214,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
             metrics = folder.trim_metrics(start, write=multihost.is_main_process())
             # 7. the loop
             result = _loop(cfg, graphdef, fns, step_fn, compile_s, ckpt, folder, stop, data, state, start, metrics,
-                           corpus, on_log, unverified=None if verified else start)
+                           val_sets, on_log, unverified=None if verified else start)
             if start_from is not None:
                 result.extra["init"] = start_from[1]
             return result
@@ -236,6 +238,11 @@ def validation_sets(corpus: Corpus | Mixture, batch: int, seq: int, n: int, **kw
     or for a mixture ``{"val_loss/<name>": (weight, batches)}`` per folder (`val_record` adds their
     weighted mean as ``val_loss``)."""
     parts = corpus.parts if isinstance(corpus, Mixture) else (("", 1.0, corpus),)
+    for _, _, c in parts:
+        if n and len(c.val) < seq + 1:
+            raise ConfigError(f"data: the validation split of {c.name} holds {len(c.val)} tokens, fewer than --seq + 1 = "
+                              f"{seq + 1}; fix: a --seq below {len(c.val)}, or hold out more text (boostjax tokenize "
+                              "--val-every with a smaller value)")
     return {f"val_loss/{name}" if name else "val_loss": (weight, eval_batches(c.val, batch, seq, n, docs=c.val_docs,
                                                                                **kwargs))
             for name, weight, c in parts}
@@ -304,12 +311,9 @@ def _compile(cfg: Config, fns: StepFns, state, batch: dict) -> tuple[Callable, f
 
 
 def _loop(cfg: Config, graphdef, fns: StepFns, step_fn: Callable, compile_s: float, ckpt: Checkpointer,
-          folder: RunFolder, stop: StopSignals, data: BatchIterator, state, start: int, metrics: list[dict], corpus,
-          on_log: Callable[[dict], None] | None, unverified: int | None = None) -> TrainResult:
+          folder: RunFolder, stop: StopSignals, data: BatchIterator, state, start: int, metrics: list[dict],
+          val_sets: dict[str, tuple], on_log: Callable[[dict], None] | None, unverified: int | None = None) -> TrainResult:
     t = cfg.train
-    share, count = fns.batch_share
-    val_sets = validation_sets(corpus, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
-                               process_index=share, process_count=count, segments=t.doc_mask)
     tokens_per_step = t.batch * t.grad_accum * t.seq  # all micro-batches of one optimizer step
     fpt = flops_per_token(cfg.model, t.seq)
     hw, devices = hardware_profile(t.hardware), t.sizes.devices  # hw None: no MFU (a CPU, an unknown GPU)
