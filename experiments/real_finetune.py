@@ -803,6 +803,25 @@ def starts_markdown(res: dict) -> str:
         out = f"{i['output']['mean']:.3f}" if "output" in i else "-"
         lines.append(f"| {r['label']} | {ranks} | {r['projection_fraction']:.1%} | {_ppl(r['before'])} | "
                      f"{r['before']['bpb']:.3f} | {out} | {i['mean']:.3f} | {r['start_s']:.0f} s |")
+    ref = res.get("reference", {})
+    if ref:
+        lines += ["", "## Against today's whitened starts", "",
+                  f"Today's: the whitened starts of `real_finetune.md` ({ref.get('calib_tokens', 0):,} calibration "
+                  "tokens, the same held-out batches). Ratio: today's perplexity / the best new start's (goal: at "
+                  "least 2).", "",
+                  "| model | today's whitened | whitened here | best new start | its perplexity | ratio |",
+                  "|---|---:|---:|---|---:|---:|"]
+        for key, today in ref.get("before", {}).items():
+            kind, pct = key.split(":")
+            mine = [r for r in rows if r["kind"] == kind and round(100 * r["budget"]) == int(pct)]
+            new = [r for r in mine if r["init_factor"] != "whitened"]
+            here = next((r for r in mine if r["init_factor"] == "whitened"), None)
+            if not new:
+                continue
+            best = min(new, key=lambda r: r["before"]["ppl"])
+            lines.append(f"| {'SVD' if kind == 'svd' else 'CoLA'} {pct}% | {_ppl(today)} | "
+                         + (_ppl(here["before"]) if here else "-") + f" | {best['label']} | {_ppl(best['before'])} | "
+                         f"{today['ppl'] / best['before']['ppl']:.2f} |")
     lines += ["", "Output error: `‖X W − f(X)‖_F / ‖X W‖_F` per matrix on held-out inputs of the dense model "
               "(`init_report.json`); weight error: against the factored map's linear part at 0 (A B; A B / 2 for "
               "CoLA).", "", "## Where the parameters went (sensitivity)", ""]
@@ -813,6 +832,17 @@ def starts_markdown(res: dict) -> str:
                               for g, v in a["groups"].items())
             lines.append(f"- {r['label']}: {parts}; {a['used_fraction']:.1%} of the dense projection parameters")
     return "\n".join(lines)
+
+
+def reference(out: pathlib.Path) -> dict:
+    """Today's whitened starts from real_finetune.json: {"kind:pct": their held-out scores before training}."""
+    path = out / "real_finetune.json"
+    if not path.is_file():
+        return {}
+    fine = json.loads(path.read_text())
+    return {"calib_tokens": fine["settings"]["calib_tokens"],
+            "before": {f"{r['kind']}:{round(100 * r['budget'])}": r["before"] for r in fine["rows"].values()
+                       if r.get("init_factor") == "whitened" and r.get("budget") in (0.5, 0.75)}}
 
 
 def starts_main(args, s: Settings, argv) -> None:
@@ -840,6 +870,7 @@ def starts_main(args, s: Settings, argv) -> None:
                 "command": results_io.command_line("real_finetune", argv)})
     res.setdefault("starts", {})
     res["wall_s"] = res.get("wall_s", 0.0)
+    res["reference"] = reference(out)
     if "zero_shot" not in res:
         _, cfg = ctx.config(Row("dense", "llama"))
         res["zero_shot"] = ctx.held.scores(eval_loss(cfg, initial_params(cfg, ctx.corpus)[0], ctx.held))
@@ -885,6 +916,11 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"score the factored starts alone, no training (the 'before' column): {STARTS_NAME}.*; "
                    "--rows then names starts: " + ", ".join(st.name for st in starts_of()))
     args = p.parse_args(argv)
+    if args.starts_only and args.render:
+        res = json.loads((pathlib.Path(args.out) / f"{STARTS_NAME}.json").read_text())
+        res["reference"] = reference(pathlib.Path(args.out))
+        results_io.write(args.out, STARTS_NAME, data=res, md=lambda: starts_markdown(res))
+        return
     if args.starts_only:
         s = dataclasses.replace(QUICK if args.quick else Settings(), **overrides(args))
         unknown = sorted(set(filter(None, args.rows.split(","))) - {st.name for st in starts_of()})
