@@ -412,7 +412,7 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
     dense_cfg = dataclasses.replace(cfg, kind="llama")
     check_params(dense_cfg, dense_params, "lowrank_from_dense: dense_params")
     like, table = param_shapes(cfg), projections(cfg)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)  # an odd cola rank's free column
     errs: dict[str, float] = {}
     out: dict[str, Any] = {k: dense_params[k] for k in like if "." not in k}
     out["layers"] = {}
@@ -422,25 +422,15 @@ def lowrank_from_dense(cfg: ModelConfig, dense_params: Mapping[str, Any], seed: 
         if start_layer is not None:
             start_layer(i, out["layers"])
         dense = layers[i] if i in layers else layers[str(i)]
-        layer: dict[str, dict[str, Any]] = {blk: {"norm": dense[blk]["norm"]} for blk in ("attn", "mlp")}
+        fitted: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for short, proj in table.items():
-            w = dense[proj.blk][proj.dense]
-            if proj.a is None:  # a group whose factors would not be smaller: kept dense
-                layer[proj.blk][proj.dense] = np.asarray(w, np.float32)
+            if proj.a is None:  # a group whose factors would not be smaller: kept dense (copied)
                 continue
             matrix = f"layers.{i}.{proj.blk}.{short}"
-            a, b, errs[matrix] = factor(matrix, w, cfg.kind, cfg.group_rank(proj.group), rng)
-            for (name, idx), val, axis in ((proj.a, a, 1), (proj.b, b, 0)):
-                if idx is None:
-                    layer[proj.blk][name] = val
-                else:  # grouped tensors: a_qkv [d, 3, r] / a_kv / a_gate_up [d, 2, r] / b_kv [2, r, ke] / b_gate_up
-                    layer[proj.blk].setdefault(name, {})[idx] = (val, axis)
-        for blk in ("attn", "mlp"):
-            for name, v in list(layer[blk].items()):
-                if isinstance(v, dict):
-                    layer[blk][name] = np.stack([v[j][0] for j in sorted(v)], axis=v[0][1])
-            if f"layers.{i}.{blk}.cross" in like:
-                layer[blk]["cross"] = np.zeros(like[f"layers.{i}.{blk}.cross"], np.float32)
+            a, b, errs[matrix] = factor(matrix, dense[proj.blk][proj.dense], cfg.kind,
+                                        cfg.group_rank(proj.group), rng)
+            fitted[short] = (a, b)
+        layer = refit.layer_params(cfg, dense, fitted)
         out["layers"][i] = layer
     if start_layer is not None:
         factor.finish()

@@ -16,8 +16,9 @@ On calibration inputs X̃ [n, in] (what the factored model feeds the projection)
   least-squares best for this A.
 
 `LayerFit` walks the layers on calibration tokens: per layer, the inputs of each projection from the
-dense model (X) and, `sequential`, from the model whose layers below are already factored (X̃); each
-matrix is then fitted as its `--init-factor` says. `boostjax.interop.pretrained.lowrank_from_dense`
+dense model (X) and, `sequential`, from the factored model (X̃): its layers below as fitted, and within
+the layer the projections before this one (o reads the fitted q, k, v; gate and up the residual after
+the fitted o; down the fitted gate and up); each matrix is then fitted as its `--init-factor` says. `boostjax.interop.pretrained.lowrank_from_dense`
 calls `LayerFit.start_layer(i, layers)` before it factors layer i.
 """
 
@@ -35,7 +36,7 @@ from flax import nnx
 from boostjax.config import ModelConfig
 from boostjax.interop import calibration
 from boostjax.models import ops
-from boostjax.models.llama import Block
+from boostjax.models.llama import Block, param_shapes, projections
 
 EPS_MAX = 0.25  # the largest latent scale of the linearised CoLA start (z's RMS)
 REFIT_RIDGE = 1e-4  # relative ridge of the refit's normal equations
@@ -139,8 +140,8 @@ def block(cfg: ModelConfig, layer: Mapping[str, Any]) -> Block:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _dense_io(cfg: ModelConfig, layer: Any, x_btd):
-    """(the block's output, {input: X [b*t, in]}) of the dense block `layer` on x (see `calibration.INPUTS`)."""
+def _io(cfg: ModelConfig, layer: Any, x_btd):
+    """(the block's output, {input: X [b*t, in]}) of the block `layer` of `cfg` on x (`calibration.INPUTS`)."""
     cos, sin = ops.model_rope_tables(cfg, x_btd.shape[1])
     fn = lambda p, x: block(cfg, p)(x, cos, sin)  # noqa: E731
     seen = calibration.tagged(fn, tuple(tag for tag, _ in calibration.INPUTS.values()))(layer, x_btd)
@@ -156,6 +157,35 @@ def _dense_io(cfg: ModelConfig, layer: Any, x_btd):
 def _run(cfg: ModelConfig, layer: Any, x_btd):
     cos, sin = ops.model_rope_tables(cfg, x_btd.shape[1])
     return block(cfg, layer)(x_btd, cos, sin)
+
+
+def layer_params(cfg: ModelConfig, dense_layer: Mapping[str, Any], factors: Mapping[str, tuple[Any, Any]]
+                 ) -> dict[str, dict[str, Any]]:
+    """One layer's pure params of the low-rank `cfg` (numpy float32): `factors[short] = (A, B)` of each
+    factored projection (q, k, ..., down) in the model's grouped layout (`llama.projections`), a factored
+    projection absent from `factors` zeros, a group kept dense copied from `dense_layer`, LaX's gates zero."""
+    like = {k.split(".", 2)[2]: v for k, v in param_shapes(cfg).items() if k.startswith("layers.0.")}
+    layer: dict[str, dict[str, Any]] = {blk: {"norm": np.asarray(dense_layer[blk]["norm"], np.float32)}
+                                        for blk in ("attn", "mlp")}
+    for short, proj in projections(cfg).items():
+        w = dense_layer[proj.blk][proj.dense]
+        if proj.a is None:
+            layer[proj.blk][proj.dense] = np.asarray(w, np.float32)
+            continue
+        r = cfg.group_rank(proj.group)
+        a, b = factors.get(short, (np.zeros((w.shape[0], r), np.float32), np.zeros((r, w.shape[1]), np.float32)))
+        for (name, idx), val, axis in ((proj.a, a, 1), (proj.b, b, 0)):
+            if idx is None:
+                layer[proj.blk][name] = np.asarray(val, np.float32)
+            else:  # grouped tensors: a_qkv [d, 3, r] / a_kv / a_gate_up [d, 2, r] / b_kv [2, r, ke] / b_gate_up
+                layer[proj.blk].setdefault(name, {})[idx] = (np.asarray(val, np.float32), axis)
+    for blk in ("attn", "mlp"):
+        for name, v in list(layer[blk].items()):
+            if isinstance(v, dict):
+                layer[blk][name] = np.stack([v[j][0] for j in sorted(v)], axis=v[0][1])
+        if f"{blk}.cross" in like:
+            layer[blk]["cross"] = np.zeros(like[f"{blk}.cross"], np.float32)
+    return layer
 
 
 class LayerFit:
@@ -196,9 +226,19 @@ class LayerFit:
             prev = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), factored[i - 1])
             self.ht = _run(self.low_cfg, prev, self.ht)
         layer = self._dense_layer(i)
-        h_next, self.xs = _dense_io(self.dense_cfg, layer, self.h)
-        self.xts = _dense_io(self.dense_cfg, layer, self.ht)[1] if self.how == "sequential" else None
-        self.h, self.layer = h_next, i
+        h_next, self.xs = _io(self.dense_cfg, layer, self.h)
+        self.xts = _io(self.dense_cfg, layer, self.ht)[1] if self.how == "sequential" else None
+        self.h, self.layer, self.fitted, self.fresh = h_next, i, {}, {"qkv"}
+
+    def _factored_input(self, inp: str) -> Any:
+        """X̃ of input `inp` of the current layer with the projections before it factored as fitted (o reads
+        the factored q, k, v; gate and up the residual after the factored o; down the factored gate and up)."""
+        if inp not in self.fresh:
+            dense_layer = jax.tree.map(np.asarray, self._dense_layer(self.layer))
+            layer = jax.tree.map(jnp.asarray, layer_params(self.low_cfg, dense_layer, self.fitted))
+            self.xts[inp] = _io(self.low_cfg, layer, self.ht)[1][inp]
+            self.fresh.add(inp)
+        return self.xts[inp]
 
     def finish(self) -> None:
         if self.layer >= 0:
@@ -210,8 +250,9 @@ class LayerFit:
         if int(i) != self.layer:
             raise ValueError(f"LayerFit: {name} asked while layer {self.layer} is calibrated")
         inp = calibration.INPUT_OF[short]
-        a, b = fit(w_io, kind, r, self.how, self.xs[inp], None if self.xts is None else self.xts[inp],
-                   self.eps_max, self.seq_ridge)
+        xt = None if self.xts is None else self._factored_input(inp)
+        a, b = fit(w_io, kind, r, self.how, self.xs[inp], xt, self.eps_max, self.seq_ridge)
+        self.fitted[short] = (a, b)
         return a, b, weight_error(w_io, a, b, kind)
 
 
