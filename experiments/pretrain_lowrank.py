@@ -14,7 +14,8 @@ rank = d/4 for every projection) and SVD (`--model svd`, the same rank, no nonli
 is the trainer's own (`--eval-every`, `--eval-batches` fixed batches of the val split). FLOPs per token are
 `boostjax.models.flops.flops_per_token` (PaLM convention: 6 x matmul weights + attention).
 
-    python experiments/pretrain_lowrank.py                # the full run (about 75 min of 2 CPU cores)
+    python experiments/pretrain_lowrank.py                # dense, CoLA, SVD one after another (about an hour on 2 cores)
+    python experiments/pretrain_lowrank.py --kinds cola   # one kind; several such invocations may run side by side
     python experiments/pretrain_lowrank.py --quick        # a smoke run on a tiny corpus: -> pretrain_lowrank_quick.*
     python experiments/pretrain_lowrank.py --tokens 4000000 --seeds 0,1   # more tokens, more seeds
     python experiments/pretrain_lowrank.py --render       # tables and plot again from the JSON
@@ -206,7 +207,7 @@ class Settings:
     val_every: int = 20
     seq: int = 256
     batch: int = 8
-    tokens: int = 1_310_720  # per run: steps = tokens / (batch x seq)
+    tokens: int = 819_200  # per run: steps = tokens / (batch x seq)
     eval_every: int = 40
     eval_batches: int = 8
     lr_dense: float = 1e-3
@@ -481,6 +482,22 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def notes(s: Settings) -> list[str]:
+    """What the report says beside the tables (the scale and the recipe against the paper's)."""
+    return [
+        f"Scale against the CoLA paper's 60M row: there C4, 131k tokens per step for 10k steps (1.3B tokens), here "
+        f"{s.batch * s.seq:,} tokens per step and {s.tokens:,} tokens per run: more than three orders of magnitude "
+        "fewer tokens, a model far from converged, so the comparison is of the early part of training, where "
+        "the learning-rate recipe weighs most.",
+        f"Learning rates: dense {s.lr_dense:g}, CoLA and SVD {s.lr_lowrank:g} (the paper's 60M recipe is 1e-3 and "
+        "6e-3 at a 64x larger batch); a rate tuned at this batch would move the ratios.",
+        "tokens/s are per process while the runs shared the machine (side by side, and with other jobs): they "
+        "are not a speed comparison of the kinds (experiments/lowrank_speed.py is).",
+        "flops.py counts a factored projection as its two factors, r (in + out) weights, and the logits' d x V "
+        "for every kind; the MFLOP/token column's check against a count by hand from the projection shapes "
+        "says whether they agree."]
+
+
 COLORS = {"dense": "black", "cola": "tab:red", "svd": "tab:blue"}
 
 
@@ -578,6 +595,8 @@ def main(argv: list[str] | None = None) -> None:
             fail(f"{path} does not exist; fix: run the experiment first")
         res = json.loads(path.read_text())
         res["comparisons"] = comparisons(res)
+        if not res["settings"]["quick"]:
+            res["notes"] = notes(Settings(**{k: v for k, v in res["settings"].items() if k != "steps"}))
         results_io.write(out, name, data=res, md=markdown(res), figure=lambda: chart(res))
         return
     kinds = [k for k in args.kinds.split(",") if k]
@@ -616,7 +635,7 @@ def main(argv: list[str] | None = None) -> None:
                 "val_tokens": corpus.meta["splits"]["val"]["tokens"]},
             "platform": f"{jax.default_backend()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at "
                         "the last start",
-            "command": results_io.command_line(NAME, argv)}
+            "command": results_io.command_line(NAME, argv), "notes": [] if s.quick else notes(s)}
     save = saver(out, name, base)
     res = save()
     for seed in seeds:
