@@ -825,6 +825,14 @@ def starts_markdown(res: dict) -> str:
     lines += ["", "Output error: `‖X W − f(X)‖_F / ‖X W‖_F` per matrix on held-out inputs of the dense model "
               "(`init_report.json`); weight error: against the factored map's linear part at 0 (A B; A B / 2 for "
               "CoLA).", "", "## Where the parameters went (sensitivity)", ""]
+    sens = [r for r in rows if (r.get("allocation") or {}).get("policy") == "sensitivity"]
+    if not sens:
+        lines.append("No sensitivity start measured yet.")
+    missing = [st.name for st in starts_of() if st.name not in res["starts"]]
+    if missing:
+        lines = lines[:lines.index("## Where the parameters went (sensitivity)") - 1] + [
+            "", f"Not measured yet (rerun the command: finished starts are kept): {', '.join(missing)}."] + \
+            lines[lines.index("## Where the parameters went (sensitivity)") - 1:]
     for r in rows:
         a = r.get("allocation")
         if a and a["policy"] == "sensitivity":
