@@ -317,3 +317,26 @@ def load_experiment(name: str) -> ModuleType:
     sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
     spec.loader.exec_module(mod)
     return mod
+
+
+def random_model(cfg: ModelConfig, seed: int = 0):
+    """A random `LLaMA` of ``cfg`` built on the host (eager initialisation would compile a program per op and
+    shape): weights N(0, 0.1^2), the low-rank A factors N(0, 1/fan_in) (latents O(1), the SiLU far from
+    linear), norm gains 1 + N(0, 0.1^2) (a swapped norm would show), LaX gates N(0, 0.3^2) (zero in training)."""
+    from flax import nnx
+
+    from boostjax.models.llama import LLaMA
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+
+    def init(path, x):
+        name = str(path[-1].key if hasattr(path[-1], "key") else path[-1])
+        z = rng.standard_normal(x.shape).astype(np.float32)
+        if name == "norm":
+            return jnp.asarray(1 + 0.1 * z)
+        if name == "cross":
+            return jnp.asarray(0.3 * z)
+        return jnp.asarray((x.shape[0] ** -0.5 if name.startswith("a_") else 0.1) * z)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(abstract)))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ from boostjax.interop.hf_config import REMOTE_CODE_FILES
 from boostjax.interop.hf_lowrank import densify, to_hf_lowrank
 from boostjax.models.llama import LLaMA
 from boostjax.runs.load import load_run
-from helpers import one_error_line, random_tokens, rel
+from helpers import one_error_line, random_tokens, rel, random_model
 
 torch.set_num_threads(1)
 
@@ -35,22 +34,8 @@ TIE = 1e-5  # two implementations may pick differently only where the top two lo
 
 
 def _model(seed: int = 0, **kw) -> LLaMA:
-    """A random model built on the host: weights N(0, 0.1^2) (A factors N(0, 1/fan_in), so the latents
-    are O(1) and the SiLU is far from linear), norm gains 1 + N(0, 0.1^2), LaX gates N(0, 0.3^2)."""
-    cfg = ModelConfig(**{**SHAPE, **kw})
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(seed)
-
-    def init(path, x):
-        name = str(path[-1].key if hasattr(path[-1], "key") else path[-1])
-        z = rng.standard_normal(x.shape).astype(np.float32)
-        if name == "norm":
-            return jnp.asarray(1 + 0.1 * z)
-        if name == "cross":
-            return jnp.asarray(0.3 * z)
-        return jnp.asarray((x.shape[0] ** -0.5 if name.startswith("a_") else 0.1) * z)
-
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(abstract)))
+    """A random model (`helpers.random_model`)."""
+    return random_model(ModelConfig(**{**SHAPE, **kw}), seed)
 
 
 def _theirs(ref, tokens: np.ndarray) -> np.ndarray:

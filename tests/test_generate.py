@@ -19,31 +19,15 @@ from boostjax.config import ModelConfig
 from boostjax.inference.generation import sample
 from boostjax.models import kvcache
 from boostjax.models.llama import LLaMA
-from helpers import FAST_CPU, rel
+from helpers import FAST_CPU, rel, random_model
 
 SHAPE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, rank=8, init_std=0.1,
              max_seq_len=64)
 
 
 def _model(kind: str, seed: int = 0, **kw) -> LLaMA:
-    """A random model built on the host (eager initialisation would compile a program per op and shape):
-    weights N(0, 0.1^2) (the low-rank A factors N(0, 1/fan_in)), norm gains 1 + N(0, 0.1^2) (a swapped
-    norm would show), LaX gates N(0, 0.3^2) (they start at zero in training)."""
-    cfg = ModelConfig(kind=kind, **{**SHAPE, **kw})
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: LLaMA(cfg, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(seed)
-
-    def init(path, x):
-        name = str(path[-1].key if hasattr(path[-1], "key") else path[-1])
-        z = rng.standard_normal(x.shape).astype(np.float32)
-        if name == "norm":
-            return jnp.asarray(1 + 0.1 * z)
-        if name == "cross":
-            return jnp.asarray(0.3 * z)
-        std = x.shape[0] ** -0.5 if name.startswith("a_") else 0.1
-        return jnp.asarray(std * z)
-
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(abstract)))
+    """A random model of ``kind`` (`helpers.random_model`)."""
+    return random_model(ModelConfig(kind=kind, **{**SHAPE, **kw}), seed)
 
 
 @pytest.mark.parametrize("kind,extra", [
