@@ -1,4 +1,4 @@
-"""Validating `boostjax plan --auto` three ways (issue 25).
+"""Validating `boostjax plan --auto` three ways.
 
 (a) BOOST's published configurations (1B TP1, 3B TP2, 7B TP4, 13B TP4 PP2; A100 80GB; 4 micro-batches of
     one 4096-token sequence per iteration, CoLA, vocabulary 32000): the planner plans each on BOOST's
@@ -127,7 +127,7 @@ TIMING_ARGV = ["plan", "--auto", "--preset", "7b", "--seq", "4096", "--global-ba
 
 
 def timing_part() -> dict:
-    """`boostjax plan --auto` for 7B on 64 A100s (issue 25's <= 5 minutes on 2 cores), as a separate
+    """`boostjax plan --auto` for 7B on 64 A100s (the goal: <= 5 minutes on 2 cores), as a separate
     process with an empty cache folder: wall time, peak RSS, the load average, the search counts and the winner."""
     with tempfile.TemporaryDirectory() as tmp:
         argv = [*TIMING_ARGV, "--out", f"{tmp}/p.json", "--cache-dir", f"{tmp}/cache"]
@@ -381,11 +381,11 @@ def markdown(res: dict) -> str:
     tm = res.get("timing_7b_64")
     if tm:
         s = tm["search"]
-        lines += ["", "## 7B on 64 A100s from an empty cache (issue 25: <= 5 minutes on 2 CPU cores)", "",
+        lines += ["", "## 7B on 64 A100s from an empty cache (goal: <= 5 minutes on 2 CPU cores)", "",
                   f"`{tm['command']}`: **{tm['wall_s']:.0f} s** wall (within 300 s: {tm['within_300_s']}), peak RSS "
                   f"{tm['max_rss_bytes'] / 2**30:.1f} GiB, load average {tm['load_before'][0]:.1f} before / "
                   f"{tm['load_after'][0]:.1f} after (1-minute) on {tm['cpu_count']} cores shared with other "
-                  f"sessions. Search: {s['enumerated']} enumerated, {s['valid']} valid, {s['pruned_memory_bound']} "
+                  f"jobs. Search: {s['enumerated']} enumerated, {s['valid']} valid, {s['pruned_memory_bound']} "
                   f"over memory by bound, {s['compile_keys']} compile keys, {s['compiled']} compiled, "
                   f"{s['skipped_time_bound']} slower by bound, {s['skipped_remat_not_needed']} remat not needed, "
                   f"{s['skipped_compile_budget']} past the compile budget, {s.get('offload_plans_tried', 0)} offload "
