@@ -69,7 +69,15 @@ def _check_int(name: str, value: Any, minimum: int, where: str = "BatchIterator"
 
 
 class _Batches:
-    """Iteration over batches for the iterators below: each defines `next()`."""
+    """Iteration over batches for the iterators below: each defines `next()` and keeps ``_step`` and ``_seed``."""
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def seed(self) -> int:
+        return self._seed
 
     def next(self) -> dict[str, np.ndarray]:
         raise NotImplementedError
@@ -143,14 +151,6 @@ class BatchIterator(_Batches):
                 f"{f' in {where}' if where else ''}; "
                 f"fix: a --vocab-size > {int(ids.max())} or the --data-dtype the file was written with"
             )
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    @property
-    def seed(self) -> int:
-        return self._seed
 
     def global_starts(self, step: int) -> np.ndarray:
         """Window starts of global batch ``step``: int64[batch], uniform in [0, len - seq - 1]."""
@@ -341,14 +341,6 @@ class MixtureIterator(_Batches):
         self.local_batch = self.batch // self.process_count
         self.segments = bool(segments)
         self._rows = self._rows_before(self._step, 0, np.zeros(len(self.streams), np.int64))
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    @property
-    def seed(self) -> int:
-        return self._seed
 
     def choices(self, step: int) -> np.ndarray:
         """The stream of each row of global batch ``step``: int64[batch]."""
