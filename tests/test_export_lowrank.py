@@ -23,7 +23,7 @@ from boostjax.interop.hf_config import REMOTE_CODE_FILES
 from boostjax.interop.hf_lowrank import densify, to_hf_lowrank
 from boostjax.models.llama import LLaMA
 from boostjax.runs.load import load_run
-from helpers import one_error_line, random_tokens, rel, random_model
+from helpers import assert_close_ulps, one_error_line, random_model, random_tokens, rel
 
 torch.set_num_threads(1)
 
@@ -113,7 +113,8 @@ def test_densify_writes_a_plain_llama(tmp_path):
     cfg, dense = densify(model.cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     attn = nnx.to_pure_dict(nnx.state(model, nnx.Param))["layers"][0]["attn"]
     want = np.asarray(attn["a_qkv"][:, 2], np.float64) @ np.asarray(attn["b_kv"][1], np.float64)
-    assert cfg.kind == "llama" and np.array_equal(dense["layers"][0]["attn"]["w_v"], want.astype(np.float32))
+    assert cfg.kind == "llama"  # the float64 product rounded once; another BLAS kernel may round 1 ulp apart
+    assert_close_ulps(dense["layers"][0]["attn"]["w_v"], want.astype(np.float32), 1)
 
 
 @pytest.mark.parametrize("kind", ["cola", "lax"])
