@@ -340,3 +340,24 @@ def random_model(cfg: ModelConfig, seed: int = 0):
         return jnp.asarray((x.shape[0] ** -0.5 if name.startswith("a_") else 0.1) * z)
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(abstract)))
+
+
+# the command line's smallest run from a pretrained start (tests/test_whitened.py, tests/test_init_refit.py)
+TRAIN_ONE_STEP = ["train", "--batch", "2", "--seq", "16", "--steps", "1", "--eval-batches", "1", "--no-progress",
+                  "--no-tensorboard"]
+
+
+def tiny_hf_checkpoint(cfg: ModelConfig, folder: pathlib.Path) -> pathlib.Path:
+    """A random dense checkpoint of ``cfg`` written as a Hugging Face folder (seed 10)."""
+    from boostjax.config import Config
+    from boostjax.interop import hf
+    from boostjax.models.llama import abstract_model
+
+    params = random_params(abstract_model(Config(cfg))[1], np.random.default_rng(10), 0.3, norm_scale=0.2)
+    return hf.to_hf((cfg, params), folder)
+
+
+def random_ids_file(vocab: int, path: pathlib.Path, n: int = 1000) -> pathlib.Path:
+    """``n`` random uint16 token ids below ``vocab`` in a ``.bin`` file (seed 11; 1000 ids: 980 train, 20 val)."""
+    np.random.default_rng(11).integers(0, vocab, n).astype(np.uint16).tofile(path)
+    return path

@@ -15,10 +15,10 @@ import pytest
 from boostjax.cli import main
 from boostjax.config import Config, ModelConfig, TrainConfig
 from boostjax.data.corpus import Corpus
-from boostjax.interop import calibration, hf, pretrained
+from boostjax.interop import calibration, pretrained
 from boostjax.models import ops
 from boostjax.models.llama import abstract_model
-from helpers import one_error_line, random_params, rel
+from helpers import TRAIN_ONE_STEP, one_error_line, random_ids_file, random_params, rel, tiny_hf_checkpoint
 
 TINY = ModelConfig(kind="llama", vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=24, norm_eps=1e-5)
 
@@ -162,21 +162,17 @@ def test_factored_start_deterministic_and_reported():
 
 # ------------------------------------------------------------------------------ the command line
 
-RUN = ["train", "--batch", "2", "--seq", "16", "--steps", "1", "--eval-batches", "1", "--no-progress",
-       "--no-tensorboard"]
+RUN = TRAIN_ONE_STEP
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    params = random_params(abstract_model(Config(TINY))[1], np.random.default_rng(10), 0.3, norm_scale=0.2)
-    return hf.to_hf((TINY, params), tmp_path_factory.mktemp("hf") / "model")
+    return tiny_hf_checkpoint(TINY, tmp_path_factory.mktemp("hf") / "model")
 
 
 @pytest.fixture(scope="module")
 def ids(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "ids.bin"  # 1000 ids: 980 train, 20 validation
-    np.random.default_rng(11).integers(0, TINY.vocab_size, 1000).astype(np.uint16).tofile(path)
-    return path
+    return random_ids_file(TINY.vocab_size, tmp_path_factory.mktemp("data") / "ids.bin")
 
 
 @pytest.mark.parametrize("flags,needles", [
