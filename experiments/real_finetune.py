@@ -485,11 +485,43 @@ def zero_shot(ctx: Context, row: Row) -> dict:
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def fine_tune(ctx: Context, row: Row, memory: dict | None = None) -> dict:
+def start_of(ctx: Context, cfg, keep: pathlib.Path | None = None) -> tuple[Any, dict, dict]:
+    """(params, start scores, init report) of `cfg`'s factored start, evaluated on the held-out batches.
+    `keep`: a file (<name>.pkl, with <name>.json beside it) where the start is kept and read back, so rows
+    that share a start (with and without a teacher) factor once."""
+    import pickle
+
+    import jax
+    import numpy as np
+
+    t0 = time.perf_counter()
+    if keep is not None and keep.is_file() and keep.with_suffix(".json").is_file():
+        kept = json.loads(keep.with_suffix(".json").read_text())
+        with keep.open("rb") as f:
+            params = pickle.load(f)
+        results_io.log(f"start read from {keep} (factored in {kept['start']['init_s']:.0f} s)")
+        return params, kept["start"], kept["report"]
+    params, report = initial_params(cfg, ctx.corpus)
+    t_init = time.perf_counter() - t0
+    start = {"before": ctx.held.scores(eval_loss(cfg, params, ctx.held)), "init": init_summary(report),
+             "init_s": round(t_init, 1), "start_s": round(time.perf_counter() - t0, 1)}
+    if keep is not None:
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        tmp = keep.with_suffix(".partial")
+        with tmp.open("wb") as f:
+            pickle.dump(jax.tree.map(np.asarray, params), f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, keep)
+        keep.with_suffix(".json").write_text(json.dumps({"start": start, "report": report}, indent=1) + "\n")
+    return params, start, report
+
+
+def fine_tune(ctx: Context, row: Row, memory: dict | None = None, config=None,
+              keep: pathlib.Path | None = None) -> dict:
     """One trained row: its start (evaluated here), `boostjax.train` from it with held-out evaluations every
     `eval_every` steps, the compiled step's peak memory (`memory`: that of an earlier row of the same
     model, whose step is the same program), continuations. A row whose run folder has a checkpoint
-    resumes from it (its start's scores are in <row>.start.json)."""
+    resumes from it (its start's scores are in <row>.start.json). `config`: (flags, Config) instead of
+    `ctx.config(row)`; `keep`: where the start is kept for other rows (`start_of`)."""
     import jax
 
     from boostjax import train, validate
@@ -498,7 +530,7 @@ def fine_tune(ctx: Context, row: Row, memory: dict | None = None) -> dict:
     from boostjax.runs.checkpoint import step_dirs
 
     t0 = time.perf_counter()
-    flags, cfg = ctx.config(row)
+    flags, cfg = config or ctx.config(row)
     run_dir = pathlib.Path(cfg.train.out)
     start_file = ctx.runs / f"{row.name}.start.json"
     resuming = bool(step_dirs(run_dir / "checkpoints")) and start_file.is_file()
@@ -507,16 +539,13 @@ def fine_tune(ctx: Context, row: Row, memory: dict | None = None) -> dict:
         results_io.log(f"{row.name}: resuming from the checkpoint in {run_dir}")
     else:
         shutil.rmtree(run_dir, ignore_errors=True)  # a start that never reached a checkpoint begins again
-        params, report = initial_params(cfg, ctx.corpus)
-        t_init = time.perf_counter() - t0
-        start = {"before": ctx.held.scores(eval_loss(cfg, params, ctx.held)), "init": init_summary(report),
-                 "init_s": round(t_init, 1), "start_s": round(time.perf_counter() - t0, 1)}
+        params, start, report = start_of(ctx, cfg, keep)
         (ctx.runs / f"{row.name}.init_report.json").write_text(json.dumps(report, indent=1) + "\n")
         start_file.write_text(json.dumps(start, indent=1) + "\n")
     # the trainer starts from these params (init=), so the factoring above is not done twice; the run
     # folder's config therefore names no checkpoint: <row>.init_report.json beside it is the start's report
     tcfg = validate(Config(cfg.model, dataclasses.replace(cfg.train, init_from_hf="", init_factor="svd",
-                                                          calib_tokens=0)))
+                                                          calib_tokens=0, rank_budget=0)))
     t1 = time.perf_counter()
     result = train(tcfg, init=params)
     del params
@@ -537,7 +566,7 @@ def fine_tune(ctx: Context, row: Row, memory: dict | None = None) -> dict:
            "init": start["init"], "step_s": med, "tokens_per_s": ctx.s.batch * ctx.s.seq / med,
            "compile_s": round(result.extra.get("compile_s", float("nan")), 1),
            "peak_bytes": mem["peak_bytes_per_device"], "memory": mem, "generations": gens,
-           "resumed_from": result.resumed_from,
+           "resumed_from": result.resumed_from, **teacher_record(run_dir),
            "times_s": {"start": start["start_s"], "init": start["init_s"], "train": round(train_s, 1),
                        "memory": round(t3 - t2, 1), "generate": round(t4 - t3, 1)},
            "wall_s": round(time.perf_counter() - t0 + (start["start_s"] if resuming else 0), 1)}
@@ -546,6 +575,12 @@ def fine_tune(ctx: Context, row: Row, memory: dict | None = None) -> dict:
     jax.clear_caches()
     _LOSS.clear()
     return out
+
+
+def teacher_record(run_dir: pathlib.Path) -> dict:
+    """{"teacher": the run's teacher.json (path, fingerprint, params, param and logits bytes)}, or {}."""
+    path = run_dir / "teacher.json"
+    return {"teacher": json.loads(path.read_text())} if path.is_file() else {}
 
 
 # ----------------------------------------------------------------------------- analysis and report
