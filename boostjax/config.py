@@ -574,7 +574,7 @@ def _shape(d: int, layers: int, heads: int, d_ff: int, r: int, **kw: Any) -> Mod
 
 # CoLA's LLaMA shapes and ranks (one rank for attention and MLP as in every CoLA/BOOST config); d_ff
 # 1376 at 60m is CoLA's (BOOST 1344), 5472 at 1b BOOST's (CoLA 5461); 3b/13b/30b have no reference
-# config (README, "Presets"). Vocabulary: the byte-level tokenizer unless overridden.
+# config (docs/models.md, "Presets"). Vocabulary: the byte-level tokenizer unless overridden.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": _shape(128, 4, 4, 352, 32),
     "60m": _shape(512, 8, 8, 1376, 128),
