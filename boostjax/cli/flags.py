@@ -1,7 +1,7 @@
 """Flags made from the configuration fields: one per field, with its name, type, choices, default and help
 all read from the field (`boostjax.config.option`). Every command that takes a field's flag (train,
 plan, comm, ...) builds it here, so the commands that share a flag share its default, choices and help,
-and `config_from` turns those flags into the same `Config` whichever command parsed them.
+and `model_from` / `train_from` turn those flags into the same configuration whichever command parsed them.
 
 Each flag's argparse default is None (so a command can tell a given flag from a default one: `train`
 keeps a resumed run's stored value of a FOLLOW_STORED field it was not given); the effective default,

@@ -52,7 +52,6 @@ from boostjax.runs.folder import check_export_target
 __all__ = [
     "build_model",
     "config_from_hf",
-    "copy_hf_extras",
     "from_hf",
     "hf_config",
     "params_from_hf",
@@ -69,8 +68,6 @@ INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 EXPORT_DTYPES: dict[str, Any] = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 TOKENIZER_NAME = "tokenizer.json"
-# files a Hugging Face folder may carry besides config and weights, copied by `copy_hf_extras`
-EXTRA_FILES: tuple[str, ...] = (GENERATION_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME, "special_tokens_map.json")
 SIZE_UNITS: dict[str, int] = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -321,17 +318,6 @@ def write_folder(tensors: Mapping[str, np.ndarray], path: str | pathlib.Path,
     cfg = _side_files(cfg, out, src)
     write_json(out / CONFIG_NAME, config(cfg))
     return out
-
-
-def copy_hf_extras(src: str | pathlib.Path, dst: str | pathlib.Path) -> list[str]:
-    """Copy a Hugging Face folder's tokenizer and generation files (`EXTRA_FILES`) that exist into
-    `dst` (e.g. a run folder started from it, so that a later export carries them); their names."""
-    copied = []
-    for name in EXTRA_FILES:
-        if (pathlib.Path(src) / name).is_file():
-            shutil.copyfile(pathlib.Path(src) / name, pathlib.Path(dst) / name)
-            copied.append(name)
-    return copied
 
 
 def _read_json(file: pathlib.Path) -> Any:
