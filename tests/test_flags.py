@@ -143,7 +143,8 @@ def _strings(path: Path) -> list[tuple[int, str]]:
 
 def test_config_messages_name_real_train_flags():
     train = set(_options("train"))
-    named = {m for _, s in _strings(ROOT / "boostjax" / "config.py") for m in FLAG.findall(s)}
+    named = {m for path in sorted((ROOT / "boostjax" / "config").glob("*.py"))
+             for _, s in _strings(path) for m in FLAG.findall(s)}
     assert named and named <= train, sorted(named - train)
     for cls in config.CONFIG_CLASSES:
         for f in dataclasses.fields(cls):
