@@ -224,6 +224,30 @@ def test_eval_of_a_start(world, capsys):
     assert out[0].startswith("scored: the validation split of") and "eval: the pretrained start" in out[1]
 
 
+def test_eval_of_a_start_stops_on_a_signal_while_factoring(world, capsys, monkeypatch):
+    """A signal during the start's phases (reading, factoring) ends `eval --init-from-hf` with the
+    signal's exit status and a line saying nothing was written, not a traceback."""
+    import os
+    import signal
+    import time
+
+    from boostjax.runtime.interrupt import phase
+
+    def work(_):  # the phase's work, in its worker thread: the signal reaches the main thread's handler
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
+
+    def factoring(cfg, init=None, corpus=None):
+        return phase("factoring", work, after=0)
+
+    monkeypatch.setattr(pretrained, "initial_params", factoring)
+    code = main(["eval", "--init-from-hf", str(world["hf"]), "--data", str(world["root"] / "same"), "--seq", "16",
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 130, err
+    assert "boostjax: factoring" in err and "stopped by SIGINT before scoring; nothing was written" in err
+
+
 @pytest.mark.parametrize("extra,needles", [
     ([], ["eval.run:", "--init-from-hf MODEL"]),
     (["--run", "RUN", "--init-from-hf", "HF"], ["eval.init_from_hf:", "pass one of them"]),

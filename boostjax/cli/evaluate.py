@@ -156,13 +156,20 @@ def _eval_start(args: argparse.Namespace) -> int:
     from boostjax.inference.evaluation import evaluate  # starts JAX
     from boostjax.interop.hf import build_model
 
-    try:
-        params, report = pretrained.initial_params(cfg, corpus=corpus)
+    from boostjax.runtime.interrupt import StopSignals
+    from boostjax.runtime.signals import TrainingInterrupted
+
+    progress = args.progress if args.progress is not None else field_default("progress")
+    try:  # reading and factoring a checkpoint takes minutes: its phases speak, and a signal stops them
+        with StopSignals(bars=progress, early="before scoring; nothing was written"):
+            params, report = pretrained.initial_params(cfg, corpus=corpus)
     except ConfigError as e:
         raise _renamed(e) from None
+    except TrainingInterrupted as e:
+        print(f"boostjax: {e}", file=sys.stderr)
+        return e.exit_code
     print(f"boostjax: {pretrained.summary_line(report)}", file=sys.stderr)
     model = build_model(cfg.model, params)
-    progress = args.progress if args.progress is not None else field_default("progress")
     res = evaluate(model, d.tokens, seq=seq, batch=batch, n_bytes=d.n_bytes, progress=progress)
     m, t = cfg.model, cfg.train
     start = {"source": path, "kind": m.kind, **({"rank": m.rank, "init_factor": t.init_factor} if m.low_rank else {}),

@@ -47,9 +47,10 @@ ANNOUNCE_S = 2.0  # a phase that runs longer says what it is doing
 class StopSignals:
     """Context manager: SIGINT/SIGTERM set `requested` instead of raising or killing."""
 
-    def __init__(self, *, multi_process: bool = False, where: str = "", bars: bool = True):
+    def __init__(self, *, multi_process: bool = False, where: str = "", bars: bool = True, early: str = ""):
         self.multi_process = multi_process
         self.where = where  # the run folder, named when a stop comes before the first step
+        self.early = early  # what a stop before the first step says after "stopped by SIG..." ("": a run's text)
         self.bars = bars  # progress bars for the phases before the first step (False: their lines only)
         self.signum: int | None = None
         self.saving: str | None = None  # set while the final checkpoint is written (for the message)
@@ -74,8 +75,9 @@ class StopSignals:
         processes must stop at the same step, so they go on to it). Nothing new to save."""
         if self.requested and not self.multi_process:
             name = signal.Signals(self.signum).name
-            raise TrainingInterrupted(f"stopped by {name} before the first step; nothing in {self.where} changed; "
-                                      f"rerun the same command to train", self.signum, None)
+            what = self.early or (f"before the first step; nothing in {self.where} changed; rerun the same "
+                                  "command to train")
+            raise TrainingInterrupted(f"stopped by {name} {what}", self.signum, None)
 
     def should_stop(self, step: int) -> bool:
         """Whether to stop after `step` (in a multi-host job: all processes agree on the step)."""
