@@ -1,67 +1,13 @@
-"""Basis-rotation Adam: Adam run in a Kronecker-factored eigenbasis.
+"""Basis-rotation Adam: Adam run in a Kronecker-factored eigenbasis (optax-shaped).
 
-Per rotated 2-D leaf `W_mn` with gradient `G_mn`, bases `U_mm` (left) and `V_nn` (right), step t:
-
-    m  <- b1 m + (1-b1) G                        (original space)
-    v  <- b2 v + (1-b2) (Uᵀ G V)²                (rotated space)
-    ΔW = -lr ( U [ (Uᵀ m V / bc1) / (sqrt(v / bc2) + eps) ] Vᵀ + wd W )
-    then the basis statistics take G, and U, V are refreshed if step t is a refresh step.
-
-Ordering (as in SOAP): the step-t update uses bases built from gradients up to t-1, so a gradient
-is never projected onto a basis built from itself (that makes `Uᵀ G V` diagonal up to rounding, and
-Adam then normalises pure rounding noise to O(1) updates). Step 1 therefore runs in the identity
-basis (it is exactly an AdamW step), then the first refresh builds the bases and `v`, which is
-`(1-b2) G₁²` in the identity basis, is re-expressed exactly in the new bases as `(1-b2) (Uᵀ G₁ V)²`;
-`m` and `v` both count t. `m` lives in the original space and runs uninterrupted. `Uᵀ m V` is formed by
-linearity, `(1-b1) Uᵀ G V + b1 Uᵀ m_{t-1} V`, so the fresh gradient reaches m̂ and v through the
-same rounded `Uᵀ G V`.
-
-Basis source "second": `L <- β L + (1-β) G Gᵀ`, `R <- β R + (1-β) Gᵀ G`, bases = eigenvectors by
-descending eigenvalue. Source "first": the look-ahead momentum `M̃ = b1 m + (1-b1) G` (with the
-freshly updated `m`), bases = its singular vectors.
-
-Refresh at the end of steps 1, T+1, 2T+1, ... (1-indexed). Step 1's is exact (full SVD; for
-"second" see damping below); later refreshes do one power-iteration step plus QR:
-  second:  Q <- qr(L' Q),  L' = L + damping (tr L / m) I   (each side with its own statistic)
-  first, bilateral:   U <- qr([M̃ V_k, U_rest]),  V <- qr([M̃ᵀ U_k, V_rest])
-           (k = min(m, n); the larger side keeps its trailing columns as the Gram-Schmidt
-            completion, so every new column stems from the same old column)
-  first, one side:    U <- qr(M̃ M̃ᵀ U)  or  V <- qr(M̃ᵀ M̃ V)
-then the columns are sorted by estimated eigenvalue (`diag(Qᵀ L Q)`, or the estimated singular
-values `|u_iᵀ M̃ v_i|` / column norms; for bilateral "first" only the k paired columns are sorted) and
-the rotated second moment `v` gets the same row/column permutation, so each entry keeps tracking the
-direction it was accumulated for. Column signs from QR do not matter: `m` lives in the original
-space and `v` is sign-free.
-
-Damping (source "second", order "previous"; a deviation from the paper, whose refresh is an exact
-`eigh` then undamped power steps): the power step iterates on the Gram statistic shifted by `damping`
-times its mean eigenvalue, and the first refresh is `EXACT_ITERS` such steps from the identity instead
-of `eigh`. The shift leaves the eigenvectors unchanged; what it changes is which ones the iteration
-resolves: directions whose eigenvalues are far above the mean converge to the eigenbasis, while
-directions with eigenvalues at or below it (rank-deficient early Gram matrices, clusters of tiny
-eigenvalues) keep their previous basis, ultimately the identity, instead of a basis chosen by rounding
-(`eigh` of a rank-22 [32, 32] Gram matrix picks its 10-dimensional null-space basis from rounding
-noise, and Adam's per-coordinate normalisation turns another basis into O(1) other updates). One step
-is then a smooth function of the statistic (its error is noise / (λ + shift), not noise / eigenvalue
-gap), so runs whose gradients differ by rounding (a mesh against one device) keep the same bases.
-`damping=0` restores `eigh` and the undamped power step. Source "first" and order "current" (the
-reference code's order) are undamped.
-
-Unrotated sides (geometry "unilateral" keeps only the smaller side, ties -> left; a side longer
-than `max_dim`; masked-out or non-2-D leaves) hold one-element placeholders `f32[1]` in the state.
-A leaf with no rotated side runs plain AdamW, the formula of `optax.adamw`.
-
-Grouped leaves: a mask entry that is an int `g` or a tuple of ints (not a bool) marks a leaf as a
-stack of independent matrices along those axes (a grouped `a_qkv [d, 3, r]` with g = 1; a pipeline's
-stacked `a_qkv [L, d, 3, r]` with (0, 2)); each matrix gets its own bases and statistics (stacked on
-leading group axes in the state, `[G, m, m]` / `[L, 3, m, m]`), exactly as if the slices were
-separate 2-D leaves.
-
-`scale_by_rotated_adam` is the direction (no learning rate, no weight decay); `rotated_adam` chains
-it with `optax.add_decayed_weights` and `optax.scale_by_learning_rate`, as `optax.adamw` does.
-Paper: basis rotation, https://arxiv.org/abs/2602.03515.
-Rotation matmuls use `Precision.HIGHEST` so TF32/bf16 defaults on accelerators do not erode
-orthogonality.
+Per rotated 2-D leaf `W_mn` with gradient `G_mn` and bases `U_mm`, `V_nn`:
+`m` is Adam's first moment in the original space, `v` its second moment in the rotated space
+`Uᵀ G V`, and the step is `U [ m̂ / (sqrt(v̂) + eps) ] Vᵀ`. A step uses bases built from the
+gradients up to the previous step (SOAP's order; step 1 is exactly AdamW), refreshed every T steps
+by a damped power step plus QR. `scale_by_rotated_adam` is the direction; `rotated_adam` chains
+weight decay and the learning rate, as `optax.adamw` does. Paper: https://arxiv.org/abs/2602.03515.
+The update, refreshes, damping, placeholders and grouped leaves in full: docs/rotation.md
+("The update, exactly").
 """
 
 from __future__ import annotations
@@ -69,6 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import numbers
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Union
 
 import jax
@@ -113,15 +60,16 @@ def default_rotation_mask(params: Any) -> Any:
 
 
 def _placeholder() -> Float[Array, "1"]:
-    """An unused slot: 1-D (so `_on` is False), one element (Orbax cannot save empty arrays)."""
+    """An unused slot: 1-D (so `_is_live` is False), one element (Orbax cannot save empty arrays)."""
     return jnp.zeros((1,), jnp.float32)
 
 
-def _mm(a: Array, b: Array) -> Array:
+def _matmul_highest(a: Array, b: Array) -> Array:
+    """a @ b at `Precision.HIGHEST`: TF32 / bf16 defaults on accelerators would erode orthogonality."""
     return jnp.matmul(a, b, precision=_HI)
 
 
-def _on(x: Array) -> bool:
+def _is_live(x: Array) -> bool:
     """A basis / statistic slot is live when it is a matrix (placeholders are 1-D)."""
     return x.ndim == 2
 
@@ -136,19 +84,19 @@ def _sides(shape: tuple[int, ...], rotate_leaf: bool, geometry: str, max_dim: in
 
 def _project(x_mn: Array, u_mm: Array, v_nn: Array) -> Array:
     """Uᵀ X V (identity on placeholder sides)."""
-    if _on(u_mm):
-        x_mn = _mm(u_mm.T, x_mn)
-    if _on(v_nn):
-        x_mn = _mm(x_mn, v_nn)
+    if _is_live(u_mm):
+        x_mn = _matmul_highest(u_mm.T, x_mn)
+    if _is_live(v_nn):
+        x_mn = _matmul_highest(x_mn, v_nn)
     return x_mn
 
 
 def _unproject(x_mn: Array, u_mm: Array, v_nn: Array) -> Array:
     """U X Vᵀ (identity on placeholder sides)."""
-    if _on(u_mm):
-        x_mn = _mm(u_mm, x_mn)
-    if _on(v_nn):
-        x_mn = _mm(x_mn, v_nn.T)
+    if _is_live(u_mm):
+        x_mn = _matmul_highest(u_mm, x_mn)
+    if _is_live(v_nn):
+        x_mn = _matmul_highest(x_mn, v_nn.T)
     return x_mn
 
 
@@ -161,7 +109,7 @@ def _desc(est: Array) -> Array:
 
 
 # ----------------------------------------------------------------------------- refreshes
-# the refreshes' shift, in units of the statistic's mean eigenvalue (module docstring): 4 keeps a mesh within
+# the refreshes' shift, in units of the statistic's mean eigenvalue: 4 keeps a mesh within
 # 1e-4 / 1e-3 (losses / parameters) of one device over 60 steps on every CPU instruction set (docs/rotation.md)
 DAMPING = 4.0
 EXACT_ITERS = 30  # shifted orthogonal-iteration steps of the first refresh (damping > 0)
@@ -176,8 +124,8 @@ def _damped(s_dd: Array, damping: float) -> Array:
 def _power_sym(s_dd: Array, q_dd: Array, damping: float, iters: int = 1) -> tuple[Array, Array]:
     """`iters` steps Q <- qr(S' Q) on the damped S', then columns sorted by diag(Qᵀ S' Q)."""
     s_dd = _damped(s_dd, damping) if damping else s_dd
-    q_dd = jax.lax.fori_loop(0, iters, lambda _, q: _qr(_mm(s_dd, q)), q_dd)
-    perm = _desc(jnp.sum(q_dd * _mm(s_dd, q_dd), axis=0))
+    q_dd = jax.lax.fori_loop(0, iters, lambda _, q: _qr(_matmul_highest(s_dd, q)), q_dd)
+    perm = _desc(jnp.sum(q_dd * _matmul_highest(s_dd, q_dd), axis=0))
     return q_dd[:, perm], perm
 
 
@@ -190,19 +138,19 @@ def _exact_sym(s_dd: Array, q_dd: Array, damping: float) -> Array:
 
 def _exact_second(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn, damping=0.0):
     del mt_mn
-    if _on(u_mm):
+    if _is_live(u_mm):
         u_mm = _exact_sym(l_mm, u_mm, damping)
-    if _on(v_nn):
+    if _is_live(v_nn):
         v_nn = _exact_sym(r_nn, v_nn, damping)
     return u_mm, v_nn, nu_mn  # the caller re-expresses v in the new bases
 
 
 def _power_second(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn, damping=0.0):
     del mt_mn
-    if _on(u_mm):
+    if _is_live(u_mm):
         u_mm, perm = _power_sym(l_mm, u_mm, damping)
         nu_mn = nu_mn[perm, :]
-    if _on(v_nn):
+    if _is_live(v_nn):
         v_nn, perm = _power_sym(r_nn, v_nn, damping)
         nu_mn = nu_mn[:, perm]
     return u_mm, v_nn, nu_mn
@@ -211,31 +159,33 @@ def _power_second(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn, damping=0.0):
 def _exact_first(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
     del l_mm, r_nn
     uf_mm, _, vh_nn = jnp.linalg.svd(mt_mn, full_matrices=True)
-    return (uf_mm if _on(u_mm) else u_mm), (vh_nn.T if _on(v_nn) else v_nn), nu_mn  # re-expressed by the caller
+    return (uf_mm if _is_live(u_mm) else u_mm), (vh_nn.T if _is_live(v_nn) else v_nn), nu_mn  # re-expressed by the caller
 
 
 def _power_first(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
     del l_mm, r_nn
     m, n = mt_mn.shape
     k = min(m, n)
-    if _on(u_mm) and _on(v_nn):
-        u_mm = _qr(jnp.concatenate([_mm(mt_mn, v_nn[:, :k]), u_mm[:, k:]], axis=1))
-        v_nn = _qr(jnp.concatenate([_mm(mt_mn.T, u_mm[:, :k]), v_nn[:, k:]], axis=1))
-        sigma = jnp.abs(jnp.sum(u_mm[:, :k] * _mm(mt_mn, v_nn[:, :k]), axis=0))
+    if _is_live(u_mm) and _is_live(v_nn):
+        u_mm = _qr(jnp.concatenate([_matmul_highest(mt_mn, v_nn[:, :k]), u_mm[:, k:]], axis=1))
+        v_nn = _qr(jnp.concatenate([_matmul_highest(mt_mn.T, u_mm[:, :k]), v_nn[:, k:]], axis=1))
+        sigma = jnp.abs(jnp.sum(u_mm[:, :k] * _matmul_highest(mt_mn, v_nn[:, :k]), axis=0))
         perm = _desc(sigma)
         perm_m = jnp.concatenate([perm, jnp.arange(k, m)])
         perm_n = jnp.concatenate([perm, jnp.arange(k, n)])
         return u_mm[:, perm_m], v_nn[:, perm_n], nu_mn[perm_m][:, perm_n]
-    if _on(u_mm):
-        u_mm = _qr(_mm(mt_mn, _mm(mt_mn.T, u_mm)))
-        perm = _desc(jnp.sum(_mm(mt_mn.T, u_mm) ** 2, axis=0))
+    if _is_live(u_mm):
+        u_mm = _qr(_matmul_highest(mt_mn, _matmul_highest(mt_mn.T, u_mm)))
+        perm = _desc(jnp.sum(_matmul_highest(mt_mn.T, u_mm) ** 2, axis=0))
         return u_mm[:, perm], v_nn, nu_mn[perm, :]
-    v_nn = _qr(_mm(mt_mn.T, _mm(mt_mn, v_nn)))
-    perm = _desc(jnp.sum(_mm(mt_mn, v_nn) ** 2, axis=0))
+    v_nn = _qr(_matmul_highest(mt_mn.T, _matmul_highest(mt_mn, v_nn)))
+    perm = _desc(jnp.sum(_matmul_highest(mt_mn, v_nn) ** 2, axis=0))
     return u_mm, v_nn[:, perm], nu_mn[:, perm]
 
 
-def _keep(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
+def _no_refresh(u_mm, v_nn, nu_mn, l_mm, r_nn, mt_mn):
+    """The `lax.switch` branch of a step without refresh. Every refresh branch takes the bases, the
+    rotated second moment, the Gram statistics and the look-ahead momentum, and returns `(U, V, v)`."""
     del l_mm, r_nn, mt_mn
     return u_mm, v_nn, nu_mn
 
@@ -311,6 +261,24 @@ def _check_args(b1, b2, eps, source, geometry, refresh_every, basis_beta, max_di
 
 
 # ----------------------------------------------------------------------------- transforms
+@dataclass(frozen=True, eq=False)
+class _Hyper:
+    """The hyperparameters of `scale_by_rotated_adam`, as given (checked by `_check_args`)."""
+
+    b1: float
+    b2: float
+    eps: float
+    source: str
+    geometry: str
+    refresh_every: Any
+    basis_beta: float
+    max_dim: int
+    rotate: bool
+    mask: MaskOrFn
+    order: str
+    damping: float
+
+
 def scale_by_rotated_adam(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -335,172 +303,194 @@ def scale_by_rotated_adam(
     default: leaves with ndim == 2. True or `()` rotates a 2-D leaf; an int `g` or a tuple of axes
     rotates each matrix of a leaf stacked along those axes (independent bases per matrix).
     `rotate=False` gives exactly `optax.scale_by_adam(b1, b2, eps)`.
-    `order`: "previous" (module docstring: SOAP's order) or "current", the basis-rotation reference
+    `order`: "previous" (SOAP's order, docs/rotation.md) or "current", the basis-rotation reference
     code's (`BasisRotation.step`): Gram EMA with G_t, refresh if due (exact `eigh` at step 1, one
     power-iteration step when `t % T == 0`), THEN the Adam step with the fresh bases; `v` is never
     restarted (it is still zero at the exact refresh) and its bias correction counts t. Source
     "second" only. At step 1 `Uᵀ G₁ V` is diagonal up to rounding, which Adam normalises to O(1)
     off-diagonal updates unless eps is large: that is what the reference does.
     `damping`: order "previous", source "second": the refreshes iterate on `L + damping (tr L / m) I`
-    (module docstring); 0 gives the paper's exact `eigh` and undamped power steps.
+    (docs/rotation.md); 0 gives the paper's exact `eigh` and undamped power steps.
     """
     _check_args(b1, b2, eps, source, geometry, refresh_every, basis_beta, max_dim, order)
     if not isinstance(damping, (int, float)) or isinstance(damping, bool) or damping < 0:
         raise ValueError(f"rotated_adam: damping={damping!r} must be a float >= 0; fix: e.g. {DAMPING} (0 = exact eigh)")
+    hp = _Hyper(b1, b2, eps, source, geometry, refresh_every, basis_beta, max_dim, rotate, mask, order, damping)
+    return optax.GradientTransformation(functools.partial(_init, hp), functools.partial(_update, hp))
 
-    def _mask_leaves(tree: Any, treedef: Any) -> list[Any]:
-        mask_tree = (mask(tree) if callable(mask) else mask) if mask is not None else default_rotation_mask(tree)
-        return _leaves_like(mask_tree, treedef, "mask",
-                            "pass a pytree of bools (or int / tuple group axes) like the params")
 
-    def init_fn(params: Any) -> RotatedAdamState:
-        flat, treedef = jax.tree.flatten(params)
-        periods = _period_leaves(refresh_every, treedef)
-        flags = _mask_leaves(params, treedef)
-        u, v, sl, sr = [], [], [], []
-        for p, on, period in zip(flat, flags, periods):
-            shape = jnp.shape(p)
-            groups = _group_axes(on, shape) if rotate else None
-            on = _rotates(on) and rotate  # group axis 0 is an int and () a plain matrix, not "off"
-            if on:  # an unrotated leaf ignores its period (a stacked norm may carry per-layer ones)
-                _check_stacked_period(period, groups, shape)
-            if groups is not None:
-                shape = tuple(d for i, d in enumerate(shape) if i not in groups)
-            elif on and len(shape) != 2:
-                raise ValueError(f"rotated_adam: mask selects a leaf of shape {jnp.shape(p)}; only 2-D leaves "
-                                 "can be rotated (or stacks of them with int group axes); fix: mask it out")
-            left, right = _sides(shape, on, geometry, max_dim)
-            m, n = shape if on else (0, 0)
-            slots = (jnp.eye(m, dtype=jnp.float32) if left else _placeholder(),
-                     jnp.eye(n, dtype=jnp.float32) if right else _placeholder(),
-                     jnp.zeros((m, m), jnp.float32) if left and source == "second" else _placeholder(),
-                     jnp.zeros((n, n), jnp.float32) if right and source == "second" else _placeholder())
-            if groups is not None:  # one set of bases per matrix, stacked on leading axes
-                lead = tuple(jnp.shape(p)[a] for a in groups)
-                slots = tuple(jnp.broadcast_to(x, (*lead, *x.shape)) for x in slots)
-            for store, x in zip((u, v, sl, sr), slots):
-                store.append(x)
-        unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
-        return RotatedAdamState(
-            count=jnp.zeros([], jnp.int32),
-            mu=jax.tree.map(jnp.zeros_like, params),
-            nu=jax.tree.map(jnp.zeros_like, params),
-            basis_l=unflat(u), basis_r=unflat(v), stat_l=unflat(sl), stat_r=unflat(sr),
-        )
+def _mask_leaves(hp: _Hyper, tree: Any, treedef: Any) -> list[Any]:
+    mask = hp.mask
+    mask_tree = (mask(tree) if callable(mask) else mask) if mask is not None else default_rotation_mask(tree)
+    return _leaves_like(mask_tree, treedef, "mask", "pass a pytree of bools (or int / tuple group axes) like the params")
 
-    def update_fn(updates: Any, state: RotatedAdamState, params: Any = None):
-        del params
-        g_flat, treedef = jax.tree.flatten(updates)
-        periods = _period_leaves(refresh_every, treedef)
-        fields = [treedef.flatten_up_to(x) for x in state[1:]]
-        count_inc = optax.safe_increment(state.count)
-        groups = [_group_axes(f, jnp.shape(g)) if rotate else None
-                  for f, g in zip(_mask_leaves(updates, treedef), g_flat)]
-        out = [_grouped_update(g, leaf, count_inc, period, group)
-               for g, period, group, *leaf in zip(g_flat, periods, groups, *fields)]
-        new_updates = jax.tree.unflatten(treedef, [o[0] for o in out])
-        new_fields = [jax.tree.unflatten(treedef, [o[1][i] for o in out]) for i in range(6)]
-        return new_updates, RotatedAdamState(count_inc, *new_fields)
 
-    def _grouped_update(g, leaf, count_inc, period, groups):
-        """`_leaf_update` per matrix of a grouped leaf (bases stacked on leading axes), restacked.
+def _init(hp: _Hyper, params: Any) -> RotatedAdamState:
+    """The state: zero moments, identity bases and zero statistics (placeholders where unrotated)."""
+    flat, treedef = jax.tree.flatten(params)
+    periods = _period_leaves(hp.refresh_every, treedef)
+    flags = _mask_leaves(hp, params, treedef)
+    slots = [_init_slots(hp, p, flag, period) for p, flag, period in zip(flat, flags, periods)]
+    basis_l, basis_r, stat_l, stat_r = (jax.tree.unflatten(treedef, list(xs)) for xs in zip(*slots))
+    return RotatedAdamState(
+        count=jnp.zeros([], jnp.int32),
+        mu=jax.tree.map(jnp.zeros_like, params),
+        nu=jax.tree.map(jnp.zeros_like, params),
+        basis_l=basis_l, basis_r=basis_r, stat_l=stat_l, stat_r=stat_r,
+    )
 
-        A Python loop over the matrices rather than `vmap`: each matrix then has its own refresh
-        conditional (and period), exactly like a 2-D leaf (a vmapped conditional over a TP-sharded
-        stack made XLA's CPU collectives hang). A stack of L layers unrolls like L separate leaves."""
-        if groups is None:
-            return _leaf_update(g, leaf, count_inc, period)
-        mu, nu, *bases = leaf
-        lead = tuple(g.shape[a] for a in groups)
-        rest = [a for a in range(g.ndim) if a not in groups]
-        order = np.argsort([*groups, *rest])  # (group axes, matrix axes) -> the leaf's own order
 
-        def take(x, idx):
-            key = [slice(None)] * x.ndim
-            for a, i in zip(groups, idx):
-                key[a] = i
-            return x[tuple(key)]
+def _init_slots(hp: _Hyper, p: Any, flag: Any, period: Any) -> tuple[Array, Array, Array, Array]:
+    """One leaf's (U, V, L, R): identity bases / zero statistics on its rotated sides, else placeholders;
+    a grouped leaf's stacked on its group axes."""
+    shape = jnp.shape(p)
+    groups = _group_axes(flag, shape) if hp.rotate else None
+    on = _rotates(flag) and hp.rotate  # group axis 0 is an int and () a plain matrix, not "off"
+    if on:  # an unrotated leaf ignores its period (a stacked norm may carry per-layer ones)
+        _check_stacked_period(period, groups, shape)
+    if groups is not None:
+        shape = tuple(d for i, d in enumerate(shape) if i not in groups)
+    elif on and len(shape) != 2:
+        raise ValueError(f"rotated_adam: mask selects a leaf of shape {jnp.shape(p)}; only 2-D leaves "
+                         "can be rotated (or stacks of them with int group axes); fix: mask it out")
+    left, right = _sides(shape, on, hp.geometry, hp.max_dim)
+    m, n = shape if on else (0, 0)
+    slots = (jnp.eye(m, dtype=jnp.float32) if left else _placeholder(),
+             jnp.eye(n, dtype=jnp.float32) if right else _placeholder(),
+             jnp.zeros((m, m), jnp.float32) if left and hp.source == "second" else _placeholder(),
+             jnp.zeros((n, n), jnp.float32) if right and hp.source == "second" else _placeholder())
+    if groups is not None:  # one set of bases per matrix, stacked on leading axes
+        lead = tuple(jnp.shape(p)[a] for a in groups)
+        slots = tuple(jnp.broadcast_to(x, (*lead, *x.shape)) for x in slots)
+    return slots
 
-        outs = []
-        for idx in itertools.product(*map(range, lead)):
-            t = period[idx[0]] if isinstance(period, tuple) else period
-            outs.append(_leaf_update(take(g, idx), (take(mu, idx), take(nu, idx), *(b[idx] for b in bases)),
-                                     count_inc, t))
 
-        def restack(xs, like_leaf: bool):
-            x = jnp.stack(xs).reshape(*lead, *xs[0].shape)
-            return jnp.transpose(x, order) if like_leaf else x
+def _update(hp: _Hyper, updates: Any, state: RotatedAdamState, params: Any = None):
+    """`update_fn`: every leaf's direction and state, the count incremented once."""
+    del params
+    g_flat, treedef = jax.tree.flatten(updates)
+    periods = _period_leaves(hp.refresh_every, treedef)
+    fields = [treedef.flatten_up_to(x) for x in state[1:]]
+    count_inc = optax.safe_increment(state.count)
+    groups = [_group_axes(f, jnp.shape(g)) if hp.rotate else None
+              for f, g in zip(_mask_leaves(hp, updates, treedef), g_flat)]
+    out = [_grouped_update(hp, g, leaf, count_inc, period, group)
+           for g, period, group, *leaf in zip(g_flat, periods, groups, *fields)]
+    new_updates = jax.tree.unflatten(treedef, [o[0] for o in out])
+    new_fields = [jax.tree.unflatten(treedef, [o[1][i] for o in out]) for i in range(6)]
+    return new_updates, RotatedAdamState(count_inc, *new_fields)
 
-        upd = restack([o[0] for o in outs], True)
-        mu, nu = (restack([o[1][k] for o in outs], True) for k in (0, 1))
-        return upd, (mu, nu, *(restack([o[1][k] for o in outs], False) for k in range(2, 6)))
 
-    def _leaf_update(g, leaf, count_inc, period):
-        mu, nu, u_mm, v_nn, l_mm, r_nn = leaf
-        if not (_on(u_mm) or _on(v_nn)):  # plain Adam, the formula of optax.scale_by_adam
-            mu = (1 - b1) * g + b1 * mu
-            nu = (1 - b2) * (g * g) + b2 * nu
-            bc1, bc2 = 1 - b1**count_inc, 1 - b2**count_inc
-            upd = (mu / bc1.astype(mu.dtype)) / (jnp.sqrt(nu / bc2.astype(nu.dtype)) + eps)
-            return upd, (mu, nu, u_mm, v_nn, l_mm, r_nn)
+# ----------------------------------------------------------------------------- one leaf
+def _take_matrix(x: Array, groups: tuple[int, ...], idx: tuple[int, ...]) -> Array:
+    """The matrix at index `idx` of the group axes `groups` of a stacked leaf."""
+    key = [slice(None)] * x.ndim
+    for a, i in zip(groups, idx):
+        key[a] = i
+    return x[tuple(key)]
 
-        if order == "current":
-            return _leaf_update_current(g, mu, nu, u_mm, v_nn, l_mm, r_nn, count_inc, period)
 
-        # 1) Adam step in the bases built from gradients up to t-1 (identity at t = 1).
-        f32 = jnp.float32
-        first = count_inc == 1
-        bc1 = (1 - b1**count_inc).astype(f32)
-        bc2 = (1 - b2**count_inc).astype(f32)
-        g32 = g.astype(f32)
-        gr = _project(g32, u_mm, v_nn)
-        nu = (1 - b2) * (gr * gr).astype(nu.dtype) + b2 * nu
-        # Uᵀ m_t V by linearity, so the fresh gradient enters m̂ and v through the same rounded gr
-        mr = (1 - b1) * gr + b1 * _project(mu.astype(f32), u_mm, v_nn)
+def _restack(xs: list[Array], lead: tuple[int, ...], order: np.ndarray | None) -> Array:
+    """Per-matrix results stacked on leading group axes, then (`order` given) moved to the leaf's axes."""
+    x = jnp.stack(xs).reshape(*lead, *xs[0].shape)
+    return jnp.transpose(x, order) if order is not None else x
+
+
+def _grouped_update(hp: _Hyper, g, leaf, count_inc, period, groups):
+    """`_leaf_update` per matrix of a grouped leaf (bases stacked on leading axes), restacked.
+
+    A Python loop over the matrices rather than `vmap`: each matrix then has its own refresh
+    conditional (and period), exactly like a 2-D leaf (a vmapped conditional over a TP-sharded
+    stack made XLA's CPU collectives hang). A stack of L layers unrolls like L separate leaves."""
+    if groups is None:
+        return _leaf_update(hp, g, leaf, count_inc, period)
+    mu, nu, *bases = leaf
+    lead = tuple(g.shape[a] for a in groups)
+    rest = [a for a in range(g.ndim) if a not in groups]
+    order = np.argsort([*groups, *rest])  # (group axes, matrix axes) -> the leaf's own order
+    outs = []
+    for idx in itertools.product(*map(range, lead)):
+        t = period[idx[0]] if isinstance(period, tuple) else period
+        g_mn = _take_matrix(g, groups, idx)
+        matrix = (_take_matrix(mu, groups, idx), _take_matrix(nu, groups, idx), *(b[idx] for b in bases))
+        outs.append(_leaf_update(hp, g_mn, matrix, count_inc, t))
+    upd = _restack([o[0] for o in outs], lead, order)
+    mu, nu = (_restack([o[1][k] for o in outs], lead, order) for k in (0, 1))
+    return upd, (mu, nu, *(_restack([o[1][k] for o in outs], lead, None) for k in range(2, 6)))
+
+
+def _leaf_update(hp: _Hyper, g, leaf, count_inc, period):
+    """One matrix's (or unrotated leaf's) direction and new `(mu, nu, U, V, L, R)`."""
+    mu, nu, u_mm, v_nn, l_mm, r_nn = leaf
+    if not (_is_live(u_mm) or _is_live(v_nn)):  # plain Adam, the formula of optax.scale_by_adam
+        b1, b2 = hp.b1, hp.b2
         mu = (1 - b1) * g + b1 * mu
-        upd_r = (mr / bc1) / (jnp.sqrt(nu.astype(f32) / bc2) + eps)
-        upd = _unproject(upd_r, u_mm, v_nn).astype(g.dtype)
-
-        # 2) statistics with G_t, then the refresh (if due) for the steps that follow.
-        mt_mn = jnp.zeros((0,), f32)
-        if source == "second":
-            if _on(l_mm):
-                l_mm = basis_beta * l_mm + (1 - basis_beta) * _mm(g32, g32.T)
-            if _on(r_nn):
-                r_nn = basis_beta * r_nn + (1 - basis_beta) * _mm(g32.T, g32)
-            branches = (_keep, functools.partial(_power_second, damping=damping),
-                        functools.partial(_exact_second, damping=damping))
-        else:
-            mt_mn = b1 * mu.astype(f32) + (1 - b1) * g32  # look-ahead momentum
-            branches = (_keep, _power_first, _exact_first)
-        branch = jnp.where(first, 2, jnp.where((count_inc - 1) % period == 0, 1, 0))
-        u_mm, v_nn, nu = jax.lax.switch(branch, branches, u_mm, v_nn, nu, l_mm, r_nn, mt_mn)
-        # step 1's v, (1 - b2) G₁², re-expressed in the new bases: exactly (1 - b2) (Uᵀ G₁ V)²
-        nu = jax.lax.cond(first, lambda: ((1 - b2) * jnp.square(_project(g32, u_mm, v_nn))).astype(nu.dtype),
-                          lambda: nu)
+        nu = (1 - b2) * (g * g) + b2 * nu
+        bc1, bc2 = 1 - b1**count_inc, 1 - b2**count_inc
+        upd = (mu / bc1.astype(mu.dtype)) / (jnp.sqrt(nu / bc2.astype(nu.dtype)) + hp.eps)
         return upd, (mu, nu, u_mm, v_nn, l_mm, r_nn)
+    if hp.order == "current":
+        return _leaf_update_current(hp, g, mu, nu, u_mm, v_nn, l_mm, r_nn, count_inc, period)
+    return _leaf_update_previous(hp, g, mu, nu, u_mm, v_nn, l_mm, r_nn, count_inc, period)
 
-    def _leaf_update_current(g, mu, nu, u_mm, v_nn, l_mm, r_nn, count_inc, period):
-        """order "current": statistics with G_t, refresh if due, then the Adam step in those bases."""
-        f32 = jnp.float32
-        g32 = g.astype(f32)
-        if _on(l_mm):
-            l_mm = basis_beta * l_mm + (1 - basis_beta) * _mm(g32, g32.T)
-        if _on(r_nn):
-            r_nn = basis_beta * r_nn + (1 - basis_beta) * _mm(g32.T, g32)
-        branch = jnp.where(count_inc == 1, 2, jnp.where(count_inc % period == 0, 1, 0))
-        u_mm, v_nn, nu = jax.lax.switch(branch, (_keep, _power_second, _exact_second), u_mm, v_nn, nu, l_mm, r_nn,
-                                        jnp.zeros((0,), f32))
-        bc1 = (1 - b1**count_inc).astype(f32)
-        bc2 = (1 - b2**count_inc).astype(f32)
-        gr = _project(g32, u_mm, v_nn)
-        nu = (1 - b2) * (gr * gr).astype(nu.dtype) + b2 * nu
-        mr = (1 - b1) * gr + b1 * _project(mu.astype(f32), u_mm, v_nn)
-        mu = (1 - b1) * g + b1 * mu
-        upd_r = (mr / bc1) / (jnp.sqrt(nu.astype(f32) / bc2) + eps)
-        return _unproject(upd_r, u_mm, v_nn).astype(g.dtype), (mu, nu, u_mm, v_nn, l_mm, r_nn)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+def _adam_in_bases(hp: _Hyper, g, g32, mu, nu, u_mm, v_nn, count_inc):
+    """The Adam step in the bases U, V (`g32`: `g` in float32): `(update, mu, nu)`. `Uᵀ m_t V` is formed
+    by linearity, so the fresh gradient enters m̂ and v through the same rounded `Uᵀ G V`."""
+    b1, b2, f32 = hp.b1, hp.b2, jnp.float32
+    bc1 = (1 - b1**count_inc).astype(f32)
+    bc2 = (1 - b2**count_inc).astype(f32)
+    gr = _project(g32, u_mm, v_nn)
+    nu = (1 - b2) * (gr * gr).astype(nu.dtype) + b2 * nu
+    mr = (1 - b1) * gr + b1 * _project(mu.astype(f32), u_mm, v_nn)
+    mu = (1 - b1) * g + b1 * mu
+    upd_r = (mr / bc1) / (jnp.sqrt(nu.astype(f32) / bc2) + hp.eps)
+    return _unproject(upd_r, u_mm, v_nn).astype(g.dtype), mu, nu
+
+
+def _gram_stats(hp: _Hyper, g32, l_mm, r_nn):
+    """The EMAs `L <- β L + (1-β) G Gᵀ`, `R <- β R + (1-β) Gᵀ G` on their live sides."""
+    beta = hp.basis_beta
+    if _is_live(l_mm):
+        l_mm = beta * l_mm + (1 - beta) * _matmul_highest(g32, g32.T)
+    if _is_live(r_nn):
+        r_nn = beta * r_nn + (1 - beta) * _matmul_highest(g32.T, g32)
+    return l_mm, r_nn
+
+
+def _leaf_update_previous(hp: _Hyper, g, mu, nu, u_mm, v_nn, l_mm, r_nn, count_inc, period):
+    """order "previous": the Adam step in the bases of steps up to t-1 (identity at t = 1), then the
+    statistics take G_t and the bases are refreshed (if due) for the steps that follow."""
+    f32 = jnp.float32
+    first = count_inc == 1
+    g32 = g.astype(f32)
+    upd, mu, nu = _adam_in_bases(hp, g, g32, mu, nu, u_mm, v_nn, count_inc)
+    mt_mn = jnp.zeros((0,), f32)
+    if hp.source == "second":
+        l_mm, r_nn = _gram_stats(hp, g32, l_mm, r_nn)
+        branches = (_no_refresh, functools.partial(_power_second, damping=hp.damping),
+                    functools.partial(_exact_second, damping=hp.damping))
+    else:
+        mt_mn = hp.b1 * mu.astype(f32) + (1 - hp.b1) * g32  # look-ahead momentum
+        branches = (_no_refresh, _power_first, _exact_first)
+    branch = jnp.where(first, 2, jnp.where((count_inc - 1) % period == 0, 1, 0))
+    u_mm, v_nn, nu = jax.lax.switch(branch, branches, u_mm, v_nn, nu, l_mm, r_nn, mt_mn)
+    # step 1's v, (1 - b2) G₁², re-expressed in the new bases: exactly (1 - b2) (Uᵀ G₁ V)²
+    nu = jax.lax.cond(first, lambda: ((1 - hp.b2) * jnp.square(_project(g32, u_mm, v_nn))).astype(nu.dtype),
+                      lambda: nu)
+    return upd, (mu, nu, u_mm, v_nn, l_mm, r_nn)
+
+
+def _leaf_update_current(hp: _Hyper, g, mu, nu, u_mm, v_nn, l_mm, r_nn, count_inc, period):
+    """order "current": statistics with G_t, refresh if due, then the Adam step in those bases."""
+    f32 = jnp.float32
+    g32 = g.astype(f32)
+    l_mm, r_nn = _gram_stats(hp, g32, l_mm, r_nn)
+    branch = jnp.where(count_inc == 1, 2, jnp.where(count_inc % period == 0, 1, 0))
+    u_mm, v_nn, nu = jax.lax.switch(branch, (_no_refresh, _power_second, _exact_second), u_mm, v_nn, nu, l_mm, r_nn,
+                                    jnp.zeros((0,), f32))
+    upd, mu, nu = _adam_in_bases(hp, g, g32, mu, nu, u_mm, v_nn, count_inc)
+    return upd, (mu, nu, u_mm, v_nn, l_mm, r_nn)
 
 
 def _check_stacked_period(period: Any, groups: tuple[int, ...] | None, shape: tuple[int, ...]) -> None:
@@ -558,6 +548,6 @@ def orthonormality_error(state: Any) -> Float[Array, ""]:
     `RotatedAdamState` or any optimizer state holding one; stacked bases count matrix by matrix."""
     state = state if isinstance(state, RotatedAdamState) else rotated_state(state)
     qs = [q.reshape(-1, *q.shape[-2:]) for q in jax.tree.leaves((state.basis_l, state.basis_r)) if q.ndim >= 2]
-    errs = [jnp.linalg.norm(_mm(jnp.swapaxes(q, -1, -2), q) - jnp.eye(q.shape[-1], dtype=q.dtype), axis=(-2, -1))
+    errs = [jnp.linalg.norm(_matmul_highest(jnp.swapaxes(q, -1, -2), q) - jnp.eye(q.shape[-1], dtype=q.dtype), axis=(-2, -1))
             for q in qs]
     return jnp.max(jnp.concatenate(errs)) if errs else jnp.zeros([], jnp.float32)
