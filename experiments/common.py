@@ -1,7 +1,15 @@
-"""The tail every experiment shares: write <out>/<name>.json, .md and .png, and say where they went.
+"""What every experiment shares: where things live, the results' files, the machine, timing.
 
-    results_io.write(args.out, "comm_table", data=res, md=lambda: markdown(res), figure=lambda: chart(res),
-                     command=results_io.command_line("comm_table", argv), started=t0)
+Folders: `ROOT` (the repository), `RESULTS` (experiments/results, the committed results) and `CACHE`
+(experiments/.cache, git-ignored: converted models, tokenised text, run folders).
+
+    ap = argparse.ArgumentParser(...)
+    common.add_out(ap, "comm_table")                 # --out, --from-json
+    args = ap.parse_args(argv)
+    if common.rerender(args, "comm_table", markdown, chart) is None:
+        res = measure(...)
+        common.write(args.out, "comm_table", data=res, md=lambda: markdown(res), figure=lambda: chart(res),
+                     command=common.command_line("comm_table", argv), started=t0)
 
 `write` writes each file it is given: the JSON first (with a trailing newline), then the markdown
 (ending in a newline) and the figure (120 dpi, then closed); these two may be passed as functions,
@@ -11,25 +19,81 @@ markdown (unless `echo=False`) and one line naming the files. A JSON object reco
 (a re-rendered result keeps its run's own); a JSON list is written as it is.
 
 `command_line` spells a script's command line, `subplots` makes a headless (Agg) figure for the charts
-and `log` prints a progress line stamped with the time of day.
+and `log` prints a progress line stamped with the time of day. `machine_facts` / `machine_line` describe
+the machine a result was measured on; `timed` and `interleaved` time calls (rounds of every contender
+in turn, so that other jobs on a shared machine slow all of them alike); `procs_running` counts the
+runnable tasks.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import pathlib
+import platform
 import shlex
 import sys
 import time
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"  # the committed results
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent  # the repository
+RESULTS = HERE / "results"  # the committed results
+CACHE = HERE / ".cache"  # git-ignored: converted models, tokenised text, run folders
 DPI = 120
+
+_SYSTEMS = ("tp", "rotation", "offload", "speed", "data", "init", "faults", "gpu")
+
+
+def module_of(script: str) -> str:
+    """`experiments.<system>.<script>` for the script of that name (`script` may be dotted already)."""
+    if "." in script:
+        return script if script.startswith("experiments.") else f"experiments.{script}"
+    found = [s for s in _SYSTEMS if (HERE / s / f"{script}.py").is_file()]
+    if len(found) != 1:
+        raise ValueError(f"experiments: {script!r} names {len(found)} scripts; fix: pass system.name")
+    return f"experiments.{found[0]}.{script}"
 
 
 def command_line(script: str, argv: Sequence[str] | None = None) -> str:
-    """`python experiments/<script>.py ARGS` as a shell would take it (`argv`: default sys.argv[1:])."""
-    return shlex.join(["python", f"experiments/{script}.py", *(sys.argv[1:] if argv is None else argv)])
+    """`python -m experiments.<system>.<script> ARGS` as a shell would take it (`argv`: default
+    sys.argv[1:])."""
+    return shlex.join(["python", "-m", module_of(script), *(sys.argv[1:] if argv is None else argv)])
+
+
+def python_m(script: str) -> list[str]:
+    """`python -m experiments.<system>.<script>`: the command line of a script's own worker process
+    (give it `with_root(env)`, so that the package is found from any folder)."""
+    return [sys.executable, "-m", module_of(script)]
+
+
+def with_root(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) with the repository first on PYTHONPATH."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def add_out(ap: argparse.ArgumentParser, name: str, *, from_json: bool = True) -> None:
+    """`--out` (default experiments/results) and, when `from_json`, `--from-json PATH` (re-render
+    <name>.md and .png from an earlier <name>.json without measuring)."""
+    ap.add_argument("--out", default=str(RESULTS), help=f"results folder for {name}.* (default: experiments/results)")
+    if from_json:
+        ap.add_argument("--from-json", default=None, metavar="PATH",
+                        help=f"re-render {name}.md (and .png) into --out from an earlier {name}.json; measures nothing")
+
+
+def rerender(args: argparse.Namespace, name: str, md: Callable[[Any], str],
+             figure: Callable[[Any], Any] | None = None) -> Any:
+    """With `--from-json`: read it, write <out>/<name>.md (`md(res)`) and .png (`figure(res)`), return
+    the result; without: None (measure)."""
+    if not getattr(args, "from_json", None):
+        return None
+    res = json.loads(pathlib.Path(args.from_json).read_text())
+    write(args.out, name, md=lambda: md(res), figure=None if figure is None else (lambda: figure(res)))
+    return res
 
 
 def log(msg: str) -> None:
@@ -82,3 +146,93 @@ def write(out: str | pathlib.Path, name: str, *, data: Any = None, md: str | Cal
         print(md.rstrip("\n"))
     print(f"{name}: wrote {', '.join(p.name for p in written)} to {out}", flush=True)
     return written
+
+
+# ---------------------------------------------------------------------------------------------
+# the machine
+
+
+def procs_running() -> int:
+    """Runnable tasks on the machine right now (this process included), from /proc/stat; -1 unknown."""
+    try:
+        with open("/proc/stat") as fh:
+            return next(int(ln.split()[1]) for ln in fh if ln.startswith("procs_running"))
+    except (OSError, StopIteration):
+        return -1
+
+
+def cpu_info() -> tuple[str, set[str]]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo; ("", set()) where there is none."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for ln in fh:
+                if ln.startswith("model name") and not model:
+                    model = ln.split(":", 1)[1].strip()
+                elif ln.startswith("flags") and not flags:
+                    flags = set(ln.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def cores_usable() -> int:
+    """Cores this process may run on (its affinity), else every core."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def machine_facts() -> dict:
+    """The machine as a result records it: CPU model, cores (all, usable), JAX and its device, XLA_FLAGS,
+    the load average now (`loadavg_start`)."""
+    import jax
+    import jaxlib
+
+    return {"cpu_count": os.cpu_count(), "cpus_usable": cores_usable(), "cpu_model": cpu_info()[0],
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": jax.devices()[0].platform,
+            "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "loadavg_start": list(os.getloadavg())}
+
+
+def machine_line() -> str:
+    """`<cpu>, N cores, load average X`: the CPU model (else the architecture), the cores and the
+    1-minute load average now."""
+    cpu = cpu_info()[0] or platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(wall s, this process's CPU s) of `fn()`."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+@dataclass
+class Rounds:
+    """Interleaved timings: per key its wall and CPU seconds, one per round; per round the runnable
+    tasks besides this process when it started."""
+    wall: dict[Hashable, list[float]] = field(default_factory=dict)
+    cpu: dict[Hashable, list[float]] = field(default_factory=dict)
+    others: list[int] = field(default_factory=list)
+
+
+def interleaved(calls: dict[Hashable, Callable[[], Any]], rounds: int,
+                order: Callable[[int], Sequence[Hashable]] | None = None,
+                after_round: Callable[[int, Rounds], None] | None = None) -> Rounds:
+    """`rounds` rounds of every call in turn (A, B, C, A, B, C, ...; `order(k)`: round k's keys), each
+    timed by `timed`; a call must wait for its own work (`block_until_ready`). `after_round(k, so_far)`
+    runs after round k (progress lines)."""
+    out = Rounds({k: [] for k in calls}, {k: [] for k in calls})
+    for k in range(rounds):
+        out.others.append(procs_running() - 1)
+        for key in (order(k) if order is not None else calls):
+            wall_s, cpu_s = timed(calls[key])
+            out.wall[key].append(wall_s)
+            out.cpu[key].append(cpu_s)
+        if after_round is not None:
+            after_round(k, out)
+    return out

@@ -20,8 +20,8 @@
    in pyproject.toml are true); `old-jax` (jax/jaxlib 0.6.2 first): pip upgrades them and the cell's
    line lists the change.
 
-    python experiments/wheel_check.py                        # all three scenarios (~10 min; downloads wheels)
-    python experiments/wheel_check.py --scenarios fresh      # one
+    python scripts/wheel_check.py                        # all three scenarios (~10 min; downloads wheels)
+    python scripts/wheel_check.py --scenarios fresh      # one
 Writes experiments/results/wheel_check.json and wheel_check.md. Needs the `build` package and access to
 the package index (or a pip cache) for the venvs' dependencies.
 """
@@ -35,6 +35,7 @@ import os
 import pathlib
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -45,9 +46,8 @@ import zipfile
 from email.parser import Parser
 from typing import Any
 
-import results_io
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"  # beside the experiments' results
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 SCENARIOS = ("fresh", "preinstalled-jax", "old-jax")
 OLD_JAX = "0.6.2"  # older than pyproject.toml allows (the scenario `old-jax` installs this first)
@@ -217,7 +217,7 @@ def scenario(name: str, wheel: pathlib.Path, scratch: pathlib.Path) -> dict[str,
     return res
 
 
-def render(r: dict[str, Any]) -> str:
+def markdown(r: dict[str, Any]) -> str:
     w = r["wheel"]
     lines = ["# Wheel check: build the wheel, install it with the notebook's install cell in fresh venvs", "",
              f"Command: `{r['command']}` -- {r['wall_s']:.0f} s wall on {r['machine']} (busy shared cores: times "
@@ -249,13 +249,17 @@ def render(r: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument("--out", default=str(results_io.RESULTS))
-    ap.add_argument("--keep-scratch", action="store_true")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
+                    help=f"comma-separated scenarios to run (default: all of {','.join(SCENARIOS)})")
+    ap.add_argument("--out", default=str(RESULTS), help="folder for wheel_check.{json,md} (default: experiments/results)")
+    ap.add_argument("--keep-scratch", action="store_true", help="keep the temporary folder of venvs and wheels")
     args = ap.parse_args()
+    unknown = [n for n in args.scenarios.split(",") if n not in SCENARIOS]
+    if unknown:
+        ap.error(f"--scenarios: unknown {unknown[0]!r}; fix: pick from {','.join(SCENARIOS)}")
     t0 = time.time()
     wheel, build_s = build_wheel()
-    report: dict[str, Any] = {"command": results_io.command_line("wheel_check"),
+    report: dict[str, Any] = {"command": shlex.join(["python", "scripts/wheel_check.py", *sys.argv[1:]]),
         "machine": f"{platform.machine()} Linux, {os.cpu_count()} CPU cores, Python {platform.python_version()}",
         "build_s": round(build_s, 1), "wheel": check_wheel(wheel), "scenarios": []}
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="boostjax-wheel-check-"))
@@ -269,7 +273,11 @@ def main() -> None:
             shutil.rmtree(scratch, ignore_errors=True)
     report["wall_s"] = round(time.time() - t0, 1)
     report["ok"] = report["wheel"]["ok"] and all(s["ok"] for s in report["scenarios"])
-    results_io.write(args.out, "wheel_check", data=report, md=lambda: render(report))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "wheel_check.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "wheel_check.md").write_text(markdown(report))
+    print(f"wheel_check: wrote wheel_check.json, wheel_check.md to {out}", flush=True)
     sys.exit(0 if report["ok"] else 1)
 
 

@@ -9,8 +9,7 @@
   flips), `beyond_code_flips` (the parameters less what those flips can move);
 - inputs: `seed_of` (a seed fixed by a test's parameters), `random_tokens`, `random_params`;
 - the CLI: `MICRO` (the tiny model of the CLI tests), `model_flags`, `one_error_line`, `cli_command`,
-  `cli_env`;
-- `load_experiment` (`experiments/` is not a package).
+  `cli_env`.
 
 Tolerances follow the arithmetic: a norm-relative error is what rounding bounds (a reordered fp32 sum
 moves ‖a - b‖ by ~1e-7 ‖b‖), an element-wise relative error near zero is not. Exact equality only where
@@ -19,12 +18,10 @@ copy, permutation and gather semantics; two different programs compare with a bo
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import sys
 import zlib
-from types import ModuleType
 
 import jax
 import jax.numpy as jnp
@@ -301,22 +298,6 @@ def cli_env(**overrides: str | None) -> dict[str, str]:
         else:
             env[k] = v
     return env
-
-
-# ----------------------------------------------------------------------------- experiments
-
-def load_experiment(name: str) -> ModuleType:
-    """`experiments/<name>.py` as a module (the folder is not a package). The folder goes on sys.path,
-    as it does for `python experiments/<name>.py`, so that the script's sibling imports (gpu_suite's
-    `import gpu_step`, the charts' `strategy_bars`) work."""
-    folder = str(ROOT / "experiments")
-    if folder not in sys.path:
-        sys.path.append(folder)
-    spec = importlib.util.spec_from_file_location(f"experiment_{name}", ROOT / "experiments" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def random_model(cfg: ModelConfig, seed: int = 0):

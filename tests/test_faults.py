@@ -3,7 +3,7 @@ resuming reproduces the uninterrupted run's per-step losses bit for bit and noth
 
 The kill tests run `boostjax train` in a subprocess (a real signal to a real process) and share one
 uninterrupted reference run; the corruption tests run in this process. The longer randomised
-campaign is `experiments/faults.py`.
+campaign is `experiments/faults/faults.py`.
 """
 
 import json

@@ -1,4 +1,4 @@
-"""Smoke test of experiments/faults.py: `--quick` (a reference run, 2 signals, 1 damaged checkpoint)
+"""Smoke test of experiments/faults/faults.py: `--quick` (a reference run, 2 signals, 1 damaged checkpoint)
 end to end; the result file's counts add up and nothing differs from the uninterrupted run."""
 
 import json
@@ -6,13 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from helpers import load_experiment
+from experiments.faults import faults
+
 
 pytestmark = pytest.mark.xdist_group("faults")  # starts training subprocesses, like tests/test_faults.py
 
 
 def _load():
-    return load_experiment("faults")
+    return faults
 
 
 def test_helpers(tmp_path):
@@ -57,7 +58,7 @@ def test_quick_campaign_counts_add_up(tmp_path):
     assert sum(1 for e in on_disk["events"] if e["signal"]["sent"]) == n["signal_faults"]
     md = (tmp_path / "faults.md").read_text()
     assert "| **mismatches** (loss / grad norm / lr / val loss records, or final checkpoints, that differ) | **0** |" in md
-    assert "python experiments/faults.py --quick" in md
+    assert "python -m experiments.faults.faults --quick" in md
     again = tmp_path / "again"
     again.mkdir()
     fx.main(["--from-json", str(tmp_path / "faults.json"), "--out", str(again)])

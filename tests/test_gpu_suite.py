@@ -1,4 +1,4 @@
-"""experiments/gpu_suite.py: without a GPU it stops at once (exit 2, one line, nothing written, JAX
+"""experiments/gpu/gpu_suite.py: without a GPU it stops at once (exit 2, one line, nothing written, JAX
 not imported); `--smoke` runs every section on CPU at tiny shapes and writes the JSON with each one."""
 
 from __future__ import annotations
@@ -10,14 +10,13 @@ import sys
 
 import pytest
 
-from helpers import ROOT, load_experiment
-
-suite = load_experiment("gpu_suite")
+from helpers import ROOT
+from experiments.gpu import gpu_suite as suite
 
 
 def test_no_gpu_fails_fast_with_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "results"
-    code = ("import sys; sys.path.insert(0, 'experiments'); import gpu_suite; "
+    code = ("import sys; from experiments.gpu import gpu_suite; "
             f"rc = gpu_suite.main(['--out', {str(out)!r}]); "
             "assert 'jax' not in sys.modules, 'JAX was imported before the GPU check'; sys.exit(rc)")
     env = dict(os.environ, JAX_PLATFORMS="cpu")  # what a machine without a GPU (and this test) runs with

@@ -1,6 +1,6 @@
 """Gradient accumulation (`--grad-accum N`): the step on N micro-batches of B rows equals the step on
 the batch of N·B rows (the same rows), on one device (8-bit Adam, delayed weights), a BTP mesh and a
-pipeline mesh (AdamW); `experiments/accum_zero.py` covers the other strategies and optimizers."""
+pipeline mesh (AdamW); `experiments/tp/accum_zero.py` covers the other strategies and optimizers."""
 
 from dataclasses import replace
 

@@ -1,13 +1,13 @@
-"""experiments/isa_matrix.py without running a cell: a bad cell is one line and exit 2, recorded cells
+"""experiments/speed/isa_matrix.py without running a cell: a bad cell is one line and exit 2, recorded cells
 are skipped (resume) and the table is rendered again from the JSON."""
 
 from __future__ import annotations
 
 import json
 
-from helpers import load_experiment, one_error_line
+from helpers import one_error_line
+from experiments.speed import isa_matrix as im
 
-im = load_experiment("isa_matrix")
 
 
 def _cell(isa: str, cores: int, failed: int = 0) -> dict:

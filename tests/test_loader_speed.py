@@ -1,6 +1,6 @@
 """The loader's speed: the prefetch that reads a memory-mapped batch's pages at once changes no token
 (batches from a memmap, a slice of one and an in-memory copy are equal), and a smoke run of
-experiments/loader_speed.py (tiny shapes; the numbers mean nothing, the plumbing does)."""
+experiments/data/loader_speed.py (tiny shapes; the numbers mean nothing, the plumbing does)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from boostjax.data.batches import DocumentIterator, batch_iterator, file_range, runs
-from helpers import load_experiment
+from experiments.data import loader_speed
+
 
 
 def _memmap(tmp_path, n: int = 5000, offset: int = 6) -> np.memmap:
@@ -56,7 +57,7 @@ def test_memmap_batches_equal_in_memory_batches(tmp_path, documents, processes):
 
 @pytest.mark.experiment  # an experiment script's end-to-end smoke run (a few seconds): `pytest -m experiment`
 def test_smoke_run_writes_the_table(tmp_path):
-    ls = load_experiment("loader_speed")
+    ls = loader_speed
     args = ["--tokens", "200000", "--mean-doc", "50", "--batch", "8", "--seq", "64", "--warmup", "1",
             "--batches", "2", "--tmp", str(tmp_path), "--out", str(tmp_path / "out")]
     assert ls.main(args) == 0

@@ -1,13 +1,11 @@
-"""experiments/lowrank_speed.py: a seconds-long smoke run of the interleaved benchmark and its
+"""experiments/speed/lowrank_speed.py: a seconds-long smoke run of the interleaved benchmark and its
 profiled op breakdown (tiny shapes; the numbers mean nothing, the plumbing does)."""
 
 import json
 
 import pytest
 
-from helpers import load_experiment
-
-ls = load_experiment("lowrank_speed")
+from experiments.speed import lowrank_speed as ls
 
 
 @pytest.mark.experiment  # an experiment script's end-to-end smoke run (~10 s): `pytest -m experiment`

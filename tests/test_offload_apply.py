@@ -204,7 +204,7 @@ def _manual(boundary: tuple[str, ...], inner: tuple[str, ...]) -> Decisions:
 ])
 def test_memory_prediction_against_compiled_step(kind, batch, seq, mixed, baselines):
     """memory_analysis() of the compiled step (argument + output - alias + temp; CPU memory-optimised
-    scheduler; clip 0, see `experiments/offload.py`) is within 15 % of the planner's device peak for
+    scheduler; clip 0, see `experiments/offload/offload.py`) is within 15 % of the planner's device peak for
     the same schedule (`cpu_equivalent`: on CPU nothing is really offloaded), for no remat, full remat
     and a plan mixing keep / offload / recompute (llama: with a nested two-layer segment)."""
     L = len(mixed.boundary)

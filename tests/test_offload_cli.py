@@ -63,7 +63,7 @@ def test_plan_summary_and_infeasible_budget(capsys):
 
 
 def test_lazytrain_27b_instance(capsys):
-    # solve time is measured by experiments/offload.py (~4 s here); the time limit is wall-clock, so it
+    # solve time is measured by experiments/offload/offload.py (~4 s here); the time limit is wall-clock, so it
     # only bounds a stuck solve and leaves room for a machine busy with other tests
     assert main(["plan", "--instance", "lazytrain-27b", "--json", "--time-limit", "120"]) == 0
     rep = json.loads(capsys.readouterr().out)

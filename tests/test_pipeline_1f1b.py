@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import FAST_CPU, compile_with, rel as _rel, rel_by_path, seed_of  # FAST_CPU: ~40 % less compile
+from experiments.rotation import pipeline_schedules
 from test_tp import TINY, put_params
 
 from boostjax.config import Config, TrainConfig
@@ -109,11 +110,11 @@ def test_schedule_may_change_on_resume(tmp_path):
 
 
 def test_schedules_experiment_renders_its_results(tmp_path):
-    """experiments/pipeline_schedules.py re-renders its committed measurements (no compile): GPipe's
+    """experiments/rotation/pipeline_schedules.py re-renders its committed measurements (no compile): GPipe's
     compiled temp grows with M, 1F1B's stays flat."""
-    from helpers import ROOT, load_experiment
+    from helpers import ROOT
 
-    exp = load_experiment("pipeline_schedules")
+    exp = pipeline_schedules
     src = ROOT / "experiments" / "results" / "pipeline_schedules.json"
     assert exp.main(["--from-json", str(src), "--out", str(tmp_path)]) == 0
     assert "| 32 |" in (tmp_path / "pipeline_schedules.md").read_text()

@@ -233,7 +233,7 @@ def test_infeasible_budget_reports_the_smallest_working_budget():
 
 
 def test_lazytrain_27b_solves_to_optimality():
-    # The proof must come within the time limit; how long it takes is measured by experiments/offload.py,
+    # The proof must come within the time limit; how long it takes is measured by experiments/offload/offload.py,
     # not asserted here (2-3 s on a quiet 2-core machine, 31 s once on a loaded CI runner).
     inst = cm.lazytrain_27b()
     plan = solve(inst, time_limit_s=120, workers=2)

@@ -1,4 +1,4 @@
-"""experiments/pretrain_lowrank.py --quick on a tiny self-made corpus: the result file's fields (corpus
+"""experiments/init/pretrain_lowrank.py --quick on a tiny self-made corpus: the result file's fields (corpus
 counts, FLOPs per token against a count by hand, the perplexity ratios), and a resume from a partial JSON:
 a run stopped after an evaluation is left unfinished in the JSON, and the rerun skips the finished run and
 continues the other from its checkpoint to the same numbers it had reached."""
@@ -9,7 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from helpers import load_experiment
+from experiments.init import pretrain_lowrank
+
 
 WORDS = ["thou", "art", "def", "return", "self", "the", "king", "(", ")", ":", "\n", "    ", "import", "lord"]
 
@@ -23,7 +24,7 @@ def _texts(folder):
 
 
 def test_quick_run_fields_and_resume_from_partial_json(tmp_path, monkeypatch):
-    pl = load_experiment("pretrain_lowrank")
+    pl = pretrain_lowrank
     texts = _texts(tmp_path / "texts")
     out, runs = tmp_path / "out", tmp_path / "runs"
     argv = ["--quick", "--texts", str(texts), "--out", str(out), "--runs", str(runs), "--kinds", "dense,cola"]
@@ -87,7 +88,7 @@ def test_quick_run_fields_and_resume_from_partial_json(tmp_path, monkeypatch):
 
 
 def test_compare_interpolates_the_dense_curve():
-    pl = load_experiment("pretrain_lowrank")
+    pl = pretrain_lowrank
     # curve points: [step, tokens, flops, loss]; dense costs 2 FLOPs per token, the low-rank run 1
     dense = {"curve": [[0, 0, 0, 9.0], [1, 10, 20, 6.0], [2, 20, 40, 4.0]]}
     low = {"curve": [[0, 0, 0, 9.0], [1, 10, 10, 7.0], [2, 20, 20, 5.0]]}

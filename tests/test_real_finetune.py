@@ -1,4 +1,4 @@
-"""experiments/real_finetune.py without its inputs: budgets -> per-group ranks against the model's own
+"""experiments/init/real_finetune.py without its inputs: budgets -> per-group ranks against the model's own
 parameter layout, the bits-per-byte table against `boostjax tokenize`'s byte counts, the held-out plays
 landing in the validation split, the catch-up step, and the report rendered from a stored result."""
 
@@ -12,7 +12,8 @@ import pytest
 from boostjax.config import ModelConfig
 from boostjax.data.tokenizers import train_tokenizer
 from boostjax.models.llama import param_shapes
-from helpers import load_experiment
+from experiments.init import real_finetune
+
 
 # SmolLM2-135M's shapes (the budgets' numbers are checked for them); no weights are built
 SMOL = ModelConfig(kind="llama", vocab_size=512, d_model=576, n_layers=2, n_heads=9, n_kv_heads=3, d_ff=1536)
@@ -20,7 +21,7 @@ PROJ_KEYS = ("a_", "b_", "w_q", "w_k", "w_v", "w_o", "w_gate", "w_up", "w_down")
 
 
 def _rf():
-    return load_experiment("real_finetune")
+    return real_finetune
 
 
 def _projection_params_of_model(m: ModelConfig) -> int:

@@ -1,5 +1,5 @@
-"""Smoke tests of experiments/scaling_model.py (the time model on tiny compiled programs) and of
-experiments/gpu_step.py: it refuses the CPU, and (marked experiment) its CPU smoke mode (the real
+"""Smoke tests of experiments/tp/scaling_model.py (the time model on tiny compiled programs) and of
+experiments/gpu/gpu_step.py: it refuses the CPU, and (marked experiment) its CPU smoke mode (the real
 training step, 1 warm-up + 1 timed step)."""
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from dataclasses import replace
 import pytest
 
 from boostjax.config import preset
-from helpers import load_experiment
+from experiments.gpu import gpu_step as gs
+from experiments.tp import scaling_model as sm
 
-gs = load_experiment("gpu_step")
-sm = load_experiment("scaling_model")
 
 TINY = preset("tiny", n_heads=8)  # d=128, 4 layers, 8 heads (2 per device: score arrays), d_ff=352, r=32, vocab 256
 SETUP = sm.Setup("tiny", 4, pp=2, microbatches=2, micro_batch=4, seq=16, model=TINY)  # TP4 x PP2, M = 2 of 4

@@ -25,7 +25,8 @@ from boostjax.data.token_folder import META_FILE, read_token_meta
 from boostjax.data.tokenize import tokenize_corpus
 from boostjax.runtime.signals import TrainingInterrupted
 from boostjax.training.trainer import train
-from helpers import MICRO, load_experiment, model_flags, one_error_line
+from helpers import MICRO, model_flags, one_error_line
+from experiments.data import shard_reads
 
 SEQ, BATCH = 24, 8
 
@@ -249,7 +250,7 @@ def test_a_version_1_run_resumes_on_its_folder_and_on_the_shards(folders, tmp_pa
 @pytest.mark.experiment  # an experiment script's end-to-end smoke run (a few seconds): `pytest -m experiment`
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="the kernel's count of bytes read is Linux's")
 def test_shard_reads_smoke_run_writes_the_table(tmp_path):
-    sr = load_experiment("shard_reads")
+    sr = shard_reads
     args = ["--tokens", "60000", "--shard-tokens", "9000", "--mean-doc", "300", "--batch", "8", "--seq", "64",
             "--processes", "1,2", "--tmp", str(tmp_path), "--out", str(tmp_path / "out")]
     assert sr.main(args) == 0

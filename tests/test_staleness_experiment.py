@@ -1,4 +1,4 @@
-"""Smoke test of experiments/staleness.py: a tiny run end to end, result files well-formed and finite;
+"""Smoke test of experiments/rotation/staleness.py: a tiny run end to end, result files well-formed and finite;
 the per-optimizer target rule by hand; resuming from the partial file; re-rendering a stored JSON."""
 
 import json
@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from helpers import load_experiment
+from experiments.rotation import staleness
 
 
 def _load():
-    return load_experiment("staleness")
+    return staleness
 
 
 def test_helpers_and_per_optimizer_targets():

@@ -1,4 +1,4 @@
-"""experiments/vs_transformers.py: a seconds-long smoke run of the side-by-side benchmark on a tiny shape,
+"""experiments/speed/vs_transformers.py: a seconds-long smoke run of the side-by-side benchmark on a tiny shape,
 with `--real` on a tiny Hugging Face folder exported here (the numbers mean nothing, the plumbing and
 the same-inputs checks do)."""
 
@@ -11,9 +11,8 @@ from flax import nnx
 from boostjax.config import preset
 from boostjax.interop.hf import to_hf
 from boostjax.models.llama import LLaMA
-from helpers import load_experiment
+from experiments.speed import vs_transformers as vt
 
-vt = load_experiment("vs_transformers")
 SMOKE = ["--shape", "tiny", "--layers", "1", "--vocab", "256", "--batch", "2", "--seq", "16", "--prompt", "4",
          "--new", "3", "--warmup", "1", "--rounds", "2"]
 

@@ -1,6 +1,6 @@
 """Host time per batch of the document sampler against random windows (docs/data.md).
 
-    python experiments/document_sampler_speed.py
+    python -m experiments.data.document_sampler_speed
 
 The built-in corpus at 16 x 512, then a 50 M-token uint16 memmap with 100 k documents at 64 x 2048
 (written to a temporary file and removed)."""

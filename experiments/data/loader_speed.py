@@ -1,6 +1,6 @@
 """The batch iterator alone, for a 7B-shaped global batch, from a tokenised folder on disk (docs/data.md).
 
-    python experiments/loader_speed.py
+    python -m experiments.data.loader_speed
 
 Writes a synthetic tokenised folder (`boostjax.data.token_folder`'s layout: meta.json, the shards
 train-00000.bin, ... / val-00000.bin of uint16 ids cut as `boostjax tokenize --shard-tokens` cuts them,
@@ -23,14 +23,12 @@ import resource
 import pathlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import results_io
+from experiments import common
 
 from boostjax.data.batches import batch_iterator
 from boostjax.data.source import open_source, resolve_source
@@ -90,7 +88,7 @@ def write_folder(folder: pathlib.Path, n_train: int, n_val: int, mean_doc: int, 
             splits[name]["shards"] = [{"file": f, "tokens": b - a} for f, a, b in zip(files, edges, edges[1:])]
     meta = {"format": "boostjax-tokens", "version": 1 if shard_tokens is None else 2, "tokenizer": "byte",
             "dtype": "uint16", "vocab_size": VOCAB, "eos_id": 0, "bos_id": None,
-            "source": "synthetic (experiments/loader_speed.py)", "splits": splits}
+            "source": "synthetic (experiments/data/loader_speed.py)", "splits": splits}
     if shard_tokens is not None:  # a name for the data, not its hash: this folder is never resumed
         meta["fingerprint"] = "blake3:" + f"{seed:064x}"
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -187,7 +185,7 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
-    ap.add_argument("--out", default=str(results_io.RESULTS),
+    ap.add_argument("--out", default=str(common.RESULTS),
                     help="folder for loader_speed.json and .md (default: experiments/results)")
     ap.add_argument("--tokens", type=int, default=200_000_000,
                     help="training tokens of the synthetic folder (uint16: 2 bytes each; default 200M)")
@@ -212,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="loader_speed-", dir=args.tmp))
     try:
         folder = tmp / "tokens"
-        results_io.log(f"writing {args.tokens / 1e6:.0f}M tokens ({args.tokens * 2 / 1e9:.2f} GB) to {folder}")
+        common.log(f"writing {args.tokens / 1e6:.0f}M tokens ({args.tokens * 2 / 1e9:.2f} GB) to {folder}")
         meta = write_folder(folder, args.tokens, max(args.tokens // 100, 2 * args.seq + 2), args.mean_doc,
                             shard_tokens=args.shard_tokens)
         src = resolve_source(str(folder))
@@ -225,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 r = measure(corpus, documents=documents, segments=segments, processes=processes, batch=args.batch,
                             seq=args.seq, warmup=args.warmup, batches=args.batches)
-                results_io.log(f"{r['sampler']} segments={segments} processes={processes}: {r['median_ms']:.2f} ms, "
+                common.log(f"{r['sampler']} segments={segments} processes={processes}: {r['median_ms']:.2f} ms, "
                                f"{r['tokens_per_s'] / 1e6:.1f}M tokens/s per host")
                 rows.append(r)
         corpus = open_source(src)  # fresh readers
@@ -235,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(corpus, documents=documents, segments=False, processes=processes, batch=args.batch,
                         seq=args.seq, warmup=args.warmup, batches=args.batches, cold=folder,
                         seed=1 + documents)
-            results_io.log(f"{r['sampler']} processes={processes} cold: {r['median_ms']:.2f} ms, "
+            common.log(f"{r['sampler']} processes={processes} cold: {r['median_ms']:.2f} ms, "
                            f"{r['tokens_per_s'] / 1e6:.1f}M tokens/s per host")
             rows.append(r)
     finally:
@@ -246,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
            "cpus": os.cpu_count(), "load_before": [round(x, 2) for x in load_before],
            "load_after": [round(x, 2) for x in os.getloadavg()], "goal_tokens_per_s": GOAL,
            "slowest_warm_tokens_per_s": min(r["tokens_per_s"] for r in rows if r["cache"] == "warm"), "rows": rows}
-    results_io.write(args.out, "loader_speed", data=res, md=lambda: markdown(res),
-                     command=results_io.command_line("loader_speed", argv), started=t0)
+    common.write(args.out, "loader_speed", data=res, md=lambda: markdown(res),
+                     command=common.command_line("loader_speed", argv), started=t0)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Bytes each process of a multi-host run reads from a tokenised folder in shards (docs/tokenised-data.md).
 
-    python experiments/shard_reads.py
+    python -m experiments.data.shard_reads
 
 Writes a synthetic tokenised folder (`loader_speed.write_folder`: uint16 ids, documents of random
 lengths, the training split in shards cut as `boostjax tokenize --shard-tokens` cuts them) into a
@@ -20,13 +20,11 @@ import os
 import pathlib
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import results_io
-from loader_speed import write_folder
+from experiments import common
+from experiments.data.loader_speed import write_folder
 
 
 def rchar() -> tuple[int, int]:
@@ -86,7 +84,7 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
-    ap.add_argument("--out", default=str(results_io.RESULTS),
+    ap.add_argument("--out", default=str(common.RESULTS),
                     help="folder for shard_reads.json and .md (default: experiments/results)")
     ap.add_argument("--tokens", type=int, default=150_000_000,
                     help="training tokens of the synthetic folder (uint16: 2 bytes each; default 150M)")
@@ -127,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="shard_reads-", dir=args.tmp))
     try:
         folder = tmp / "tokens"
-        results_io.log(f"writing {args.tokens / 1e6:.0f}M tokens ({args.tokens * 2 / 1e9:.2f} GB) to {folder}")
+        common.log(f"writing {args.tokens / 1e6:.0f}M tokens ({args.tokens * 2 / 1e9:.2f} GB) to {folder}")
         meta = write_folder(folder, args.tokens, max(args.tokens // 100, 2 * args.seq + 2), args.mean_doc,
                             shard_tokens=args.shard_tokens)
         rows_per_epoch = (args.tokens - 1) // args.seq
@@ -135,12 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for count in counts:
             for index in range(count):
-                cmd = [sys.executable, __file__, "--child", str(folder), str(count), str(index), str(steps),
+                cmd = [*common.python_m("shard_reads"), "--child", str(folder), str(count), str(index), str(steps),
                        str(args.batch), str(args.seq)]
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=common.with_root()).stdout
                 rows.append(json.loads(out.strip().splitlines()[-1]))
                 r = rows[-1]
-                results_io.log(f"P={count} process {index}: reader {r['reader_bytes'] / 1e6:.2f} MB, kernel "
+                common.log(f"P={count} process {index}: reader {r['reader_bytes'] / 1e6:.2f} MB, kernel "
                                f"{r['kernel_bytes'] / 1e6:.2f} MB, {r['seconds']:.1f} s")
         index_bytes = (folder / "train.docs.npy").stat().st_size
     finally:
@@ -150,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
            "shards": len(train["shards"]), "documents": train["documents"], "index_bytes": index_bytes,
            "batch": args.batch, "seq": args.seq, "steps": steps, "epochs": steps * args.batch / rows_per_epoch,
            "cpus": os.cpu_count(), "rows": rows}
-    results_io.write(args.out, "shard_reads", data=res, md=lambda: markdown(res),
-                     command=results_io.command_line("shard_reads", argv), started=t0)
+    common.write(args.out, "shard_reads", data=res, md=lambda: markdown(res),
+                     command=common.command_line("shard_reads", argv), started=t0)
     return 0
 
 

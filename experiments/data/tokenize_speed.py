@@ -1,7 +1,7 @@
 """`boostjax tokenize --workers N` against Hugging Face `datasets.map(batched=True, num_proc=N)` on the same
 JSONL files with the same tokenizer (docs/tokenised-data.md).
 
-    python experiments/tokenize_speed.py
+    python -m experiments.data.tokenize_speed
 
 Generates JSONL files of `--sizes` MB (random words from a fixed vocabulary, documents of 50-400
 words; the same bytes every time), trains one small byte-level BPE (`--vocab`, on the first 2,000
@@ -33,8 +33,7 @@ import time
 
 import psutil
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import results_io
+from experiments import common
 
 GOAL = 1.5  # boostjax's MB/s over datasets.map's
 TOOLS = ("boostjax", "boostjax-threads", "datasets")
@@ -154,7 +153,7 @@ def markdown(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(results_io.RESULTS),
+    ap.add_argument("--out", default=str(common.RESULTS),
                     help="folder for tokenize_speed.json and .md (default: experiments/results)")
     ap.add_argument("--sizes", type=float, nargs="+", default=[3, 30, 300],
                     help="JSONL sizes in MB, the 1x, 10x and 100x input (default: 3 30 300)")
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                     and key(tool, t, mb, n) not in res["cells"]]
             if not todo:
                 continue
-            results_io.log(f"generating {mb:g} MB of JSONL")
+            common.log(f"generating {mb:g} MB of JSONL")
             generate(data, mb)
             if not (tok_dir / "tokenizer.json").exists():
                 with open(data) as f:
@@ -191,15 +190,15 @@ def main(argv: list[str] | None = None) -> int:
                 tok = str(tok_dir / "tokenizer.json") if t == "bpe" else "byte"
                 c = run_cell(tool, data, tok, n, work)
                 res["cells"][key(tool, t, mb, n)] = c
-                results_io.log(f"{key(tool, t, mb, n)}: {c['mb_s']:.2f} MB/s, {c['tokens_s'] / 1e6:.2f}M tokens/s, "
+                common.log(f"{key(tool, t, mb, n)}: {c['mb_s']:.2f} MB/s, {c['tokens_s'] / 1e6:.2f}M tokens/s, "
                                f"peak {c['peak_rss_mb']:.0f} MB")
-                results_io.write(out, "tokenize_speed", data=res, md=lambda: markdown(res), echo=False)
+                common.write(out, "tokenize_speed", data=res, md=lambda: markdown(res), echo=False)
             data.unlink()
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    res["command"] = results_io.command_line("tokenize_speed", argv)
-    results_io.write(out, "tokenize_speed", data=res, md=lambda: markdown(res), started=t0)
+    res["command"] = common.command_line("tokenize_speed", argv)
+    common.write(out, "tokenize_speed", data=res, md=lambda: markdown(res), started=t0)
     return 0
 
 

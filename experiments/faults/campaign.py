@@ -11,12 +11,12 @@ import shutil
 import time
 from typing import Any
 
-from faults_checks import Campaign, check_damage_report, check_folder, check_stop
-from faults_folder import (TMP, aside, checkpoints, compare, compare_ok, damage, leftovers, loss_records, read_records,
+from experiments.faults.checks import Campaign, check_damage_report, check_folder, check_stop
+from experiments.faults.folder import (TMP, aside, checkpoints, compare, compare_ok, damage, leftovers, loss_records, read_records,
                            same, saves_in_flight)
-from faults_plan import PROBE, SIGNALS, draw_fault
-from faults_process import NONFINITE, Attempt, classify_stderr, leaf_diff, traceback_summary
-from results_io import log
+from experiments.faults.plan import PROBE, SIGNALS, draw_fault
+from experiments.faults.process import NONFINITE, Attempt, classify_stderr, leaf_diff, traceback_summary
+from experiments.common import log
 
 
 def fire_trigger(a: Attempt, fault: dict, ignore_saves: set[str], timeout: float) -> dict:

@@ -1,7 +1,7 @@
 """What checkpoint checksums cost: save and restore of a 1 GB and a 4 GB state with and without verification.
 
-    python experiments/checkpoint_verify.py                       # 1 and 4 GB, in /tmp; results committed
-    python experiments/checkpoint_verify.py --sizes-gb 0.05 --hash-mb 64 --out /tmp/cv   # a quick check
+    python -m experiments.faults.checkpoint_verify                       # 1 and 4 GB, in /tmp; results committed
+    python -m experiments.faults.checkpoint_verify --sizes-gb 0.05 --hash-mb 64 --out /tmp/cv   # a quick check
 
 1. Hashes: one `--hash-mb` MB file of random bytes hashed by SHA-256 (what boostjax wrote before,
    `hashlib`), BLAKE2b, BLAKE3 on one thread (`boostjax.runs.digest`, what it writes now), BLAKE3 with its
@@ -23,7 +23,6 @@ import hashlib
 import os
 import pathlib
 import shutil
-import sys
 import tempfile
 import time
 
@@ -31,8 +30,7 @@ import blake3
 import jax
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import results_io
+from experiments import common
 
 from boostjax.runs import checkpoint as ck
 from boostjax.runs import digest
@@ -100,7 +98,7 @@ def hash_rates(folder: pathlib.Path, mb: int, repeats: int) -> list[dict]:
             row["warm_GBps"] = size / best(lambda: _hash_file(f, make), repeats) / 1e9
         row["cold_GBps"] = size / best(lambda: _hash_file(f, make), repeats, lambda: drop_cache([f])) / 1e9
         rows.append(row)
-        results_io.log(f"{name}: {row}")
+        common.log(f"{name}: {row}")
     f.unlink()
     return rows
 
@@ -158,7 +156,7 @@ def checkpoint_times(folder: pathlib.Path, gb: float, repeats: int) -> dict:
     for k in ("verify_warm", "verify_cold", "sha256_warm", "sha256_cold"):
         row[f"{k}_GBps"] = nbytes / row[f"{k}_s"] / 1e9
     row["load_average"] = os.getloadavg()[0]
-    results_io.log(f"{gb} GB: {row}")
+    common.log(f"{gb} GB: {row}")
     return row
 
 
@@ -199,18 +197,18 @@ def main(argv=None) -> None:
     p.add_argument("--hash-mb", type=int, default=1024, help="size of the file the hashes are timed on")
     p.add_argument("--repeats", type=int, default=2, help="tries per measurement (the best is kept)")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go (deleted afterwards)")
-    p.add_argument("--out", default=str(results_io.RESULTS), help="where checkpoint_verify.{json,md} go")
+    p.add_argument("--out", default=str(common.RESULTS), help="where checkpoint_verify.{json,md} go")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     work = pathlib.Path(tempfile.mkdtemp(prefix="checkpoint-verify-", dir=args.dir))
-    res = {"command": results_io.command_line("checkpoint_verify", argv), "repeats": args.repeats,
+    res = {"command": common.command_line("checkpoint_verify", argv), "repeats": args.repeats,
            "hash_mb": args.hash_mb, "machine": f"{os.cpu_count()} CPU cores, "
            f"blake3 {blake3.__version__}, numpy {np.__version__}", "hashes": [], "checkpoints": []}
     try:  # the results are written after each part, so that a run stopped early keeps what it measured
         res["hashes"] = hash_rates(work, args.hash_mb, args.repeats)
         for gb in args.sizes_gb:
             res["checkpoints"].append(checkpoint_times(work, gb, args.repeats))
-            results_io.write(args.out, "checkpoint_verify", data=res, md=lambda: markdown(res),
+            common.write(args.out, "checkpoint_verify", data=res, md=lambda: markdown(res),
                              command=res["command"], started=t0, echo=gb == args.sizes_gb[-1])
     finally:
         shutil.rmtree(work, ignore_errors=True)

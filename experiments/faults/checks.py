@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from faults_folder import ASIDE, aside, checkpoints, compare, compare_ok, loss_records, read_records, verify
-from faults_plan import EXIT, Settings
-from faults_process import KNOWN_LINES, Attempt, classify_stderr, traceback_summary
-from results_io import log
+from experiments.faults.folder import ASIDE, aside, checkpoints, compare, compare_ok, loss_records, read_records, verify
+from experiments.faults.plan import EXIT, Settings
+from experiments.faults.process import KNOWN_LINES, Attempt, classify_stderr, traceback_summary
+from experiments.common import log
 
 
 @dataclass

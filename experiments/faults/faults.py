@@ -27,18 +27,18 @@ interrupted and resumed must end with the uninterrupted run's per-step losses, b
    is its last checkpoint (every parameter and optimizer-state array, restored by Orbax in a helper
    process). A SIGINT/SIGTERM must give 130/143, or 0 only if the run was at its last steps.
 
-    python experiments/faults.py                # full: 50 signals, 14 damaged checkpoints (5-8 min on 2 busy cores)
-    python experiments/faults.py --quick        # smoke: 2 signals, 1 damaged checkpoint (30-50 s)
-    python experiments/faults.py --from-json experiments/results/faults.json   # re-render faults.md only
+    python -m experiments.faults.faults                # full: 50 signals, 14 damaged checkpoints (5-8 min on 2 busy cores)
+    python -m experiments.faults.faults --quick        # smoke: 2 signals, 1 damaged checkpoint (30-50 s)
+    python -m experiments.faults.faults --from-json experiments/results/faults.json   # re-render faults.md only
 Writes <out>/faults.json (settings, counts, every event) and faults.md (default out: experiments/results).
 The run folders, logs and JAX compilation cache go to --scratch (default: a new temporary folder,
 removed at the end unless --keep-scratch).
 
 This file is the entry point (`run_campaign`, `main`); the campaign lives in its siblings:
-faults_plan.py (settings, the schedule drawn from the seed), faults_folder.py (reading, verifying and
-damaging a run folder), faults_process.py (starts of the training command, stderr, the reference run),
-faults_checks.py (the campaign's record and the checks after each stop), faults_campaign.py (one
-campaign run, the probes) and faults_report.py (counts, faults.md).
+plan.py (settings, the schedule drawn from the seed), folder.py (reading, verifying and
+damaging a run folder), process.py (starts of the training command, stderr, the reference run),
+checks.py (the campaign's record and the checks after each stop), campaign.py (one
+campaign run, the probes) and report.py (counts, faults.md).
 """
 
 from __future__ import annotations
@@ -55,14 +55,14 @@ from typing import Sequence
 
 import numpy as np
 
-import results_io
-from results_io import log
-from faults_campaign import campaign_run
-from faults_checks import Campaign
-from faults_folder import MANIFEST, _blake3, compare, compare_ok, damage, verify
-from faults_plan import DAMAGE_KINDS, QUICK, Settings, draw_damage_kinds
-from faults_process import classify_stderr, run_reference, subprocess_env
-from faults_report import markdown, summarize
+from experiments import common
+from experiments.common import log
+from experiments.faults.campaign import campaign_run
+from experiments.faults.checks import Campaign
+from experiments.faults.folder import MANIFEST, _blake3, compare, compare_ok, damage, verify
+from experiments.faults.plan import DAMAGE_KINDS, QUICK, Settings, draw_damage_kinds
+from experiments.faults.process import classify_stderr, run_reference, subprocess_env
+from experiments.faults.report import markdown, summarize
 
 # what tests and other scripts use through this module, defined in its siblings
 __all__ = ["DAMAGE_KINDS", "MANIFEST", "QUICK", "Settings", "_blake3", "classify_stderr", "compare", "compare_ok",
@@ -109,7 +109,7 @@ def run_campaign(s: Settings, out: pathlib.Path, scratch: pathlib.Path | None = 
            "scratch": str(scratch) if keep_scratch or not made else None, "reference": ref_public,
            "damage_plan": c.damage_plan, "counts": summarize(c), "runs": c.runs, "probes": c.probes,
            "anomalies": c.anomalies, "events": c.events}
-    results_io.write(out, "faults", data=res, md=lambda: markdown(res))
+    common.write(out, "faults", data=res, md=lambda: markdown(res))
     if made and not keep_scratch:
         shutil.rmtree(scratch, ignore_errors=True)
     return res
@@ -131,12 +131,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.from_json:
         res = json.loads(args.from_json.read_text())
-        results_io.write(args.out, "faults", md=markdown(res))
+        common.write(args.out, "faults", md=markdown(res))
         return res
     over = {k: v for k, v in vars(args).items()
             if v is not None and k not in ("quick", "out", "scratch", "keep_scratch", "from_json")}
     s = replace(QUICK if args.quick else Settings(), **over)
-    return run_campaign(s, pathlib.Path(args.out), args.scratch, results_io.command_line("faults", argv),
+    return run_campaign(s, pathlib.Path(args.out), args.scratch, common.command_line("faults", argv),
                         args.keep_scratch)
 
 

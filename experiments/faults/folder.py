@@ -13,7 +13,7 @@ import struct
 import blake3
 import numpy as np
 
-from faults_plan import PROBE
+from experiments.faults.plan import PROBE
 
 MANIFEST, TMP, ASIDE = "BLAKE3SUMS", "orbax-checkpoint-tmp", "checkpoints-aside"
 

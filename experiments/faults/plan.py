@@ -1,5 +1,5 @@
 """The fault campaign's settings and its schedule: which signal, when, and which damage, drawn from
-`--seed` (the campaign itself: experiments/faults.py)."""
+`--seed` (the campaign itself: experiments/faults/faults.py)."""
 
 from __future__ import annotations
 

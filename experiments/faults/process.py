@@ -13,10 +13,11 @@ import sys
 import time
 from typing import Callable
 
-from faults_folder import history_start, loss_records, read_records
-from faults_plan import Settings
+from experiments import common
+from experiments.faults.folder import history_start, loss_records, read_records
+from experiments.faults.plan import Settings
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = common.ROOT
 
 NONFINITE = re.compile(r"^boostjax: non-finite loss \S+ \(grad norm \S+\) at step (\d+); stopped; .*$")  # probes only
 

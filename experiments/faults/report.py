@@ -9,8 +9,8 @@ import statistics
 
 import numpy as np
 
-from faults_checks import Campaign
-from faults_plan import DAMAGE_KINDS, IN_PLACE, PROBE, SIGNALS
+from experiments.faults.checks import Campaign
+from experiments.faults.plan import DAMAGE_KINDS, IN_PLACE, PROBE, SIGNALS
 
 
 EXPLAIN = {  # anomaly kind -> what it means (printed under the anomalies that occurred)

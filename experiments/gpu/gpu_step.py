@@ -9,9 +9,9 @@ tokens/s / the device's dense bf16 peak (the `boostjax.runtime.hardware` profile
 name, or `--peak-tflops`), and `device.memory_stats()["peak_bytes_in_use"]`. Tokens are random ids:
 step time does not depend on the data.
 
-    python experiments/gpu_step.py                      # 1B, full-rank vs CoLA, bf16, on the GPU
-    python experiments/gpu_step.py --allow-cpu --preset tiny --steps 2 --warmup 1   # CPU smoke run
-    python experiments/gpu_step.py --attention cudnn    # cuDNN flash attention (ModelConfig.attention)
+    python -m experiments.gpu.gpu_step                      # 1B, full-rank vs CoLA, bf16, on the GPU
+    python -m experiments.gpu.gpu_step --allow-cpu --preset tiny --steps 2 --warmup 1   # CPU smoke run
+    python -m experiments.gpu.gpu_step --attention cudnn    # cuDNN flash attention (ModelConfig.attention)
 
 BOOST reports CoLA 1.44x faster than full-rank at 1B on one A100 (its iteration times 0.85 s vs
 0.59 s). Writes experiments/results/gpu_step.{json,md}. Without a GPU it exits with status 2 and a
@@ -19,7 +19,7 @@ one-line message, unless `--allow-cpu --preset tiny` (a smoke mode whose numbers
 Each run also records `compiled.memory_analysis()` of the very executable it times (`compiled_memory`:
 argument + output - alias + temp = `total_bytes`), beside the measured peak.
 
-Importable pieces (experiments/gpu_suite.py uses them): `parser`, `measure`, `run_worker`,
+Importable pieces (experiments/gpu/gpu_suite.py uses them): `parser`, `measure`, `run_worker`,
 `worker_cmd`, `peak_flops_for`, `attention_field`.
 """
 
@@ -33,9 +33,9 @@ import subprocess
 import sys
 import time
 
-import results_io
+from experiments import common
 
-RESULTS = str(results_io.RESULTS)
+RESULTS = str(common.RESULTS)
 KINDS = ("llama", "cola")
 NAMES = {"llama": "full-rank", "cola": "CoLA"}
 PAPER_SPEEDUP = 0.85 / 0.59  # BOOST, 1B on one A100: full-rank / CoLA (BTP) iteration time
@@ -125,14 +125,14 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
 
 def worker_cmd(kind: str, argv: list[str]) -> list[str]:
     """The command line of one measuring process (this script in worker mode)."""
-    return [sys.executable, os.path.abspath(__file__), *argv, "--worker", kind]
+    return [*common.python_m("gpu_step"), *argv, "--worker", kind]
 
 
 def run_worker(cmd: list[str], env: dict[str, str], timeout: float | None = None, **tag) -> dict:
     """Run one worker process and read its result (`worker_result`); running past `timeout` seconds
     gives `status: timeout` (the process is killed)."""
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=common.with_root(env), timeout=timeout)
     except subprocess.TimeoutExpired:
         return {**tag, "status": "timeout", "error": f"killed after the {timeout:.0f} s limit"}
     return worker_result(out.returncode, out.stdout, out.stderr, **tag)
@@ -240,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = [_child(k, argv, child_env) for k in kinds]
     ok = {r["kind"]: r for r in runs if r.get("status") == "ok"}
     speedup = ok["cola"]["tokens_per_s"] / ok["llama"]["tokens_per_s"] if len(ok) == 2 else None
-    res = {"args": vars(args), "command": results_io.command_line("gpu_step", argv), "runs": runs,
+    res = {"args": vars(args), "command": common.command_line("gpu_step", argv), "runs": runs,
            "speedup": speedup, "paper_speedup_1b_a100": PAPER_SPEEDUP}
-    results_io.write(args.out, "gpu_step", data=res, md=lambda: markdown(res), started=t0)
+    common.write(args.out, "gpu_step", data=res, md=lambda: markdown(res), started=t0)
     return 0 if len(ok) == len(kinds) else 1
 
 

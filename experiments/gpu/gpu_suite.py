@@ -1,22 +1,22 @@
 """One GPU suite: throughput, memory, offload and collectives of the real training step on one GPU.
 
-    python experiments/gpu_suite.py                  # on a CUDA GPU, <= 8 minutes (--budget-s 480)
-    python experiments/gpu_suite.py --smoke          # every section on CPU at tiny shapes (CI)
-    python experiments/gpu_suite.py --budget-s 900 --attention auto --policies plan,no-offload
+    python -m experiments.gpu.gpu_suite                  # on a CUDA GPU, <= 8 minutes (--budget-s 480)
+    python -m experiments.gpu.gpu_suite --smoke          # every section on CPU at tiny shapes (CI)
+    python -m experiments.gpu.gpu_suite --budget-s 900 --attention auto --policies plan,no-offload
 
 Sections (each measuring run in its own process, so each peak is its own; a run that fails or runs
 past its time limit records why and the suite goes on; when the budget runs low the remaining runs
 are skipped with the reason):
 
 (a) throughput: dense LLaMA vs CoLA at 1B (vocabulary 32000, batch 8 x 1024, bf16 compute, AdamW,
-    `ModelConfig.attention="cudnn"`): tokens/s and MFU, through `experiments/gpu_step.py`'s worker.
+    `ModelConfig.attention="cudnn"`): tokens/s and MFU, through `experiments/gpu/gpu_step.py`'s worker.
 (b) memory: per model, `device.memory_stats()["peak_bytes_in_use"]` of (a)'s process beside the
     prediction of the very executable it ran (`compiled.memory_analysis()`: argument + output - alias
     + temp) and, where boostjax has `memory_report`, the CPU-compiled (abstract) prediction of the
     same step (its `peak_bytes_per_device` and weight / optimizer / activation parts). That CPU compile
     starts first and runs on the host CPU beside the GPU runs (it touches no GPU).
 (c) offload: the CP-SAT offload plan vs no-offload / full-remat / MegaTrain-style streaming at a
-    device memory cap (1B CoLA, 8-bit Adam): tokens/s and peak, through `experiments/offload_gpu.py`.
+    device memory cap (1B CoLA, 8-bit Adam): tokens/s and peak, through `experiments/offload/offload_gpu.py`.
 (d) collectives: the BTP step of the 1B CoLA compiled for this GPU on a data=1,model=1 mesh; the
     all-reduces one layer adds (2-layer minus 1-layer program): count, bytes, how many act on one
     device only. A 1-GPU mesh cannot show TP traffic (see the `cannot_show` key).
@@ -45,11 +45,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import gpu_step as gs
-import offload_gpu as og
-import results_io
+from experiments.gpu import gpu_step as gs
+from experiments.offload import offload_gpu as og
+from experiments import common
 
-RESULTS = str(results_io.RESULTS)
+RESULTS = str(common.RESULTS)
 SECTIONS = ("throughput", "memory", "collectives", "offload")
 GIB = float(2**30)
 MIN_START_S = 15.0  # a run is not started with less time than this left in the budget
@@ -240,7 +240,7 @@ def collectives_worker(sh: Shapes, attention: str) -> dict:
 
 
 def throughput_args(sh: Shapes, smoke: bool, attention: str, peak_tflops: float) -> list[str]:
-    """`experiments/gpu_step.py` flags of (a)'s runs."""
+    """`experiments/gpu/gpu_step.py` flags of (a)'s runs."""
     a = ["--preset", sh.preset, "--vocab", str(sh.vocab), "--layers", str(sh.layers), "--batch", str(sh.batch),
          "--seq", str(sh.seq), "--warmup", str(sh.warmup), "--steps", str(sh.steps), "--remat", "none"]
     a += ["--attention", attention] if attention else []
@@ -249,7 +249,7 @@ def throughput_args(sh: Shapes, smoke: bool, attention: str, peak_tflops: float)
 
 
 def offload_args(sh: Shapes, smoke: bool, attention: str) -> list[str]:
-    """`experiments/offload_gpu.py` flags of (c)'s runs."""
+    """`experiments/offload/offload_gpu.py` flags of (c)'s runs."""
     a = ["--preset", sh.preset, "--model", "cola", "--vocab", str(sh.vocab), "--layers", str(sh.layers),
          "--batch", str(sh.batch), "--seq", str(sh.seq), "--memory-cap", str(sh.memory_cap_gb), "--hardware",
          sh.hardware, "--optimizer", "adam8bit", "--warmup", str(sh.offload_warmup), "--steps",
@@ -316,7 +316,7 @@ class Background:
     def __init__(self, cmd: list[str], env: dict[str, str], deadline: float, clock: Clock):
         self.t0, self.deadline, self.clock = time.perf_counter(), deadline, clock
         self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, text=True, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, text=True, env=common.with_root(env))
 
     def result(self) -> dict:
         wait = max(0.0, min(self.deadline, self.clock.t0 + self.clock.budget_s) - time.perf_counter())
@@ -353,7 +353,7 @@ def _env(smoke: bool, **extra: str) -> dict[str, str]:
 
 
 def _suite_cmd(section: str, argv: list[str]) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), *argv, "--section", section]
+    return [*common.python_m("gpu_suite"), *argv, "--section", section]
 
 
 def _grouped(clock: Clock, section: str, runs: tuple[str, ...], args, sh: Shapes, attention: str,
@@ -593,11 +593,11 @@ def main(argv: list[str] | None = None) -> int:
             pending.proc.kill()
     for s in secs.values():
         s["smoke"] = args.smoke
-    res = {"suite": "gpu_suite", "smoke": args.smoke, "command": results_io.command_line("gpu_suite", argv),
+    res = {"suite": "gpu_suite", "smoke": args.smoke, "command": common.command_line("gpu_suite", argv),
            "started_utc": started, "budget_s": args.budget_s, "elapsed_s": clock.budget_s - clock.left(),
            "device": probe, "attention": attention_note, "settings": dataclasses.asdict(sh),
            "sections": {k: secs[k] for k in SECTIONS}}
-    results_io.write(out or tempfile.mkdtemp(prefix="gpu_suite_smoke_"), "gpu_suite", data=res,
+    common.write(out or tempfile.mkdtemp(prefix="gpu_suite_smoke_"), "gpu_suite", data=res,
                      md=lambda: markdown(res))
     return 0 if all(s["status"] == "ok" for s in secs.values()) else 1
 

@@ -5,7 +5,7 @@ dense model of: the svd kind (`x A B`, the rank-r truncation), CoLA with the exa
 `boostjax.interop.pretrained` uses (rank r carries r/2 singular triplets), and CoLA with the SVD factors
 scaled into SiLU's near-linear range (`A·c`, `B·2/c`).
 
-    python experiments/init_cola_split.py      # prints a table; about 30 s on a laptop CPU
+    python -m experiments.init.init_cola_split      # prints a table; about 30 s on a laptop CPU
 """
 
 from __future__ import annotations

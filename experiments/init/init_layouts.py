@@ -6,7 +6,7 @@ Per case: one training step started from a small random Hugging Face checkpoint 
 its logged loss against the single-device loss of the same initial weights on the same rows (fp32,
 simulated CPU devices), and the mean reconstruction error the run reported.
 
-    python experiments/init_layouts.py     # writes experiments/results/init_layouts.{json,md}
+    python -m experiments.init.init_layouts     # writes experiments/results/init_layouts.{json,md}
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from boostjax.data import batch_iterator, load_corpus
 from boostjax.models.llama import LLaMA
 from boostjax.training.trainer import train
 
-import results_io
+from experiments import common
 
 DENSE = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                     init_std=0.2)  # logits of O(1): a misplaced shard changes the loss visibly
@@ -80,7 +80,7 @@ def main() -> None:
     lines += [f"| {r['kind']} | {r['rank'] or '-'} | {r['strategy']} | {r['mesh']} | {r['zero']} | {r['loss']:.6f} | "
               f"{r['single_device_loss']:.6f} | {r['rel_err']:.1e} | "
               f"{'-' if r['mean_recon_err'] is None else format(r['mean_recon_err'], '.4f')} |" for r in rows]
-    results_io.write(results_io.RESULTS, "init_layouts", data=rows, md="\n".join(lines), indent=2)
+    common.write(common.RESULTS, "init_layouts", data=rows, md="\n".join(lines), indent=2)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Plain SVD vs activation-aware (whitened, SVD-LLM) starts from a pretrained LLaMA (docs/init_from_hf.md).
 
-    python experiments/init_whitened.py --hf PATH --data TOKENISED_FOLDER --rank 192 > experiments/results/init_whitened.md
+    python -m experiments.init.init_whitened --hf PATH --data TOKENISED_FOLDER --rank 192 > experiments/results/init_whitened.md
 
 For each low-rank kind and factoring (`boostjax.interop.pretrained.factored`, what `train --init-from-hf
 --model KIND --rank R --init-factor F` starts from): the held-out loss (nats per token) and perplexity of

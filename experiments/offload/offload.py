@@ -12,10 +12,10 @@ planner's memory prediction against compiled steps on CPU.
    two, a manual keep / offload / recompute mix); `memory_analysis()` (argument + output - alias +
    temp) against the planner's peak for the same schedule with nothing offloaded (the CPU backend
    does not move activations to host memory). All numbers are predictions of the shared cost model except the
-   CPU `measured_bytes`; nothing here runs on a GPU (see experiments/offload_gpu.py).
+   CPU `measured_bytes`; nothing here runs on a GPU (see experiments/offload/offload_gpu.py).
 
 Writes experiments/results/offload.json, offload.md and offload.png.
-Run: `JAX_PLATFORMS=cpu python experiments/offload.py` (about a minute of solving plus ~34 CPU compiles,
+Run: `JAX_PLATFORMS=cpu python -m experiments.offload.offload` (about a minute of solving plus ~34 CPU compiles,
 12 minutes on a shared 2-core machine).
 """
 
@@ -31,8 +31,8 @@ from boostjax.offload.report import report
 from boostjax.offload.costmodel import PlanInstance, instance_family, lazytrain_27b
 from boostjax.offload.planner import BASELINES, baseline_plan, solve
 
-import results_io
-from results_io import log
+from experiments import common
+from experiments.common import log
 
 GB = 1e9
 LAZYTRAIN = {  # LazyTrain's reported setting (one H800, 27B, seq 1024, 70 GB cap), measured by the paper
@@ -218,7 +218,7 @@ def plot(res: dict):
 
     names = list(res["plans"])
     policies = ["plan", *BASELINES]
-    fig, axes = results_io.subplots(2, (13, 4.5))
+    fig, axes = common.subplots(2, (13, 4.5))
     x = np.arange(len(names))
     w = 0.2
     for i, pol in enumerate(policies):
@@ -258,13 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         with open(args.from_json) as f:
             res = json.load(f)
-        results_io.write(results_io.RESULTS, "offload", md=write_md(res), figure=plot(res), echo=False)
+        common.write(common.RESULTS, "offload", md=write_md(res), figure=plot(res), echo=False)
     else:
         t0 = time.perf_counter()
         res = {"lazytrain": LAZYTRAIN, "plans": plan_instances(args.time_limit),
                "cpu": [] if args.skip_cpu else cpu_memory_check()}
-        results_io.write(results_io.RESULTS, "offload", data=res, md=lambda: write_md(res), figure=lambda: plot(res),
-                         command=results_io.command_line("offload", argv), started=t0, echo=False)
+        common.write(common.RESULTS, "offload", data=res, md=lambda: write_md(res), figure=lambda: plot(res),
+                         command=common.command_line("offload", argv), started=t0, echo=False)
     return 0
 
 

@@ -7,13 +7,13 @@ recompute segments, parameters / optimizer states in pinned host memory. Each po
 process, so its peak is its own and the memory cap (`XLA_PYTHON_CLIENT_MEM_FRACTION` = cap / total)
 is enforced by the allocator; a policy that does not fit reports `oom`.
 
-    python experiments/offload_gpu.py --preset 1b --model cola --batch 8 --seq 1024 --memory-cap 20
+    python -m experiments.offload.offload_gpu --preset 1b --model cola --batch 8 --seq 1024 --memory-cap 20
 
 Writes experiments/results/offload_gpu.json and offload_gpu.md (or `--out`). Without a GPU it exits
 with status 2 and a one-line message (nothing is measured on CPU), unless `--allow-cpu --preset tiny`
 (a smoke run of the code path: no memory cap, no host offload of activations, numbers mean nothing).
 
-Importable pieces (experiments/gpu_suite.py uses them): `parser`, `probe`, `cap_fraction`,
+Importable pieces (experiments/gpu/gpu_suite.py uses them): `parser`, `probe`, `cap_fraction`,
 `policy_env`, `worker_cmd`, `worker`, `markdown`.
 """
 
@@ -27,9 +27,9 @@ import sys
 import tempfile
 import time
 
-import results_io
+from experiments import common
 
-RESULTS = str(results_io.RESULTS)
+RESULTS = str(common.RESULTS)
 POLICIES = ("plan", "no-offload", "full-remat", "megatrain")
 GB = 1e9
 
@@ -67,7 +67,7 @@ def policy_env(fraction: float | None) -> dict[str, str]:
 
 def worker_cmd(argv: list[str], policy: str) -> list[str]:
     """The command line of one policy's process (this script in worker mode)."""
-    return [sys.executable, os.path.abspath(__file__), *argv, "--policy", policy]
+    return [*common.python_m("offload_gpu"), *argv, "--policy", policy]
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -219,15 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     for policy in args.policies.split(","):
         cmd = worker_cmd(argv, policy)
-        out = subprocess.run(cmd, capture_output=True, text=True, env=policy_env(fraction))
+        out = subprocess.run(cmd, capture_output=True, text=True, env=common.with_root(policy_env(fraction)))
         lines = [ln[7:] for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         rec = json.loads(lines[-1]) if lines else {"policy": policy, "status": "error",
                                                      "error": (out.stderr.strip().splitlines() or ["?"])[-1][:300]}
         runs.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "schedule"}), flush=True)
     res = {"setup": vars(args) | {"device": probe_rec["kind"], "total_bytes": total}, "runs": runs}
-    results_io.write(args.out, "offload_gpu", data=res, md=lambda: markdown(res),
-                     command=results_io.command_line("offload_gpu", argv), started=t0, echo=False)
+    common.write(args.out, "offload_gpu", data=res, md=lambda: markdown(res),
+                     command=common.command_line("offload_gpu", argv), started=t0, echo=False)
     return 0
 
 

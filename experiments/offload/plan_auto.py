@@ -21,11 +21,11 @@
     vs the training process's peak RSS (all 8 simulated devices and the runtime: divided by 8 for the
     per-device column, an upper bound).
 
-    python experiments/plan_auto.py --part boost       # (a)
-    python experiments/plan_auto.py --part cpu         # (b), (c)
-    python experiments/plan_auto.py --part memory      # (c) only, on the stored (b) rows: nothing trained
-    python experiments/plan_auto.py --part timing      # 7B on 8x8 A100s from an empty cache: wall time
-    python experiments/plan_auto.py --from-json experiments/results/plan_auto.json   # re-render
+    python -m experiments.offload.plan_auto --part boost       # (a)
+    python -m experiments.offload.plan_auto --part cpu         # (b), (c)
+    python -m experiments.offload.plan_auto --part memory      # (c) only, on the stored (b) rows: nothing trained
+    python -m experiments.offload.plan_auto --part timing      # 7B on 8x8 A100s from an empty cache: wall time
+    python -m experiments.offload.plan_auto --from-json experiments/results/plan_auto.json   # re-render
 
 Each part updates experiments/results/plan_auto.json (the other part's results are kept) and rewrites
 the md and png. Compiled measurements are cached under --cache (default /tmp/boostjax-plan-cache).
@@ -46,11 +46,11 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-import results_io
-from results_io import log
+from experiments import common
+from experiments.common import log
 
-RESULTS = results_io.RESULTS
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = common.RESULTS
+ROOT = common.ROOT
 # name, nodes, GPUs per node, stages, BOOST's TP (BOOST: 4-GPU A100 nodes)
 BOOST = (("1b", 1, 1, 1, 1), ("3b", 1, 2, 1, 2), ("7b", 1, 4, 1, 4), ("13b", 2, 4, 2, 4))
 CPU_PRESET, CPU_SEQ, CPU_BATCH = "tiny", 64, 16
@@ -131,7 +131,7 @@ def timing_part() -> dict:
     process with an empty cache folder: wall time, peak RSS, the load average, the search counts and the winner."""
     with tempfile.TemporaryDirectory() as tmp:
         argv = [*TIMING_ARGV, "--out", f"{tmp}/p.json", "--cache-dir", f"{tmp}/cache"]
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = common.with_root()
         load0 = os.getloadavg()
         t0 = time.perf_counter()
         p = subprocess.run([sys.executable, "-c", _RSS, *argv], env=env, capture_output=True, text=True,
@@ -154,7 +154,7 @@ def timing_part() -> dict:
 
 
 def _measure(argv: list[str], out: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    env = {**common.with_root(),
            "JAX_PLATFORMS": "cpu"}
     load = os.getloadavg()[0]
     p = subprocess.run([sys.executable, "-c", _RSS, *argv[1:], *MEASURE_FLAGS, "--out", out], env=env,
@@ -343,7 +343,7 @@ def markdown(res: dict) -> str:
     if b:
         lines += ["## (a) BOOST's configurations on A100 80GB (4 x 1 x 4096 tokens per iteration, CoLA, bf16)", "",
                   f"GEMM efficiency eta = {b['eta']:.3f} (the scaling model's fit). Both columns are the planner's "
-                  "own prediction (same code); `scaling model` is `experiments/scaling_model.py`'s BTP row, "
+                  "own prediction (same code); `scaling model` is `experiments/tp/scaling_model.py`'s BTP row, "
                   "`README` BOOST's measured BTP time.", "",
                   "| setup | cluster | planner's choice | s | peak GiB | BOOST's config | s | peak GiB | fits | rank | "
                   "scaling model s | README s | choice <= BOOST |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -488,7 +488,7 @@ def markdown(res: dict) -> str:
 
 
 def chart(res: dict):
-    fig, axes = results_io.subplots(2, (11, 4.2))
+    fig, axes = common.subplots(2, (11, 4.2))
     b, c = res.get("boost"), res.get("cpu")
     if b:
         x = np.arange(len(b["rows"]))
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     path = pathlib.Path(args.out) / "plan_auto.json"
     if args.from_json:
         res = json.loads(pathlib.Path(args.from_json).read_text())
-        results_io.write(args.out, "plan_auto", md=markdown(res), figure=chart(res))
+        common.write(args.out, "plan_auto", md=markdown(res), figure=chart(res))
         return 0
     from boostjax.runtime.devices import simulate_devices
 
@@ -561,9 +561,9 @@ def main(argv: list[str] | None = None) -> int:
         res["cpu"] = cpu_part(args.cache, args.rounds, args.step_rounds)
         res["spearman"] = res["cpu"]["spearman"]
         res["cpu_spearman_in_process"] = res["cpu"]["spearman_in_process"]
-    res[f"{args.part}_command"] = results_io.command_line("plan_auto", argv)
+    res[f"{args.part}_command"] = common.command_line("plan_auto", argv)
     res[f"{args.part}_wall_s"] = round(time.perf_counter() - t0)
-    results_io.write(args.out, "plan_auto", data=res, md=lambda: markdown(res), figure=lambda: chart(res))
+    common.write(args.out, "plan_auto", data=res, md=lambda: markdown(res), figure=lambda: chart(res))
     return 0
 
 

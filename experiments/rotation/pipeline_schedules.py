@@ -11,7 +11,7 @@ of `2P - 1` micro-batches, so its temp should stay flat in M. Writes
   experiments/results/pipeline_schedules.md     the table
   experiments/results/pipeline_schedules.png    temp GiB per device vs M
 
-Run: `python experiments/pipeline_schedules.py` (a few minutes on 2 CPU cores; `--micro 4 8` for fewer
+Run: `python -m experiments.rotation.pipeline_schedules` (a few minutes on 2 CPU cores; `--micro 4 8` for fewer
 points; `--from-json experiments/results/pipeline_schedules.json` re-renders without compiling; `--speed`
 adds the time per value-and-grad of both schedules on a small model).
 """
@@ -25,8 +25,8 @@ import time
 
 from boostjax.runtime.devices import simulate_devices
 
-import results_io
-from results_io import log
+from experiments import common
+from experiments.common import log
 
 STAGES = 4
 simulate_devices(STAGES)  # before JAX starts
@@ -41,7 +41,7 @@ from boostjax.models.llama import LLaMA  # noqa: E402
 from boostjax.placement import choose  # noqa: E402
 from boostjax.sharding.pipeline import pipeline_info  # noqa: E402
 
-RESULTS = str(results_io.RESULTS)
+RESULTS = str(common.RESULTS)
 MODEL = ModelConfig(kind="cola", vocab_size=32000, d_model=1024, n_layers=8, n_heads=16, d_ff=2736, rank=256,
                     max_seq_len=1024)
 SEQ, DTYPE, REMAT = 1024, "bfloat16", "none"
@@ -173,7 +173,7 @@ def render(data: dict) -> str:
         "needs a whole tick to reach the next stage, so micro-batch `i` is in flight at stage 0 for "
         "`2(P-1)` ticks); GPipe's autodiff keeps all `M+P-1` ticks'.",
         "",
-        "Commands: `python experiments/pipeline_schedules.py` (memory), then `python experiments/pipeline_schedules.py "
+        "Commands: `python -m experiments.rotation.pipeline_schedules` (memory), then `python -m experiments.rotation.pipeline_schedules "
         "--from-json experiments/results/pipeline_schedules.json --speed` (time; measured on a 2-core machine shared "
         "with other jobs, so noisy).",
     ]
@@ -182,7 +182,7 @@ def render(data: dict) -> str:
 
 def plot(data: dict):
     """Temp GiB per device vs M, both schedules (a matplotlib Figure)."""
-    fig, ax = results_io.subplots(1, (6, 4))
+    fig, ax = common.subplots(1, (6, 4))
     for schedule, marker, label in zip(SCHEDULES, "os", ("GPipe", "1F1B")):
         rs = sorted((r for r in data["runs"] if r["schedule"] == schedule), key=lambda r: r["microbatches"])
         ax.plot([r["microbatches"] for r in rs], [r["temp_bytes"] / GIB for r in rs], marker=marker,
@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.speed:
         data["speed"] = measure_speed()
     fresh = not args.from_json
-    results_io.write(args.out, "pipeline_schedules", data=data, md=lambda: render(data), figure=lambda: plot(data),
-                     indent=2, command=results_io.command_line("pipeline_schedules", argv) if fresh else None,
+    common.write(args.out, "pipeline_schedules", data=data, md=lambda: render(data), figure=lambda: plot(data),
+                     indent=2, command=common.command_line("pipeline_schedules", argv) if fresh else None,
                      started=t0 if fresh else None)
     return 0
 

@@ -24,10 +24,10 @@ Nesterov's momentum decay psi makes mu_t reach 0.9 at 4 % of the run (torch's 0.
 the reference's ~250k steps); every stage clips its own gradients (`clip_scope` "stage"), as the
 reference's pipeline stages do.
 
-    python experiments/staleness.py --jobs 2                 # full: every optimizer x 6 depths (hours)
-    python experiments/staleness.py --quick                  # minutes-long smoke version
-    python experiments/staleness.py --regime harsh           # -> staleness_harsh.{json,md,png}
-    python experiments/staleness.py --render experiments/results/staleness_harsh.json   # tables again
+    python -m experiments.rotation.staleness --jobs 2                 # full: every optimizer x 6 depths (hours)
+    python -m experiments.rotation.staleness --quick                  # minutes-long smoke version
+    python -m experiments.rotation.staleness --regime harsh           # -> staleness_harsh.{json,md,png}
+    python -m experiments.rotation.staleness --render experiments/results/staleness_harsh.json   # tables again
 Writes <out>/<name>.{json,md,png} (default out: experiments/results; name: staleness, or
 staleness_harsh for --regime harsh, with _quick appended for --quick). Every finished run is
 appended to <out>/<name>.partial.jsonl; a rerun with the same settings resumes from it (deleted
@@ -63,7 +63,7 @@ from boostjax.placement import local_loss_fn
 from boostjax.training.step import build_step_fns
 from boostjax.models.llama import init_model
 
-import results_io
+from experiments import common
 
 # name -> (label, TrainConfig overrides)
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -536,7 +536,7 @@ def markdown(s: Settings, main: dict, extras: list[dict], wall_s: float, command
 def plot(s: Settings, main: dict, runs: list[dict]):
     """(a) slowdown vs S, (b) the S = 1 and S_max loss curves (a matplotlib Figure)."""
     smax = max(s.stages)
-    fig, (ax1, ax2) = results_io.subplots(2, (12, 4.5))
+    fig, (ax1, ax2) = common.subplots(2, (12, 4.5))
     for i, opt in enumerate(s.optimizers):
         color = f"C{i}"
         rows = sorted((r for r in main["rows"] if r["optimizer"] == opt and r["slowdown"] is not None),
@@ -624,7 +624,7 @@ def write_results(s: Settings, runs: list[dict], out: pathlib.Path, name: str, *
     result = {"settings": asdict(s), "command": command, "wall_s": round(wall_s, 1), "platform": platform,
               "paper": PAPER, "reused_from": reused_from, "rendered_by": rendered or None, "resumed_runs": resumed,
               **main, "extra_targets": extras, "runs": runs}
-    results_io.write(out, name, data=_finite_or_none(result), figure=lambda: plot(s, main, runs),
+    common.write(out, name, data=_finite_or_none(result), figure=lambda: plot(s, main, runs),
                      md=lambda: markdown(s, main, extras, wall_s, command, platform, reused, rendered, resumed,
                                          sources=(reused_from or {}).get("files", ())))
     return result
@@ -728,7 +728,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--rot-damping", type=float, help="rotation rows: the refreshes' damping (default: "
                                                      "--rot-damping's, 4; 0 = the paper's exact eigh)")
     args = p.parse_args(argv)
-    command = results_io.command_line("staleness", argv)
+    command = common.command_line("staleness", argv)
     log = functools.partial(print, flush=True)
     reuse = [pathlib.Path(x.strip()) for x in (args.reuse or "").split(",") if x.strip()]
     for flag, path in [("render", args.render), *(("reuse", x) for x in reuse)]:

@@ -7,7 +7,7 @@
 2. Time: `causal_attention` forward + backward (fp32, b 1, h 8, k 8, e 64), jitted, xla vs chunked,
    interleaved rounds (median of each), on the CPU this runs on.
 
-Writes experiments/results/attention_memory.{json,md}. Run: `python experiments/attention_memory.py`
+Writes experiments/results/attention_memory.{json,md}. Run: `python -m experiments.speed.attention_memory`
 (about a minute; `--preset 1b --seqs 1024,4096` for others).
 """
 
@@ -28,7 +28,7 @@ from boostjax.models import ops
 from boostjax.placement import local_loss_fn
 from boostjax.models.llama import abstract_model
 
-import results_io
+from experiments import common
 
 SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]+)\]")
 MIB = 2**20
@@ -93,7 +93,7 @@ def main() -> None:
     seqs = [int(s) for s in args.seqs.split(",")]
     memory = [step_memory(args.preset, s, a, args.block) for s in seqs for a in ("xla", "chunked")]
     timing = [op_time(int(s), args.block, args.rounds) for s in args.time_seqs.split(",")]
-    out = {"command": results_io.command_line("attention_memory"),
+    out = {"command": common.command_line("attention_memory"),
            "backend": jax.default_backend(), "cpu_count": os.cpu_count(), "memory": memory, "op_time": timing}
     lines = [f"# Attention kernels: memory and time ({jax.default_backend()}, {os.cpu_count()} cores)", "",
              f"`{out['command']}`", "",
@@ -104,7 +104,7 @@ def main() -> None:
     lines += ["", f"`causal_attention` forward + backward, fp32, b 1, h 8, e 64, block {args.block}, "
               "median of interleaved rounds (read the ratio: other jobs may share the machine):", "", "| seq | xla ms | chunked ms | chunked / xla |", "|---|---|---|---|"]
     lines += [f"| {r['seq']} | {r['xla_ms']} | {r['chunked_ms']} | {r['chunked_over_xla']} |" for r in timing]
-    results_io.write(results_io.RESULTS, "attention_memory", data=out, md="\n".join(lines), indent=2, started=t0)
+    common.write(common.RESULTS, "attention_memory", data=out, md="\n".join(lines), indent=2, started=t0)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ three times (`block_until_ready`; the fastest run is reported):
 
 Both must produce the same greedy tokens over the steps they share (checked; `tokens_match`).
 
-    python experiments/generate_speed.py                        # tiny and 60m, N = 32 and 256
-    python experiments/generate_speed.py --presets tiny --new 32 --full-steps 8     # smoke run
+    python -m experiments.speed.generate_speed                        # tiny and 60m, N = 32 and 256
+    python -m experiments.speed.generate_speed --presets tiny --new 32 --full-steps 8     # smoke run
 
 Writes experiments/results/generate_speed.{json,md}.
 """
@@ -28,9 +28,9 @@ import platform
 import sys
 import time
 
-import results_io
+from experiments import common
 
-RESULTS = str(results_io.RESULTS)
+RESULTS = str(common.RESULTS)
 
 
 def _timed(fn, *args, repeat: int = 3):
@@ -145,11 +145,11 @@ def main(argv=None) -> int:
             rows.append(r)
     import jax
 
-    res = {"command": results_io.command_line("generate_speed", argv),
+    res = {"command": common.command_line("generate_speed", argv),
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, JAX {jax.__version__} "
                       f"{jax.default_backend()}",
            "note": args.note or "no conditions given", "rows": rows}
-    results_io.write(args.out, "generate_speed", data=res, md=lambda: to_markdown(res), indent=2, started=t0)
+    common.write(args.out, "generate_speed", data=res, md=lambda: to_markdown(res), indent=2, started=t0)
     return 0
 
 

@@ -10,8 +10,8 @@ XLA emits for `tanh(a) * exp(b)` (SSE4_2 has no FMA; the suite's -O0 codegen emi
 vector width does not change), a digest of its result (it differs where the code does), and the
 kernel family each OpenBLAS reports.
 
-    python experiments/isa_matrix.py                      # every cell not yet in the results
-    python experiments/isa_matrix.py --cells AVX2/1,default/2 --files tests/test_rotation.py
+    python -m experiments.speed.isa_matrix                      # every cell not yet in the results
+    python -m experiments.speed.isa_matrix --cells AVX2/1,default/2 --files tests/test_rotation.py
 
 Resumable: cells already in <out>/isa_matrix.json are skipped (`--redo` runs them again). Writes
 <out>/isa_matrix.json and .md after every cell.
@@ -31,9 +31,9 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
-import results_io
+from experiments import common
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = common.ROOT
 # the files that compare floats across programs (layouts, fusions, jit vs eager, another implementation)
 FILES = ("tests/test_rotation.py", "tests/test_delay.py", "tests/test_optimizers.py", "tests/test_adam8bit.py",
          "tests/test_muon.py", "tests/test_zero.py", "tests/test_tp.py", "tests/test_pipeline.py",
@@ -149,7 +149,7 @@ def cpu_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(results_io.RESULTS),
+    ap.add_argument("--out", default=str(common.RESULTS),
                     help="folder for isa_matrix.json and .md (default: experiments/results)")
     ap.add_argument("--cells", default=",".join(CELLS),
                     help="comma-separated cells to run, of: " + ", ".join(CELLS) + " (default: all)")
@@ -169,18 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     res = json.loads(path.read_text()) if path.exists() else {}
     if res.get("files") not in (None, args.files):
         res = {}  # another file list: the old cells do not compare
-    res.update(files=args.files, cpu=cpu_name(), command=results_io.command_line("isa_matrix", argv))
+    res.update(files=args.files, cpu=cpu_name(), command=common.command_line("isa_matrix", argv))
     res.setdefault("cells", {})
     for name in cells:
         if name in res["cells"] and not args.redo:
-            results_io.log(f"{name}: recorded, skipped")
+            common.log(f"{name}: recorded, skipped")
             continue
-        results_io.log(f"{name}: running {len(args.files)} files")
+        common.log(f"{name}: running {len(args.files)} files")
         res["cells"][name] = run_cell(*CELLS[name], args.files)
         c = res["cells"][name]
-        results_io.log(f"{name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped in {c['wall_s']:.0f} s")
-        results_io.write(args.out, "isa_matrix", data=res, md=markdown(res), echo=False)
-    results_io.write(args.out, "isa_matrix", data=res, md=markdown(res))
+        common.log(f"{name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped in {c['wall_s']:.0f} s")
+        common.write(args.out, "isa_matrix", data=res, md=markdown(res), echo=False)
+    common.write(args.out, "isa_matrix", data=res, md=markdown(res))
     return 1 if any(c["failed"] or c["exit"] not in (0, 5) for c in res["cells"].values()) else 0
 
 

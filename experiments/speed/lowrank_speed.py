@@ -14,8 +14,8 @@ it (from the compiled HLO's stack frames): the table says where dense and CoLA s
 `cola-btgr` is CoLA compiled with the grouped up-projection's former layout (`stacked_grouped_up`),
 timed in the same rounds: the before/after of the layout fix.
 
-    python experiments/lowrank_speed.py                          # the definitive run (~4 min quiet)
-    python experiments/lowrank_speed.py --shapes 60m --rounds 2 --warmup 1 --no-breakdown --layers 2
+    python -m experiments.speed.lowrank_speed                          # the definitive run (~4 min quiet)
+    python -m experiments.speed.lowrank_speed --shapes 60m --rounds 2 --warmup 1 --no-breakdown --layers 2
                                                                  # smoke run (seconds)
 
 Writes experiments/results/lowrank_speed.{json,md,png}.
@@ -34,9 +34,9 @@ import sys
 import tempfile
 import time
 
-import results_io
+from experiments import common
 
-RESULTS = str(results_io.RESULTS)
+RESULTS = str(common.RESULTS)
 KINDS = ("llama", "cola", "svd", "lax", "cola-btgr")
 NAMES = {"llama": "dense", "cola": "CoLA", "svd": "SVD", "lax": "LaX", "cola-btgr": "CoLA, former layout"}
 
@@ -388,7 +388,7 @@ def markdown(res: dict) -> str:
 def plot(res: dict):
     """Tokens/s per model and shape (a matplotlib Figure)."""
     shapes = res["shapes"]
-    fig, axes = results_io.subplots(len(shapes), (4.5 * len(shapes), 3.6))
+    fig, axes = common.subplots(len(shapes), (4.5 * len(shapes), 3.6))
     axes = axes if len(shapes) > 1 else [axes]
     for ax, s in zip(axes, shapes):
         kinds = list(s["runs"])
@@ -452,10 +452,10 @@ def main(argv: list[str] | None = None) -> int:
         r.pop("breakdown")
     machine["loadavg_end"] = list(os.getloadavg())
     shared = (max(s["other_runnable_tasks_max"] for s in results) >= 1 or machine["loadavg_start"][0] > 0.5)
-    res = {"args": vars(args), "command": results_io.command_line("lowrank_speed", argv),
+    res = {"args": vars(args), "command": common.command_line("lowrank_speed", argv),
            "machine": machine, "shared": shared, "shapes": results, "breakdown": bd,
            "notes": NOTES, "runtime_s": time.perf_counter() - t_start}
-    results_io.write(args.out, "lowrank_speed", data=res, md=lambda: markdown(res), figure=lambda: plot(res))
+    common.write(args.out, "lowrank_speed", data=res, md=lambda: markdown(res), figure=lambda: plot(res))
     return 0
 
 

@@ -20,10 +20,10 @@ is the median (and quartiles) of the per-round ratio transformers time / contend
 calls see the same load). torch runs with `torch.set_num_threads(usable cores)` (`os.sched_getaffinity`:
 every core, or those `taskset` leaves); XLA's CPU client sizes its thread pool the same way.
 
-    python experiments/vs_transformers.py                       # 60m shape, 8 layers, vocab 8192, 4 x 256
-    python experiments/vs_transformers.py --real                # + the real SmolLM2-135M folder (dense)
-    taskset -c 1 python experiments/vs_transformers.py --name vs_transformers_1core   # one pinned core each
-    python experiments/vs_transformers.py --layers 1 --vocab 256 --seq 16 --batch 2 --rounds 2 \\
+    python -m experiments.speed.vs_transformers                       # 60m shape, 8 layers, vocab 8192, 4 x 256
+    python -m experiments.speed.vs_transformers --real                # + the real SmolLM2-135M folder (dense)
+    taskset -c 1 python -m experiments.speed.vs_transformers --name vs_transformers_1core   # one pinned core each
+    python -m experiments.speed.vs_transformers --layers 1 --vocab 256 --seq 16 --batch 2 --rounds 2 \\
         --prompt 4 --new 4 --out /tmp/x                         # smoke run (seconds)
 
 Writes experiments/results/vs_transformers.{json,md} (`--name`: another file name).
@@ -39,9 +39,9 @@ import statistics
 import sys
 import time
 
-import results_io
+from experiments import common
 
-RESULTS = str(results_io.RESULTS)
+RESULTS = str(common.RESULTS)
 REAL_DIR = "/work/cache/smollm2-hf"
 MEASURES = ("train", "eval", "generate", "ttft")
 TITLES = {"train": "Training step (forward, backward, clip + AdamW)", "eval": "Held-out evaluation (forward + loss)",
@@ -272,7 +272,7 @@ def compare(args: argparse.Namespace, real: pathlib.Path | None) -> dict:
                 out = calls[what](c)
                 if what in ("eval", "generate"):
                     first.setdefault(c.name, {})[what] = out
-        results_io.log(f"{c.name}: warm ({args.warmup} call(s) of each measurement)")
+        common.log(f"{c.name}: warm ({args.warmup} call(s) of each measurement)")
     times = {w: {c.name: [] for c in contenders} for w in MEASURES}
     cpu = {w: {c.name: [] for c in contenders} for w in MEASURES}
     others = []
@@ -284,7 +284,7 @@ def compare(args: argparse.Namespace, real: pathlib.Path | None) -> dict:
                 wall_s, cpu_s = _timed(lambda: calls[what](c))
                 times[what][c.name].append(wall_s)
                 cpu[what][c.name].append(cpu_s)
-        results_io.log(f"round {k + 1}/{args.rounds}: " + ", ".join(
+        common.log(f"round {k + 1}/{args.rounds}: " + ", ".join(
             f"{c.name} {1e3 * times['train'][c.name][-1]:.0f} ms" for c in contenders) + " per train step")
     tokens = {"train": args.batch * args.seq, "eval": args.batch * args.seq, "generate": args.new, "ttft": 1}
     ref = "transformers"
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         res = json.loads((pathlib.Path(args.out) / f"{args.name}.json").read_text())
         res["notes"] = NOTES  # the findings are this script's, not the run's
-        results_io.write(args.out, args.name, md=markdown(res))
+        common.write(args.out, args.name, md=markdown(res))
         return 0
     if min(args.batch, args.seq, args.vocab, args.prompt, args.new, args.rounds, args.real_rounds, args.warmup) < 1 \
             or min(args.layers, args.rank) < 0:
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core this process may use (taskset: fewer)
     t_start = time.perf_counter()
     machine = cpu_facts()
-    res = {"args": vars(args), "command": results_io.command_line("vs_transformers", argv), "machine": machine}
+    res = {"args": vars(args), "command": common.command_line("vs_transformers", argv), "machine": machine}
     r = compare(args, None)
     r["title"] = (f"{args.shape} shape (d {r['shape']['d_model']}, {r['shape']['n_layers']} layers), random "
                   "weights")
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     res["shared"] = max(p["other_runnable_tasks_max"] for p in parts) >= 1 or machine["loadavg_start"][0] > 0.5
     res["notes"] = NOTES
     res["runtime_s"] = time.perf_counter() - t_start
-    results_io.write(args.out, args.name, data=res, md=lambda: markdown(res), command=res["command"],
+    common.write(args.out, args.name, data=res, md=lambda: markdown(res), command=res["command"],
                      started=t_start)
     return 0
 

@@ -5,7 +5,7 @@ Per case: 3 optimizer steps of the variant against its reference on the same row
 on batch B vs batch N·B; `--zero Z` vs `--zero 0`), fp32, on simulated CPU devices; the relative
 error of the losses and of the parameters, and whether they are bitwise equal.
 
-    python experiments/accum_zero.py       # writes experiments/results/accum_zero.{json,md}
+    python -m experiments.tp.accum_zero       # writes experiments/results/accum_zero.{json,md}
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from boostjax.data import BatchIterator
 from boostjax.training.step import build_step_fns
 from boostjax.models.llama import init_model
 
-import results_io
+from experiments import common
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)
 COLA = ModelConfig(kind="cola", d_model=32, n_layers=2, n_heads=2, d_ff=64, rank=16, vocab_size=256, max_seq_len=16)
@@ -79,8 +79,8 @@ def main() -> None:
         rows.append(row)
     md = ["| case | max loss rel. error | params rel. error (3 steps) | bitwise |", "|---|---|---|---|"]
     md += [f"| {r['case']} | {r['loss_rel']:.1e} | {r['param_rel']:.1e} | {r['bitwise']} |" for r in rows]
-    md += ["", f"`{results_io.command_line('accum_zero')}`"]
-    results_io.write(results_io.RESULTS, "accum_zero", data=rows, md="\n".join(md), indent=2)
+    md += ["", f"`{common.command_line('accum_zero')}`"]
+    common.write(common.RESULTS, "accum_zero", data=rows, md="\n".join(md), indent=2)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ beside the same training on one device (`--optimizer rotation --pipeline-delay 4
 the logged losses step by step, the final validation loss, and what the plan put on host.
 fp32 on 8 simulated CPU devices, the built-in corpus, the tiny preset (4 layers, 2 per stage).
 
-    python experiments/all_three.py      # writes experiments/results/all_three.{json,md}
+    python -m experiments.tp.all_three      # writes experiments/results/all_three.{json,md}
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -23,9 +22,9 @@ import sys
 import tempfile
 import time
 
-import results_io
+from experiments import common
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = common.ROOT
 MESH = "data=2,stage=2,model=2"
 STEPS, BATCH, SEQ = 60, 16, 128
 COMMON = ["--preset", "tiny", "--batch", str(BATCH), "--seq", str(SEQ)]
@@ -39,7 +38,7 @@ PLAN = [*COMMON, "--dtype", "float32", "--optimizer", "rotation", "--strategy", 
 
 
 def _run(args: list[str]) -> tuple[str, float]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = common.with_root()
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "boostjax.cli", *args], capture_output=True, text=True, env=env)
     if done.returncode:
@@ -79,7 +78,7 @@ def main() -> None:
         "summaries": {"one_device": one_out.strip().splitlines()[-1], "mesh": mesh_out.strip().splitlines()[-1]},
     }
     lines = [f"# All three systems in one mesh ({MESH}, tiny CoLA, {STEPS} steps of {BATCH}x{SEQ}, fp32, CPU)", "",
-             "`python experiments/all_three.py`: `boostjax plan --strategy btp --mesh " + MESH + " ...`, then",
+             "`python -m experiments.tp.all_three`: `boostjax plan --strategy btp --mesh " + MESH + " ...`, then",
              "`boostjax train --strategy btp --mesh " + MESH + " --optimizer rotation --pipeline-delay 4 "
              "--offload-plan plan.json` beside the same run on one device.", "",
              f"Plan (one device's share: 2 layers, budget {plan['budget_bytes'] / 1e6:.1f} MB, predicted peak "
@@ -90,8 +89,8 @@ def main() -> None:
     lines += [f"| val | {one[1]:.6f} | {mesh[1]:.6f} |", "",
               f"Largest relative difference of the logged losses: {rel:.2e}. Wall time: one device {one_s:.0f} s, "
               f"mesh {mesh_s:.0f} s (8 simulated devices on a shared CPU)."]
-    results_io.write(results_io.RESULTS, "all_three", data=result, md="\n".join(lines), indent=2,
-                     command=results_io.command_line("all_three"), started=t0)
+    common.write(common.RESULTS, "all_three", data=result, md="\n".join(lines), indent=2,
+                     command=common.command_line("all_three"), started=t0)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ BTP (CoLA) on simulated CPU devices, and writes
                                         and the remat check (7B BTP)
   experiments/results/comm_table.png    bar chart
 
-Run: `python experiments/comm_table.py` (several minutes on a laptop; over an hour on a shared 2-core
+Run: `python -m experiments.tp.comm_table` (several minutes on a laptop; over an hour on a shared 2-core
 machine; `--presets 1b` for one; `--vocab 256` for the byte vocabulary of the committed results;
 `--from-json experiments/results/comm_table.json` re-renders the table and chart without compiling).
 """
@@ -25,9 +25,9 @@ import time
 
 from boostjax.runtime.devices import exact_low_precision, simulate_devices
 
-import results_io
-from results_io import log
-from strategy_bars import strategy_bars
+from experiments import common
+from experiments.common import log
+from experiments.tp.strategy_bars import strategy_bars
 
 simulate_devices(4)  # before JAX starts: the largest model axis below
 exact_low_precision()  # bf16 collectives stay bf16 in the HLO we count
@@ -36,7 +36,7 @@ from boostjax.config import preset  # noqa: E402
 from boostjax.analysis.comm import STRATEGIES, comm_report  # noqa: E402
 from boostjax.analysis.memory import GIB  # noqa: E402
 
-RESULTS = str(results_io.RESULTS)
+RESULTS = str(common.RESULTS)
 SETUPS = {"1b": 4, "3b": 2, "7b": 4, "13b": 4}  # preset -> TP size
 BATCH, SEQ, DTYPE, VOCAB = 4, 4096, "bfloat16", 32000
 BYTE_VOCAB = 256  # what runs before the vocabulary was recorded used (the presets' byte-level default)
@@ -158,7 +158,7 @@ def chart(res: dict):
     """The bar chart (a matplotlib Figure)."""
     names = list(res["runs"])
     labels = [f"{n.upper()} TP{res['runs'][n]['btp']['tp']}" for n in names]
-    fig, axes = results_io.subplots(2, (11, 4))
+    fig, axes = common.subplots(2, (11, 4))
     for ax, key, title in ((axes[0], "forward_allreduce_bytes_per_layer", "forward, per layer"),
                            (axes[1], "allreduce_bytes_per_layer", "forward + backward, per layer")):
         bars = {s: [res["runs"][n][s][key] / GIB for n in names] for s in STRATEGIES}
@@ -189,11 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:  # re-render the table and chart from an earlier run
         with open(args.from_json) as fh:
             res = json.load(fh)
-        results_io.write(args.out, "comm_table", md=markdown(res), figure=chart(res))
+        common.write(args.out, "comm_table", md=markdown(res), figure=chart(res))
     else:
         res = measure(presets, args.vocab)
-        results_io.write(args.out, "comm_table", data=res, md=lambda: markdown(res), figure=lambda: chart(res),
-                         command=results_io.command_line("comm_table", argv), started=t0)
+        common.write(args.out, "comm_table", data=res, md=lambda: markdown(res), figure=lambda: chart(res),
+                         command=common.command_line("comm_table", argv), started=t0)
     return 0
 
 

@@ -17,7 +17,7 @@ assumed. `--full` compiles every row at full depth (about an hour on two cores).
   experiments/results/memory_table.md     the table, the goal rows, the method
   experiments/results/memory_table.png    stacked bars (weights / optimizer / activations), remat lowrank
 
-Run: `python experiments/memory_table.py` (~10-15 min on a shared 2-core CPU);
+Run: `python -m experiments.tp.memory_table` (~10-15 min on a shared 2-core CPU);
 `--from-json experiments/results/memory_table.json` re-renders the table and chart without compiling.
 """
 
@@ -31,8 +31,8 @@ from dataclasses import replace
 
 from boostjax.runtime.devices import exact_low_precision, simulate_devices
 
-import results_io
-from results_io import log
+from experiments import common
+from experiments.common import log
 
 simulate_devices(8)  # before JAX starts: TP 4 x PP 2
 exact_low_precision()
@@ -41,7 +41,7 @@ from boostjax.config import preset  # noqa: E402
 from boostjax.analysis import memory  # noqa: E402
 from boostjax.analysis.comm import STRATEGIES, model_for  # noqa: E402
 
-RESULTS = str(results_io.RESULTS)
+RESULTS = str(common.RESULTS)
 GIB = memory.GIB
 BATCH, SEQ, DTYPE, MESH = 4, 4096, "bfloat16", "data=1,model=4"
 PRESETS, REMATS = ("1b", "7b", "13b"), ("none", "lowrank")
@@ -175,7 +175,7 @@ def markdown(res: dict) -> str:
         f"This table took {s.get('wall_s', '?')} s to compile on a 2-core CPU shared with other jobs "
         "(a test suite ran beside it).",
         "",
-        "Reproduce: `python experiments/memory_table.py`; one row: "
+        "Reproduce: `python -m experiments.tp.memory_table`; one row: "
         "`boostjax comm --preset 7b --mesh data=1,model=4 --batch 4 --seq 4096 --dtype bfloat16 --strategy btp "
         "--remat lowrank --json` (keys `peak_bytes_per_device`, `weight_bytes`, `optimizer_bytes`, `activation_bytes`).",
     ]
@@ -189,7 +189,7 @@ def chart(res: dict):
     labels = [k.replace("/lowrank", "").replace("/", " ") for k, _ in rows]
     parts = (("weight_bytes", "weights (fp32)"), ("optimizer_bytes", "optimizer (AdamW)"),
              ("activation_bytes", "activations + gradients"))
-    fig, ax = results_io.subplots(1, (10, 4.5))
+    fig, ax = common.subplots(1, (10, 4.5))
     bottom = [0.0] * len(rows)
     for key, name in parts:
         vals = [r[key] / GIB for _, r in rows]
@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         res = measure(args.presets, args.full)
         res["setup"]["wall_s"] = round(time.perf_counter() - t0)
-    results_io.write(args.out, "memory_table", data=res, md=lambda: markdown(res), figure=lambda: chart(res),
-                     command=None if args.from_json else results_io.command_line("memory_table", argv))
+    common.write(args.out, "memory_table", data=res, md=lambda: markdown(res), figure=lambda: chart(res),
+                     command=None if args.from_json else common.command_line("memory_table", argv))
     return 0
 
 

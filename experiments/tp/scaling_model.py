@@ -45,9 +45,9 @@ communication: 1B full-rank on one A100 (0.85 s, BOOST's README). Everything els
 uncalibrated constant (see `A100`, `H200`). The other eleven README numbers are predictions; the
 table reports model / README. Every assumption is listed in the results md (`ASSUMPTIONS`).
 
-    python experiments/scaling_model.py            # paper configs, H200 projection, 30B/40B
-    python experiments/scaling_model.py --quick --out /tmp/q   # 1B and 7B only
-    python experiments/scaling_model.py --from-json experiments/results/scaling_model.json
+    python -m experiments.tp.scaling_model            # paper configs, H200 projection, 30B/40B
+    python -m experiments.tp.scaling_model --quick --out /tmp/q   # 1B and 7B only
+    python -m experiments.tp.scaling_model --from-json experiments/results/scaling_model.json
 
 Writes experiments/results/scaling_model.{json,md,png}.
 """
@@ -70,11 +70,11 @@ from boostjax.models.flops import flops_per_token, param_count
 from boostjax.analysis.comm import STRATEGIES
 from boostjax.planning.costs import Hardware, program_cost, program_time, split_layers
 
-import results_io
-from results_io import log
-from strategy_bars import strategy_bars
+from experiments import common
+from experiments.common import log
+from experiments.tp.strategy_bars import strategy_bars
 
-RESULTS = str(results_io.RESULTS)
+RESULTS = str(common.RESULTS)
 NAMES = {"fullrank-tp": "full-rank", "vanilla-tp": "vanilla TP", "btp": "BTP"}
 # BOOST's 7B yamls (examples/config_llama_7b.yaml, examples/cola/config_cola_llama_7b.yaml, https://github.com/Arcana-2236/BOOST):
 # micro_batch_size 1, batch_accumulation_per_replica 4, sequence_length 4096, vocab_size 32000, tie_word_embeddings true
@@ -348,7 +348,7 @@ def markdown(res: dict) -> str:
              f"vocabulary {a['vocab']}, no remat, CoLA for vanilla TP and BTP; one data-parallel replica. "
              f"GEMM efficiency eta = {eta:.3f}, the ONE calibrated constant (fitted to {a['calibration']} "
              f"= {a['calibration_target_s']} s on one A100, the only configuration without communication); everything "
-             "else is stated below and in `experiments/scaling_model.py`. Seconds per iteration. "
+             "else is stated below and in `experiments/tp/scaling_model.py`. Seconds per iteration. "
              "`README s` = BOOST's README results table (https://github.com/Arcana-2236/BOOST).", "",
              *([f"Run: `{res['command'].strip()}`, {res['wall_s']} s wall on a shared 2-core CPU (abstract compiles "
                 "only; no GPU)."] if res.get("command") else []), "",
@@ -423,7 +423,7 @@ def markdown(res: dict) -> str:
 def chart(res: dict):
     """Model vs README iteration times, and the H200 projection (a matplotlib Figure)."""
     rows = res["rows"]
-    fig, axes = results_io.subplots(2, (12, 4.2))
+    fig, axes = common.subplots(2, (12, 4.2))
     for ax, table, title in ((axes[0], "paper", "A100: model (bars) vs BOOST README (black ticks)"),
                              (axes[1], None, "H200 projection")):
         sel = [r for r in rows if (r["table"] == table if table else r["table"] in ("h200", "big"))]
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         with open(args.from_json) as fh:
             res = json.load(fh)
-        results_io.write(args.out, "scaling_model", md=markdown(res), figure=chart(res))
+        common.write(args.out, "scaling_model", md=markdown(res), figure=chart(res))
     else:
         from boostjax.runtime.devices import exact_low_precision, simulate_devices
 
@@ -456,9 +456,9 @@ def main(argv: list[str] | None = None) -> int:
         setups = tuple(s for s in PAPER_SETUPS if not args.quick or s.name in ("1b", "7b"))
         t0 = time.perf_counter()
         res = run(setups, () if args.quick else BIG_SETUPS)
-        res.update(quick=args.quick, command=results_io.command_line("scaling_model", argv),
+        res.update(quick=args.quick, command=common.command_line("scaling_model", argv),
                    wall_s=round(time.perf_counter() - t0))
-        results_io.write(args.out, "scaling_model", data=res, md=lambda: markdown(res), figure=lambda: chart(res))
+        common.write(args.out, "scaling_model", data=res, md=lambda: markdown(res), figure=lambda: chart(res))
     return 0
 
 

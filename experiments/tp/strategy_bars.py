@@ -1,7 +1,7 @@
 """One grouped bar chart per TP strategy, shared by the experiments that compare full-rank TP,
 vanilla low-rank TP and BTP (`comm_table.py`, `scaling_model.py`): bars for our numbers, black
-ticks for the paper's where it has them. Figures come from `results_io.subplots` and are written by
-`results_io.write`."""
+ticks for the paper's where it has them. Figures come from `common.subplots` and are written by
+`common.write`."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The data path: tokenising, the batch iterator, shard reads, the document sampler."""

@@ -1,0 +1,1 @@
+"""Fault tolerance: the fault campaign against `boostjax train`, and checkpoint checksums."""

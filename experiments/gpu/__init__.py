@@ -1,0 +1,1 @@
+"""One-GPU measurements: the training step and the GPU suite."""

@@ -1,0 +1,1 @@
+"""Basis-rotation Adam under pipeline staleness, and the pipeline schedules."""

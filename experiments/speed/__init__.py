@@ -1,0 +1,1 @@
+"""Speed on this machine: training step, generation, attention kernels, against transformers, across ISAs."""
