@@ -84,19 +84,14 @@ def loss_and_grad(local: Callable[..., jax.Array], data: int) -> Callable[..., t
 def reduced_value_and_grad(local_vg: Callable[..., tuple[jax.Array, Any]], mesh: Mesh, specs: Any, split: Any,
                            rows: P, *, gather: bool, accum: int = 1, cast: Callable[[Any], Any] = lambda p: p
                            ) -> Callable[..., tuple[jax.Array, Any]]:
-    """`f(params, *rows_arrays) -> (loss, grads)`: the mean loss over the global batch and its
-    gradient, each leaf reduce-scattered over `data` along the dimension its ZeRO spec in `split`
-    gives it (`data_dim`; a spec without `data`: all-reduced) and returned split there.
+    """`f(params, *rows_arrays) -> (loss, grads)`: the global batch's mean loss and its gradient, each
+    leaf reduce-scattered over `data` along its ZeRO dimension in `split` (`data_dim`; none: all-reduced).
 
-    `local_vg(params, *rows) -> (loss, grads)` runs on one device inside `shard_map`: the mean loss
-    over its data shard's rows (already reduced over the other mesh axes) and its share of the
-    global mean's gradient, not yet summed over `data` (`loss_and_grad` of a loss; a pipeline
-    schedule's own sums). `specs`: the parameters' specs inside `mesh` (no `data`); with `gather`
-    (ZeRO-3) the parameters come in split over `data` too. `accum` N > 1: the rows hold N
-    micro-batches (`micro_batches`), whose fp32 gradients are summed on each device before the one
-    reduction. `cast`: the parameters in the compute dtype, taken before the gather and the gradient
-    (so a loss's gradient crosses `data` in that dtype, as the cast's transpose would carry it); the
-    gradients come back in the parameters' own dtype. A `mesh` without a `data` axis: no reduction."""
+    `local_vg` runs per device in `shard_map`: its data shard's mean loss (reduced over the other axes),
+    its unreduced gradient share (`loss_and_grad`, or a pipeline schedule's sums). `specs`: the params' specs
+    without `data` (`gather`, ZeRO-3: split over `data` too). `accum` N: the rows hold N micro-batches,
+    summed in fp32 before the one reduction. `cast`: to the compute dtype, before the gather (so the
+    gradient crosses `data` in it); grads return in the parameters' dtype. No `data` axis: no reduction."""
     dp = DATA in mesh.axis_names
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     dims = jax.tree.map(lambda z: [data_dim(z) if dp else None], split, is_leaf=is_spec)  # [dim]: None stays a leaf
