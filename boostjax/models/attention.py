@@ -18,6 +18,8 @@ query/key positions inside a block.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -32,8 +34,25 @@ from boostjax.config import ATTENTION, ConfigError, ModelConfig
 HALF_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention_target", default=None)
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str):
+    """Resolve attention for `platform` ("cuda", "cpu", ...) instead of JAX's default backend while tracing
+    a step that is lowered for it (`.lower(lowering_platforms=(platform,))`, no GPU needed)."""
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
 def on_cuda_gpu() -> bool:
-    """JAX's default backend is a CUDA GPU (cuDNN's flash attention is not built for ROCm or CPU)."""
+    """JAX's default backend is a CUDA GPU (cuDNN's flash attention is not built for ROCm or CPU), or the
+    step is traced for a CUDA lowering (`lowering_for("cuda")`)."""
+    if _TARGET.get() is not None:
+        return _TARGET.get() == "cuda"
     if jax.default_backend() != "gpu":
         return False
     try:
