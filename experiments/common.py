@@ -96,6 +96,18 @@ def rerender(args: argparse.Namespace, name: str, md: Callable[[Any], str],
     return res
 
 
+class Lines(list):
+    """Markdown lines printed as they come (a long run shows its rows at once), kept for <name>.md:
+    `md = Lines(); md("| a | b |"); write(out, name, md=str(md), echo=False)`."""
+
+    def __call__(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.append(text)
+
+    def __str__(self) -> str:
+        return "\n".join(self)
+
+
 def log(msg: str) -> None:
     """`[HH:MM:SS] msg`, flushed (progress of a long run)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from helpers import ROOT
+from experiments import common
 from experiments.gpu import gpu_suite as suite
 
 
@@ -47,7 +48,7 @@ def test_bad_flags_exit_2_before_anything(tmp_path, capsys):
     assert len(err) == 3 and all(e.startswith("gpu_suite: ") and "fix:" in e for e in err)
     assert not (tmp_path / "o").exists()
     assert suite.out_folder(suite.parser().parse_args(["--smoke"])) is None  # a temp folder, never results/
-    assert suite.out_folder(suite.parser().parse_args([])) == suite.RESULTS
+    assert suite.out_folder(suite.parser().parse_args([])) == str(common.RESULTS)
 
 
 def test_spent_budget_skips_every_run_with_a_reason(tmp_path):

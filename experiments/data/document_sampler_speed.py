@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from boostjax import data
+from experiments import common
 
 
 def per_batch_ms(it: data.BatchIterator, n: int) -> float:
@@ -26,9 +27,12 @@ def per_batch_ms(it: data.BatchIterator, n: int) -> float:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_out(ap, "document_sampler_speed", from_json=False)
+    args = ap.parse_args()
+    md = common.Lines()
     c = data.stdlib_corpus()
-    print(f"stdlib, 16x512: windows {per_batch_ms(data.BatchIterator(c.train, 16, 512, 0), 200):.2f} ms, "
+    md(f"stdlib, 16x512: windows {per_batch_ms(data.BatchIterator(c.train, 16, 512, 0), 200):.2f} ms, "
           f"documents {per_batch_ms(data.DocumentIterator(c.train, c.train_docs, 16, 512, 0, segments=True), 200):.2f} ms")
     n = 50_000_000
     fd, path = tempfile.mkstemp(suffix=".bin")
@@ -41,10 +45,11 @@ def main() -> None:
         t = time.perf_counter()
         it.batch_at(0)
         first = (time.perf_counter() - t) * 1e3
-        print(f"memmap {n / 1e6:.0f}M tokens, {len(docs)} documents, 64x2048: first batch {first:.0f} ms "
+        md(f"memmap {n / 1e6:.0f}M tokens, {len(docs)} documents, 64x2048: first batch {first:.0f} ms "
               f"(epoch permutations), then {per_batch_ms(it, 50):.1f} ms per batch")
     finally:
         os.remove(path)
+    common.write(args.out, "document_sampler_speed", md=str(md), echo=False)
 
 
 if __name__ == "__main__":

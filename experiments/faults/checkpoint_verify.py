@@ -202,7 +202,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     work = pathlib.Path(tempfile.mkdtemp(prefix="checkpoint-verify-", dir=args.dir))
     res = {"command": common.command_line("checkpoint_verify", argv), "repeats": args.repeats,
-           "hash_mb": args.hash_mb, "machine": f"{os.cpu_count()} CPU cores, "
+           "hash_mb": args.hash_mb, "machine": f"{common.machine_line()}, "
            f"blake3 {blake3.__version__}, numpy {np.__version__}", "hashes": [], "checkpoints": []}
     try:  # the results are written after each part, so that a run stopped early keeps what it measured
         res["hashes"] = hash_rates(work, args.hash_mb, args.repeats)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import shutil
 import tempfile
@@ -103,7 +102,7 @@ def run_campaign(s: Settings, out: pathlib.Path, scratch: pathlib.Path | None = 
         campaign_run(c, idx, budget)
     wall_s = time.perf_counter() - t0
     ref_public = {k: v for k, v in ref.items() if k != "records"}
-    platform = f"{os.cpu_count()} CPU cores (load average at the end {os.getloadavg()[0]:.1f}), JAX on CPU"
+    platform = f"{common.machine_line()} at the end, JAX on CPU"
     res = {"settings": json.loads(json.dumps(asdict(s))), "command": command, "wall_s": round(wall_s, 1),
            "platform": platform, "train_command": " ".join(["boostjax", *s.command(pathlib.Path("RUN"))[3:]]),
            "scratch": str(scratch) if keep_scratch or not made else None, "reference": ref_public,
@@ -118,10 +117,9 @@ def run_campaign(s: Settings, out: pathlib.Path, scratch: pathlib.Path | None = 
 def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke version: 2 signals, 1 damaged checkpoint, 40 steps")
-    p.add_argument("--out", default="experiments/results", help="folder for faults.{json,md}")
+    common.add_out(p, "faults")
     p.add_argument("--scratch", type=pathlib.Path, help="folder for the run folders, logs and JAX cache (kept)")
     p.add_argument("--keep-scratch", action="store_true", help="keep the temporary scratch folder")
-    p.add_argument("--from-json", type=pathlib.Path, help="re-render faults.md from an earlier faults.json (no runs)")
     p.add_argument("--seed", type=int)
     p.add_argument("--kills", type=int, help="signals to send, at least (SIGKILL/SIGINT/SIGTERM)")
     p.add_argument("--corruptions", type=int, help="checkpoints to damage, at least")
@@ -129,9 +127,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        ("max-wait-steps", int), ("p-double", float), ("timeout-s", float)):
         p.add_argument(f"--{name}", type=kind)
     args = p.parse_args(argv)
-    if args.from_json:
-        res = json.loads(args.from_json.read_text())
-        common.write(args.out, "faults", md=markdown(res))
+    res = common.rerender(args, "faults", markdown)
+    if res is not None:
         return res
     over = {k: v for k, v in vars(args).items()
             if v is not None and k not in ("quick", "out", "scratch", "keep_scratch", "from_json")}

@@ -35,7 +35,6 @@ import time
 
 from experiments import common
 
-RESULTS = str(common.RESULTS)
 KINDS = ("llama", "cola")
 NAMES = {"llama": "full-rank", "cola": "CoLA"}
 PAPER_SPEEDUP = 0.85 / 0.59  # BOOST, 1B on one A100: full-rank / CoLA (BTP) iteration time
@@ -202,7 +201,7 @@ def parser() -> argparse.ArgumentParser:
                     help="device dense bf16 peak in TFLOP/s (default: from the hardware profile of the device name)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of llama,cola")
     ap.add_argument("--allow-cpu", action="store_true", help="smoke mode on CPU (only with --preset tiny)")
-    ap.add_argument("--out", default=RESULTS, help="results folder")
+    common.add_out(ap, "gpu_step", from_json=False)
     ap.add_argument("--attention", default="", choices=("", "auto", "xla", "cudnn", "chunked"),
                     help="ModelConfig.attention (default: the config's own default)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)

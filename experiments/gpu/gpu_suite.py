@@ -45,13 +45,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from boostjax.runtime.profiles import GiB as GIB
+from experiments import common
 from experiments.gpu import gpu_step as gs
 from experiments.offload import offload_gpu as og
-from experiments import common
 
-RESULTS = str(common.RESULTS)
 SECTIONS = ("throughput", "memory", "collectives", "offload")
-GIB = float(2**30)
 MIN_START_S = 15.0  # a run is not started with less time than this left in the budget
 CPU_FAST = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 CANNOT_SHOW = ("On one device every collective's group holds one device: nothing crosses a link, so this "
@@ -531,7 +530,7 @@ def out_folder(args: argparse.Namespace) -> str | None:
     new temporary folder, made when the results are written)."""
     if args.out is not None:
         return args.out
-    return None if args.smoke else RESULTS
+    return None if args.smoke else str(common.RESULTS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,7 +51,9 @@ CASES = [  # (kind, rank, strategy, mesh, zero)
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_out(ap, "init_layouts", from_json=False)
+    args = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="init-layouts-"))
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda p: jnp.asarray(p + (0.2 * rng.normal(size=p.shape) if p.ndim == 1 else 0),
@@ -80,7 +82,7 @@ def main() -> None:
     lines += [f"| {r['kind']} | {r['rank'] or '-'} | {r['strategy']} | {r['mesh']} | {r['zero']} | {r['loss']:.6f} | "
               f"{r['single_device_loss']:.6f} | {r['rel_err']:.1e} | "
               f"{'-' if r['mean_recon_err'] is None else format(r['mean_recon_err'], '.4f')} |" for r in rows]
-    common.write(common.RESULTS, "init_layouts", data=rows, md="\n".join(lines), indent=2)
+    common.write(args.out, "init_layouts", data=rows, md="\n".join(lines), indent=2)
 
 
 if __name__ == "__main__":

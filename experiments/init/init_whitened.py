@@ -1,6 +1,6 @@
 """Plain SVD vs activation-aware (whitened, SVD-LLM) starts from a pretrained LLaMA (docs/init_from_hf.md).
 
-    python -m experiments.init.init_whitened --hf PATH --data TOKENISED_FOLDER --rank 192 > experiments/results/init_whitened.md
+    python -m experiments.init.init_whitened --hf PATH --data TOKENISED_FOLDER --rank 192   # -> <out>/init_whitened.md
 
 For each low-rank kind and factoring (`boostjax.interop.pretrained.factored`, what `train --init-from-hf
 --model KIND --rank R --init-factor F` starts from): the held-out loss (nats per token) and perplexity of
@@ -33,6 +33,7 @@ from boostjax.data import load_corpus
 from boostjax.inference.evaluation import evaluate
 from boostjax.interop import calibration, hf, pretrained
 from boostjax.training.trainer import train
+from experiments import common
 
 
 def linearised(grams, eps: float) -> pretrained.Factor:
@@ -63,7 +64,9 @@ def main() -> None:
     ap.add_argument("--cola-split", type=float, default=0.0, metavar="EPS",
                     help="compare CoLA's splits of the whitened start (first --calib-tokens), linearised at EPS")
     ap.add_argument("--finetune", type=int, default=0, metavar="N", help="with --cola-split: N training steps each")
+    common.add_out(ap, "init_whitened", from_json=False)
     args = ap.parse_args()
+    md = common.Lines()
 
     src_cfg, dense = hf.read_hf(args.hf)
     corpus = load_corpus(args.data)
@@ -73,15 +76,16 @@ def main() -> None:
         r = evaluate(hf.build_model(cfg, params), val, seq=args.seq, batch=args.batch)
         return r["loss"], r["perplexity"]
 
-    print(f"{args.hf}, rank {args.rank}; {len(val)} held-out tokens of {args.data} (validation split), "
+    md(f"{args.hf}, rank {args.rank}; {len(val)} held-out tokens of {args.data} (validation split), "
           f"windows of {args.seq}; uniform guess ln({src_cfg.vocab_size}) = {math.log(src_cfg.vocab_size):.2f} nats\n")
     if args.cola_split:
-        cola_split(args, src_cfg, dense, corpus, loss)
+        cola_split(args, src_cfg, dense, corpus, loss, md)
+        common.write(args.out, "init_whitened_cola_split", md=str(md), echo=False)
         return
-    print("| kind | factoring | calibration tokens | weight error (mean) | held-out output error (mean) | "
-          "loss (nats) | perplexity | factoring s |\n|---|---|---|---|---|---|---|---|", flush=True)
+    md("| kind | factoring | calibration tokens | weight error (mean) | held-out output error (mean) | "
+          "loss (nats) | perplexity | factoring s |\n|---|---|---|---|---|---|---|---|")
     dense_loss, dense_ppl = loss(src_cfg, dense)
-    print(f"| dense | - | - | 0 | 0 | {dense_loss:.3f} | {dense_ppl:.1f} | - |", flush=True)
+    md(f"| dense | - | - | 0 | 0 | {dense_loss:.3f} | {dense_ppl:.1f} | - |")
     runs = [("svd", 0)] + [("whitened", int(n)) for n in args.calib_tokens.split(",")]
     for kind in args.kinds.split(","):
         m = replace(src_cfg, kind=kind, rank=args.rank, only_lr_act=False)
@@ -91,17 +95,18 @@ def main() -> None:
             params, report = pretrained.factored(cfg, dense, corpus)
             took = time.perf_counter() - t0
             lo, ppl = loss(m, params)
-            print(f"| {kind} | {factor} | {n or '-'} | {report['mean']:.4f} | {report['output']['mean']:.4f} | "
-                  f"{lo:.3f} | {ppl:.1f} | {took:.0f} |", flush=True)
+            md(f"| {kind} | {factor} | {n or '-'} | {report['mean']:.4f} | {report['output']['mean']:.4f} | "
+                  f"{lo:.3f} | {ppl:.1f} | {took:.0f} |")
+    common.write(args.out, "init_whitened", md=str(md), echo=False)
 
 
-def cola_split(args, src_cfg, dense, corpus, loss) -> None:
+def cola_split(args, src_cfg, dense, corpus, loss, md: common.Lines) -> None:
     n = int(args.calib_tokens.split(",")[0])
     m = replace(src_cfg, kind="cola", rank=args.rank, only_lr_act=False)
     grams = calibration.input_grams(dataclasses.replace(src_cfg, kind="llama"), dense, corpus.train[:n], args.seq)
     held = corpus.val[:pretrained.HELDOUT_TOKENS]
-    print(f"| CoLA split of the whitened start ({n} calibration tokens) | held-out output error (mean) | loss (nats) | "
-          f"validation loss after steps 4, 8, ... of {args.finetune} |\n|---|---|---|---|", flush=True)
+    md(f"| CoLA split of the whitened start ({n} calibration tokens) | held-out output error (mean) | loss (nats) | "
+          f"validation loss after steps 4, 8, ... of {args.finetune} |\n|---|---|---|---|")
     for name, factor in (("± pairs", pretrained.whitened_factor(grams)),
                          (f"linearised, eps {args.cola_split}", linearised(grams, args.cola_split))):
         factors = {}
@@ -121,7 +126,7 @@ def cola_split(args, src_cfg, dense, corpus, loss) -> None:
                                 tensorboard=False, ckpt_every=args.finetune)
                 res = train(Config(m, t), init=params)
             curve = ", ".join(f"{r['val_loss']:.3f}" for r in res.metrics if "val_loss" in r)
-        print(f"| {name} | {np.mean(list(errs.values())):.4f} | {loss(m, params)[0]:.3f} | {curve} |", flush=True)
+        md(f"| {name} | {np.mean(list(errs.values())):.4f} | {loss(m, params)[0]:.3f} | {curve} |")
 
 
 if __name__ == "__main__":

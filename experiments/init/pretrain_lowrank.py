@@ -632,8 +632,7 @@ def main(argv: list[str] | None = None) -> None:
     base = {"settings": settings, "corpus": corpus.summary | {
                 "train_tokens": corpus.meta["splits"]["train"]["tokens"],
                 "val_tokens": corpus.meta["splits"]["val"]["tokens"]},
-            "platform": f"{jax.default_backend()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at "
-                        "the last start",
+            "platform": f"{jax.default_backend()}, {common.machine_line()} at the last start",
             "command": common.command_line(NAME, argv), "notes": [] if s.quick else notes(s)}
     save = saver(out, name, base)
     res = save()

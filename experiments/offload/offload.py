@@ -22,7 +22,6 @@ Run: `JAX_PLATFORMS=cpu python -m experiments.offload.offload` (about a minute o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -125,7 +124,7 @@ def _shape_line(s: dict) -> str:
             f"recompute inside the block ({s['layers_in_flat_segments']} in flat segments)")
 
 
-def write_md(res: dict) -> str:
+def markdown(res: dict) -> str:
     lt = res["plans"]["lazytrain-27b"]
     mega = lt["baselines"]["megatrain"]
     lines = ["# Offload planning: CP-SAT planner vs baselines (predicted by the shared cost model)", "",
@@ -253,18 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT time limit per instance (s)")
     ap.add_argument("--skip-cpu", action="store_true", help="skip the CPU memory check")
-    ap.add_argument("--from-json", default=None, help="re-render offload.md/png from a results JSON")
+    common.add_out(ap, "offload")
     args = ap.parse_args(argv)
-    if args.from_json:
-        with open(args.from_json) as f:
-            res = json.load(f)
-        common.write(common.RESULTS, "offload", md=write_md(res), figure=plot(res), echo=False)
-    else:
+    if common.rerender(args, "offload", markdown, plot) is None:
         t0 = time.perf_counter()
         res = {"lazytrain": LAZYTRAIN, "plans": plan_instances(args.time_limit),
                "cpu": [] if args.skip_cpu else cpu_memory_check()}
-        common.write(common.RESULTS, "offload", data=res, md=lambda: write_md(res), figure=lambda: plot(res),
-                         command=common.command_line("offload", argv), started=t0, echo=False)
+        common.write(args.out, "offload", data=res, md=lambda: markdown(res), figure=lambda: plot(res),
+                     command=common.command_line("offload", argv), started=t0, echo=False)
     return 0
 
 

@@ -29,7 +29,6 @@ import time
 
 from experiments import common
 
-RESULTS = str(common.RESULTS)
 POLICIES = ("plan", "no-offload", "full-remat", "megatrain")
 GB = 1e9
 
@@ -191,7 +190,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--allow-cpu", action="store_true", help="smoke mode on CPU (only with --preset tiny)")
-    ap.add_argument("--out", default=RESULTS, help="results folder")
+    common.add_out(ap, "offload_gpu", from_json=False)
     ap.add_argument("--policy", default=None, help=argparse.SUPPRESS)  # worker mode
     return ap
 

@@ -535,13 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-rounds", type=int, default=40,
                     help="cpu part: in-process rounds of one compiled step per configuration in turn")
     ap.add_argument("--cache", default="/tmp/boostjax-plan-cache", help="compiled-measurement cache folder")
-    ap.add_argument("--out", default=str(RESULTS), help="results folder")
-    ap.add_argument("--from-json", default=None, metavar="PATH", help="re-render md/png from a plan_auto.json")
+    common.add_out(ap, "plan_auto")
     args = ap.parse_args(argv)
     path = pathlib.Path(args.out) / "plan_auto.json"
-    if args.from_json:
-        res = json.loads(pathlib.Path(args.from_json).read_text())
-        common.write(args.out, "plan_auto", md=markdown(res), figure=chart(res))
+    if common.rerender(args, "plan_auto", markdown, chart) is not None:
         return 0
     from boostjax.runtime.devices import simulate_devices
 

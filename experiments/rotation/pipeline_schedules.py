@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 import time
 
@@ -40,14 +41,13 @@ from boostjax.training.checks import validate  # noqa: E402
 from boostjax.models.llama import LLaMA  # noqa: E402
 from boostjax.placement import choose  # noqa: E402
 from boostjax.sharding.pipeline import pipeline_info  # noqa: E402
+from boostjax.runtime.profiles import GiB as GIB  # noqa: E402
 
-RESULTS = str(common.RESULTS)
 MODEL = ModelConfig(kind="cola", vocab_size=32000, d_model=1024, n_layers=8, n_heads=16, d_ff=2736, rank=256,
                     max_seq_len=1024)
 SEQ, DTYPE, REMAT = 1024, "bfloat16", "none"
 MICRO = (4, 8, 16, 32)
 SCHEDULES = ("gpipe", "1f1b")
-GIB = float(2**30)
 FAST_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # codegen only
 
 
@@ -130,7 +130,7 @@ def measure(micros: list[int]) -> dict:
     return {"setup": setup, "runs": runs}
 
 
-def render(data: dict) -> str:
+def markdown(data: dict) -> str:
     s = data["setup"]
     m = s["model"]
     by = {(r["schedule"], r["microbatches"]): r for r in data["runs"]}
@@ -200,23 +200,21 @@ def plot(data: dict):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--micro", type=int, nargs="+", default=list(MICRO))
-    ap.add_argument("--from-json", default="")
-    ap.add_argument("--out", default=RESULTS)
-    ap.add_argument("--speed", action="store_true", help="also time both schedules on a small model")
+    ap.add_argument("--micro", type=int, nargs="+", default=list(MICRO), help="micro-batch counts M to compile")
+    ap.add_argument("--speed", action="store_true", help="also time both schedules on a small model (with "
+                    "--from-json: added to that result, written to --out)")
+    common.add_out(ap, "pipeline_schedules")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    if args.from_json:
-        with open(args.from_json) as fh:
-            data = json.load(fh)
-    else:
-        data = measure(args.micro)
+    if not args.speed and common.rerender(args, "pipeline_schedules", markdown, plot) is not None:
+        return 0
+    fresh = not args.from_json
+    data = measure(args.micro) if fresh else json.loads(pathlib.Path(args.from_json).read_text())
     if args.speed:
         data["speed"] = measure_speed()
-    fresh = not args.from_json
-    common.write(args.out, "pipeline_schedules", data=data, md=lambda: render(data), figure=lambda: plot(data),
-                     indent=2, command=common.command_line("pipeline_schedules", argv) if fresh else None,
-                     started=t0 if fresh else None)
+    common.write(args.out, "pipeline_schedules", data=data, md=lambda: markdown(data), figure=lambda: plot(data),
+                 indent=2, command=common.command_line("pipeline_schedules", argv) if fresh else None,
+                 started=t0 if fresh else None)
     return 0
 
 

@@ -658,7 +658,7 @@ def run_experiment(s: Settings, out: pathlib.Path, command: str = "", log=print,
     wall_s = time.perf_counter() - t_start
     order = {(o, n): i for i, (o, n) in enumerate((o, n) for n in sorted(s.stages) for o in s.optimizers)}
     runs = sorted([*kept, *resumed, *fresh], key=lambda r: order[(r["optimizer"], r["stages"])])
-    platform = f"{os.cpu_count()} CPU cores, jax {jax.__version__} on {jax.devices()[0].platform}"
+    platform = f"{common.machine_line()}, jax {jax.__version__} on {jax.devices()[0].platform}"
     reused = sorted({r["optimizer"] for r in kept})
     result = write_results(s, runs, out, name, command=command, wall_s=wall_s, platform=platform,
                            reused_from={"files": sources, "optimizers": reused} if kept else None,

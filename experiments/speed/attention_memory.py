@@ -88,14 +88,16 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=512)
     ap.add_argument("--time-seqs", default="1024,2048")
     ap.add_argument("--rounds", type=int, default=5)
+    common.add_out(ap, "attention_memory", from_json=False)
     args = ap.parse_args()
     t0 = time.perf_counter()
     seqs = [int(s) for s in args.seqs.split(",")]
     memory = [step_memory(args.preset, s, a, args.block) for s in seqs for a in ("xla", "chunked")]
     timing = [op_time(int(s), args.block, args.rounds) for s in args.time_seqs.split(",")]
     out = {"command": common.command_line("attention_memory"),
-           "backend": jax.default_backend(), "cpu_count": os.cpu_count(), "memory": memory, "op_time": timing}
-    lines = [f"# Attention kernels: memory and time ({jax.default_backend()}, {os.cpu_count()} cores)", "",
+           "backend": jax.default_backend(), "cpu_count": os.cpu_count(), "machine": common.machine_line(),
+           "memory": memory, "op_time": timing}
+    lines = [f"# Attention kernels: memory and time ({jax.default_backend()}; {out['machine']})", "",
              f"`{out['command']}`", "",
              f"One {args.preset} layer (CoLA), bf16 compute, batch 1, loss and gradient compiled on one device:", "",
              "| seq | attention | temp MiB | largest buffer with two seq dims | its MiB |", "|---|---|---|---|---|"]
@@ -104,7 +106,7 @@ def main() -> None:
     lines += ["", f"`causal_attention` forward + backward, fp32, b 1, h 8, e 64, block {args.block}, "
               "median of interleaved rounds (read the ratio: other jobs may share the machine):", "", "| seq | xla ms | chunked ms | chunked / xla |", "|---|---|---|---|"]
     lines += [f"| {r['seq']} | {r['xla_ms']} | {r['chunked_ms']} | {r['chunked_over_xla']} |" for r in timing]
-    common.write(common.RESULTS, "attention_memory", data=out, md="\n".join(lines), indent=2, started=t0)
+    common.write(args.out, "attention_memory", data=out, md="\n".join(lines), indent=2, started=t0)
 
 
 if __name__ == "__main__":

@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 
 from experiments import common
 
-RESULTS = str(common.RESULTS)
 
 
-def _timed(fn, *args, repeat: int = 3):
+def _best_of(fn, *args, repeat: int = 3):
     """(output, best wall time of `repeat` runs): the first run of a program pays one-time costs, and
     on a shared machine the minimum is the least disturbed run."""
     import jax
@@ -69,7 +66,7 @@ def measure(preset: str, kind: str, prompt_len: int, new: int, full_steps: int, 
     t0 = time.perf_counter()
     compiled = _generate.lower(*args, max_new=new, greedy=True).compile()
     cached_compile = time.perf_counter() - t0
-    cached_out, cached_run = _timed(lambda: compiled(state, prompt, *args[3:]))  # graphdef is static
+    cached_out, cached_run = _best_of(lambda: compiled(state, prompt, *args[3:]))  # graphdef is static
 
     # full forward each step over a fixed buffer
     k = min(full_steps, new) if full_steps > 0 else new
@@ -89,7 +86,7 @@ def measure(preset: str, kind: str, prompt_len: int, new: int, full_steps: int, 
     t0 = time.perf_counter()
     full_c = jax.jit(full).lower(state, prompt).compile()
     full_compile = time.perf_counter() - t0
-    full_out, full_run = _timed(full_c, state, prompt)
+    full_out, full_run = _best_of(full_c, state, prompt)
     full_run_scaled = full_run * new / k
     match = bool(np.array_equal(np.asarray(cached_out)[:, : prompt_len + k], np.asarray(full_out)[:, : prompt_len + k]))
     return {
@@ -104,7 +101,7 @@ def measure(preset: str, kind: str, prompt_len: int, new: int, full_steps: int, 
     }
 
 
-def to_markdown(res: dict) -> str:
+def markdown(res: dict) -> str:
     lines = [
         "# Generation speed: KV cache vs full forward per token",
         "",
@@ -134,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     ap.add_argument("--full-steps", type=int, default=32, help="full-forward steps timed (0 = all N)")
     ap.add_argument("--note", default="", help="conditions of the run, e.g. 'shared machine, 2 cores'")
-    ap.add_argument("--out", default=RESULTS)
+    common.add_out(ap, "generate_speed", from_json=False)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows = []
@@ -146,10 +143,9 @@ def main(argv=None) -> int:
     import jax
 
     res = {"command": common.command_line("generate_speed", argv),
-           "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, JAX {jax.__version__} "
-                      f"{jax.default_backend()}",
+           "machine": f"{common.machine_line()}, JAX {jax.__version__} {jax.default_backend()}",
            "note": args.note or "no conditions given", "rows": rows}
-    common.write(args.out, "generate_speed", data=res, md=lambda: to_markdown(res), indent=2, started=t0)
+    common.write(args.out, "generate_speed", data=res, md=lambda: markdown(res), indent=2, started=t0)
     return 0
 
 

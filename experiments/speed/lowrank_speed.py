@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import json
 import os
@@ -36,7 +37,6 @@ import time
 
 from experiments import common
 
-RESULTS = str(common.RESULTS)
 KINDS = ("llama", "cola", "svd", "lax", "cola-btgr")
 NAMES = {"llama": "dense", "cola": "CoLA", "svd": "SVD", "lax": "LaX", "cola-btgr": "CoLA, former layout"}
 
@@ -71,39 +71,6 @@ def stacked_grouped_up(hs, b_grk, coll):
 
     y_btgk = coll.reduce_up(jnp.einsum("btgr,grk->btgk", jnp.stack(hs, 2), b_grk))
     return tuple(y_btgk[:, :, i] for i in range(len(hs)))
-
-
-# ---------------------------------------------------------------------------------------------
-# machine facts
-
-
-def _procs_running() -> int:
-    """Runnable tasks on the machine right now (this process included), from /proc/stat."""
-    try:
-        with open("/proc/stat") as fh:
-            for line in fh:
-                if line.startswith("procs_running"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return -1
-
-
-def machine_facts() -> dict:
-    import jax
-    import jaxlib
-
-    cpu_model = ""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu_model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu_count": os.cpu_count(), "cpus_usable": affinity, "cpu_model": cpu_model,
-            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": jax.devices()[0].platform,
-            "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "loadavg_start": list(os.getloadavg())}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,19 +126,13 @@ def run_shape(shape: str, kinds: list[str], args: argparse.Namespace) -> dict:
         info[kind] = {"params": param_count(model), "flops_per_token": flops_per_token(model, args.seq),
                       "compile_s": compile_s, "model": {k: getattr(model, k) for k in (
                           "d_model", "n_layers", "n_heads", "d_ff", "rank", "vocab_size")}}
-    wall = {k: [] for k in kinds}
-    cpu = {k: [] for k in kinds}
-    others = []
-    for _ in range(args.rounds):
-        others.append(_procs_running() - 1)
-        for kind in kinds:
-            step, ts, batch = state[kind]
-            t0, c0 = time.perf_counter(), time.process_time()
-            ts, m = step(ts, batch)
-            jax.block_until_ready((ts, m))
-            wall[kind].append(time.perf_counter() - t0)
-            cpu[kind].append(time.process_time() - c0)
-            state[kind][1] = ts
+
+    def one_step(entry: list) -> None:  # [step, train state, batch]: the state advances
+        step, ts, batch = entry
+        entry[1] = jax.block_until_ready(step(ts, batch))[0]
+
+    rounds = common.interleaved({k: functools.partial(one_step, state[k]) for k in kinds}, args.rounds)
+    wall, cpu, others = rounds.wall, rounds.cpu, rounds.others
     tokens = args.batch * args.seq
     runs = {}
     for kind in kinds:
@@ -423,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="timed rounds per shape (default 0: 10 for the first shape, 3 for the others)")
     ap.add_argument("--profile-steps", type=int, default=2, help="steps traced for the breakdown (default: 2)")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiled op breakdown")
-    ap.add_argument("--out", default=RESULTS, help="results folder")
+    common.add_out(ap, "lowrank_speed", from_json=False)
     args = ap.parse_args(argv)
     if min(args.batch, args.seq, args.vocab, args.profile_steps) < 1 or min(args.warmup, args.rounds, args.layers) < 0:
         ap.error("--batch, --seq, --vocab, --profile-steps must be >= 1; --warmup, --rounds, --layers >= 0")
@@ -439,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--shapes: use presets from {','.join(PRESETS)}")
 
     t_start = time.perf_counter()
-    machine = machine_facts()
+    machine = common.machine_facts()
     results = []
     for i, shape in enumerate(shapes):
         a = argparse.Namespace(**vars(args))

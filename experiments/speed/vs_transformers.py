@@ -32,6 +32,7 @@ Writes experiments/results/vs_transformers.{json,md} (`--name`: another file nam
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -41,7 +42,6 @@ import time
 
 from experiments import common
 
-RESULTS = str(common.RESULTS)
 REAL_DIR = "/work/cache/smollm2-hf"
 MEASURES = ("train", "eval", "generate", "ttft")
 TITLES = {"train": "Training step (forward, backward, clip + AdamW)", "eval": "Held-out evaluation (forward + loss)",
@@ -59,34 +59,16 @@ def cpu_facts() -> dict:
     import torch
     import transformers
 
-    model, flags = "", set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for ln in fh:
-                if ln.startswith("model name") and not model:
-                    model = ln.split(":", 1)[1].strip()
-                elif ln.startswith("flags") and not flags:
-                    flags = set(ln.split(":", 1)[1].split())
-    except OSError:
-        pass
+    model, flags = common.cpu_info()
     isa = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"),
                                           ("sse4_2", "SSE4.2")) if flag in flags), "unknown")
     avx512 = sorted((f for f in flags if f.startswith("avx512")), key=lambda f: (f != "avx512f", f))
     return {"cpu_model": model, "isa": isa, "avx512_flags": avx512, "amx": sorted(f for f in flags if f.startswith("amx")),
-            "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+            "cpu_count": os.cpu_count(), "cpus_usable": common.cores_usable(),
             "torch_threads": torch.get_num_threads(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "loadavg_start": list(os.getloadavg())}
-
-
-def _procs_running() -> int:
-    """Runnable tasks on the machine right now (this process included), from /proc/stat."""
-    try:
-        with open("/proc/stat") as fh:
-            return next(int(ln.split()[1]) for ln in fh if ln.startswith("procs_running"))
-    except (OSError, StopIteration):
-        return -1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,13 +232,6 @@ def contenders_for(args: argparse.Namespace, real: pathlib.Path | None) -> tuple
     return out, shape
 
 
-def _timed(fn) -> tuple[float, float]:
-    """(wall s, this process's CPU s) of `fn()`."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
 def compare(args: argparse.Namespace, real: pathlib.Path | None) -> dict:
     import numpy as np
 
@@ -273,19 +248,20 @@ def compare(args: argparse.Namespace, real: pathlib.Path | None) -> dict:
                 if what in ("eval", "generate"):
                     first.setdefault(c.name, {})[what] = out
         common.log(f"{c.name}: warm ({args.warmup} call(s) of each measurement)")
-    times = {w: {c.name: [] for c in contenders} for w in MEASURES}
-    cpu = {w: {c.name: [] for c in contenders} for w in MEASURES}
-    others = []
-    for k in range(args.rounds):
-        others.append(_procs_running() - 1)
-        order = contenders[k % len(contenders):] + contenders[:k % len(contenders)]
-        for what in MEASURES:
-            for c in order:
-                wall_s, cpu_s = _timed(lambda: calls[what](c))
-                times[what][c.name].append(wall_s)
-                cpu[what][c.name].append(cpu_s)
+    def order(k: int) -> list[tuple[str, str]]:
+        """Round k: every measurement in turn, the contenders rotated by k."""
+        turn = contenders[k % len(contenders):] + contenders[:k % len(contenders)]
+        return [(what, c.name) for what in MEASURES for c in turn]
+
+    def progress(k: int, so_far: common.Rounds) -> None:
         common.log(f"round {k + 1}/{args.rounds}: " + ", ".join(
-            f"{c.name} {1e3 * times['train'][c.name][-1]:.0f} ms" for c in contenders) + " per train step")
+            f"{c.name} {1e3 * so_far.wall['train', c.name][-1]:.0f} ms" for c in contenders) + " per train step")
+
+    rounds = common.interleaved({(what, c.name): functools.partial(calls[what], c) for what in MEASURES
+                                 for c in contenders}, args.rounds, order=order, after_round=progress)
+    times = {w: {c.name: rounds.wall[w, c.name] for c in contenders} for w in MEASURES}
+    cpu = {w: {c.name: rounds.cpu[w, c.name] for c in contenders} for w in MEASURES}
+    others = rounds.others
     tokens = {"train": args.batch * args.seq, "eval": args.batch * args.seq, "generate": args.new, "ttft": 1}
     ref = "transformers"
     res = {}
@@ -463,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"also compare on a real Hugging Face LLaMA folder (default when given: {REAL_DIR})")
     ap.add_argument("--real-rounds", type=int, default=3, help="interleaved rounds for --real (default: 3)")
     ap.add_argument("--seed", type=int, default=0, help="weights and tokens seed (default: 0)")
-    ap.add_argument("--out", default=RESULTS, help="results folder")
+    common.add_out(ap, "vs_transformers", from_json=False)
     ap.add_argument("--name", default="vs_transformers", help="results file name (default: vs_transformers)")
     ap.add_argument("--render", action="store_true",
                     help="only rewrite <name>.md from the <name>.json in --out (no measuring)")

@@ -68,7 +68,9 @@ def run(model: ModelConfig, t: TrainConfig, steps: int = 3):
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_out(ap, "accum_zero", from_json=False)
+    args = ap.parse_args()
     rows = []
     for name, model, ref_t, change in CASES:
         (l0, p0), (l1, p1) = run(model, ref_t), run(model, replace(ref_t, **change))
@@ -80,7 +82,7 @@ def main() -> None:
     md = ["| case | max loss rel. error | params rel. error (3 steps) | bitwise |", "|---|---|---|---|"]
     md += [f"| {r['case']} | {r['loss_rel']:.1e} | {r['param_rel']:.1e} | {r['bitwise']} |" for r in rows]
     md += ["", f"`{common.command_line('accum_zero')}`"]
-    common.write(common.RESULTS, "accum_zero", data=rows, md="\n".join(md), indent=2)
+    common.write(args.out, "accum_zero", data=rows, md="\n".join(md), indent=2)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,9 @@ def _losses(run: pathlib.Path) -> tuple[dict[int, float], float]:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_out(ap, "all_three", from_json=False)
+    args = ap.parse_args()
     t0 = time.perf_counter()
     work = pathlib.Path(tempfile.mkdtemp(prefix="all_three_"))
     try:
@@ -89,7 +91,7 @@ def main() -> None:
     lines += [f"| val | {one[1]:.6f} | {mesh[1]:.6f} |", "",
               f"Largest relative difference of the logged losses: {rel:.2e}. Wall time: one device {one_s:.0f} s, "
               f"mesh {mesh_s:.0f} s (8 simulated devices on a shared CPU)."]
-    common.write(common.RESULTS, "all_three", data=result, md="\n".join(lines), indent=2,
+    common.write(args.out, "all_three", data=result, md="\n".join(lines), indent=2,
                      command=common.command_line("all_three"), started=t0)
 
 

@@ -19,7 +19,6 @@ machine; `--presets 1b` for one; `--vocab 256` for the byte vocabulary of the co
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -36,7 +35,6 @@ from boostjax.config import preset  # noqa: E402
 from boostjax.analysis.comm import STRATEGIES, comm_report  # noqa: E402
 from boostjax.analysis.memory import GIB  # noqa: E402
 
-RESULTS = str(common.RESULTS)
 SETUPS = {"1b": 4, "3b": 2, "7b": 4, "13b": 4}  # preset -> TP size
 BATCH, SEQ, DTYPE, VOCAB = 4, 4096, "bfloat16", 32000
 BYTE_VOCAB = 256  # what runs before the vocabulary was recorded used (the presets' byte-level default)
@@ -176,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default="1b,3b,7b,13b", help="comma-separated subset of 1b,3b,7b,13b")
     ap.add_argument("--vocab", type=int, default=VOCAB,
                     help=f"vocabulary size (default {VOCAB}, BOOST's; the committed results used {BYTE_VOCAB})")
-    ap.add_argument("--out", default=RESULTS, help="results folder")
-    ap.add_argument("--from-json", default=None, metavar="PATH", help="re-render md/png from a comm_table.json")
+    common.add_out(ap, "comm_table")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     presets = [p.strip().lower() for p in args.presets.split(",") if p.strip()]
@@ -186,14 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--presets: unknown {bad}; use a subset of {','.join(SETUPS)}")
     if args.vocab < 1:
         ap.error(f"--vocab: must be >= 1, got {args.vocab}; fix: pass e.g. --vocab 32000")
-    if args.from_json:  # re-render the table and chart from an earlier run
-        with open(args.from_json) as fh:
-            res = json.load(fh)
-        common.write(args.out, "comm_table", md=markdown(res), figure=chart(res))
-    else:
+    if common.rerender(args, "comm_table", markdown, chart) is None:
         res = measure(presets, args.vocab)
         common.write(args.out, "comm_table", data=res, md=lambda: markdown(res), figure=lambda: chart(res),
-                         command=common.command_line("comm_table", argv), started=t0)
+                     command=common.command_line("comm_table", argv), started=t0)
     return 0
 
 

@@ -24,7 +24,6 @@ Run: `python -m experiments.tp.memory_table` (~10-15 min on a shared 2-core CPU)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
@@ -41,7 +40,6 @@ from boostjax.config import preset  # noqa: E402
 from boostjax.analysis import memory  # noqa: E402
 from boostjax.analysis.comm import STRATEGIES, model_for  # noqa: E402
 
-RESULTS = str(common.RESULTS)
 GIB = memory.GIB
 BATCH, SEQ, DTYPE, MESH = 4, 4096, "bfloat16", "data=1,model=4"
 PRESETS, REMATS = ("1b", "7b", "13b"), ("none", "lowrank")
@@ -208,18 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
     ap.add_argument("--full", action="store_true", help="compile every row at full depth (slow)")
-    ap.add_argument("--from-json", default=None, help="re-render an earlier result without compiling")
-    ap.add_argument("--out", default=RESULTS)
+    common.add_out(ap, "memory_table")
     args = ap.parse_args(argv)
-    if args.from_json:
-        with open(args.from_json) as fh:
-            res = json.load(fh)
-    else:
+    if common.rerender(args, "memory_table", markdown, chart) is None:
         t0 = time.perf_counter()
         res = measure(args.presets, args.full)
         res["setup"]["wall_s"] = round(time.perf_counter() - t0)
-    common.write(args.out, "memory_table", data=res, md=lambda: markdown(res), figure=lambda: chart(res),
-                     command=None if args.from_json else common.command_line("memory_table", argv))
+        common.write(args.out, "memory_table", data=res, md=lambda: markdown(res), figure=lambda: chart(res),
+                     command=common.command_line("memory_table", argv))
     return 0
 
 

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -74,7 +73,6 @@ from experiments import common
 from experiments.common import log
 from experiments.tp.strategy_bars import strategy_bars
 
-RESULTS = str(common.RESULTS)
 NAMES = {"fullrank-tp": "full-rank", "vanilla-tp": "vanilla TP", "btp": "BTP"}
 # BOOST's 7B yamls (examples/config_llama_7b.yaml, examples/cola/config_cola_llama_7b.yaml, https://github.com/Arcana-2236/BOOST):
 # micro_batch_size 1, batch_accumulation_per_replica 4, sequence_length 4096, vocab_size 32000, tie_word_embeddings true
@@ -441,14 +439,9 @@ def chart(res: dict):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1B and 7B only, no 30B/40B projection")
-    ap.add_argument("--out", default=RESULTS, help="results folder")
-    ap.add_argument("--from-json", default=None, metavar="PATH", help="re-render md/png from a scaling_model.json")
+    common.add_out(ap, "scaling_model")
     args = ap.parse_args(argv)
-    if args.from_json:
-        with open(args.from_json) as fh:
-            res = json.load(fh)
-        common.write(args.out, "scaling_model", md=markdown(res), figure=chart(res))
-    else:
+    if common.rerender(args, "scaling_model", markdown, chart) is None:
         from boostjax.runtime.devices import exact_low_precision, simulate_devices
 
         simulate_devices(8)  # before JAX starts: TP8 for the 30B/40B projection
