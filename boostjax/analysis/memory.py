@@ -42,9 +42,9 @@ from boostjax.config import (
 )
 from boostjax.models.attention import check_backend
 from boostjax.models.llama import LLaMA
+from boostjax.runtime.profiles import GiB as GIB
 from boostjax.training.step import jit_step, step_layout, train_state_shapes
 
-GIB = float(2**30)
 # never executed: on CPU skip LLVM's expensive passes (the optimised HLO and its buffers are unchanged)
 FAST_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 MEMORY_FIELDS = ("temp", "argument", "output", "alias", "generated_code")

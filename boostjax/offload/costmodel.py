@@ -27,7 +27,7 @@ Conventions (documented assumptions of the model, not measurements):
   lookup's rows stay for the whole step.
 
 Checked against XLA's `memory_analysis()` of compiled CPU steps in tests/test_offload_apply.py and
-experiments/offload.py (measured ÷ predicted within 15 % for CoLA and dense LLaMA).
+experiments/offload/offload.py (measured ÷ predicted within 15 % for CoLA and dense LLaMA).
 """
 
 from __future__ import annotations

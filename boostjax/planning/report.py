@@ -8,8 +8,8 @@ import textwrap
 from typing import Any
 
 from boostjax.planning.search import PlanResult
+from boostjax.runtime.profiles import GiB as GIB
 
-GIB = float(1 << 30)
 HEADER = ("#", "configuration", "s/step", "tokens/s", "MFU", "peak GiB (w/opt/act)", "comm GiB model/data/stage",
           "bubble", "vs the winner")
 # the labels' parts (`space.Candidate.label`), explained once under the table

@@ -52,9 +52,8 @@ from boostjax.planning.measure import Key, is_cached, measure
 from boostjax.planning.predict import predict
 from boostjax.planning.space import (RUN_PLACEHOLDERS, Candidate, accepted, comm_lower_bound, commands,
                                      enumerate_space, memory_lower_bound, time_lower_bound, with_seq)
-from boostjax.runtime.profiles import get_profile
+from boostjax.runtime.profiles import GiB as GIB, get_profile
 
-GIB = float(1 << 30)
 REMAT_ORDER = ("none", "lowrank", "full")  # by recomputation: a heavier remat only where a lighter one overflows
 MEMORY_FRACTION = 0.9  # of the device's memory: the rest for the runtime, fragmentation, the input pipeline
 

@@ -1,7 +1,7 @@
 """Timing the best-predicted candidates on this process's devices: `boostjax plan --auto --measure-top K`.
 
 The cost model ranks, but its best few candidates can lie closer together than its error: in the
-CPU validation (`experiments/plan_auto.py`) the three best of the tiny preset were predicted within
+CPU validation (`experiments/offload/plan_auto.py`) the three best of the tiny preset were predicted within
 0.7-2.4 % of each other while their measured steps spread over 17-20 %. Where the cluster's devices
 are this process's (`--cluster NxD:cpu`, or one node of GPUs the plan runs on), running them decides:
 `time_steps` compiles each candidate's training step as `boostjax train` compiles it

@@ -33,7 +33,7 @@ class HardwareProfile:
     inter_bytes_per_s: float = 0.0  # per device between nodes (InfiniBand / Slingshot)
     alpha_s: float = 15e-6  # per-collective latency
     gemm_efficiency: float = 0.8  # fraction of bf16 peak a compute-bound GEMM reaches (the scaling model fits
-    # 0.80 on BOOST's 1B A100 iteration time: experiments/scaling_model.py)
+    # 0.80 on BOOST's 1B A100 iteration time: experiments/tp/scaling_model.py)
 
     @property
     def flops_per_s(self) -> float:
