@@ -42,6 +42,7 @@ from boostjax.config import (
     ModelConfig,
     as_mesh,
 )
+from boostjax.models import stat_parts
 from boostjax.models.llama import param_axes, param_shapes
 from boostjax.sharding import rules
 from boostjax.training.checks import validate as validate_run
@@ -291,18 +292,20 @@ def _gemm_summary(fwd_two: hlo.Module, fwd_one: hlo.Module, dtype: str) -> dict[
     }
 
 
-def expected_per_layer(model: ModelConfig, strategy: str, tokens: int, dtype: str) -> dict[str, Any]:
+def expected_per_layer(model: ModelConfig, strategy: str, tokens: int, dtype: str, tp: int = 1) -> dict[str, Any]:
     """Analytic all-reduce volume of one block (from the shapes alone), for comparison.
 
     Forward elements per token: full-rank `2d`; vanilla `he + 2·ke + 2d + 2f` (= `5d + 2f` without
     GQA); BTP `7r` plus two fp32 norm statistics (`Σx²` of each pre-norm, `[b, s, 1]`, riding in the
     qkv and gate_up all-reduces). BOOST's step figure (https://arxiv.org/abs/2512.12131) doubles the
-    forward (BTP's statistics need no backward collective: their cotangent is replicated).
+    forward (BTP's statistics need no backward collective: their cotangent is replicated). With bf16
+    latents each statistic travels as `stat_parts.n_parts(tp)` bf16 parts.
     """
     per_token = _psum_elements_per_token(model, strategy)
     stats = 2 if strategy == "btp" else 0
     item = _ITEMSIZE[dtype]
-    fwd = tokens * (per_token * item + stats * 4)
+    stat_bytes = 2 * stat_parts.n_parts(tp) if dtype == "bfloat16" else 4
+    fwd = tokens * (per_token * item + stats * stat_bytes)
     gathered = _gathered_elements_per_token(model, strategy)
     return {"forward_elements_per_token": per_token, "stats_per_token": stats,
             "forward_bytes": fwd, "step_bytes": fwd + tokens * per_token * item,
@@ -404,7 +407,7 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
     shape = tuple(getattr(mesh, n) for n in names)
     ar = {k: _allreduce_stats(v, shape, names) for k, v in cs.items()}
     tokens = batch // mesh.data * seq  # tokens in one device's all-reduce
-    exp = expected_per_layer(m, strategy, tokens, dtype)
+    exp = expected_per_layer(m, strategy, tokens, dtype, mesh.model)
     lay = lambda a, b, k: ar[a][k] - ar[b][k]  # noqa: E731
     dp = _data_parallel(cs["step"], shape, names) | {"zero": train_fields.get("zero", 0), "data": mesh.data}
     if dp["zero"] >= 1 and mesh.data > 1:  # the same step replicated (ZeRO 0), for the comparison

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from boostjax.models import stat_parts
+
 
 PsumAt = Literal["none", "latent", "up", "row"]
 PSUM_AT: tuple[str, ...] = get_args(PsumAt)
@@ -54,12 +56,11 @@ class Collectives:
     def reduce_latent(self, z, ss=None, *, name: str):
         """Sum partial down-projections and the norm's Σx² (`[..., 1]`, fp32) in one collective.
 
-        fp32 latents: `z` (flattened per token) and `ss` are concatenated into one buffer, summed
-        by one all-reduce and split: one collective on every backend, the same sums. bf16 latents:
-        `psum((z, ss))`, which JAX emits as two all-reduces (one per element type; XLA's CPU backend
-        widens bf16 to f32 and combines them, a GPU backend may keep two): the statistics are not
-        narrowed to bf16 (its 8-bit mantissa would change the norm) and the latents are not widened
-        to f32 (twice the bytes of BTP's dominant collective).
+        `z` (flattened per token) and `ss` are concatenated into one buffer, summed by one all-reduce
+        and split: one collective on every backend. fp32 latents carry `ss` as it is; bf16 latents
+        carry it as a few bf16 parts on an absolute grid that any bf16 all-reduce adds exactly
+        (`boostjax.models.stat_parts`: the statistic to 2⁻¹² relative, the latents not widened).
+        Other dtypes: `psum((z, ss))`, one all-reduce per element type.
         """
         if ss is None:
             (z,) = self._psum("latent", z)
@@ -70,16 +71,20 @@ class Collectives:
     def reduce_latents(self, zs, ss, *, name: str):
         """`reduce_latent` of several partial down-projections of one normed input (`zs`: arrays
         `[..., *]` of one leading shape, e.g. a block's low-rank latents and the outputs of the
-        projections that stay dense) and their common Σx²: still one collective under BTP, the fp32
+        projections that stay dense) and their common Σx²: still one collective under BTP, the
         buffers flattened per token and concatenated. Returns `(zs, ss)`, each tagged `name`."""
         zs = tuple(zs)
-        if self.psum_at == "latent" and self.axis is not None and all(z.dtype == ss.dtype for z in zs):
+        dts = {z.dtype for z in zs}
+        if self.psum_at == "latent" and self.axis is not None and dts in ({ss.dtype}, {jnp.dtype(jnp.bfloat16)}):
+            narrow = ss.dtype not in dts  # bf16 latents: the fp32 statistic as exact bf16 parts
             lead = ss.shape[:-1]
             flat = [z.reshape(*lead, -1) for z in zs]
-            both = jax.lax.psum(jnp.concatenate([*flat, ss], axis=-1), self.axis)
+            stat = stat_parts.split(ss, jax.lax.axis_size(self.axis)) if narrow else ss
+            both = jax.lax.psum(jnp.concatenate([*flat, stat], axis=-1), self.axis)
             cuts = [sum(f.shape[-1] for f in flat[:k]) for k in range(1, len(flat) + 1)]
             parts = jnp.split(both, cuts, axis=-1)
-            zs, ss = tuple(p.reshape(z.shape) for p, z in zip(parts, zs)), parts[-1]
+            zs = tuple(p.reshape(z.shape) for p, z in zip(parts, zs))
+            ss = stat_parts.join(parts[-1]) if narrow else parts[-1]
         else:
             *zs, ss = self._psum("latent", *zs, ss)
         return tuple(checkpoint_name(z, name) for z in zs), checkpoint_name(ss, name + "_stats")
