@@ -229,8 +229,8 @@ def _decide(policy, eqn) -> str:
     if policy is None:
         return "recomputed"
     d = policy(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
-    kind = type(d).__name__
-    if d is True or kind == "Saveable":
+    kind = type(d).__name__  # jax's policies return pe.Saveable / pe.Recompute (singletons) or pe.Offloadable
+    if d is True or kind in ("Saveable", "SaveableType"):
         return "saved"
     if kind == "Offloadable":
         return f"offloaded to {d.dst}"
@@ -545,7 +545,12 @@ def markdown(res: dict) -> str:
                   f"| remat policy per checkpoint_name (24 layers, jaxpr) | {_names(b['remat_names'])} |",
                   f"| custom calls | {_kv(b['custom_calls'])} |", ""]
     if res.get("cudnn"):
-        lines += ["## `--attention cudnn`", "", res["cudnn"]["note"], ""]
+        c = res["cudnn"]
+        note = c["note"] if c.get("ok") else (f"Lowering `--attention cudnn` for CUDA fails while tracing: `{c['error']}`"
+                                              + (" (JAX asks the CUDA plugin for cuDNN's version before it emits the "
+                                                 "custom call)." if "cuDNN is not detected" in c["error"]
+                                                 else " (docs/gpu-program.md)."))
+        lines += ["## `--attention cudnn` (a), 1 layer", "", note, ""]
     if res.get("deviceless"):
         lines += deviceless_lines(res["deviceless"])
     lines += [f"Environment: jax {res['jax']}, backend {res['backend']}; took {res['wall_s']} s on a shared "
@@ -569,9 +574,9 @@ def cudnn_probe(seq: int) -> dict[str, Any]:
         text = lower(validate(Config(m, t)), "cuda")[0].as_text()
     except Exception as e:  # recorded as the finding
         why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-        return {"ok": False, "error": why,
-                "note": f"Lowering `--attention cudnn` for CUDA here fails while tracing: `{why}` (JAX asks the "
-                        "installed CUDA plugin for cuDNN's version before it emits the custom call)."}
+        return {"ok": False, "error": why, "note": f"Lowering `--attention cudnn` for CUDA fails while tracing: `{why}`"
+                + (" (JAX asks the CUDA plugin for cuDNN's version before it emits the custom call)."
+                   if "cuDNN is not detected" in why else " (docs/gpu-program.md).")}
     a = attention_path(text, seq)
     return {"ok": True, "attention": a,
             "note": f"`--attention cudnn` lowers to the custom calls {_kv(a['cudnn_calls'])}; [t, t] tensors: "
