@@ -7,7 +7,7 @@ allocated) is traced and lowered with `lowering_platforms=("cuda",)` under `atte
 
   (a) 7B CoLA, BTP, TP 4 (`data=1,model=4`), micro-batch 4 x 4096, bf16, `--remat lowrank`, AdamW: the goal
       row of experiments/results/memory_table.md; per-layer figures from the 1- and 2-layer programs
-      (the full 32-layer program is lowered too, for its size and time);
+      (`--full-depth` lowers the 32-layer program too);
   (b) 1B CoLA on one GPU with the offload plan `boostjax plan` makes for an H100 at a 5 GB cap (8-bit
       Adam, batch 8 x 1024, bf16): pinned_host state, recompute segments, per-layer remat policies.
 
@@ -19,8 +19,8 @@ rematerialised layers; the remat policies' decisions per checkpoint_name come fr
 do not survive lowering). `--deviceless` (needs `jax-cuda12-plugin` with CUDA libraries, in a separate
 environment) also tries to compile the lowered module for an H100 target description without a device.
 
-    python experiments/gpu_export.py               # ~10 min on a shared 2-core CPU
-    python experiments/gpu_export.py --quick       # (a) at seq 2048, no CPU compile comparison
+    python -m experiments.gpu_export               # ~10 min on a shared 2-core CPU
+    python -m experiments.gpu_export --quick       # (a) at seq 2048, no CPU compile comparison
 
 Writes experiments/results/gpu_export.{json,md} (or `--out DIR`).
 """
@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
             path, words = (args.plan, ["plan", "--out", args.plan]) if args.plan else make_plan(tmp, args.plan_time_limit, log)
             res["offloaded"] = offloaded(path, words, log)
     res["wall_s"] = round(time.perf_counter() - t0)
-    res["command"] = "python experiments/gpu_export.py" + ("".join(f" {shlex.quote(a)}" for a in argv or sys.argv[1:]))
+    res["command"] = "python -m experiments.gpu_export" + ("".join(f" {shlex.quote(a)}" for a in argv or sys.argv[1:]))
     write(args.out, "gpu_export", res, markdown(res))
     log(f"wrote {args.out}/gpu_export.json and .md ({res['wall_s']} s)")
     return 0
