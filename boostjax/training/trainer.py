@@ -43,6 +43,7 @@ from boostjax.runs import relayout
 from boostjax.runs.checkpoint import CheckpointError, Checkpointer
 from boostjax.runs.folder import RunFolder
 from boostjax.runtime import multihost
+from boostjax.runtime.hardware import HardwareProfile
 from boostjax.runtime.interrupt import StopSignals, phase
 from boostjax.runtime.signals import TrainingInterrupted
 from boostjax.training import distill, prepare
@@ -213,8 +214,9 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
                     distill.write_record(folder.path, teacher, fns.teacher)
             metrics = folder.trim_metrics(start, write=multihost.is_main_process())
             # 7. the loop
-            result = _loop(cfg, graphdef, fns, step_fn, compile_s, ckpt, folder, stop, data, state, start, metrics,
-                           val_sets, on_log, unverified=None if verified else start)
+            loop_run = _LoopRun(cfg, graphdef, fns, step_fn, compile_s, ckpt, folder, stop, data, val_sets, on_log,
+                                unverified=None if verified else start)
+            result = _loop(loop_run, state, start, metrics)
             if start_from is not None:
                 result.extra["init"] = start_from[1]
             return result
@@ -310,127 +312,194 @@ def _compile(cfg: Config, fns: StepFns, state, batch: dict) -> tuple[Callable, f
     return phase(what, lambda _: compile_now(), after=None), time.perf_counter() - t0
 
 
-def _loop(cfg: Config, graphdef, fns: StepFns, step_fn: Callable, compile_s: float, ckpt: Checkpointer,
-          folder: RunFolder, stop: StopSignals, data: BatchIterator, state, start: int, metrics: list[dict],
-          val_sets: dict[str, tuple], on_log: Callable[[dict], None] | None, unverified: int | None = None) -> TrainResult:
-    t = cfg.train
-    tokens_per_step = t.batch * t.grad_accum * t.seq  # all micro-batches of one optimizer step
-    fpt = flops_per_token(cfg.model, t.seq)
-    hw, devices = hardware_profile(t.hardware), t.sizes.devices  # hw None: no MFU (a CPU, an unknown GPU)
-    main = multihost.is_main_process()
-    writer = open(folder.metrics_path, "a") if main else None
-    board = TensorBoard(folder.path, start) if main and t.tensorboard else None
-    profiler = StepProfiler(folder.path / PROFILE if jax.process_count() == 1
-                            else folder.path / PROFILE / f"process-{jax.process_index()}",
-                            parse_profile(t.profile, t.steps), start)
+@dataclass
+class _LoopRun:
+    """What the training loop runs with besides the state: the compiled step and its functions, the
+    data, where records and checkpoints go, and the stop signals."""
 
-    def log(record: dict) -> None:
-        metrics.append(record)
-        if writer:
-            writer.write(json.dumps(record) + "\n")
-            writer.flush()
-        if board:
-            board.log(record)
-        if on_log:
-            on_log(record)
+    cfg: Config
+    graphdef: Any
+    fns: StepFns
+    step_fn: Callable
+    compile_s: float
+    ckpt: Checkpointer
+    folder: RunFolder
+    stop: StopSignals
+    data: BatchIterator
+    val_sets: dict[str, tuple]
+    on_log: Callable[[dict], None] | None
+    unverified: int | None = None  # the step restored without checksums (None: verified, or a new run)
 
-    if fns.info:  # e.g. the pipeline's schedule and bubble fraction, logged once per (re)start
-        log({"step": start, **fns.info})
-    pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet fetched
-    bar = tqdm(total=t.steps, initial=start, disable=not t.progress or not main,
-               desc=f"{cfg.model.kind} {t.strategy}" + (f" bubble {fns.info['bubble_fraction']:.0%}"
-                                                         if "bubble_fraction" in fns.info else ""),
-               unit="step", dynamic_ncols=True)
-    lines = main and not t.progress  # --no-progress: a plain line per metrics record, for a scheduler's log
-    loop_t0 = interval_t0 = time.perf_counter()
-    interval_steps = 0
-    step = saved = start
-    first_loss: float | None = None  # of this invocation: step start + 1 (a resumed run's metrics hold older ones)
-    finished = FinishedSteps(bar.update)  # the bar counts finished steps; the loop runs IN_FLIGHT ahead
 
-    def flush_pending(record: bool = True) -> None:
+class _Records:
+    """The metrics records: appended to `metrics`, and on the main process written to metrics.jsonl
+    (and TensorBoard), then passed to `on_log`."""
+
+    def __init__(self, run: _LoopRun, start: int, metrics: list[dict]):
+        main = multihost.is_main_process()
+        self.metrics, self.on_log = metrics, run.on_log
+        self.writer = open(run.folder.metrics_path, "a") if main else None
+        self.board = TensorBoard(run.folder.path, start) if main and run.cfg.train.tensorboard else None
+
+    def log(self, record: dict) -> None:
+        self.metrics.append(record)
+        if self.writer:
+            self.writer.write(json.dumps(record) + "\n")
+            self.writer.flush()
+        if self.board:
+            self.board.log(record)
+        if self.on_log:
+            self.on_log(record)
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+        if self.board:
+            self.board.close()
+
+
+class _Meter:
+    """The steps dispatched but not yet fetched, and the interval they ran in: `flush` fetches their
+    metrics, stops on a non-finite one and logs the newest with its speed (and MFU)."""
+
+    def __init__(self, run: _LoopRun, records: _Records, bar: tqdm, start: int, hw: HardwareProfile | None):
+        t = run.cfg.train
+        self.run, self.records, self.bar, self.start = run, records, bar, start
+        self.tokens_per_step = t.batch * t.grad_accum * t.seq  # all micro-batches of one optimizer step
+        self.flops_per_token = flops_per_token(run.cfg.model, t.seq)
+        self.hw, self.devices = hw, t.sizes.devices  # hw None: no MFU (a CPU, an unknown GPU)
+        self.lines = multihost.is_main_process() and not t.progress  # --no-progress: a plain line per record
+        self.pending: list[tuple[int, Any]] = []  # (step, device metrics) not yet fetched
+        self.loop_t0 = self.interval_t0 = time.perf_counter()
+        self.interval_steps = 0
+        self.first_loss: float | None = None  # of this invocation: step start + 1 (a resumed run's metrics hold older ones)
+        self.finished = FinishedSteps(bar.update)  # the bar counts finished steps; the loop runs IN_FLIGHT ahead
+
+    def dispatched(self, step: int, m: Any) -> None:
+        self.interval_steps += 1
+        self.pending.append((step, m))
+        self.finished.dispatched(m["loss"])
+        self.finished.wait()
+
+    def flush(self, record: bool = True) -> None:
         """Fetch the pending steps' metrics, stop on a non-finite one, log the newest."""
-        nonlocal pending, interval_t0, interval_steps, first_loss
+        run, pending = self.run, self.pending
         fetched = jax.device_get([m for _, m in pending])
-        finished.wait(0)
+        self.finished.wait(0)
         for (s, _), m in zip(pending, fetched):
             if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
-                raise _diverged(cfg, ckpt, s, float(m["loss"]), float(m["grad_norm"]), unverified)
-        if pending and first_loss is None and pending[0][0] == start + 1:
-            first_loss = float(fetched[0]["loss"])
+                raise _diverged(run.cfg, run.ckpt, s, float(m["loss"]), float(m["grad_norm"]), run.unverified)
+        if pending and self.first_loss is None and pending[0][0] == self.start + 1:
+            self.first_loss = float(fetched[0]["loss"])
         if pending and record:
-            elapsed = time.perf_counter() - interval_t0
-            s, m = pending[-1][0], fetched[-1]
-            step_s = elapsed / max(interval_steps, 1)
-            rec = {"step": s, "loss": float(m["loss"]), **{k: float(m[k]) for k in ("kl", "ce") if k in m},
-                   "grad_norm": float(m["grad_norm"]),
-                   "lr": float(m["lr"]), "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
-                   "tflops_per_s": fpt * tokens_per_step / step_s / 1e12}
-            if hw is not None:
-                rec["mfu"] = mfu(fpt, rec["tokens_per_s"], hw, devices)
-            log(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                            **({"mfu": f"{100 * rec['mfu']:.3g}%"} if "mfu" in rec else {}))
-            if lines:
-                print(f"boostjax: step {s}/{t.steps}, loss {rec['loss']:.4f}, {rec['tokens_per_s']:.0f} tokens/s, "
-                      f"elapsed {tqdm.format_interval(time.perf_counter() - loop_t0)}", file=sys.stderr, flush=True)
-        pending = []
-        interval_t0, interval_steps = time.perf_counter(), 0
+            self._log(pending[-1][0], fetched[-1])
+        self.pending = []
+        self.interval_t0, self.interval_steps = time.perf_counter(), 0
 
-    def evaluate(at: int) -> None:
-        log({"step": at, **val_record({k: (w, _evaluate(fns, state.params, b)) for k, (w, b) in val_sets.items()})})
+    def _log(self, s: int, m: dict) -> None:
+        """The record of step `s` (its metrics `m`): loss, learning rate and the interval's speed."""
+        step_s = (time.perf_counter() - self.interval_t0) / max(self.interval_steps, 1)
+        rec = {"step": s, "loss": float(m["loss"]), **{k: float(m[k]) for k in ("kl", "ce") if k in m},
+               "grad_norm": float(m["grad_norm"]),
+               "lr": float(m["lr"]), "step_s": step_s, "tokens_per_s": self.tokens_per_step / step_s,
+               "tflops_per_s": self.flops_per_token * self.tokens_per_step / step_s / 1e12}
+        if self.hw is not None:
+            rec["mfu"] = mfu(self.flops_per_token, rec["tokens_per_s"], self.hw, self.devices)
+        self.records.log(rec)
+        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                             **({"mfu": f"{100 * rec['mfu']:.3g}%"} if "mfu" in rec else {}))
+        if self.lines:
+            print(f"boostjax: step {s}/{self.run.cfg.train.steps}, loss {rec['loss']:.4f}, "
+                  f"{rec['tokens_per_s']:.0f} tokens/s, elapsed {tqdm.format_interval(time.perf_counter() - self.loop_t0)}",
+                  file=sys.stderr, flush=True)
 
+
+def _progress_bar(run: _LoopRun, start: int) -> tqdm:
+    """The step bar (main process, `--progress`), named by model, strategy and pipeline bubble."""
+    t, info = run.cfg.train, run.fns.info
+    bubble = f" bubble {info['bubble_fraction']:.0%}" if "bubble_fraction" in info else ""
+    return tqdm(total=t.steps, initial=start, disable=not t.progress or not multihost.is_main_process(),
+                desc=f"{run.cfg.model.kind} {t.strategy}" + bubble, unit="step", dynamic_ncols=True)
+
+
+def _evaluate_record(run: _LoopRun, state, at: int) -> dict:
+    """The validation record of step `at`."""
+    return {"step": at, **val_record({k: (w, _evaluate(run.fns, state.params, b)) for k, (w, b) in run.val_sets.items()})}
+
+
+def _evaluate_at_start(run: _LoopRun, state, records: _Records, meter: _Meter) -> None:
+    """The validation loss before the first update (a resume, or a restart of one, does not repeat it)."""
+    records.log(_evaluate_record(run, state, 0))
+    before = records.metrics[-1]["val_loss"]
+    meter.bar.set_postfix(val=f"{before:.3f}")
+    if meter.lines:
+        print(f"boostjax: step 0/{run.cfg.train.steps}, val_loss {before:.4f}", file=sys.stderr, flush=True)
+    meter.interval_t0 = time.perf_counter()
+
+
+def _stop_on_signal(run: _LoopRun, state, step: int, saved: int, meter: _Meter) -> None:
+    """After a stop signal: the checkpoint of `step` (unless diverged or saved), then TrainingInterrupted."""
+    ckpt, stop = run.ckpt, run.stop
+    stop.saving = f"saving the checkpoint of step {step}"
+    meter.flush(record=False)  # a diverged step is never saved
+    if step > saved:
+        ckpt.save(step, *checkpoint_parts(state), run.data.state())
+        saved = step
+    ckpt.wait()
+    name = signal.Signals(stop.signum).name
+    where = (f"checkpoint {saved} is in {ckpt.directory}" if saved else "no checkpoint was written yet")
+    raise TrainingInterrupted(f"stopped by {name} after step {step}; {where}; resume with the same "
+                              f"command (--out {run.folder.path})", stop.signum, saved or None)
+
+
+def _loop(run: _LoopRun, state, start: int, metrics: list[dict]) -> TrainResult:
+    """Train from step `start` to `--steps`: log every `--log-every`, evaluate every `--eval-every`,
+    checkpoint every `--ckpt-every` and at the end; `metrics` (the run's records so far) gains this
+    invocation's. Raises TrainingInterrupted after a stop signal (its checkpoint saved) and
+    NonFiniteLoss when the loss diverges."""
+    t, fns, ckpt, data, stop = run.cfg.train, run.fns, run.ckpt, run.data, run.stop
+    hw = hardware_profile(t.hardware)  # checked before anything is opened
+    records = _Records(run, start, metrics)
+    profiler = StepProfiler(run.folder.path / PROFILE if jax.process_count() == 1
+                            else run.folder.path / PROFILE / f"process-{jax.process_index()}",
+                            parse_profile(t.profile, t.steps), start)
+    if fns.info:  # e.g. the pipeline's schedule and bubble fraction, logged once per (re)start
+        records.log({"step": start, **fns.info})
+    bar = _progress_bar(run, start)
+    meter = _Meter(run, records, bar, start, hw)
+    step = saved = start
     if t.eval_at_start and start == 0 and not any(m["step"] == 0 and "val_loss" in m for m in metrics):
-        evaluate(0)  # the parameters before the first update (a resume, or a restart of one, does not repeat it)
-        before = metrics[-1]["val_loss"]
-        bar.set_postfix(val=f"{before:.3f}")
-        if lines:
-            print(f"boostjax: step 0/{t.steps}, val_loss {before:.4f}", file=sys.stderr, flush=True)
-        interval_t0 = time.perf_counter()
+        _evaluate_at_start(run, state, records, meter)
     try:
         while step < t.steps and not (stop.requested and not stop.multi_process):
             batch = fns.put_batch(data.next())
             with profiler.before(step):
-                state, m = step_fn(state, batch)
+                state, m = run.step_fn(state, batch)
             profiler.after(step, (state, m))
             step += 1
-            interval_steps += 1
-            pending.append((step, m))
-            finished.dispatched(m["loss"])
-            finished.wait()
+            meter.dispatched(step, m)
             if step % t.log_every == 0 or step % t.ckpt_every == 0 or step == t.steps:
-                flush_pending()
+                meter.flush()
             if step % t.eval_every == 0 or step == t.steps:
-                evaluate(step)
+                records.log(_evaluate_record(run, state, step))
             if step % t.ckpt_every == 0 or step == t.steps:
                 ckpt.save(step, *checkpoint_parts(state), data.state())
                 saved = step
             if stop.should_stop(step):
                 break
         if stop.requested and step < t.steps:
-            stop.saving = f"saving the checkpoint of step {step}"
-            flush_pending(record=False)  # a diverged step is never saved
-            if step > saved:
-                ckpt.save(step, *checkpoint_parts(state), data.state())
-                saved = step
-            ckpt.wait()
-            name = signal.Signals(stop.signum).name
-            where = (f"checkpoint {saved} is in {ckpt.directory}" if saved else "no checkpoint was written yet")
-            raise TrainingInterrupted(f"stopped by {name} after step {step}; {where}; resume with the same "
-                                      f"command (--out {folder.path})", stop.signum, saved or None)
+            _stop_on_signal(run, state, step, saved, meter)
     finally:
         profiler.stop()
         bar.close()
-        if writer:
-            writer.close()
-        if board:
-            board.close()
+        records.close()
 
     read = f"{_epochs(data.epochs(step))} {epochs_unit(data)}"
-    summary = _summary(cfg, fns, metrics, start, step, first_loss, compile_s, ckpt, hw, devices, read)
-    return TrainResult(cfg, metrics, fns.to_canonical(state.params), graphdef, folder.path,
+    summary = _summary(run.cfg, fns, metrics, start, step, meter.first_loss, run.compile_s, ckpt, meter.hw,
+                       meter.devices, read)
+    return TrainResult(run.cfg, metrics, fns.to_canonical(state.params), run.graphdef, run.folder.path,
                        resumed_from=start or None, summary=summary,
-                       extra={"compile_s": compile_s, "epochs": data.epochs(t.steps), **fns.info})
+                       extra={"compile_s": run.compile_s, "epochs": data.epochs(t.steps), **fns.info})
 
 
 def _summary(cfg: Config, fns: StepFns, metrics: list[dict], start: int, step: int, first_loss: float | None,
