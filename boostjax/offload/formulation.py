@@ -25,6 +25,31 @@ def _mem_unit(inst: PlanInstance) -> int:
     return 1 << max(0, int(math.floor(math.log2(max(top, 1.0) / 2 ** 26))))
 
 
+class _Windows:
+    """Per-window terms `(coefficient, literal)` the parts of `_Model` add to: transfers each way,
+    inner and boundary recompute, memory held, and constants (relaxation hiding, resident bytes)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.h2d: list[list] = [[] for _ in range(n)]
+        self.d2h: list[list] = [[] for _ in range(n)]
+        self.rec: list[list] = [[] for _ in range(n)]  # inner recompute (objective, and hiding unless relaxed)
+        self.regen_rec: list[list] = [[] for _ in range(n)]  # boundary regeneration
+        self.hide_extra = [0] * n  # relaxation: constant hiding capacity instead of the inner recompute
+        self.mem: list[list] = [[] for _ in range(n)]
+        self.const = [0] * n
+
+    def hold(self, a: int, b: int, coef: int, lit) -> None:
+        """`coef` units resident in windows a..b (clipped to the windows) while `lit` holds."""
+        for w in range(max(a, 0), min(b, self.n - 1) + 1):
+            self.mem[w].append((coef, lit))
+
+
+def _us(sec: float) -> int:
+    """Seconds as integer microseconds."""
+    return int(round(sec * 1e6))
+
+
 class _Model:
     """The CP-SAT formulation. Time in integer microseconds, memory in `unit` bytes (rounded up, the
     budget rounded down, so a plan the model accepts fits exactly). Per-window traffic, recompute and
@@ -38,26 +63,35 @@ class _Model:
     def __init__(self, inst: PlanInstance, min_peak: bool = False, relax: bool = False):
         """`relax=True`: every B_k window hides transfers under its largest possible inner recompute
         (a lower bound of the true objective), which makes identical consecutive layers swappable, so
-        their inner options are ordered by saved bytes (symmetry breaking, valid for the relaxation)."""
+        their inner options are ordered by saved bytes (symmetry breaking, valid for the relaxation).
+        The parts are added in a fixed order (variables and constraints numbered alike every time)."""
         self.inst, self.m = inst, cp_model.CpModel()
-        m, L, W = self.m, inst.n_layers, n_windows(inst.n_layers)
-        T, unit = head_window(L), _mem_unit(inst)
-        self.unit = unit
-        us = lambda sec: int(round(sec * 1e6))  # noqa: E731
-        mu = lambda b: int(math.ceil(b / unit - 1e-9))  # noqa: E731
-        h2d = [[] for _ in range(W)]
-        d2h = [[] for _ in range(W)]
-        rec = [[] for _ in range(W)]  # inner recompute (objective, and hiding unless relaxed)
-        regen_rec = [[] for _ in range(W)]  # boundary regeneration
-        hide_extra = [0] * W  # relaxation: constant hiding capacity instead of the inner recompute
-        mem = [[] for _ in range(W)]
-        const = [0] * W
+        self.unit = _mem_unit(inst)
+        win = _Windows(n_windows(inst.n_layers))
+        static = self._add_parameter_modes(win)
+        static_var = self.m.NewIntVar(0, sum(c for c, _ in static), "static")
+        self.m.Add(static_var == sum(c * v for c, v in static))
+        flat_ok = flat_allowed(inst)
+        self._add_inner_options(win, flat_ok)
+        flat_cover = self._add_boundaries(win, flat_ok)
+        self._add_flow_and_options(flat_cover)
+        if relax:
+            self._break_symmetry(flat_cover)
+        obj = self._add_stalls(win, relax)
+        self.mem_exprs = [win.const[w] + static_var + sum(c * v for c, v in win.mem[w]) for w in range(win.n)]
+        self._add_host_budget()
+        self._set_objective(win, static, obj, min_peak)
 
-        def hold(a: int, b: int, coef: int, lit) -> None:
-            for w in range(max(a, 0), min(b, W - 1) + 1):
-                mem[w].append((coef, lit))
+    def _mu(self, b: float) -> int:
+        """Bytes in memory units, rounded up."""
+        return int(math.ceil(b / self.unit - 1e-9))
 
-        # parameter modes and their transfers
+    def _add_parameter_modes(self, win: _Windows) -> list[tuple[int, object]]:
+        """Each layer's parameter mode and, for host-kept ones, the lead / lag of their transfers;
+        returns the static memory terms of the modes."""
+        inst, m, mu, hold = self.inst, self.m, self._mu, win.hold
+        L, h2d, d2h = inst.n_layers, win.h2d, win.d2h
+        W = win.n
         self.mode = [{md: m.NewBoolVar(f"mode{k}_{md}") for md in inst.param_modes} for k in range(L)]
         self.pf, self.pb, self.gs = [], [], []
         static = []
@@ -67,8 +101,8 @@ class _Model:
             static += [(mu(inst.mode_device_bytes[k][MODES.index(md)]), v) for md, v in mv.items()]
             if "device" in mv:
                 hold(B, W - 1, mu(inst.grad_device_bytes[k]), mv["device"])
-            t_s, sm = us(inst.stream_bytes[k] / inst.h2d_bytes_per_s), mu(inst.stream_mem_bytes[k])
-            t_g = us(inst.stream_bytes[k] / inst.d2h_bytes_per_s)
+            t_s, sm = _us(inst.stream_bytes[k] / inst.h2d_bytes_per_s), mu(inst.stream_mem_bytes[k])
+            t_g = _us(inst.stream_bytes[k] / inst.d2h_bytes_per_s)
             pf = {(md, ld): m.NewBoolVar(f"pf{k}_{md}_{ld}") for md in ("opt-host", "host") if md in mv
                   for ld in range(1, min(inst.h2d_lead, k + 1) + 1)}
             pb = {ld: m.NewBoolVar(f"pb{k}_{ld}") for ld in range(1, inst.h2d_lead + 1)} if "host" in mv else {}
@@ -96,37 +130,44 @@ class _Model:
             for k in range(1, L):
                 for md in inst.param_modes:
                     m.Add(self.mode[k][md] == self.mode[0][md])
-        static_var = m.NewIntVar(0, sum(c for c, _ in static), "static")
-        m.Add(static_var == sum(c * v for c, v in static))
+        return static
 
-        # inner options: exactly one per layer, or none when a flat segment contains the layer (the
-        # flat edge literal then carries the segment's recompute)
-        flat_ok = flat_allowed(inst)
-        i_all = inst.option_names.index(ALL) if flat_ok else -1
-        i_bnd = inst.option_names.index(BOUNDARY) if flat_ok else -1
+    def _add_inner_options(self, win: _Windows, flat_ok: bool) -> None:
+        """Each layer's inner activation option (exactly one, or none when a flat segment contains the
+        layer: the flat edge literal then carries the segment's recompute), its bytes and recompute;
+        the windows' constant bytes."""
+        inst, m, mu = self.inst, self.m, self._mu
+        L = inst.n_layers
+        self.i_all = inst.option_names.index(ALL) if flat_ok else -1
+        self.i_bnd = inst.option_names.index(BOUNDARY) if flat_ok else -1
         self.opt, self.inner_bytes = [], []
         for k in range(L):
             ov = [m.NewBoolVar(f"opt{k}_{j}") for j in range(len(inst.option_names))]
             self.opt.append(ov)
             F, B = fwd_window(k), bwd_window(L, k)
-            rec[B] += [(us(inst.option_recompute_s[k][j]), v) for j, v in enumerate(ov)]
-            hide_extra[B] = max(us(x) for x in inst.option_recompute_s[k])
+            win.rec[B] += [(_us(inst.option_recompute_s[k][j]), v) for j, v in enumerate(ov)]
+            win.hide_extra[B] = max(_us(x) for x in inst.option_recompute_s[k])
             ib = [mu(inst.option_bytes[k][j]) for j in range(len(ov))]
             iv = m.NewIntVar(0, max(ib), f"inner{k}")
             m.Add(iv == sum(c * v for c, v in zip(ib, ov)))
-            hold(F + 1, B - 1, 1, iv)
+            win.hold(F + 1, B - 1, 1, iv)
             self.inner_bytes.append(iv)
-            const[F] += mu(inst.boundary_bytes[k] + inst.work_fwd_bytes[k])
-            const[B] += mu(inst.work_bwd_bytes[k])
-        const[T] += mu(inst.head_work_bytes)
-        const = [c + mu(inst.fixed_bytes) for c in const]
+            win.const[F] += mu(inst.boundary_bytes[k] + inst.work_fwd_bytes[k])
+            win.const[B] += mu(inst.work_bwd_bytes[k])
+        win.const[head_window(L)] += mu(inst.head_work_bytes)
+        win.const[:] = [c + mu(inst.fixed_bytes) for c in win.const]
 
-        # boundaries: path edges (s, e) with placement of s and the fetch lead on the edge
+    def _add_boundaries(self, win: _Windows, flat_ok: bool) -> list[list]:
+        """The boundaries: path edges (s, e) with the placement of s and the fetch lead on the edge
+        (their regeneration and its memory), and each boundary's device / host choice and offload lag.
+        Returns the flat edges containing each layer."""
+        inst, m, mu, hold = self.inst, self.m, self._mu, win.hold
+        L, T, h2d, d2h, mem = inst.n_layers, head_window(inst.n_layers), win.h2d, win.d2h, win.mem
         self.yD, self.yH, self.ye, self.yF = {}, {}, {}, {}
         flat_cover: list[list] = [[] for _ in range(L)]  # flat edges containing layer k
         self.zD, self.zH, self.lag = [], [], []
         for s in range(L):
-            A, tA = mu(inst.boundary_bytes[s]), us(inst.boundary_bytes[s] / inst.h2d_bytes_per_s)
+            A, tA = mu(inst.boundary_bytes[s]), _us(inst.boundary_bytes[s] / inst.h2d_bytes_per_s)
             F, B = fwd_window(s), bwd_window(L, s)
             for e in range(s + 1, min(L, s + inst.max_segment) + 1):
                 need = bwd_window(L, e - 1)
@@ -140,7 +181,7 @@ class _Model:
                     hold(need - ld, B, A, v)
                 regen = sum(inst.fwd_s[s:e - 1])
                 if e - s >= 2:
-                    regen_rec[need].append((us(regen), ye))
+                    win.regen_rec[need].append((_us(regen), ye))
                     acc = 0
                     for mid in range(s + 1, e):  # regenerated boundaries s+1..mid resident in B_mid
                         acc += mu(inst.boundary_bytes[mid])
@@ -150,10 +191,10 @@ class _Model:
                         m.Add(yf <= ye)
                         for k in range(s, e):
                             flat_cover[k].append(yf)
-                        rec[need].append((us(inst.option_recompute_s[e - 1][i_bnd]), yf))  # last layer
+                        win.rec[need].append((_us(inst.option_recompute_s[e - 1][self.i_bnd]), yf))  # last layer
                         acc = 0
                         for mid in range(s + 1, e):  # full tensors of layers s..mid-1 resident in B_mid
-                            acc += mu(inst.option_bytes[mid - 1][i_all])
+                            acc += mu(inst.option_bytes[mid - 1][self.i_all])
                             mem[bwd_window(L, mid)].append((acc, yf))
             zd, zh = m.NewBoolVar(f"zD{s}"), m.NewBoolVar(f"zH{s}")
             m.Add(zd == sum(self.yD[s, e] for e in range(s + 1, min(L, s + inst.max_segment) + 1)))
@@ -164,10 +205,15 @@ class _Model:
             lags = {g: m.NewBoolVar(f"lag{s}_{g}") for g in range(inst.d2h_lag) if F + g <= fwd_window(L - 1)}
             m.Add(sum(lags.values()) == zh)
             self.lag.append(lags)
-            t_d = us(inst.boundary_bytes[s] / inst.d2h_bytes_per_s)
+            t_d = _us(inst.boundary_bytes[s] / inst.d2h_bytes_per_s)
             for g, v in lags.items():
                 d2h[F + g].append((t_d, v))
                 hold(F + 1, F + g, A, v)
+        return flat_cover
+
+    def _add_flow_and_options(self, flat_cover: list[list]) -> None:
+        """Flow conservation on the boundary path, and one inner option per layer outside flat segments."""
+        inst, m, L = self.inst, self.m, self.inst.n_layers
         for v in range(1, L + 1):  # flow conservation: a node is materialised iff one edge enters it
             incoming = [self.ye[s, v] for s in range(max(0, v - inst.max_segment), v)]
             m.Add(sum(incoming) == (1 if v == L else self.zD[v] + self.zH[v]))
@@ -178,28 +224,35 @@ class _Model:
                 m.AddExactlyOne(self.opt[k] + [cov])
             else:
                 m.AddExactlyOne(self.opt[k])
-        if relax:  # identical consecutive layers outside flat segments: bigger saved sets later
-            for k in range(1, L):
-                if _same_layer(inst, k - 1, k):
-                    c = m.Add(self.inner_bytes[k - 1] <= self.inner_bytes[k])
-                    if flat_cover[k - 1] or flat_cover[k]:  # only between layers outside flat segments
-                        nf = [m.NewBoolVar(f"nf{j}") for j in (k - 1, k)]
-                        for lit, j in zip(nf, (k - 1, k)):
-                            m.Add(lit == sum(self.opt[j]))
-                        c.OnlyEnforceIf(nf)
 
-        # windows: stalls, memory
-        base = [us(x) for x in base_durations(inst)]
+    def _break_symmetry(self, flat_cover: list[list]) -> None:
+        """The relaxation: identical consecutive layers outside flat segments keep bigger saved sets later."""
+        inst, m = self.inst, self.m
+        for k in range(1, inst.n_layers):
+            if _same_layer(inst, k - 1, k):
+                c = m.Add(self.inner_bytes[k - 1] <= self.inner_bytes[k])
+                if flat_cover[k - 1] or flat_cover[k]:  # only between layers outside flat segments
+                    nf = [m.NewBoolVar(f"nf{j}") for j in (k - 1, k)]
+                    for lit, j in zip(nf, (k - 1, k)):
+                        m.Add(lit == sum(self.opt[j]))
+                    c.OnlyEnforceIf(nf)
+
+    def _add_stalls(self, win: _Windows, relax: bool) -> list[tuple[int, object]]:
+        """Each window's stall (transfers beyond its compute and the recompute that hides them);
+        returns the objective's terms: recompute and stalls."""
+        m = self.m
+        base = [_us(x) for x in base_durations(self.inst)]
         self.stall = []
         obj = []
-        for w in range(W):
-            obj += rec[w] + regen_rec[w]
-            hide = regen_rec[w] + ([] if relax else rec[w])
-            rec_e = sum(c * v for c, v in hide) + (hide_extra[w] if relax else 0)
-            if h2d[w] or d2h[w]:
-                ub = max(sum(c for c, _ in h2d[w]), sum(c for c, _ in d2h[w]))
+        for w in range(win.n):
+            h2d, d2h = win.h2d[w], win.d2h[w]
+            obj += win.rec[w] + win.regen_rec[w]
+            hide = win.regen_rec[w] + ([] if relax else win.rec[w])
+            rec_e = sum(c * v for c, v in hide) + (win.hide_extra[w] if relax else 0)
+            if h2d or d2h:
+                ub = max(sum(c for c, _ in h2d), sum(c for c, _ in d2h))
                 st = m.NewIntVar(0, ub, f"stall{w}")
-                for terms in (h2d[w], d2h[w]):
+                for terms in (h2d, d2h):
                     if terms:
                         m.Add(st >= sum(c * v for c, v in terms) - base[w] - rec_e)
                         big = [(c - base[w], v) for c, v in terms if c > base[w]]
@@ -207,20 +260,29 @@ class _Model:
                             m.Add(st >= sum(c * v for c, v in big) - rec_e)
                 self.stall.append(st)
                 obj.append((1, st))
-        self.mem_exprs = [const[w] + static_var + sum(c * v for c, v in mem[w]) for w in range(W)]
+        return obj
+
+    def _add_host_budget(self) -> None:
+        """Host memory of host-kept parameters and boundaries within the host budget (if any)."""
+        inst, mu, L = self.inst, self._mu, self.inst.n_layers
         if inst.host_budget_bytes > 0:
             host_terms = [(mu(inst.mode_host_bytes[k][MODES.index(md)]), v)
                           for k in range(L) for md, v in self.mode[k].items()]
             host_terms += [(mu(inst.boundary_bytes[k]), self.zH[k]) for k in range(L)]
-            m.Add(sum(c * v for c, v in host_terms) <= int(math.floor(inst.host_budget_bytes / unit + 1e-9)))
+            self.m.Add(sum(c * v for c, v in host_terms) <= int(math.floor(inst.host_budget_bytes / self.unit + 1e-9)))
+
+    def _set_objective(self, win: _Windows, static: list, obj: list, min_peak: bool) -> None:
+        """`min_peak`: minimise the peak window memory; else every window within the budget, minimise
+        recompute plus stalls."""
+        m = self.m
         if min_peak:
-            top = sum(const) + sum(c for c, _ in static) + sum(c for w in range(W) for c, _ in mem[w])
+            top = sum(win.const) + sum(c for c, _ in static) + sum(c for w in range(win.n) for c, _ in win.mem[w])
             self.peak = m.NewIntVar(0, top, "peak")
             for e in self.mem_exprs:
                 m.Add(self.peak >= e)
             m.Minimize(self.peak)
         else:
-            cap = int(math.floor(inst.budget_bytes / unit + 1e-9))
+            cap = int(math.floor(self.inst.budget_bytes / self.unit + 1e-9))
             for e in self.mem_exprs:
                 m.Add(e <= cap)
             self.obj_expr = sum(c * v for c, v in obj)
