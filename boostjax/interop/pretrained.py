@@ -487,7 +487,7 @@ def initial_params(cfg: Config, init: Any = None, corpus: Corpus | None = None) 
             raise _err(f"the weights of {path} have other shapes than its config.json says; fix: re-export "
                        "the checkpoint")
     else:
-        dense = _pure(init)
+        dense = _as_pure_dict(init)
         source = {"source": "python", "format": "params"}
     if not m.low_rank or _fits(m, dense):
         check_params(m, dense, "train.init")
@@ -580,8 +580,8 @@ def _fits(m: ModelConfig, params: Any) -> bool:
     return True
 
 
-def _pure(init: Any) -> Any:
-
+def _as_pure_dict(init: Any) -> Any:
+    """`init` as a pure params dict: an `LLaMA`'s or an `nnx.State`'s parameters, else `init` itself."""
     if isinstance(init, LLaMA):
         return nnx.to_pure_dict(nnx.state(init, nnx.Param))
     if isinstance(init, nnx.State):
