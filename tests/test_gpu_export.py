@@ -1,4 +1,4 @@
-"""The training step lowered for CUDA on this CPU (experiments/gpu_export.py's readers; no GPU, no CUDA
+"""The training step lowered for CUDA on this CPU (experiments/gpu/gpu_export.py's readers; no GPU, no CUDA
 plugin): the attention path `auto` takes for a CUDA target, bf16 GEMM operands, the collectives one layer
 adds (the same in the CUDA and the CPU lowering) and the pinned_host placements of an offload plan."""
 
@@ -13,7 +13,7 @@ from boostjax.config import Config, ModelConfig, TrainConfig, validate
 from boostjax.models import attention
 from boostjax.offload.costmodel import build_instance
 from boostjax.offload.planner import Decisions, make_plan
-from experiments import gpu_export as gx
+from experiments.gpu import gpu_export as gx
 
 
 # t = 48 differs from every other dimension (d / TP = 32, vocabulary / TP = 64, heads, ranks), so a

@@ -19,8 +19,8 @@ rematerialised layers; the remat policies' decisions per checkpoint_name come fr
 do not survive lowering). `--deviceless` (needs `jax-cuda12-plugin` with CUDA libraries, in a separate
 environment) also tries to compile the lowered module for an H100 target description without a device.
 
-    python -m experiments.gpu_export               # ~10 min on a shared 2-core CPU
-    python -m experiments.gpu_export --quick       # (a) at seq 2048, no CPU compile comparison
+    python -m experiments.gpu.gpu_export               # ~10 min on a shared 2-core CPU
+    python -m experiments.gpu.gpu_export --quick       # (a) at seq 2048, no CPU compile comparison
 
 Writes experiments/results/gpu_export.{json,md} (or `--out DIR`).
 """
@@ -327,7 +327,8 @@ def seven_b(seq: int, full_depth: bool, compare: bool, log) -> dict[str, Any]:
             if v["count"] != found[1]["collectives"].get(k, {}).get("count", 0)
             or v["bytes"] != found[1]["collectives"].get(k, {}).get("bytes", 0)}
         res["cpu_compile_two_layers"] = found[2] | {"compile_s": round(time.perf_counter() - t0, 1)}
-        res["expected_per_layer"] = expected_per_layer(cfg.model, p["strategy"], p["batch"] * seq, "bfloat16")
+        res["expected_per_layer"] = expected_per_layer(cfg.model, p["strategy"], p["batch"] * seq, "bfloat16",
+                                                       cfg.train.mesh.model)
         log(f"CPU compile, 1 and 2 layers: {time.perf_counter() - t0:.0f} s")
     return res
 
@@ -627,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
             path, words = (args.plan, ["plan", "--out", args.plan]) if args.plan else make_plan(tmp, args.plan_time_limit, log)
             res["offloaded"] = offloaded(path, words, log)
     res["wall_s"] = round(time.perf_counter() - t0)
-    res["command"] = "python -m experiments.gpu_export" + ("".join(f" {shlex.quote(a)}" for a in argv or sys.argv[1:]))
+    res["command"] = "python -m experiments.gpu.gpu_export" + ("".join(f" {shlex.quote(a)}" for a in argv or sys.argv[1:]))
     write(args.out, "gpu_export", res, markdown(res))
     log(f"wrote {args.out}/gpu_export.json and .md ({res['wall_s']} s)")
     return 0
