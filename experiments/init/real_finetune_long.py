@@ -140,7 +140,8 @@ def markdown(res: dict) -> str:
     tokens = s["steps"] * s["batch"] * s["seq"]
     lines = [
         "# How close a compressed SmolLM2-135M gets: a long fine-tune, with and without distillation", "",
-        f"Command: `{res['command']}`  ",
+        f"Command: `{res['command']}` (the last invocation; rows may come from earlier ones with `--rows`, and "
+        "each row's own `boostjax train` command is in the JSON)  ",
         f"Wall time: {res['wall_s'] / 60:.1f} min over the rows below ({res['platform']}); rows finished by an "
         "earlier invocation keep their own times.", "",
         "## Setup", "",
