@@ -576,6 +576,25 @@ def fine_tune(ctx: Context, row: Row, memory: dict | None = None, config=None,
     return out
 
 
+def record_row(res: dict, name: str, save, run) -> dict | None:
+    """`run()`'s row, kept in res["rows"][name] and saved; a row whose loss diverged is reported under
+    res["failed"] instead (None), and the other rows still run."""
+    from boostjax import NonFiniteLoss
+
+    try:
+        r = run()
+    except NonFiniteLoss as e:
+        res.setdefault("failed", {})[name] = str(e)
+        common.log(f"{name}: {e}")
+        save()
+        return None
+    res.get("failed", {}).pop(name, None)
+    res["rows"][name] = r
+    res["wall_s"] = round(res["wall_s"] + r["wall_s"], 1)
+    save()
+    return r
+
+
 def teacher_record(run_dir: pathlib.Path) -> dict:
     """{"teacher": the run's teacher.json (path, fingerprint, params, param and logits bytes)}, or {}."""
     path = run_dir / "teacher.json"
@@ -1005,7 +1024,6 @@ def main(argv: list[str] | None = None) -> None:
 
     import jax
 
-    from boostjax import NonFiniteLoss
 
     runs = CACHE / "runs" / f"{name}-{s.key()}"
     runs.mkdir(parents=True, exist_ok=True)
@@ -1051,17 +1069,10 @@ def main(argv: list[str] | None = None) -> None:
         common.log(f"{row.name}: {row.label}" + (f": {command_of(flags)}" if row.kind else ""))
         twin = next((r for r in res["rows"].values() if r.get("kind") == row.kind and r.get("budget") == row.budget
                      and "memory" in r), None)  # the same model from the other start: the same step
-        try:
-            r = zero_shot(ctx, row) if row.kind is None else fine_tune(ctx, row, twin and twin["memory"])
-        except NonFiniteLoss as e:  # the other rows still run; this one is reported, not written as done
-            res.setdefault("failed", {})[row.name] = str(e)
-            common.log(f"{row.name}: {e}")
-            save()
+        r = record_row(res, row.name, save, lambda: zero_shot(ctx, row) if row.kind is None
+                       else fine_tune(ctx, row, twin and twin["memory"]))
+        if r is None:
             continue
-        res.get("failed", {}).pop(row.name, None)
-        res["rows"][row.name] = r
-        res["wall_s"] = round(res["wall_s"] + r["wall_s"], 1)
-        save()
         common.log(f"{row.name}: held-out ppl {_ppl(r['before'])} -> {_ppl(r['after'])}, bits/byte "
                        f"{r['before']['bpb']:.3f} -> {r['after']['bpb']:.3f}, {r['wall_s']:.0f} s"
                        + (f", step {r['step_s']:.2f} s, compile {r['compile_s']:.0f} s, peak "

@@ -318,7 +318,6 @@ def main(argv: list[str] | None = None) -> None:
     meta = rf.token_folder(texts, hf, data)
     import jax
 
-    from boostjax import NonFiniteLoss
 
     runs = rf.CACHE / "runs" / f"{name}-{s.key()}"
     runs.mkdir(parents=True, exist_ok=True)
@@ -345,17 +344,9 @@ def main(argv: list[str] | None = None) -> None:
             continue
         common.log(f"{row.name}: {row.label}")
         t0 = time.perf_counter()
-        try:
-            r = run_row(ctx, row, res)
-        except NonFiniteLoss as e:
-            res.setdefault("failed", {})[row.name] = str(e)
-            common.log(f"{row.name}: {e}")
-            save()
+        r = rf.record_row(res, row.name, save, lambda: run_row(ctx, row, res))
+        if r is None:
             continue
-        res.get("failed", {}).pop(row.name, None)
-        res["rows"][row.name] = r
-        res["wall_s"] = round(res["wall_s"] + r["wall_s"], 1)
-        save()
         common.log(f"{row.name}: held-out ppl {rf._ppl(r['before'])} -> {rf._ppl(r['after'])} in "
                        f"{(time.perf_counter() - t0) / 60:.1f} min")
     save()
