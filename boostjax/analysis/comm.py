@@ -220,7 +220,8 @@ def _sub_axes(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
-def _others(cs: list[hlo.Collective]) -> dict[str, dict[str, int]]:
+def _non_allreduce_collectives(cs: list[hlo.Collective]) -> dict[str, dict[str, int]]:
+    """Per collective kind other than all-reduce (trivial ones skipped): count, logical and compiled bytes."""
     out: dict[str, dict[str, int]] = {}
     for c in cs:
         if c.kind == "all-reduce" or c.trivial:
@@ -232,7 +233,8 @@ def _others(cs: list[hlo.Collective]) -> dict[str, dict[str, int]]:
     return out
 
 
-def _diff_others(a: dict, b: dict) -> dict[str, dict[str, int]]:
+def _collectives_added(a: dict, b: dict) -> dict[str, dict[str, int]]:
+    """`a - b` per kind and field (e.g. a 2-layer program's collectives less a 1-layer one's: one layer's)."""
     out = {}
     for kind in sorted(set(a) | set(b)):
         d = {k: a.get(kind, {}).get(k, 0) - b.get(kind, {}).get(k, 0) for k in ("count", "bytes", "bytes_compiled")}
@@ -446,9 +448,10 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
         "forward_allreduce_bytes_per_layer_by_axis": _sub_axes(ar["fwd2"]["by_axis"], ar["fwd1"]["by_axis"]),
         "forward_allreduces_per_layer": _layer_collectives(cs["fwd2"], cs["fwd1"]),
         "allreduces_per_layer": _layer_collectives(cs["step2"], cs["step1"]),
-        "other_collectives": _others(cs["step"]),
-        "forward_other_collectives": _others(cs["fwd"]),
-        "other_collectives_per_layer": _diff_others(_others(cs["step2"]), _others(cs["step1"])),
+        "other_collectives": _non_allreduce_collectives(cs["step"]),
+        "forward_other_collectives": _non_allreduce_collectives(cs["fwd"]),
+        "other_collectives_per_layer": _collectives_added(_non_allreduce_collectives(cs["step2"]),
+                                                          _non_allreduce_collectives(cs["step1"])),
         "data_parallel": dp,
         **{k: full.parts[k] for k in MEMORY_KEYS},
         "train": dict(train_fields),

@@ -101,7 +101,6 @@ def _eval_start(args: argparse.Namespace) -> int:
     `--init-factor` fits the training split of `--data`, encoded with the model's tokenizer)."""
     from boostjax.config import validate as validate_fields
     from boostjax.data import tokenize as tz
-    from boostjax.data.corpus import Corpus
     from boostjax.data.source import resolve_source
     from boostjax.inference.evaluation import eval_data
     from boostjax.interop import pretrained
@@ -141,18 +140,7 @@ def _eval_start(args: argparse.Namespace) -> int:
         except ConfigError as e:
             raise ConfigError("eval.data: " + str(e).removeprefix(f"{pretrained.SOURCE_FIELD}: ")) from None
     d = eval_data(tok, args.data, args.split, args.doc_sep, dtype, args.text_field)
-    corpus = None
-    if cfg.model.low_rank:  # factored as train factors it; the output errors measured on the scored tokens
-        train = d.tokens
-        if cfg.train.init_factor in CALIBRATED_FACTORS:
-            train = d.tokens if d.split == "train" else eval_data(tok, args.data, "train", args.doc_sep, dtype,
-                                                                    args.text_field).tokens
-            if cfg.train.calib_tokens > len(train):
-                raise ConfigError(f"eval.calib_tokens: {cfg.train.calib_tokens} calibration tokens exceed the "
-                                  f"{len(train)} tokens of the training split of {args.data}; fix: pass "
-                                  f"--calib-tokens {len(train)} or fewer (0 = the default or the whole split)")
-        as_ids = lambda a: a if a.dtype.name in ("uint8", "uint16", "uint32") else a.astype(np.uint32)  # noqa: E731
-        corpus = Corpus(as_ids(np.asarray(train)), as_ids(np.asarray(d.tokens)), d.name)
+    corpus = _factoring_corpus(args, cfg, tok, d, dtype) if cfg.model.low_rank else None
     from boostjax.inference.evaluation import evaluate  # starts JAX
     from boostjax.interop.hf import build_model
 
@@ -180,6 +168,27 @@ def _eval_start(args: argparse.Namespace) -> int:
             else f"the pretrained start {path}")
     _print(args.json, res, d.scored, what)
     return 0
+
+
+def _factoring_corpus(args: argparse.Namespace, cfg, tok, d, dtype: str):
+    """The `Corpus` a low-rank start is factored on, as train factors it: a calibrated `--init-factor` fits
+    the training split of `--data`; the output errors are measured on the scored tokens `d`."""
+    from boostjax.data.corpus import Corpus
+    from boostjax.inference.evaluation import eval_data
+
+    train = d.tokens
+    if cfg.train.init_factor in CALIBRATED_FACTORS:
+        train = d.tokens if d.split == "train" else eval_data(tok, args.data, "train", args.doc_sep, dtype,
+                                                                args.text_field).tokens
+        if cfg.train.calib_tokens > len(train):
+            raise ConfigError(f"eval.calib_tokens: {cfg.train.calib_tokens} calibration tokens exceed the "
+                              f"{len(train)} tokens of the training split of {args.data}; fix: pass "
+                              f"--calib-tokens {len(train)} or fewer (0 = the default or the whole split)")
+
+    def as_ids(a):
+        return a if a.dtype.name in ("uint8", "uint16", "uint32") else a.astype(np.uint32)
+
+    return Corpus(as_ids(np.asarray(train)), as_ids(np.asarray(d.tokens)), d.name)
 
 
 def _relation(run: str, cfg, data: str, dtype: str, split: str) -> tuple[bool | None, str]:

@@ -348,7 +348,7 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
         raise NothingFits(_shortfall(c, p["peak_bytes_per_device"], budget, cl, "a predicted"))
     ranked.sort(key=lambda cp: (cp[1]["step_s"], cp[1]["peak_bytes_per_device"]))
     def row(c: Candidate, p: dict, plan: Any = None) -> dict[str, Any]:
-        return _row(model, c, p, seq, dtype, optimizer, cl, preset_name, plan, offload_dir, run_args)
+        return _candidate_row(model, c, p, seq, dtype, optimizer, cl, preset_name, plan, offload_dir, run_args)
 
     rows = [row(c, p, plans.get(c)) for c, p in ranked]
     _why(rows)
@@ -381,8 +381,10 @@ def _measure_top(model, rows: list[dict], k: int, rounds: int, seq: int, dtype: 
             "winner": best["label"], "predicted_first": rows[0]["label"]}
 
 
-def _row(model, c: Candidate, p: dict, seq, dtype, optimizer, cl, preset_name, plan=None,
-         offload_dir: str = ".", run_args: Sequence[str] = RUN_PLACEHOLDERS) -> dict[str, Any]:
+def _candidate_row(model, c: Candidate, p: dict, seq, dtype, optimizer, cl, preset_name, plan=None,
+                   offload_dir: str = ".", run_args: Sequence[str] = RUN_PLACEHOLDERS) -> dict[str, Any]:
+    """One table row of the plan: the candidate, its prediction `p`, its offload plan (written to
+    `offload_dir`) and the commands that run it."""
     row = {"label": c.label + (" +offload" if plan is not None else ""), **asdict(c), **p}
     if plan is None:
         return {**row, **commands(model, c, seq, dtype, optimizer, cl, preset_name, run_args=run_args)}
