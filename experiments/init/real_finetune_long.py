@@ -268,6 +268,12 @@ def run_row(ctx, row: LongRow, res: dict) -> dict:
     return r | {"distill": row.distill, "init_factor": row.init_factor if row.kind != "llama" else None}
 
 
+def refuse(msg: str) -> None:
+    """One line on stderr, exit status 2 (before anything is read or written)."""
+    print(f"{NAME}: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a few steps per row (a smoke run): <name>_quick.*")
@@ -299,18 +305,18 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, k) is not None})
     for k in ("seq", "batch", "eval_every", "eval_batches", "calib_tokens"):
         if getattr(s, k) < 1:
-            p.error(f"--{k.replace('_', '-')} must be >= 1")
+            refuse(f"--{k.replace('_', '-')} is {getattr(s, k)}; fix: pass a value >= 1")
     if args.tokens is not None:
         if args.tokens < 1:
-            p.error("--tokens must be >= 1")
+            refuse(f"--tokens is {args.tokens}; fix: pass a token budget >= 1 (e.g. 204800)")
         s = dataclasses.replace(s, steps=-(-args.tokens // (s.batch * s.seq)))
     names = {r.name for r in planned_rows()}
     unknown = sorted(set(filter(None, args.rows.split(","))) - names)
     if unknown:
-        p.error(f"no row {unknown[0]!r}; pass --rows with names from {', '.join(sorted(names))}")
+        refuse(f"no row {unknown[0]!r}; fix: --rows with names from {', '.join(sorted(names))}")
     res: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     if res and res.get("settings") != json.loads(json.dumps(dataclasses.asdict(s))):
-        p.error(f"{path} holds rows of other settings; pass the same flags as before, or move that file away")
+        refuse(f"{path} holds rows of other settings; fix: the same flags as before, or move that file away")
 
     gguf, texts = rf.find_inputs()
     hf = pathlib.Path(args.hf_folder) if args.hf_folder else rf.hf_folder(gguf, rf.CACHE / "smollm2-hf")

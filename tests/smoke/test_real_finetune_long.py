@@ -56,3 +56,15 @@ def test_report_from_a_stored_result():
     assert "+ teacher 0.50 GiB params" in line
     assert "Not run yet" in md and "cola75-kd" in md
     assert rf._ppl({"ppl": 43.0}) == "43.00"
+
+
+def test_bad_flags_one_line_exit_2(capsys, tmp_path):
+    import pytest
+
+    for argv, needle in ((["--tokens", "0"], "--tokens is 0"), (["--eval-every", "0"], "--eval-every is 0"),
+                         (["--rows", "nope"], "no row 'nope'")):
+        with pytest.raises(SystemExit) as e:
+            rfl.main([*argv, "--out", str(tmp_path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and needle in err[0] and "fix:" in err[0], err
+    assert not list(tmp_path.iterdir())
