@@ -339,6 +339,68 @@ def _gathered_elements_per_token(model: ModelConfig, strategy: str) -> int:
     return sum(shape[0] for name, shape in param_shapes(model, block=True).items() if axes[name][0] == "dense_in")
 
 
+def _checked_mesh(mesh: MeshShape | str, dtype: str, remat: str) -> MeshShape:
+    """The mesh of `comm_report` (a `--mesh` string read here, once), after its dtype and remat are checked."""
+    mesh = as_mesh(mesh, "comm.mesh")
+    if mesh is None:
+        raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
+    if dtype not in _ITEMSIZE:
+        raise ConfigError(f"comm.dtype: unknown dtype {dtype!r}; fix: use float32 or bfloat16")
+    if remat not in REMAT:
+        raise ConfigError(f"comm.remat: unknown remat {remat!r}; fix: use one of {', '.join(REMAT)}")
+    return mesh
+
+
+def _write_hlo(folder: str, strategy: str, full) -> None:
+    """`<folder>/<strategy>.hlo.txt` (the step) and `<strategy>.fwd.hlo.txt` (the forward loss)."""
+    os.makedirs(folder, exist_ok=True)
+    for suffix, text in ((".hlo.txt", full.step_text), (".fwd.hlo.txt", full.fwd_text)):
+        with open(os.path.join(folder, strategy + suffix), "w") as fh:
+            fh.write(text)
+
+
+def _against_zero0(dp: dict, ref: dict, unsplit) -> dict[str, Any]:
+    """A ZeRO step's data-parallel reductions against the same step replicated (`ref`, ZeRO 0)."""
+    ratio = dp["reduce_ring_bytes"] / ref["reduce_ring_bytes"] if ref["reduce_ring_bytes"] else 0.0
+    return {"zero0_reduce_ring_bytes": ref["reduce_ring_bytes"], "reduce_vs_zero0": ratio,
+            "unsplit_gradients": {name: list(s) for name, s in unsplit}}
+
+
+def _layer_diff(ar: dict):
+    """(a, b, field) -> ar[a][field] - ar[b][field]: one layer's share, from a 2- and a 1-layer program."""
+    return lambda a, b, k: ar[a][k] - ar[b][k]
+
+
+def _allreduce_fields(ar: dict, cs: dict, emitted_per_layer: int) -> dict[str, Any]:
+    """The report's all-reduce fields: whole step and forward, per layer (2-layer minus 1-layer programs),
+    by mesh axis, and the per-layer all-reduces themselves. `emitted_per_layer`: what JAX emits per layer."""
+    lay = _layer_diff(ar)
+    fwd_layer, step_layer = lay("fwd2", "fwd1", "bytes"), lay("step2", "step1", "bytes")
+    return {
+        "allreduce_count": ar["step"]["count"],
+        "allreduce_bytes": ar["step"]["bytes"],
+        "allreduce_bytes_compiled": ar["step"]["bytes_compiled"],
+        "forward_allreduce_count": ar["fwd"]["count"],
+        "forward_allreduce_bytes": ar["fwd"]["bytes"],
+        "forward_allreduce_bytes_compiled": ar["fwd"]["bytes_compiled"],
+        "allreduce_count_per_layer": lay("step2", "step1", "count"),
+        "allreduce_bytes_per_layer": step_layer,
+        "allreduce_bytes_compiled_per_layer": lay("step2", "step1", "bytes_compiled"),
+        "forward_allreduce_count_per_layer": lay("fwd2", "fwd1", "count"),
+        "forward_allreduce_emitted_per_layer": emitted_per_layer,
+        "forward_allreduce_bytes_per_layer": fwd_layer,
+        "forward_allreduce_bytes_compiled_per_layer": lay("fwd2", "fwd1", "bytes_compiled"),
+        "backward_allreduce_bytes_per_layer": step_layer - fwd_layer,
+        "allreduce_scalar_bytes_per_layer": lay("step2", "step1", "scalar_bytes"),
+        "allreduce_bytes_by_axis": ar["step"]["by_axis"],
+        "forward_allreduce_bytes_by_axis": ar["fwd"]["by_axis"],
+        "allreduce_bytes_per_layer_by_axis": _sub_axes(ar["step2"]["by_axis"], ar["step1"]["by_axis"]),
+        "forward_allreduce_bytes_per_layer_by_axis": _sub_axes(ar["fwd2"]["by_axis"], ar["fwd1"]["by_axis"]),
+        "forward_allreduces_per_layer": _layer_collectives(cs["fwd2"], cs["fwd1"]),
+        "allreduces_per_layer": _layer_collectives(cs["step2"], cs["step1"]),
+    }
+
+
 def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int, strategy: str, remat: str = "none",
                 dtype: str = "bfloat16", dump_hlo: str | None = None, **train_fields) -> dict[str, Any]:
     """All-reduce count and bytes of one training step and of the forward, whole model and per layer.
@@ -378,13 +440,7 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
     which divides by `data`, all-reduced whole, and the scalar loss and norms), and those leaves. With `dump_hlo=DIR`, writes
     `DIR/<strategy>.hlo.txt` (step) and `DIR/<strategy>.fwd.hlo.txt` (forward loss).
     """
-    mesh = as_mesh(mesh, "comm.mesh")  # a `--mesh` string is read here, once
-    if mesh is None:
-        raise ConfigError("comm.mesh: a mesh is required; fix: pass --mesh data=1,model=4")
-    if dtype not in _ITEMSIZE:
-        raise ConfigError(f"comm.dtype: unknown dtype {dtype!r}; fix: use float32 or bfloat16")
-    if remat not in REMAT:
-        raise ConfigError(f"comm.remat: unknown remat {remat!r}; fix: use one of {', '.join(REMAT)}")
+    mesh = _checked_mesh(mesh, dtype, remat)
     m = model_for(model, strategy)
     if dump_hlo:
         check_dump_dir(dump_hlo, (strategy,))
@@ -394,12 +450,7 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
     two = _compile(replace(m, n_layers=2 * unit), mesh, batch, seq, strategy, remat, dtype, train=train)
     one = _compile(replace(m, n_layers=unit), mesh, batch, seq, strategy, remat, dtype, train=train)
     if dump_hlo:
-        os.makedirs(dump_hlo, exist_ok=True)
-        with open(os.path.join(dump_hlo, f"{strategy}.hlo.txt"), "w") as fh:
-            fh.write(full.step_text)
-        with open(os.path.join(dump_hlo, f"{strategy}.fwd.hlo.txt"), "w") as fh:
-            fh.write(full.fwd_text)
-
+        _write_hlo(dump_hlo, strategy, full)
     texts = {"step": full.step_text, "fwd": full.fwd_text, "step2": two.step_text, "step1": one.step_text,
              "fwd2": two.fwd_text, "fwd1": one.fwd_text}
     parsed = {t: hlo.parse_module(t) for t in set(texts.values())}
@@ -410,15 +461,12 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
     ar = {k: _allreduce_stats(v, shape, names) for k, v in cs.items()}
     tokens = batch // mesh.data * seq  # tokens in one device's all-reduce
     exp = expected_per_layer(m, strategy, tokens, dtype, mesh.model)
-    lay = lambda a, b, k: ar[a][k] - ar[b][k]  # noqa: E731
+    lay = _layer_diff(ar)
     dp = _data_parallel(cs["step"], shape, names) | {"zero": train_fields.get("zero", 0), "data": mesh.data}
     if dp["zero"] >= 1 and mesh.data > 1:  # the same step replicated (ZeRO 0), for the comparison
         zero0 = tuple(sorted({**train_fields, "zero": 0}.items()))
-        ref = _data_parallel(hlo.collectives(_compile(m, mesh, batch, seq, strategy, remat, dtype, train=zero0)
-                                             .step_text), shape, names)
-        dp |= {"zero0_reduce_ring_bytes": ref["reduce_ring_bytes"],
-               "reduce_vs_zero0": dp["reduce_ring_bytes"] / ref["reduce_ring_bytes"] if ref["reduce_ring_bytes"] else 0.0,
-               "unsplit_gradients": {name: list(s) for name, s in full.unsplit}}
+        step0 = _compile(m, mesh, batch, seq, strategy, remat, dtype, train=zero0).step_text
+        dp |= _against_zero0(dp, _data_parallel(hlo.collectives(step0), shape, names), full.unsplit)
     fwd_layer, step_layer = lay("fwd2", "fwd1", "bytes"), lay("step2", "step1", "bytes")
     return {
         "strategy": strategy, "kind": m.kind, "mesh": str(mesh), "tp": mesh.model, "batch": batch,
@@ -427,27 +475,7 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
                                               "vocab_size")},
         # per projection group: its rank, or "dense" (a group whose factors would not be smaller)
         "ranks": m.group_ranks if m.low_rank else {},
-        "allreduce_count": ar["step"]["count"],
-        "allreduce_bytes": ar["step"]["bytes"],
-        "allreduce_bytes_compiled": ar["step"]["bytes_compiled"],
-        "forward_allreduce_count": ar["fwd"]["count"],
-        "forward_allreduce_bytes": ar["fwd"]["bytes"],
-        "forward_allreduce_bytes_compiled": ar["fwd"]["bytes_compiled"],
-        "allreduce_count_per_layer": lay("step2", "step1", "count"),
-        "allreduce_bytes_per_layer": step_layer,
-        "allreduce_bytes_compiled_per_layer": lay("step2", "step1", "bytes_compiled"),
-        "forward_allreduce_count_per_layer": lay("fwd2", "fwd1", "count"),
-        "forward_allreduce_emitted_per_layer": two.fwd_emitted - one.fwd_emitted,
-        "forward_allreduce_bytes_per_layer": fwd_layer,
-        "forward_allreduce_bytes_compiled_per_layer": lay("fwd2", "fwd1", "bytes_compiled"),
-        "backward_allreduce_bytes_per_layer": step_layer - fwd_layer,
-        "allreduce_scalar_bytes_per_layer": lay("step2", "step1", "scalar_bytes"),
-        "allreduce_bytes_by_axis": ar["step"]["by_axis"],
-        "forward_allreduce_bytes_by_axis": ar["fwd"]["by_axis"],
-        "allreduce_bytes_per_layer_by_axis": _sub_axes(ar["step2"]["by_axis"], ar["step1"]["by_axis"]),
-        "forward_allreduce_bytes_per_layer_by_axis": _sub_axes(ar["fwd2"]["by_axis"], ar["fwd1"]["by_axis"]),
-        "forward_allreduces_per_layer": _layer_collectives(cs["fwd2"], cs["fwd1"]),
-        "allreduces_per_layer": _layer_collectives(cs["step2"], cs["step1"]),
+        **_allreduce_fields(ar, cs, two.fwd_emitted - one.fwd_emitted),
         "other_collectives": _non_allreduce_collectives(cs["step"]),
         "forward_other_collectives": _non_allreduce_collectives(cs["fwd"]),
         "other_collectives_per_layer": _collectives_added(_non_allreduce_collectives(cs["step2"]),
