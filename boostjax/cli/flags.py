@@ -34,7 +34,7 @@ TRAIN_GROUPS: dict[str, tuple[str, ...]] = {
     "attention and positions": ("attention", "attention_block", "rope_theta", "rope_type", "rope_factor",
                                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"),
     "special tokens (written to exports, read by generate)": ("bos_token_id", "eos_token_ids", "pad_token_id"),
-    "optimisation": ("optimizer", "lr", "min_lr_ratio", "warmup", "weight_decay", "b1", "b2", "clip", "clip_scope",
+    "optimisation": ("optimizer", "lr", "min_lr_ratio", "warmup", "weight_decay", "b1", "b2", "clip", "clip_scope", "factor_lr",
                      "nesterov_psi"),
     "rotation optimizer (--optimizer rotation)": ("rot_source", "rot_geometry", "rot_refresh", "rot_beta",
                                                   "rot_max_dim", "rot_order", "rot_damping", "stage_aware_refresh"),

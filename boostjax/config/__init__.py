@@ -21,7 +21,8 @@ its fields grouped by concern), `job` (`Config`), `presets`, and the checks: `ch
 from __future__ import annotations
 
 from boostjax.config.names import (ATTENTION, ATTENTION_MEMORY, CALIBRATED_FACTORS, CLIP_SCOPES, DATA, DATA_DTYPES,
-                                   DEFAULT_CALIB_TOKENS, DELAY_SCHEDULES, DELAY_TC_PER_WARMUP, DTYPES, INIT_FACTORS,
+                                   DEFAULT_CALIB_TOKENS, DELAY_SCHEDULES, DELAY_TC_PER_WARMUP, DTYPES, FACTOR_LRS,
+                                   INIT_FACTORS,
                                    LOW_RANK_KINDS, MAX_INIT_TIMEOUT, MAX_SEQ_LEN, MAX_TOKENS, MAX_VOCAB, MESH_AXES,
                                    MODEL, MODEL_KINDS, OPTIMIZERS, PIPELINE_SCHEDULES, PROJECTION_GROUPS, RANK_POLICIES,
                                    REMAT, ROPE_TYPES, ROT_GEOMETRIES, ROT_ORDERS, ROT_SOURCES, STAGE, STRATEGIES,
@@ -42,7 +43,7 @@ from boostjax.config.validation import (check_batch_seq, is_validated, mark_vali
 
 __all__ = ["ATTENTION", "ATTENTION_MEMORY", "Attention", "AttentionMemory", "CALIBRATED_FACTORS", "CLIP_SCOPES",
            "CONFIG_CLASSES", "ClipScope", "Config", "ConfigError", "DATA", "DATA_DTYPES", "DEFAULT_CALIB_TOKENS",
-           "DEFAULT_PRESET", "DELAY_SCHEDULES", "DELAY_TC_PER_WARMUP", "DTYPES", "DataDtype", "DelaySchedule", "Dtype",
+           "DEFAULT_PRESET", "DELAY_SCHEDULES", "DELAY_TC_PER_WARMUP", "DTYPES", "DataDtype", "FACTOR_LRS", "DelaySchedule", "Dtype",
            "INIT_FACTORS", "InitFactor", "LOW_RANK_KINDS", "MAX_INIT_TIMEOUT", "MAX_SEQ_LEN", "MAX_TOKENS",
            "MAX_VOCAB", "MESH_AXES", "MODEL", "MODEL_KINDS", "MeshShape", "ModelConfig", "ModelKind", "OPTIMIZERS",
            "Optimizer", "PIPELINE_SCHEDULES", "PRESETS", "PROJECTION_GROUPS", "PipelineSchedule", "RANK_POLICIES",

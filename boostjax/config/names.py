@@ -31,6 +31,8 @@ AttentionMemory = Literal["materialized", "flash"]
 InitFactor = Literal["svd", "whitened", "linearised", "refit", "sequential"]
 # how `train --rank-budget` turns a share of the projection parameters into ranks (`boostjax.interop.ranks`)
 RankPolicy = Literal["uniform", "sensitivity"]
+# how AdamW steps the low-rank factors (`boostjax.optim.factor_lr`): as every parameter, or by their start scale
+FactorLr = Literal["fixed", "start-rms"]
 ROPE_TYPES: tuple[str, ...] = get_args(RopeType)
 ATTENTION: tuple[str, ...] = get_args(Attention)
 MODEL_KINDS: tuple[str, ...] = get_args(ModelKind)
@@ -58,6 +60,7 @@ ATTENTION_MEMORY: tuple[str, ...] = get_args(AttentionMemory)
 INIT_FACTORS: tuple[str, ...] = get_args(InitFactor)
 CALIBRATED_FACTORS: tuple[str, ...] = ("whitened", "linearised", "refit", "sequential")  # read --data
 RANK_POLICIES: tuple[str, ...] = get_args(RankPolicy)
+FACTOR_LRS: tuple[str, ...] = get_args(FactorLr)
 DEFAULT_CALIB_TOKENS: int = 32768  # --calib-tokens 0
 # Sizes past which a number is a typo, not a run: token positions and ids are int32 in the step, and a
 # materialised attention of a longer sequence has more than 2^40 scores per head and sequence.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from boostjax.config.fields import option
 from boostjax.config.mesh import MeshShape, as_mesh
 from boostjax.config.names import (DEFAULT_CALIB_TOKENS, DELAY_TC_PER_WARMUP, ClipScope, DataDtype, DelaySchedule,
-                                   Dtype, InitFactor, Optimizer, PipelineSchedule, RankPolicy, Remat, RotGeometry,
+                                   Dtype, FactorLr, InitFactor, Optimizer, PipelineSchedule, RankPolicy, Remat, RotGeometry,
                                    RotOrder, RotSource, Strategy, ZeroStage)
 
 
@@ -66,6 +66,11 @@ class TrainConfig:
                                              "(with --pipeline-delay: each stage clips its own parameters, as "
                                              "every device of an asynchronous pipeline does; not with --optimizer "
                                              "adam8bit)", resume="mutable")
+    factor_lr: FactorLr = option("fixed", "how AdamW steps low-rank factors: fixed (as every parameter) or "
+                                          "start-rms (each factor's step scaled by its RMS at the start over the "
+                                          "median RMS of the other matrices, so a factored pretrained start whose "
+                                          "factors are far from the dense scale, as CoLA's, moves every matrix by "
+                                          "the same fraction per step)")
     nesterov_psi: float = option(-1.0, "with --optimizer nesterov: torch NAdam's momentum_decay psi (mu_t = b1 (1 - "
                                        "0.96^(psi t) / 2)); -1 = scaled to the run so mu_t reaches 0.9 at 4 % of "
                                        "--steps, as torch's 0.004 does in the reference's ~250k-step run",

@@ -9,7 +9,7 @@ from boostjax.config.checking import check_types, need
 from boostjax.config.fields import flag_of
 from boostjax.config.model import ModelConfig
 from boostjax.config.names import (CALIBRATED_FACTORS, CLIP_SCOPES, DATA_DTYPES, DEFAULT_CALIB_TOKENS, DELAY_SCHEDULES,
-                                   DTYPES, INIT_FACTORS, MAX_INIT_TIMEOUT, MAX_TOKENS, OPTIMIZERS, PIPELINE_SCHEDULES,
+                                   DTYPES, FACTOR_LRS, INIT_FACTORS, MAX_INIT_TIMEOUT, MAX_TOKENS, OPTIMIZERS, PIPELINE_SCHEDULES,
                                    RANK_POLICIES, REMAT, ROT_GEOMETRIES, ROT_ORDERS, ROT_SOURCES, STRATEGIES,
                                    ZERO_STAGES, ConfigError)
 from boostjax.config.train import TrainConfig
@@ -32,6 +32,7 @@ def validate_train(t: TrainConfig, m: ModelConfig) -> None:
     _validate_observe(t)
     _validate_doc_mask(t, m)
     _validate_init_factor(t, m)
+    _validate_factor_lr(t, m)
 
 
 def _validate_sizes(t: TrainConfig) -> None:
@@ -162,6 +163,19 @@ def _validate_init_factor(t: TrainConfig, m: ModelConfig) -> None:
     need(bool(t.data), f"train.init_factor: {what} fits the factors to activations on {flag_of('data')}, and "
                        f"none is given (the built-in corpus is bytes, not the checkpoint's tokens); fix: pass "
                        f"{flag_of('data')} with text tokenised for the checkpoint, or {flag} svd")
+
+
+def _validate_factor_lr(t: TrainConfig, m: ModelConfig) -> None:
+    """--factor-lr a name; start-rms with AdamW's chain (adamw, pipedream-lr) and a low-rank kind."""
+    flag = flag_of("factor_lr")
+    need(t.factor_lr in FACTOR_LRS, f"train.factor_lr: {t.factor_lr!r}; fix: pass {flag} {' or '.join(FACTOR_LRS)}")
+    if t.factor_lr == "fixed":
+        return
+    need(t.optimizer in ("adamw", "pipedream", "pipedream-lr"),
+         f"train.factor_lr: start-rms scales AdamW's direction, and {flag_of('optimizer')} is {t.optimizer}; "
+         f"fix: pass {flag_of('optimizer')} adamw, or {flag} fixed")
+    need(m.low_rank, f"train.factor_lr: start-rms steps low-rank factors, and {flag_of('kind')} {m.kind} has none; "
+                     f"fix: pass {flag_of('kind')} svd, cola or lax, or drop {flag}")
 
 
 def _validate_rank_budget(t: TrainConfig, m: ModelConfig) -> None:

@@ -8,9 +8,10 @@ On calibration inputs X̃ [n, in] (what the factored model feeds the projection)
   (with X̃ = X, T = S̃ᵀ W: SVD-LLM's whitened truncation). The svd start: `A = S̃⁻ᵀ U_r`, `B = Σ_r V_rᵀ`,
   each column pair balanced.
 - `linearise`: CoLA with all r latents. `silu(ε z) / ε = z/2 + ε z²/4 + O(ε³)`, and the whitened latents
-  `z = x S̃⁻ᵀ U_r` have unit mean square, so `A = ε S̃⁻ᵀ U_r`, `B = (2/ε) Σ_r V_rᵀ` computes the rank-r map up
+  `z = x S̃⁻ᵀ U_r` have unit norm over the calibration tokens, so `A = ε S̃⁻ᵀ U_r`, `B = (2/ε) Σ_r V_rᵀ` computes the rank-r map up
   to a relative error of order ε. ε per column balances ‖A_j‖ and ‖B_j‖ (Adam moves both at the same
-  relative rate), capped at `EPS_MAX` to keep the small-signal regime.
+  relative rate), capped at `EPS_MAX` to keep the small-signal regime (the factors end far from the dense
+  scale: train them with `--factor-lr start-rms`).
 - `ridge_refit`: B again, in closed form, on the real activations `H = σ(X̃ A)`:
   `B = (HᵀH + λ I)⁻¹ Hᵀ Y` (λ = `REFIT_RIDGE` · mean diag HᵀH): whatever the nonlinearity does, B is the
   least-squares best for this A.
@@ -38,7 +39,7 @@ from boostjax.interop import calibration
 from boostjax.models import ops
 from boostjax.models.llama import Block, param_shapes, projections
 
-EPS_MAX = 0.25  # the largest latent scale of the linearised CoLA start (z's RMS)
+EPS_MAX = 0.25  # the largest scale ε of the linearised CoLA start (on latents of unit norm over the tokens)
 REFIT_RIDGE = 1e-4  # relative ridge of the refit's normal equations
 SEQ_RIDGE = 0.1  # relative ridge pulling a sequential fit towards W (`fit_linear`)
 STARTS = ("linearised", "refit", "sequential")  # the --init-factor values this module fits

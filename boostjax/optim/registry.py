@@ -22,6 +22,7 @@ from boostjax.config import TrainConfig, delay_lr_tc_steps, nesterov_psi
 from boostjax.optim.adam8bit import QTensor, adam8bit
 from boostjax.optim import rotation
 from boostjax.optim.delay import stage_delays
+from boostjax.optim.factor_lr import adamw_by_start
 from boostjax.optim.muon import muon_adamw
 from boostjax.optim.nadam_torch import torch_nadamw
 from boostjax.optim.pipedream import clip_by_stage_norm, scale_by_stage_delay, stage_refresh_periods
@@ -55,6 +56,7 @@ class Hyper:
     damping: float = rotation.DAMPING
     max_dim: int = 4096
     rotation_mask: Any = None
+    factor_roles: Any = None  # per leaf (role, matrix axes): AdamW's factors stepped by their start scale
     muon_beta: float = 0.95
     ns_steps: int = 5
     muon_nesterov: bool = True
@@ -62,6 +64,8 @@ class Hyper:
 
 
 def _adamw(lr: optax.ScalarOrSchedule, h: Hyper) -> optax.GradientTransformation:
+    if h.factor_roles is not None:
+        return adamw_by_start(lr, h.b1, h.b2, h.eps, h.weight_decay, h.factor_roles)
     return optax.adamw(lr, h.b1, h.b2, h.eps, weight_decay=h.weight_decay)
 
 
@@ -146,7 +150,7 @@ def make(name: str, lr: optax.ScalarOrSchedule, h: Hyper, params_like: Any = Non
     return optax.chain(clip, opt)
 
 
-def hyper(t: TrainConfig, *, rotation_mask: Any = None, stages: Any = None) -> Hyper:
+def hyper(t: TrainConfig, *, rotation_mask: Any = None, stages: Any = None, factor_roles: Any = None) -> Hyper:
     """The hyperparameters of `t` (eps, Nesterov's b1, Muon's β, Newton–Schulz steps, Nesterov flag and RMS
     keep their defaults: not configurable; T_c and Nesterov's momentum decay resolved from the run's
     length, `delay_lr_tc_steps` / `nesterov_psi`)."""
@@ -156,18 +160,20 @@ def hyper(t: TrainConfig, *, rotation_mask: Any = None, stages: Any = None) -> H
                  momentum_decay=nesterov_psi(t, h0.nesterov_b1), source=t.rot_source, geometry=t.rot_geometry,
                  refresh_every=t.rot_refresh, stage_aware_refresh=t.stage_aware_refresh, order=t.rot_order, basis_beta=t.rot_beta,
                  damping=t.rot_damping,
-                 max_dim=t.rot_max_dim, rotation_mask=rotation_mask)
+                 max_dim=t.rot_max_dim, rotation_mask=rotation_mask,
+                 factor_roles=factor_roles if t.factor_lr == "start-rms" else None)
 
 
 def build_optimizer(t: TrainConfig, params_like: Any, *, rotation_mask: Any = None,
-                    stages: Any = None) -> optax.GradientTransformation:
+                    stages: Any = None, factor_roles: Any = None) -> optax.GradientTransformation:
     """The optimizer `t` configures, learning rate injected (`current_lr` reads it back).
 
     `params_like`: the parameters (or their shapes) in the training layout; `rotation_mask`: per
     leaf False / True / int / tuple of group axes (default: every 2-D leaf); `stages`: stage id per
     leaf (`assign_stages(params_like, n_layers, t.pipeline_delay)`), needed by pipedream-lr and
-    stage-aware refresh when `t.pipeline_delay > 1` (one stage: all zero)."""
-    h = hyper(t, rotation_mask=rotation_mask, stages=stages)
+    stage-aware refresh when `t.pipeline_delay > 1` (one stage: all zero); `factor_roles`: per leaf
+    `(role, matrix axes)` (`rules.factor_roles`), read under `t.factor_lr == "start-rms"`."""
+    h = hyper(t, rotation_mask=rotation_mask, stages=stages, factor_roles=factor_roles)
 
     def chain(learning_rate: Any) -> optax.GradientTransformation:
         return make(t.optimizer, learning_rate, h, params_like)

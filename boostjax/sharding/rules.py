@@ -152,6 +152,19 @@ def rotation_mask(axes_tree: Any) -> Any:
     return jax.tree_util.tree_map_with_path(mask, axes_tree, is_leaf=_is_axes)
 
 
+def factor_roles(axes_tree: Any) -> Any:
+    """Per leaf `(role, matrix_axes)` for `--factor-lr`: role "factor" (a low-rank factor: a `rank` axis),
+    "matrix" (any other leaf with two matrix axes: embeddings, head, dense projections) or "" (vectors);
+    `matrix_axes` the axes that are not stacking (`GROUP_AXES`), over which a matrix's RMS is taken."""
+
+    def role(axes):
+        matrix = tuple(i for i, a in enumerate(axes) if a not in GROUP_AXES)
+        kind = "factor" if "rank" in axes else "matrix" if len(matrix) == 2 else ""
+        return (kind, matrix)
+
+    return jax.tree.map(role, axes_tree, is_leaf=_is_axes)
+
+
 def split_fields(strategy: str) -> tuple[str, ...]:
     """The ModelConfig fields behind the logical axes the strategy splits over `model`, in
     `AXIS_SIZES` order (`vocab_size` last: every strategy splits the vocabulary)."""

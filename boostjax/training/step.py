@@ -59,7 +59,8 @@ def optimizer_for(cfg: Config, pl: Placement, state_like: Any) -> optax.Gradient
     parameters' logical axes, each leaf's pipeline stage for the delay emulation."""
     t = cfg.train
     stages = delay.assign_stages(state_like, cfg.model.n_layers, t.pipeline_delay)
-    return build_optimizer(t, state_like, rotation_mask=rules.rotation_mask(pl.axes), stages=stages)
+    return build_optimizer(t, state_like, rotation_mask=rules.rotation_mask(pl.axes), stages=stages,
+                           factor_roles=rules.factor_roles(pl.axes))
 
 
 def train_step(loss_fn, tx: optax.GradientTransformation, *, accum: int = 1,

@@ -62,6 +62,7 @@ class LongRow:
     budget: float | None = None
     distill: bool = False
     init_factor: str = "sequential"
+    factor_lr: str = "fixed"  # `--factor-lr`: CoLA's rows step each factor by its start scale
 
     @property
     def label(self) -> str:
@@ -79,7 +80,10 @@ class LongRow:
 
 
 def low_row(kind: str, budget: float, distill: bool) -> LongRow:
-    return LongRow(f"{kind}{round(100 * budget)}" + ("-kd" if distill else ""), kind, budget, distill)
+    """A low-rank row; CoLA's linearised start leaves A near 1e-3 and B near 1e2, which a plain AdamW step
+    at a fine-tune's learning rate blows up in three steps: its rows train with `--factor-lr start-rms`."""
+    return LongRow(f"{kind}{round(100 * budget)}" + ("-kd" if distill else ""), kind, budget, distill,
+                   factor_lr="start-rms" if kind == "cola" else "fixed")
 
 
 def planned_rows() -> list[LongRow]:
@@ -105,7 +109,7 @@ def row_flags(row: LongRow, s: rf.Settings, ctx) -> dict[str, Any]:
     flags |= {"ckpt_every": s.eval_every, "out": str(ctx.runs / row.name)}
     if row.kind not in ("llama", None):
         flags |= {"kind": row.kind, "rank_budget": row.budget, "rank_policy": "sensitivity",
-                  "init_factor": row.init_factor, "calib_tokens": s.calib_tokens}
+                  "init_factor": row.init_factor, "calib_tokens": s.calib_tokens, "factor_lr": row.factor_lr}
     if row.distill:
         flags |= {"distill_from": str(ctx.hf)} | DISTILL
     return flags
@@ -153,7 +157,8 @@ def markdown(res: dict) -> str:
         f"({res['held_out']['targets']:,} predicted tokens, {res['held_out']['bytes']:,} bytes) every "
         f"{s['eval_every']} steps",
         f"- low-rank start: `--init-factor sequential --rank-budget F --rank-policy sensitivity --calib-tokens "
-        f"{s['calib_tokens']}`; + distillation: `--distill-from` the dense model, "
+        f"{s['calib_tokens']}` (CoLA rows also `--factor-lr start-rms`: each factor stepped by its start "
+        "scale); + distillation: `--distill-from` the dense model, "
         f"`--distill-temperature {DISTILL['distill_temperature']:g} --distill-weight {DISTILL['distill_weight']:g}`",
         "- goals: " + ", ".join(f"{b:.0%} within {g:g}x" for b, g in GOALS.items()) + " of the dense zero-shot "
         "held-out perplexity" + (f" ({ref:.2f}: " + ", ".join(f"{ref * g:.2f}" for g in GOALS.values()) + ")"
