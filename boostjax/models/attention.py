@@ -78,6 +78,13 @@ def resolve(impl: str, dtype) -> str:
     return impl
 
 
+def needs_program_mesh(impl: str, dtype) -> bool:
+    """Whether a `shard_map` around this attention must run over the program's whole mesh: cuDNN's is
+    lowered through `custom_partitioning`, which reads the program's mesh and refuses a shard_map over a
+    mesh without its size-1 `data` axis ("mesh should be the same across the entire program")."""
+    return resolve(impl, dtype) == "cudnn"
+
+
 def resolve_segments(impl: str) -> str:
     """The path that runs with segment ids (packed documents): `auto` -> `chunked`; `cudnn` refused."""
     if impl == "cudnn":

@@ -26,14 +26,16 @@ def make_mesh(shape: MeshShape | None) -> Mesh | None:
     return Mesh(np.asarray(jax.devices()[: d * t]).reshape(d, t), (DATA, MODEL))
 
 
-def loss_mesh(mesh: Mesh) -> tuple[Mesh, P]:
+def loss_mesh(mesh: Mesh, keep_data: bool = False) -> tuple[Mesh, P]:
     """The mesh a loss `shard_map` runs over, and the batch rows' spec inside it.
 
     A `data` axis of size 1 is dropped (same devices, same order): named in the shard_map, it puts
     an all-reduce over one device (moving nothing) on the loss and on every parameter's gradient
     (the transpose of the data-replicated parameters). Without it the batch enters whole (`P()`).
+    `keep_data`: keep it anyway (`attention.needs_program_mesh`: cuDNN attention lowers through
+    `custom_partitioning`, which refuses a shard_map mesh other than the program's).
     """
-    if mesh.shape.get(DATA, 1) > 1 or len(mesh.axis_names) == 1:
+    if keep_data or mesh.shape.get(DATA, 1) > 1 or len(mesh.axis_names) == 1:
         return mesh, P(DATA)
     keep = [i for i, n in enumerate(mesh.axis_names) if n != DATA]
     devices = mesh.devices.reshape([mesh.devices.shape[i] for i in keep])

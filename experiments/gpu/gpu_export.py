@@ -77,9 +77,9 @@ def abstract_step(cfg: Config):
 
 def lower(cfg: Config, platform: str = "cuda"):
     """The step traced for `platform` (attention resolved for it) and lowered: (jax Lowered, seconds)."""
-    step, state_sds, batch_sds, _ = abstract_step(cfg)
     t0 = time.perf_counter()
-    with attention.lowering_for(platform):
+    with attention.lowering_for(platform):  # the step built and traced for the target (its attention path)
+        step, state_sds, batch_sds, _ = abstract_step(cfg)
         traced = step.trace(state_sds, batch_sds)
     return traced.lower(lowering_platforms=(platform,)), time.perf_counter() - t0
 

@@ -69,6 +69,20 @@ def test_btp_step_for_cuda_attention_gemms_and_collectives(cudnn_version):
         v["count"] for v in per_layer["cuda"].values())
 
 
+@pytest.mark.parametrize("mesh, strategy, extra", [
+    ("data=1,model=4", "btp", {}),
+    ("data=1,stage=2,model=2", "btp", {}),
+])
+def test_cudnn_lowers_on_a_mesh_with_one_data_row(cudnn_version, mesh, strategy, extra):
+    """cuDNN attention goes through custom_partitioning, which refuses a loss shard_map over a mesh
+    without the program's size-1 data axis: that axis is kept under cuDNN, and the step lowers."""
+    m = replace(TINY, n_layers=2, attention="cudnn")
+    cfg = validate(Config(m, TrainConfig(batch=8, seq=T, strategy=strategy, mesh=mesh, remat="lowrank",
+                                         dtype="bfloat16", **extra)))
+    a = gx.attention_path(gx.lower(cfg, "cuda")[0].as_text(), T)
+    assert a["path"] == "cudnn" and a["cudnn_calls"].get("__cudnn$fmhaSoftmaxBackward", 0) >= 1, a
+
+
 def test_auto_in_float32_lowers_the_chunked_loops():
     text = gx.lower(_btp(1, dtype="float32"), "cuda")[0].as_text()
     a = gx.attention_path(text, T)
