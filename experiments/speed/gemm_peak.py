@@ -51,6 +51,11 @@ def _measure_here(rounds: int) -> dict[str, Any]:
                    "gflops": 2 * float(np.prod(shapes[name])) / med[name] / 1e9} for name in shapes}
 
 
+def _child_code(cores: list[int], rounds: int) -> str:
+    return ("import os, json; os.sched_setaffinity(0, %r); from experiments.speed import gemm_peak as g; "
+            "print('RESULT ' + json.dumps(g._measure_here(%d)))" % (cores, rounds))
+
+
 def run_threads(threads: int, rounds: int) -> dict[str, Any]:
     """`_measure_here` in a child process pinned to `threads` cores with XLA's pool of that size."""
     env = common.with_root(dict(os.environ))
@@ -58,9 +63,7 @@ def run_threads(threads: int, rounds: int) -> dict[str, Any]:
                         ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     cores = sorted(os.sched_getaffinity(0))[:threads]
-    code = ("import os, json, sys; os.sched_setaffinity(0, %r); from experiments.speed import gemm_peak as g; "
-            "print('RESULT ' + json.dumps(g._measure_here(%d)))" % (cores, rounds))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", _child_code(cores, rounds)], env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"gemm_peak: the {threads}-thread run failed:\n{out.stderr[-2000:]}")
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
@@ -109,12 +112,17 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts to measure, each in its "
                     "own pinned process (at most the usable cores)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds per thread count")
     common.add_out(ap, NAME)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     usable = common.cores_usable()
     if any(t < 1 or t > usable for t in args.threads) or args.rounds < 1:
