@@ -44,17 +44,14 @@ from typing import Any, Sequence
 
 from boostjax.config import DEFAULT_PRESET, ConfigError, ModelConfig, validate_model
 from boostjax.models.flops import param_count
-from boostjax.planning import cpu
-from boostjax.planning import offloading, timing
+from boostjax.planning import cpu, timing
+from boostjax.planning.branch import Search, can_offload
 from boostjax.planning.cluster import Cluster, parse_cluster, profile_rates
 from boostjax.planning.costs import Hardware
-from boostjax.planning.measure import Key, is_cached, measure
-from boostjax.planning.predict import predict
-from boostjax.planning.space import (RUN_PLACEHOLDERS, Candidate, accepted, comm_lower_bound, commands,
-                                     enumerate_space, memory_lower_bound, time_lower_bound, with_seq)
+from boostjax.planning.space import (RUN_PLACEHOLDERS, Candidate, commands, enumerate_space, memory_lower_bound,
+                                     with_seq)
 from boostjax.runtime.profiles import GiB as GIB, get_profile
 
-REMAT_ORDER = ("none", "lowrank", "full")  # by recomputation: a heavier remat only where a lighter one overflows
 MEMORY_FRACTION = 0.9  # of the device's memory: the rest for the runtime, fragmentation, the input pipeline
 
 
@@ -189,27 +186,13 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
     once the space is known to fit, before anything is compiled)."""
     t0 = time.perf_counter()
     cl = check_inputs(model, cluster, global_batch, seq)
-    if measure_top < 0:
-        raise ConfigError(f"plan.measure_top: must be >= 0, got {measure_top}; fix: pass --measure-top 3")
-    if measure_top:
-        timing.check_local(cl)
-        if measure_rounds < 1:
-            raise ConfigError(f"plan.measure_rounds: must be >= 1, got {measure_rounds}; fix: pass --measure-rounds 20")
+    _check_measure(cl, measure_top, measure_rounds)
     dtype = dtype or ("float32" if cl.is_cpu else "bfloat16")
     model = with_seq(model, seq)
     space, counts = checked_space(model, cl, global_batch, seq, dtype, optimizer)
     budget = budget_bytes or device_budget(cl)
-    devices = cl.devices
     lb_mem = {c: memory_lower_bound(model, c, seq, dtype, optimizer) for c in space}
-    host = 0.0 if cl.is_cpu else float(get_profile(cl.hardware).host_bytes)
-
-    def can_offload(c: Candidate) -> bool:
-        return max_offloads > 0 and not cl.is_cpu and offloading.eligible(c)
-
-    fits = [c for c in space if lb_mem[c] <= budget or (can_offload(c) and lb_mem[c] <= budget + host)]
-    if not fits:
-        c = min(space, key=lambda c: lb_mem[c])
-        raise NothingFits(_shortfall(c, lb_mem[c], budget, cl, "at least"))
+    fits = _fitting(space, lb_mem, budget, cl, max_offloads)
     warnings = [vocab_warning(model.vocab_size, preset_name)] if vocab_source == PRESET_VOCAB else []
     if log:  # before the compiles: the user may stop and give what is missing
         for w in warnings:
@@ -220,146 +203,63 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
         hardware, eta0, calib = rates(cl, dtype)
         eta = eta0 if eta is None else eta
     hw, eta = hardware, 1.0 if eta is None else eta
-
-    def device_hw(c: Candidate) -> Hardware:
-        return cpu.shared_rates(hw, c.data * c.stage * c.model) if cl.is_cpu else hw
-
-    def lb_time(c: Candidate) -> float:
-        hwc = device_hw(c)
-        return (time_lower_bound(model, c, seq, global_batch, eta * hwc.peak_flops)
-                + comm_lower_bound(model, c, seq, dtype, cl, hwc))
-
-    lb_t = {c: lb_time(c) for c in fits}
-    def key_of(c: Candidate) -> Key:
-        return Key(model, c.strategy, c.model, c.micro_batch, seq, c.remat, dtype, optimizer, not cl.is_cpu)
-
-    groups: dict[Key, list[Candidate]] = {}
-    for c in fits:
-        groups.setdefault(key_of(c), []).append(c)
-    for c in include:
-        if c not in space:
-            raise ConfigError(f"plan.include: {c.label} is not a valid configuration of this model on {cl.text}; "
-                              "fix: pass one of the enumerated candidates")
-        lb_t.setdefault(c, lb_time(c))
-        if c not in groups.setdefault(key_of(c), []):
-            groups[key_of(c)].append(c)
-    forced = {key_of(c) for c in include}
-    predicted: dict[Candidate, dict] = {}  # the included candidates' own predictions
-    pending: list[tuple[Candidate, dict]] = []  # over the budget, waiting for an offload plan
-    order = sorted(groups, key=lambda k: (all(lb_mem[c] > budget for c in groups[k]), min(lb_t[c] for c in groups[k]),
-                                          REMAT_ORDER.index(k.remat), -k.micro_batch))
-    firsts = list({k.tp: k for k in reversed(order)}.values())  # the best key of each TP size
-    order = sorted(firsts, key=order.index) + [k for k in order if k not in firsts]
-    ranked: list[tuple[Candidate, dict]] = []
-    rejected: list[tuple[Candidate, dict]] = []
-    compiled = cached = 0
-    skipped = {"time_bound": 0, "remat_not_needed": 0, "compile_budget": 0}
-    overflow: set[tuple] = set()  # (strategy, tp, micro_batch, remat) keys with a candidate over the budget
-    refused = 0
-    offloads = {"tried": 0, "fitted": 0}
-    plans: dict[Candidate, Any] = {}
-
-    def out_of_time() -> bool:
-        return compile_seconds is not None and time.perf_counter() - t0 > compile_seconds
-
-    def place(c: Candidate, p: dict) -> None:
-        """Rank `c` where it fits; over the budget, keep it for an offload plan or reject it."""
-        if c in include:
-            predicted[c] = p
-        if p["peak_bytes_per_device"] <= budget:
-            ranked.append((c, p))
-        elif can_offload(c):
-            pending.append((c, p))
-        else:
-            rejected.append((c, p))
-
-    def try_offloads() -> None:
-        """Offload plans for the candidates over the budget, fastest first (a plan only adds time, so the
-        compiled prediction bounds the offloaded one): at most `max_offloads`, none for a candidate that
-        cannot enter the `top` any more (module docstring)."""
-        for c, p in sorted(pending, key=lambda cp: cp[1]["step_s"]):
-            best = sorted(q["step_s"] for _, q in ranked)
-            hopeless = len(best) >= top and p["step_s"] > best[top - 1]
-            if hopeless or offloads["tried"] >= max_offloads or out_of_time():
-                rejected.append((c, p))
-                continue
-            offloads["tried"] += 1
-            got = offloading.offload(model, c, p, seq, dtype, optimizer, cl.hardware, budget, offload_time_limit_s)
-            if log:
-                log(f"offload plan for {c.label}: " + (f"fits, +{got['extra_s']:.3g} s" if got else "none fits"))
-            if not got:
-                rejected.append((c, p))
-                continue
-            offloads["fitted"] += 1
-            plans[c] = got["plan"]
-            ranked.append((c, _offloaded(p, got, seq, c)))
-
-    def keep_accepted(key: Key) -> list[Candidate]:
-        nonlocal refused
-        full = [c for c in groups[key] if accepted(model, c, seq, dtype, optimizer)]
-        refused += len(groups[key]) - len(full)
-        return full
-
-    def compile_and_place(key: Key, note: str) -> None:
-        """Measure `key` (compiled, or read from the cache), then predict and place its candidates."""
-        nonlocal compiled, cached
-        m, fresh = measure(key, cache_dir)
-        compiled, cached = compiled + fresh, cached + (not fresh)
-        if log:
-            log(f"{'compiled' if fresh else 'cached'} TP{key.tp} {key.strategy} mb{key.micro_batch} remat "
-                f"{key.remat} ({note}{time.perf_counter() - t0:.0f} s)")
-        for c in groups[key]:
-            p = predict(model, c, m, device_hw(c), eta, cl, seq, dtype)
-            if p["peak_bytes_per_device"] > budget:
-                overflow.add((key.strategy, key.tp, key.micro_batch, key.remat))
-            place(c, p)
-
-    for key in order:
-        if key in forced:
-            groups[key] = keep_accepted(key)
-            compile_and_place(key, "included; ")
-            continue
-        best = sorted(p["step_s"] for _, p in ranked)
-        lesser = REMAT_ORDER[:REMAT_ORDER.index(key.remat)]
-        lesser = [r for r in lesser if r != "lowrank" or model.low_rank]
-        if len(best) >= top and min(lb_t[c] for c in groups[key]) > best[top - 1]:
-            skipped["time_bound"] += len(groups[key])
-            continue
-        if lesser and (key.strategy, key.tp, key.micro_batch, lesser[-1]) not in overflow:
-            skipped["remat_not_needed"] += len(groups[key])  # the lighter remat fits or was never compiled
-            continue
-        if (compiled >= max_compiles or out_of_time()) and not is_cached(key, cache_dir):
-            skipped["compile_budget"] += len(groups[key])
-            continue
-        groups[key] = keep_accepted(key)
-        if groups[key]:
-            compile_and_place(key, "")
-    try_offloads()
-    included = {c: next((q for d, q in ranked if d == c), predicted[c]) for c in include}
-    search = {**counts, "valid": len(space), "pruned_memory_bound": len(space) - len(fits),
-              **{f"skipped_{k}": v for k, v in skipped.items()}, "refused_in_full": refused,
-              "compile_keys": len(groups), "compiled": compiled, "cached": cached,
-              "offload_plans_tried": offloads["tried"], "offload_plans_fitting": offloads["fitted"],
-              "predicted": len(ranked) + len(rejected), "fitting": len(ranked), "devices": devices,
-              "global_batch": global_batch, "seq": seq, "dtype": dtype, "optimizer": optimizer,
-              "cache_dir": cache_dir, "wall_s": round(time.perf_counter() - t0, 1)}
-    if not ranked:
-        c, p = min(rejected, key=lambda cp: cp[1]["peak_bytes_per_device"])
+    s = Search(model, cl, seq, global_batch, dtype, optimizer, budget, hw, eta, lb_mem, top=top,
+               max_compiles=max_compiles, max_offloads=max_offloads, offload_time_limit_s=offload_time_limit_s,
+               compile_seconds=compile_seconds, cache_dir=cache_dir, include=tuple(include), log=log, t0=t0)
+    s.group(fits, space)
+    s.run()
+    included = s.included()
+    search = {**counts, "valid": len(space), "pruned_memory_bound": len(space) - len(fits), **s.counts(),
+              "devices": cl.devices, "global_batch": global_batch, "seq": seq, "dtype": dtype,
+              "optimizer": optimizer, "cache_dir": cache_dir, "wall_s": round(time.perf_counter() - t0, 1)}
+    if not s.ranked:
+        c, p = min(s.rejected, key=lambda cp: cp[1]["peak_bytes_per_device"])
         raise NothingFits(_shortfall(c, p["peak_bytes_per_device"], budget, cl, "a predicted"))
-    ranked.sort(key=lambda cp: (cp[1]["step_s"], cp[1]["peak_bytes_per_device"]))
-    def row(c: Candidate, p: dict, plan: Any = None) -> dict[str, Any]:
-        return _candidate_row(model, c, p, seq, dtype, optimizer, cl, preset_name, plan, offload_dir, run_args)
-
-    rows = [row(c, p, plans.get(c)) for c, p in ranked]
-    _why(rows)
-    inc = [{**row(c, included[c], plans.get(c)),
-            "fits": included[c]["peak_bytes_per_device"] <= budget,
-            "rank": next((i for i, (d, _) in enumerate(ranked, 1) if d == c), None)} for c in include]
-    rej = [row(c, p) for c, p in sorted(rejected, key=lambda cp: cp[1]["step_s"])[:10]]
+    s.ranked.sort(key=lambda cp: (cp[1]["step_s"], cp[1]["peak_bytes_per_device"]))
+    rows, inc, rej = _rows(s, included, preset_name, offload_dir, run_args)
     measured = _measure_top(model, rows, measure_top, measure_rounds, seq, dtype, optimizer, cl, log) \
         if measure_top else None
     return PlanResult(cl, hw, eta, budget, rows, search, calib, rej, inc, measured,
                       planned_model(model, preset_name, vocab_source), warnings)
+
+
+def _check_measure(cl: Cluster, measure_top: int, measure_rounds: int) -> None:
+    """One-line ConfigErrors for `measure_top` / `measure_rounds` (and a cluster this process cannot time)."""
+    if measure_top < 0:
+        raise ConfigError(f"plan.measure_top: must be >= 0, got {measure_top}; fix: pass --measure-top 3")
+    if measure_top:
+        timing.check_local(cl)
+        if measure_rounds < 1:
+            raise ConfigError(f"plan.measure_rounds: must be >= 1, got {measure_rounds}; fix: pass --measure-rounds 20")
+
+
+def _fitting(space: list[Candidate], lb_mem: dict[Candidate, float], budget: float, cl: Cluster,
+             max_offloads: int) -> list[Candidate]:
+    """The candidates whose memory bound fits the budget (plus the host's memory where an offload plan may
+    move state there); `NothingFits` when none does."""
+    host = 0.0 if cl.is_cpu else float(get_profile(cl.hardware).host_bytes)
+    fits = [c for c in space
+            if lb_mem[c] <= budget or (can_offload(c, cl, max_offloads) and lb_mem[c] <= budget + host)]
+    if not fits:
+        c = min(space, key=lambda c: lb_mem[c])
+        raise NothingFits(_shortfall(c, lb_mem[c], budget, cl, "at least"))
+    return fits
+
+
+def _rows(s: Search, included: dict[Candidate, dict], preset_name: str | None, offload_dir: str,
+          run_args: Sequence[str]) -> tuple[list[dict], list[dict], list[dict]]:
+    """The answer's rows of the ranked (with `why_slower`), the included and the first 10 rejected candidates."""
+    def row(c: Candidate, p: dict, plan: Any = None) -> dict[str, Any]:
+        return _candidate_row(s.model, c, p, s.seq, s.dtype, s.optimizer, s.cl, preset_name, plan, offload_dir,
+                              run_args)
+
+    rows = [row(c, p, s.plans.get(c)) for c, p in s.ranked]
+    _why(rows)
+    inc = [{**row(c, included[c], s.plans.get(c)),
+            "fits": included[c]["peak_bytes_per_device"] <= s.budget,
+            "rank": next((i for i, (d, _) in enumerate(s.ranked, 1) if d == c), None)} for c in s.include]
+    rej = [row(c, p) for c, p in sorted(s.rejected, key=lambda cp: cp[1]["step_s"])[:10]]
+    return rows, inc, rej
 
 
 def _measure_top(model, rows: list[dict], k: int, rounds: int, seq: int, dtype: str, optimizer: str, cl: Cluster,
@@ -397,17 +297,6 @@ def offload_file(c: Candidate) -> str:
     """The file name of a candidate's offload plan."""
     stages = f"_PP{c.stage}_{c.schedule}x{c.slots}" if c.stage > 1 else ""
     return f"offload_D{c.data}{stages}_TP{c.model}_{c.strategy}_mb{c.micro_batch}.json"
-
-
-def _offloaded(p: dict, got: dict, seq: int, c: Candidate) -> dict:
-    """`predict`'s result with an offload plan's memory saving and added seconds (`offloading`)."""
-    step = p["step_s"] + got["extra_s"]
-    tokens = c.data * c.micro_batch * c.slots * seq
-    saved = p["peak_bytes_per_device"] - got["peak_bytes_per_device"]
-    return {**p, "step_s": step, "tokens_per_s": tokens / step, "mfu": p["mfu"] * p["step_s"] / step,
-            "peak_bytes_per_device": got["peak_bytes_per_device"], "offload_saved_bytes": saved,
-            "compiled_peak_bytes_per_device": p["peak_bytes_per_device"],
-            "time_s": {**p["time_s"], "offload": got["extra_s"]}}
 
 
 _PART_NAMES = {"compute": "more GEMM time", "memory": "more memory traffic", "model_comm": "more TP communication",
