@@ -32,7 +32,7 @@ gradients over `stage`; the sum over `data` is `boostjax.sharding.zero`'s (all-r
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import jax
@@ -109,116 +109,192 @@ def _local_schedule(cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str
     shard_map over `axis_names` (the mesh's, less a `data` axis of size 1): the mean loss over this
     data shard's rows and this device's fp32 share of the global mean's gradient, summed over
     `stage` but not over `data` (`zero.reduced_value_and_grad` reduces it)."""
-    mcfg, stages, tp, data = cfg.model, mesh.shape[STAGE], mesh.shape[MODEL], mesh.shape[DATA]
-    coll = STRATEGIES[cfg.train.strategy if tp > 1 else "none"].collectives
-    top_def, _ = nnx.split(nnx.eval_shape(lambda: LLaMA(replace(mcfg, n_layers=0), rngs=nnx.Rngs(0))))
-    block_def, _ = nnx.split(nnx.eval_shape(lambda: Block(mcfg, rngs=nnx.Rngs(0))))
-    per_stage, n_ring, last = mcfg.n_layers // stages, ring_slots(stages), stages - 1
-    remat = cfg.train.remat if remat is None else remat
-    schedule = remat if isinstance(remat, (list, tuple)) else None
-    policy = None if schedule is not None else resolve_remat(remat)
-    send_fwd = [(i, i + 1) for i in range(last)]
-    send_bwd = [(i + 1, i) for i in range(last)]
-    scale = 1.0 / (data * stages * n_micro)  # d loss / d (one stage's mean over its token share)
-    f32 = jnp.float32
-    dp = (DATA,) if DATA in axis_names else ()  # the data-parallel axis, when it has > 1 device
+    plan = _Plan.of(cfg, mesh, n_micro, axis_names, remat)
 
     def local(params, inputs_bt, targets_bt):
-        params = cast_params(params, cfg.train.dtype)
-        s = jax.lax.axis_index(STAGE)
+        return _Device(plan, params, inputs_bt, targets_bt).run()
+
+    return local
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every trace of the schedule shares: the model's pieces, the mesh's sizes, the remat."""
+    cfg: Config
+    n_micro: int
+    stages: int
+    data: int
+    coll: Any  # the TP strategy's collectives
+    top_def: Any  # graph of the model without layers (embedding, final norm, head)
+    block_def: Any  # graph of one layer
+    per_stage: int  # layers per stage
+    schedule: Any  # an offload plan's per-layer remat schedule, or None
+    policy: Any  # the remat policy of every layer (None: no checkpoint, or a `schedule`)
+    dp: tuple[str, ...]  # the data-parallel axis, when it has > 1 device
+
+    @classmethod
+    def of(cls, cfg: Config, mesh: Mesh, n_micro: int, axis_names: tuple[str, ...], remat: Any) -> "_Plan":
+        mcfg, stages, tp, data = cfg.model, mesh.shape[STAGE], mesh.shape[MODEL], mesh.shape[DATA]
+        coll = STRATEGIES[cfg.train.strategy if tp > 1 else "none"].collectives
+        top_def, _ = nnx.split(nnx.eval_shape(lambda: LLaMA(replace(mcfg, n_layers=0), rngs=nnx.Rngs(0))))
+        block_def, _ = nnx.split(nnx.eval_shape(lambda: Block(mcfg, rngs=nnx.Rngs(0))))
+        remat = cfg.train.remat if remat is None else remat
+        schedule = remat if isinstance(remat, (list, tuple)) else None
+        policy = None if schedule is not None else resolve_remat(remat)
+        return cls(cfg, n_micro, stages, data, coll, top_def, block_def, mcfg.n_layers // stages, schedule, policy,
+                   (DATA,) if DATA in axis_names else ())
+
+    @property
+    def last(self) -> int:
+        return self.stages - 1
+
+    @property
+    def n_ring(self) -> int:
+        return ring_slots(self.stages)
+
+    @property
+    def send_fwd(self) -> list[tuple[int, int]]:
+        return [(i, i + 1) for i in range(self.last)]
+
+    @property
+    def send_bwd(self) -> list[tuple[int, int]]:
+        return [(i + 1, i) for i in range(self.last)]
+
+    @property
+    def scale(self) -> float:
+        """d loss / d (one stage's mean over its token share)."""
+        return 1.0 / (self.data * self.stages * self.n_micro)
+
+
+def _zeros(like: jax.Array, shape: tuple[int, ...] | None = None, dtype: Any = None) -> jax.Array:
+    """Zeros of `like`'s shape and dtype (or the given ones) with `like`'s varying axes."""
+    return _like(jnp.zeros(like.shape if shape is None else shape, like.dtype if dtype is None else dtype), like)
+
+
+class _Device:
+    """One device's trace of the schedule: its stage's layers and micro-batches, the reference trace
+    that fixes the residuals' structure, and the three kinds of tick work (forward, head, backward)."""
+
+    def __init__(self, plan: _Plan, params: Any, inputs_bt: jax.Array, targets_bt: jax.Array):
+        self.p = p = plan
+        params = cast_params(params, p.cfg.train.dtype)
+        self.s = jax.lax.axis_index(STAGE)
         b, t = inputs_bt.shape
-        mb, n = b // n_micro, b // n_micro * t // stages  # micro-batch rows; head tokens per stage
-        tokens_mbt = inputs_bt.reshape(n_micro, mb, t)
-        targets_mn = targets_bt.reshape(n_micro, mb * t)
-        cos_te, sin_te = ops.model_rope_tables(mcfg, t)
+        self.mb, self.n = b // p.n_micro, b // p.n_micro * t // p.stages  # micro-batch rows; head tokens per stage
+        self.t = t
+        self.tokens_mbt = inputs_bt.reshape(p.n_micro, self.mb, t)
+        self.targets_mn = targets_bt.reshape(p.n_micro, self.mb * t)
+        self.cos_te, self.sin_te = ops.model_rope_tables(p.cfg.model, t)
         # local gradients (no per-tick all-reduce): varying over the axes they are summed over at the end
-        top = {k: zero.vary(v, (*dp, STAGE)) for k, v in params.items() if k != "layers"}
-        layers = [jax.tree.map(lambda a, j=j: zero.vary(a[j], dp), params["layers"]) for j in range(per_stage)]
+        self.top = {k: zero.vary(v, (*p.dp, STAGE)) for k, v in params.items() if k != "layers"}
+        self.layers = [jax.tree.map(lambda a, j=j: zero.vary(a[j], p.dp), params["layers"]) for j in range(p.per_stage)]
+        self.block = self._block if p.policy is None else jax.checkpoint(self._block, policy=p.policy)
+        self._reference()
 
-        def block(p, x_btd):
-            return nnx.merge(block_def, p)(x_btd, cos_te, sin_te, coll)
+    def _block(self, p, x_btd):
+        return nnx.merge(self.p.block_def, p)(x_btd, self.cos_te, self.sin_te, self.p.coll)
 
-        if policy is not None:
-            block = jax.checkpoint(block, policy=policy)
+    def stage_fn(self, ps, x_btd):
+        if self.p.schedule is not None:  # an offload plan's per-layer schedule of this stage's layers
+            return run_schedule(self.block, ps, x_btd, self.p.schedule)
+        for p in ps:
+            x_btd = self.block(p, x_btd)
+        return x_btd
 
-        def stage_fn(ps, x_btd):
-            if schedule is not None:  # an offload plan's per-layer schedule of this stage's layers
-                return run_schedule(block, ps, x_btd, schedule)
-            for p in ps:
-                x_btd = block(p, x_btd)
-            return x_btd
+    def embed(self, tokens):
+        return nnx.merge(self.p.top_def, self.top).embed_tokens(tokens)
 
-        def embed(tokens):
-            return nnx.merge(top_def, top).embed_tokens(tokens)
+    def head_loss(self, tp_, y_nd, targets_n):
+        model = nnx.merge(self.p.top_def, {**self.top, **tp_})
+        return vocab_parallel_cross_entropy(model.logits(model.final_norm(y_nd[None], self.p.coll)), targets_n[None],
+                                            self.p.coll)
 
-        def head_loss(tp_, y_nd, targets_n):
-            model = nnx.merge(top_def, {**top, **tp_})
-            return vocab_parallel_cross_entropy(model.logits(model.final_norm(y_nd[None], coll)), targets_n[None], coll)
+    def _reference(self) -> None:
+        """One reference trace fixes the residuals' structure; leaves that are this stage's weights or
+        other tick-invariant values are reused, the rest live in the ring."""
+        x0 = jnp.where(self.s == 0, self.embed(self.tokens_mbt[0]), 0)
+        self.y0, vjp0 = jax.vjp(self.stage_fn, self.layers, x0)
+        self.res0, self.res_def = jax.tree.flatten(vjp0)
+        invariant = {id(v) for v in (*jax.tree.leaves(self.layers), self.cos_te, self.sin_te)}
+        self.fixed = {k: v for k, v in enumerate(self.res0)
+                      if id(v) in invariant or not isinstance(v, jax.core.Tracer)}
+        self.ringed = [k for k in range(len(self.res0)) if k not in self.fixed]
 
-        # one reference trace fixes the residuals' structure; leaves that are this stage's weights or
-        # other tick-invariant values are reused, the rest live in the ring
-        x0 = jnp.where(s == 0, embed(tokens_mbt[0]), 0)
-        y0, vjp0 = jax.vjp(stage_fn, layers, x0)
-        res0, res_def = jax.tree.flatten(vjp0)
-        invariant = {id(v) for v in (*jax.tree.leaves(layers), cos_te, sin_te)}
-        fixed = {k: v for k, v in enumerate(res0) if id(v) in invariant or not isinstance(v, jax.core.Tracer)}
-        ringed = [k for k in range(len(res0)) if k not in fixed]
+    def forward(self, x_in, ring, tick_t):
+        """Forward of micro-batch i = t - s: its residuals into the ring, its output to stage s + 1."""
+        p, s = self.p, self.s
+        i = tick_t - s
+        x_btd = jnp.where(s == 0, self.embed(self.tokens_mbt[jnp.clip(i, 0, p.n_micro - 1)]), x_in)
+        y_btd, vjp_fn = jax.vjp(self.stage_fn, self.layers, x_btd)
+        res = jax.tree.leaves(vjp_fn)
+        assert len(res) == len(self.res0) and all(res[k] is v for k, v in self.fixed.items()
+                                                  if isinstance(v, jax.core.Tracer)), "residuals changed"
+        slot = jnp.mod(i, p.n_ring)
+        ring = [jax.lax.dynamic_update_index_in_dim(r, _like(res[k], r), slot, 0) for r, k in zip(ring, self.ringed)]
+        x_in = _like(jax.lax.ppermute(y_btd, STAGE, p.send_fwd), x_in)
+        return x_in, ring, y_btd
 
-        def tick(carry, tick_t, *, fwd: bool, bwd: bool):
-            x_in, g_in, ring, acc, loss_sum = carry
-            if fwd:  # forward of micro-batch i = t - s
-                i = tick_t - s
-                x_btd = jnp.where(s == 0, embed(tokens_mbt[jnp.clip(i, 0, n_micro - 1)]), x_in)
-                y_btd, vjp_fn = jax.vjp(stage_fn, layers, x_btd)
-                res = jax.tree.leaves(vjp_fn)
-                assert len(res) == len(res0) and all(res[k] is v for k, v in fixed.items()
-                                                     if isinstance(v, jax.core.Tracer)), "residuals changed"
-                slot = jnp.mod(i, n_ring)
-                ring = [jax.lax.dynamic_update_index_in_dim(r, _like(res[k], r), slot, 0) for r, k in zip(ring, ringed)]
-                x_in = _like(jax.lax.ppermute(y_btd, STAGE, send_fwd), x_in)
-            g_head = None
-            if fwd and bwd:  # the last stage's micro-batch t - (P - 1): head and loss, split over the stages
-                y_nd = jnp.where(s == last, y_btd, 0).reshape(mb * t, -1)
-                y_nd = jax.lax.psum_scatter(y_nd, STAGE, scatter_dimension=0, tiled=True)
-                targets_n = jax.lax.dynamic_slice_in_dim(targets_mn[tick_t - last], s * n, n)
-                head_p = {k: top[k] for k in ("norm", "head")}
-                loss, head_vjp = jax.vjp(lambda hp, y: head_loss(hp, y, targets_n), head_p, y_nd)
-                d_head, dy_nd = head_vjp(_like(jnp.asarray(scale, loss.dtype), loss))
-                acc = {**acc, **{k: acc[k] + _like(d_head[k].astype(f32), acc[k]) for k in d_head}}
-                loss_sum = loss_sum + _like(loss.astype(f32), loss_sum)
-                g_head = jax.lax.all_gather(dy_nd, STAGE, axis=0, tiled=True).reshape(mb, t, -1)
-            if bwd:  # backward of micro-batch j = t - 2(P - 1) + s
-                j = tick_t - 2 * last + s
-                ok = (j >= 0) & (j < n_micro)
-                g_btd = g_in if g_head is None else jnp.where(s == last, g_head.astype(g_in.dtype), g_in)
-                g_btd = jnp.where(ok, g_btd, 0)
-                slot = jnp.mod(j, n_ring)
-                leaves = [fixed.get(k) for k in range(len(res0))]
-                for r, k in zip(ring, ringed):
-                    leaves[k] = jax.lax.dynamic_index_in_dim(r, slot, 0, keepdims=False)
-                d_layers, dx_btd = jax.tree.unflatten(res_def, leaves)(g_btd)
-                acc = {**acc, "layers": jax.tree.map(lambda a, g: a + _like(jnp.where(ok, g, 0).astype(f32), a),
-                                                     acc["layers"], d_layers)}
-                dx_btd = jnp.where(ok, dx_btd, 0)
-                emb_ct = jnp.where(s == 0, dx_btd, 0).astype(f32)  # stage 0: the embedding's transpose
-                acc = {**acc, "embed": acc["embed"].at[tokens_mbt[jnp.clip(j, 0, n_micro - 1)]].add(
-                    _like(emb_ct, acc["embed"]))}
-                g_in = _like(jax.lax.ppermute(dx_btd, STAGE, send_bwd), g_in)
-            return (x_in, g_in, ring, acc, loss_sum), None
+    def head(self, y_btd, acc, loss_sum, tick_t):
+        """The last stage's micro-batch t - (P - 1): head and loss, split over the stages; returns the
+        feature cotangents gathered back."""
+        p, s, mb, t, n = self.p, self.s, self.mb, self.t, self.n
+        y_nd = jnp.where(s == p.last, y_btd, 0).reshape(mb * t, -1)
+        y_nd = jax.lax.psum_scatter(y_nd, STAGE, scatter_dimension=0, tiled=True)
+        targets_n = jax.lax.dynamic_slice_in_dim(self.targets_mn[tick_t - p.last], s * n, n)
+        head_p = {k: self.top[k] for k in ("norm", "head")}
+        loss, head_vjp = jax.vjp(lambda hp, y: self.head_loss(hp, y, targets_n), head_p, y_nd)
+        d_head, dy_nd = head_vjp(_like(jnp.asarray(p.scale, loss.dtype), loss))
+        acc = {**acc, **{k: acc[k] + _like(d_head[k].astype(jnp.float32), acc[k]) for k in d_head}}
+        loss_sum = loss_sum + _like(loss.astype(jnp.float32), loss_sum)
+        g_head = jax.lax.all_gather(dy_nd, STAGE, axis=0, tiled=True).reshape(mb, t, -1)
+        return acc, loss_sum, g_head
 
-        zeros = lambda like, shape=None, dtype=None: _like(  # noqa: E731
-            jnp.zeros(like.shape if shape is None else shape, like.dtype if dtype is None else dtype), like)
-        ring0 = [_in_space(zeros(res0[k], (n_ring, *res0[k].shape)), res0[k]) for k in ringed]
-        acc0 = {k: zeros(v, dtype=f32) for k, v in top.items()}
-        acc0["layers"] = [jax.tree.map(lambda a: zeros(a, dtype=f32), p) for p in layers]
-        carry = (zeros(y0), zeros(y0), ring0, acc0, zero.vary(jnp.zeros((), f32), (*dp, STAGE)))
-        phases = ((0, last, True, False), (last, n_micro, True, True), (n_micro + last, last, False, True))
+    def backward(self, g_in, g_head, ring, acc, tick_t):
+        """Backward of micro-batch j = t - 2(P - 1) + s from the ring: gradients accumulated, the input's
+        cotangent to stage s - 1 (stage 0: into the embedding)."""
+        p, s, f32 = self.p, self.s, jnp.float32
+        j = tick_t - 2 * p.last + s
+        ok = (j >= 0) & (j < p.n_micro)
+        g_btd = g_in if g_head is None else jnp.where(s == p.last, g_head.astype(g_in.dtype), g_in)
+        g_btd = jnp.where(ok, g_btd, 0)
+        slot = jnp.mod(j, p.n_ring)
+        leaves = [self.fixed.get(k) for k in range(len(self.res0))]
+        for r, k in zip(ring, self.ringed):
+            leaves[k] = jax.lax.dynamic_index_in_dim(r, slot, 0, keepdims=False)
+        d_layers, dx_btd = jax.tree.unflatten(self.res_def, leaves)(g_btd)
+        acc = {**acc, "layers": jax.tree.map(lambda a, g: a + _like(jnp.where(ok, g, 0).astype(f32), a),
+                                             acc["layers"], d_layers)}
+        dx_btd = jnp.where(ok, dx_btd, 0)
+        emb_ct = jnp.where(s == 0, dx_btd, 0).astype(f32)  # stage 0: the embedding's transpose
+        acc = {**acc, "embed": acc["embed"].at[self.tokens_mbt[jnp.clip(j, 0, p.n_micro - 1)]].add(
+            _like(emb_ct, acc["embed"]))}
+        g_in = _like(jax.lax.ppermute(dx_btd, STAGE, p.send_bwd), g_in)
+        return g_in, acc
+
+    def tick(self, carry, tick_t, *, fwd: bool, bwd: bool):
+        x_in, g_in, ring, acc, loss_sum = carry
+        if fwd:
+            x_in, ring, y_btd = self.forward(x_in, ring, tick_t)
+        g_head = None
+        if fwd and bwd:
+            acc, loss_sum, g_head = self.head(y_btd, acc, loss_sum, tick_t)
+        if bwd:
+            g_in, acc = self.backward(g_in, g_head, ring, acc, tick_t)
+        return (x_in, g_in, ring, acc, loss_sum), None
+
+    def run(self):
+        """Ticks `0 .. P-2` forwards only, `P-1 .. M+P-2` both, the rest backwards only; then the loss
+        and the gradients summed over `stage`."""
+        p, f32, res0 = self.p, jnp.float32, self.res0
+        ring0 = [_in_space(_zeros(res0[k], (p.n_ring, *res0[k].shape)), res0[k]) for k in self.ringed]
+        acc0 = {k: _zeros(v, dtype=f32) for k, v in self.top.items()}
+        acc0["layers"] = [jax.tree.map(lambda a: _zeros(a, dtype=f32), lp) for lp in self.layers]
+        carry = (_zeros(self.y0), _zeros(self.y0), ring0, acc0, zero.vary(jnp.zeros((), f32), (*p.dp, STAGE)))
+        phases = ((0, p.last, True, False), (p.last, p.n_micro, True, True), (p.n_micro + p.last, p.last, False, True))
         for start, length, fwd, bwd in phases:
-            body = lambda c, tt, fwd=fwd, bwd=bwd: tick(c, tt, fwd=fwd, bwd=bwd)  # noqa: E731
+            body = lambda c, tt, fwd=fwd, bwd=bwd: self.tick(c, tt, fwd=fwd, bwd=bwd)  # noqa: E731
             carry, _ = jax.lax.scan(body, carry, start + jnp.arange(length))
         _, _, _, acc, loss_sum = carry
         grads = {k: jax.lax.psum(v, STAGE) for k, v in acc.items() if k != "layers"}
         grads["layers"] = jax.tree.map(lambda *gs: jnp.stack(gs), *acc["layers"])
-        return jax.lax.psum(loss_sum, STAGE) / (stages * n_micro), grads
-
-    return local
+        return jax.lax.psum(loss_sum, STAGE) / (p.stages * p.n_micro), grads
