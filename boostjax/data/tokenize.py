@@ -41,7 +41,7 @@ import os
 import pathlib
 import re
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import blake3
 import numpy as np
@@ -607,26 +607,11 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
     ``spawn`` (no fork of a process that may run JAX threads), so a script calling this at its top level
     needs the usual ``if __name__ == "__main__":`` guard."""
     paths = _paths(data)
-    if doc_sep is not None and doc_sep not in DOC_SEPS:
-        raise _err(f"doc_sep: unknown {doc_sep!r}; fix: pass --doc-sep {', '.join(DOC_SEPS)}")
-    if isinstance(val_every, bool) or not isinstance(val_every, int) or val_every < 2:
-        raise _err(f"val_every: must be an integer >= 2, got {val_every!r}; fix: pass e.g. --val-every 50")
-    if not isinstance(text_field, str) or not text_field:
-        raise _err(f"text_field: need a key or column name, got {text_field!r}; fix: pass e.g. --text-field text")
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise _err(f"workers: must be an integer >= 1, got {workers!r}; fix: pass e.g. --workers "
-                   f"{default_workers()} (all cores)")
-    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise _err(f"shard_tokens: must be an integer >= 1, got {shard_tokens!r}; fix: pass e.g. --shard-tokens "
-                   f"{SHARD_TOKENS} (the default)")
+    _check_args(doc_sep, val_every, text_field, workers, shard_tokens)
     tok, train_vocab = parse_tokenizer(tokenizer)
     files = inputs(paths)
     held = [i.path for i in files if i.format != "text"]
-    if held and doc_sep in ("blank", "line"):
-        raise _err(f"doc_sep: {held[0]} holds records, and each record is one document; fix: drop --doc-sep "
-                   f"{doc_sep} (it splits text files only)")
-    if doc_sep is None:
-        doc_sep = "file" if len(paths) > 1 or os.path.isdir(paths[0]) or len(files) > 1 else "blank"
+    doc_sep = _doc_sep(doc_sep, paths, files, held)
     replacing = check_out(out)
     say = log or (lambda s: None)
 
@@ -663,68 +648,117 @@ def tokenize_corpus(data, out: str | os.PathLike, tokenizer: str | Tokenizer = "
         if skipped.count:
             say(f"skipped {skipped.count} bad record{'s' * (skipped.count > 1)} (--skip-bad), the first: "
                 + "; ".join(skipped.first))
-        digests: dict[str, str] = {}
-        for w in writers.values():
-            w.close()
-            docs_tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{w.name}.docs.npy"
-            tmp_files.append(docs_tmp)
-            with open(docs_tmp, "wb") as f:
-                np.save(f, np.concatenate(w.starts or [np.zeros(0, np.int64)]).astype(np.int64), allow_pickle=False)
-            digests[f"{w.name}.bin"] = w.hash.hexdigest()
-            digests[f"{w.name}.docs.npy"] = blake3.blake3(docs_tmp.read_bytes()).hexdigest()
+        digests = _close_splits(folder, writers, tmp_files)
         kind = "byte" if isinstance(tok, ByteTokenizer) else TOKENIZER_FILE
         meta = {"format": TOKENS_FORMAT, "version": TOKENS_VERSION, "tokenizer": kind, "dtype": dtype,
                 "vocab_size": int(tok.vocab_size), "eos_id": getattr(tok, "eos_id", None),
                 "bos_id": getattr(tok, "bos_id", None), "source": _source(paths),
                 "splits": {s: w.meta() for s, w in writers.items()},
-                "fingerprint": fingerprint.of_digests((n, digests[n]) for n in FINGERPRINT_FILES)}
-        if held:
-            meta["text_field"] = text_field
-        if skip_bad:
-            meta["skipped"] = skipped.meta()
-        tok_tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{TOKENIZER_FILE}"
-        if kind != "byte":
-            tmp_files.append(tok_tmp)
-            tok.tok.save(str(tok_tmp))
-        meta_tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{META_FILE}"
-        tmp_files.append(meta_tmp)
-        meta_tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        # commit: the old metadata is first marked incomplete, the new one comes last
-        if (folder / META_FILE).exists():
-            stub = folder / f"{TMP_PREFIX}{os.getpid()}-stub.json"
-            tmp_files.append(stub)
-            stub.write_text(json.dumps({"format": TOKENS_FORMAT, "version": TOKENS_VERSION, "incomplete": True}))
-            os.replace(stub, folder / META_FILE)
-        for w in writers.values():
-            for i, tmp in enumerate(w.tmps):
-                os.replace(tmp, folder / shard_name(w.name, i))
-            os.replace(folder / f"{TMP_PREFIX}{os.getpid()}-{w.name}.docs.npy", folder / f"{w.name}.docs.npy")
-        written = {shard_name(w.name, i) for w in writers.values() for i in range(len(w.tmps))}
-        for f in folder.iterdir():  # an earlier output's token files this one has not (more shards, a train.bin)
-            if f.name.endswith(".bin") and is_folder_file(f.name) and f.name not in written:
-                f.unlink()
-        if kind != "byte":
-            os.replace(tok_tmp, folder / TOKENIZER_FILE)
-        else:
-            (folder / TOKENIZER_FILE).unlink(missing_ok=True)
-        os.replace(meta_tmp, folder / META_FILE)
+                "fingerprint": fingerprint.of_digests((n, digests[n]) for n in FINGERPRINT_FILES),
+                **({"text_field": text_field} if held else {}), **({"skipped": skipped.meta()} if skip_bad else {})}
+        _commit(folder, writers, tok, kind, meta, tmp_files)
     except BaseException:
-        for w in writers.values():
-            w.close()
-        for f in tmp_files + [t for w in writers.values() for t in w.tmps]:
-            f.unlink(missing_ok=True)
-        if created:
-            try:
-                folder.rmdir()  # only if nothing else is in it
-            except OSError:
-                pass
+        _abort(folder, writers, tmp_files, created)
         raise
-    left = [f for f in folder.iterdir() if f.name.startswith(TMP_PREFIX)]  # of an earlier, interrupted run
+    _remove_left(folder, say)
+    if replacing:
+        say(f"replaced the earlier tokenize output in {folder}")
+    return meta
+
+
+def _check_args(doc_sep: str | None, val_every: Any, text_field: Any, workers: Any, shard_tokens: Any) -> None:
+    """One-line `ConfigError`s for `tokenize_corpus`'s arguments, before any file is read."""
+    if doc_sep is not None and doc_sep not in DOC_SEPS:
+        raise _err(f"doc_sep: unknown {doc_sep!r}; fix: pass --doc-sep {', '.join(DOC_SEPS)}")
+    if isinstance(val_every, bool) or not isinstance(val_every, int) or val_every < 2:
+        raise _err(f"val_every: must be an integer >= 2, got {val_every!r}; fix: pass e.g. --val-every 50")
+    if not isinstance(text_field, str) or not text_field:
+        raise _err(f"text_field: need a key or column name, got {text_field!r}; fix: pass e.g. --text-field text")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise _err(f"workers: must be an integer >= 1, got {workers!r}; fix: pass e.g. --workers "
+                   f"{default_workers()} (all cores)")
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise _err(f"shard_tokens: must be an integer >= 1, got {shard_tokens!r}; fix: pass e.g. --shard-tokens "
+                   f"{SHARD_TOKENS} (the default)")
+
+
+def _doc_sep(doc_sep: str | None, paths: list[str], files: list, held: list[pathlib.Path]) -> str:
+    """The document separator of text files: the given one (refused where the input holds records), else
+    'file' for a folder or several paths, 'blank' for a single file."""
+    if held and doc_sep in ("blank", "line"):
+        raise _err(f"doc_sep: {held[0]} holds records, and each record is one document; fix: drop --doc-sep "
+                   f"{doc_sep} (it splits text files only)")
+    if doc_sep is None:
+        doc_sep = "file" if len(paths) > 1 or os.path.isdir(paths[0]) or len(files) > 1 else "blank"
+    return doc_sep
+
+
+def _close_splits(folder: pathlib.Path, writers: dict[str, _Writer], tmp_files: list[pathlib.Path]) -> dict[str, str]:
+    """Close every split's writer, save its document offsets under a temporary name (added to
+    `tmp_files`) and return the digests of each split's stream and offsets."""
+    digests: dict[str, str] = {}
+    for w in writers.values():
+        w.close()
+        docs_tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{w.name}.docs.npy"
+        tmp_files.append(docs_tmp)
+        with open(docs_tmp, "wb") as f:
+            np.save(f, np.concatenate(w.starts or [np.zeros(0, np.int64)]).astype(np.int64), allow_pickle=False)
+        digests[f"{w.name}.bin"] = w.hash.hexdigest()
+        digests[f"{w.name}.docs.npy"] = blake3.blake3(docs_tmp.read_bytes()).hexdigest()
+    return digests
+
+
+def _commit(folder: pathlib.Path, writers: dict[str, _Writer], tok: Any, kind: str, meta: dict,
+            tmp_files: list[pathlib.Path]) -> None:
+    """Rename the temporary files into place, `meta.json` last (the old one first marked incomplete),
+    and remove an earlier output's token files this one has not."""
+    tok_tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{TOKENIZER_FILE}"
+    if kind != "byte":
+        tmp_files.append(tok_tmp)
+        tok.tok.save(str(tok_tmp))
+    meta_tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{META_FILE}"
+    tmp_files.append(meta_tmp)
+    meta_tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    # commit: the old metadata is first marked incomplete, the new one comes last
+    if (folder / META_FILE).exists():
+        stub = folder / f"{TMP_PREFIX}{os.getpid()}-stub.json"
+        tmp_files.append(stub)
+        stub.write_text(json.dumps({"format": TOKENS_FORMAT, "version": TOKENS_VERSION, "incomplete": True}))
+        os.replace(stub, folder / META_FILE)
+    for w in writers.values():
+        for i, tmp in enumerate(w.tmps):
+            os.replace(tmp, folder / shard_name(w.name, i))
+        os.replace(folder / f"{TMP_PREFIX}{os.getpid()}-{w.name}.docs.npy", folder / f"{w.name}.docs.npy")
+    written = {shard_name(w.name, i) for w in writers.values() for i in range(len(w.tmps))}
+    for f in folder.iterdir():  # an earlier output's token files this one has not (more shards, a train.bin)
+        if f.name.endswith(".bin") and is_folder_file(f.name) and f.name not in written:
+            f.unlink()
+    if kind != "byte":
+        os.replace(tok_tmp, folder / TOKENIZER_FILE)
+    else:
+        (folder / TOKENIZER_FILE).unlink(missing_ok=True)
+    os.replace(meta_tmp, folder / META_FILE)
+
+
+def _abort(folder: pathlib.Path, writers: dict[str, _Writer], tmp_files: list[pathlib.Path], created: bool) -> None:
+    """After a failure: close the writers, remove every temporary file, and the folder if this call made it
+    and nothing else is in it."""
+    for w in writers.values():
+        w.close()
+    for f in tmp_files + [t for w in writers.values() for t in w.tmps]:
+        f.unlink(missing_ok=True)
+    if created:
+        try:
+            folder.rmdir()  # only if nothing else is in it
+        except OSError:
+            pass
+
+
+def _remove_left(folder: pathlib.Path, say: Callable[[str], None]) -> None:
+    """Remove the temporary files an earlier, interrupted run left in `folder`."""
+    left = [f for f in folder.iterdir() if f.name.startswith(TMP_PREFIX)]
     for f in left:
         f.unlink(missing_ok=True)
     if left:
         say(f"removed {len(left)} temporary file{'s' * (len(left) > 1)} an interrupted earlier tokenize left in "
             f"{folder} ({left[0].name}{', ...' if len(left) > 1 else ''})")
-    if replacing:
-        say(f"replaced the earlier tokenize output in {folder}")
-    return meta

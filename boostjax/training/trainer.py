@@ -157,13 +157,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         run = prepare.open_run(folder, cfg)  # the stored config, what a resume may change, the layout
         source, corpus = prepare.open_data(cfg)  # 5. the data
         # 6. the state: fresh, from pretrained weights, or restored from the newest checkpoint
-        start_from = None
-        if not run.resuming and (t.init_from_hf or init is not None):  # read (and factored) before any compile
-            start_from = pretrained.initial_params(cfg, init, corpus)
-        elif init is not None:
-            _say(f"resuming from the checkpoints in {folder.checkpoints}; the init= params are not used")
-        report = start_from[1] if start_from is not None else (
-            pretrained.fresh_report(cfg.model) if not run.resuming and cfg.model.low_rank else None)
+        start_from, report = _start_from(cfg, init, corpus, run, folder)
         teacher = None
         if t.distill_from:  # read before any compile; a resumed run keeps its teacher
             teacher = distill.load(t.distill_from)
@@ -179,12 +173,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         multihost.barrier("boostjax-out-dir-checked")  # every process read the old config before it changes
         state = fns.init(params)
         params, opt_state = checkpoint_parts(state)
-        share, count = fns.batch_share  # the block of each global batch's rows this process loads
-        # packed documents where their boundaries are known (segment ids with --doc-mask), else random windows
-        data = train_iterator(corpus, t.batch * t.grad_accum, t.seq, t.seed, segments=t.doc_mask,
-                              vocab_size=cfg.model.vocab_size, process_index=share, process_count=count)
-        val_sets = validation_sets(corpus, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
-                                   process_index=share, process_count=count, segments=t.doc_mask)
+        data, val_sets = _batches(cfg, corpus, fns)
         if data.epochs(t.steps) > 1:
             _say(epochs_line(data, t.steps))
         open_ckpt = lambda: Checkpointer(folder.checkpoints, keep=t.keep_ckpts,  # noqa: E731
@@ -204,14 +193,7 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
             if ckpt is None:
                 ckpt = open_ckpt()
             if multihost.is_main_process():
-                folder.write_config(cfg, start, run.changes, run.data_fingerprint, source.mixture_record())
-                install_run_tokenizer(folder.path, source)  # load_tokenizer(run folder) gives the run's
-                one = source.parts[0].source if source.kind == "mixture" else source  # a mixture's folders share it
-                pretrained.copy_tokenizer(pretrained.source_tokenizer(cfg, one), folder.path)
-                if report is not None:
-                    pretrained.write_report(folder.path, report)
-                if teacher is not None:
-                    distill.write_record(folder.path, teacher, fns.teacher)
+                _write_run_files(cfg, folder, start, run, source, report, teacher, fns)
             metrics = folder.trim_metrics(start, write=multihost.is_main_process())
             # 7. the loop
             loop_run = _LoopRun(cfg, graphdef, fns, step_fn, compile_s, ckpt, folder, stop, data, val_sets, on_log,
@@ -223,6 +205,46 @@ def train(cfg: Config, *, on_log: Callable[[dict], None] | None = None, init: An
         finally:
             if ckpt is not None:
                 ckpt.close()
+
+
+def _start_from(cfg: Config, init: Any, corpus: Corpus | Mixture, run: Any, folder: RunFolder) -> tuple[Any, Any]:
+    """(the pretrained start `(params, report)` or None, the init report or None) of a new run; a resumed
+    run reads neither (`init` is then named unused)."""
+    t = cfg.train
+    start_from = None
+    if not run.resuming and (t.init_from_hf or init is not None):  # read (and factored) before any compile
+        start_from = pretrained.initial_params(cfg, init, corpus)
+    elif init is not None:
+        _say(f"resuming from the checkpoints in {folder.checkpoints}; the init= params are not used")
+    report = start_from[1] if start_from is not None else (
+        pretrained.fresh_report(cfg.model) if not run.resuming and cfg.model.low_rank else None)
+    return start_from, report
+
+
+def _batches(cfg: Config, corpus: Corpus | Mixture, fns: Any) -> tuple[BatchIterator, Any]:
+    """The training batches and the validation sets of this process's block of each global batch's rows."""
+    t = cfg.train
+    share, count = fns.batch_share  # the block of each global batch's rows this process loads
+    # packed documents where their boundaries are known (segment ids with --doc-mask), else random windows
+    data = train_iterator(corpus, t.batch * t.grad_accum, t.seq, t.seed, segments=t.doc_mask,
+                          vocab_size=cfg.model.vocab_size, process_index=share, process_count=count)
+    val_sets = validation_sets(corpus, t.batch, t.seq, t.eval_batches, vocab_size=cfg.model.vocab_size,
+                               process_index=share, process_count=count, segments=t.doc_mask)
+    return data, val_sets
+
+
+def _write_run_files(cfg: Config, folder: RunFolder, start: int, run: Any, source: Any, report: Any, teacher: Any,
+                     fns: Any) -> None:
+    """The main process's files of the run folder once the step compiled: the config, the tokenizer, the
+    init report and the teacher's record."""
+    folder.write_config(cfg, start, run.changes, run.data_fingerprint, source.mixture_record())
+    install_run_tokenizer(folder.path, source)  # load_tokenizer(run folder) gives the run's
+    one = source.parts[0].source if source.kind == "mixture" else source  # a mixture's folders share it
+    pretrained.copy_tokenizer(pretrained.source_tokenizer(cfg, one), folder.path)
+    if report is not None:
+        pretrained.write_report(folder.path, report)
+    if teacher is not None:
+        distill.write_record(folder.path, teacher, fns.teacher)
 
 
 def train_iterator(corpus: Corpus | Mixture, batch: int, seq: int, seed: int, **kwargs: Any) -> BatchIterator:
