@@ -405,40 +405,12 @@ def comm_report(model: ModelConfig, mesh: MeshShape | str, batch: int, seq: int,
                 dtype: str = "bfloat16", dump_hlo: str | None = None, **train_fields) -> dict[str, Any]:
     """All-reduce count and bytes of one training step and of the forward, whole model and per layer.
 
-    `model` gives the shapes (fullrank-tp compiles it as the dense `llama` kind, vanilla-tp / btp as
-    its low-rank kind). The step is the one `boostjax train` compiles for this configuration
-    (`memory.train_step_compiled`), compiled abstractly, so 7B/13B shapes need no memory;
-    `train_fields` are further `TrainConfig` fields (`optimizer`, `microbatches`, ...).
-
-    Per-layer values (`*_per_layer`) are EXACT differences between two programs that differ only in
-    depth: the model compiled with `n_layers=2` minus the model compiled with `n_layers=1` (same
-    mesh, batch, sequence, dtype, remat; with a pipeline of P stages, `2P` minus `P` layers: one
-    layer more on every stage). Embedding, final gather, LM head, cross-entropy and the
-    optimizer's non-layer work are identical in both and cancel, leaving one block's collectives
-    (and, in the step, its share of the optimizer's global-norm partial sums:
-    `allreduce_scalar_bytes_per_layer`). Counts may be affected by XLA combining all-reduces; bytes
-    are not; `forward_allreduce_emitted_per_layer` counts the all-reduces JAX emits (StableHLO,
-    before any XLA pass: what a backend that combines nothing runs). `*_bytes` use the communicated element type (bf16 even where the CPU backend widens
-    to f32, see `*_bytes_compiled`); single-device groups (a mesh axis of size 1) are not counted.
-
-    Memory (per device, `boostjax.analysis.memory`): `peak_bytes_per_device` = argument + output -
-    alias + temp of the compiled step, and its parts `weight_bytes` (fp32 parameter shards),
-    `optimizer_bytes` (optimizer-state shards), `activation_bytes` (the rest: temporaries, gradients,
-    batch), with `batch_bytes` and `gradient_bytes_estimate`.
-
-    Also: `other_collectives` (all-gather, reduce-scatter, ... per kind), `*_by_axis` (bytes per
-    mesh axis), `temp_bytes` / `memory` (`compiled.memory_analysis()` of the whole step),
-    `residual_bytes` (per device, what the forward saves for the backward: the remat policy's
-    effect), `gemms` (one block's forward GEMMs: K, intensity) and `expected_per_layer`
-    (the analytic volume, see `expected_per_layer`).
-
-    `data_parallel`: the step's collectives over `data` alone (`collectives`: count, result `bytes`
-    and `ring_bytes` per kind, `ring_bytes`: what one device sends in a ring) and `reduce_ring_bytes`,
-    their reductions (the gradient's all-reduce, or ZeRO's reduce-scatter: half the bytes). With
-    `zero` >= 1 on `data` > 1 also the same step compiled with ZeRO 0 (`zero0_reduce_ring_bytes`), the
-    ratio `reduce_vs_zero0` (1/2, plus the share of `unsplit_gradients`: the leaves no dimension of
-    which divides by `data`, all-reduced whole, and the scalar loss and norms), and those leaves. With `dump_hlo=DIR`, writes
-    `DIR/<strategy>.hlo.txt` (step) and `DIR/<strategy>.fwd.hlo.txt` (forward loss).
+    `model` gives the shapes (fullrank-tp compiles it as the dense `llama` kind, vanilla-tp / btp as its
+    low-rank kind); the step is the one `boostjax train` compiles (`memory.train_step_compiled`), compiled
+    abstractly; `train_fields` are further `TrainConfig` fields. Per-layer values are exact differences
+    between the 2-layer and the 1-layer programs; memory, other collectives, the data-parallel comparison
+    with ZeRO 0 and the analytic volume come with them. Every field, and `dump_hlo=DIR`'s files:
+    docs/tensor-parallelism.md, "The fields of comm_report".
     """
     mesh = _checked_mesh(mesh, dtype, remat)
     m = model_for(model, strategy)
