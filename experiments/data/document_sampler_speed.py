@@ -26,9 +26,15 @@ def per_batch_ms(it: data.BatchIterator, n: int) -> float:
     return (time.perf_counter() - t) / n * 1e3
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_out(ap, "document_sampler_speed", from_json=False)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     md = common.Lines()
     c = data.stdlib_corpus()

@@ -182,7 +182,8 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
     ap.add_argument("--out", default=str(common.RESULTS),
@@ -199,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokens per shard of the synthetic folder, as boostjax tokenize --shard-tokens (default "
                          "%(default)s)")
     ap.add_argument("--tmp", default=None, help="where the temporary folder goes (default: the system's temp dir)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     for name in ("tokens", "mean_doc", "batch", "seq", "warmup", "batches", "shard_tokens"):
         if getattr(args, name) < 1:

@@ -81,7 +81,8 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
     ap.add_argument("--out", default=str(common.RESULTS),
@@ -98,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the process counts P, comma-separated (default %(default)s)")
     ap.add_argument("--tmp", default=None, help="where the temporary folder goes (default: the system's temp dir)")
     ap.add_argument("--child", nargs=6, default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.child:
         folder, *ints = args.child

@@ -151,7 +151,8 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(common.RESULTS),
                     help="folder for tokenize_speed.json and .md (default: experiments/results)")
@@ -160,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="core counts N (default: 1 2)")
     ap.add_argument("--vocab", type=int, default=4096, help="the BPE's vocabulary (default: 4096)")
     ap.add_argument("--work", default=None, help="folder for the generated inputs (default: a temporary folder)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     out = pathlib.Path(args.out)

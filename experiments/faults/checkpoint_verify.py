@@ -191,13 +191,19 @@ def markdown(res: dict) -> str:
     return "\n".join(t)
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes-gb", type=float, nargs="+", default=[1.0, 4.0], help="state sizes to save and restore")
     p.add_argument("--hash-mb", type=int, default=1024, help="size of the file the hashes are timed on")
     p.add_argument("--repeats", type=int, default=2, help="tries per measurement (the best is kept)")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where the files go (deleted afterwards)")
     p.add_argument("--out", default=str(common.RESULTS), help="where checkpoint_verify.{json,md} go")
+    return p
+
+
+def main(argv=None) -> None:
+    p = parser()
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     work = pathlib.Path(tempfile.mkdtemp(prefix="checkpoint-verify-", dir=args.dir))

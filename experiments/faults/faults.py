@@ -114,18 +114,31 @@ def run_campaign(s: Settings, out: pathlib.Path, scratch: pathlib.Path | None = 
     return res
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke version: 2 signals, 1 damaged checkpoint, 40 steps")
     common.add_out(p, "faults")
     p.add_argument("--scratch", type=pathlib.Path, help="folder for the run folders, logs and JAX cache (kept)")
     p.add_argument("--keep-scratch", action="store_true", help="keep the temporary scratch folder")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="seed of the schedule: signals, their triggers, damage kinds and files "
+                   "(default 0)")
     p.add_argument("--kills", type=int, help="signals to send, at least (SIGKILL/SIGINT/SIGTERM)")
     p.add_argument("--corruptions", type=int, help="checkpoints to damage, at least")
-    for name, kind in (("runs", int), ("steps", int), ("ckpt-every", int), ("keep", int), ("max-wait-s", float),
-                       ("max-wait-steps", int), ("p-double", float), ("timeout-s", float)):
-        p.add_argument(f"--{name}", type=kind)
+    for name, kind, what in (
+            ("runs", int, "campaign runs the signals are spread over (more start if the counts are not reached)"),
+            ("steps", int, "training steps of every run"), ("ckpt-every", int, "steps between checkpoints"),
+            ("keep", int, "checkpoints each run keeps (--keep-ckpts)"),
+            ("max-wait-s", float, "time trigger: a signal uniform(0.2, this) seconds after the start"),
+            ("max-wait-steps", int, "steps trigger: a signal after 1..this newly logged steps"),
+            ("p-double", float, "probability that a SIGINT/SIGTERM is sent twice"),
+            ("timeout-s", float, "a process that neither stops nor finishes within this many seconds is a hang")):
+        p.add_argument(f"--{name}", type=kind, help=f"{what} (default: experiments/faults/plan.py's Settings)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = parser()
     args = p.parse_args(argv)
     res = common.rerender(args, "faults", markdown)
     if res is not None:

@@ -429,26 +429,49 @@ def compiled_findings(hlo_text: str, mem) -> dict[str, Any]:
             "custom_calls": ops.get("custom-call", 0), "instructions": sum(ops.values())}
 
 
+def compile_for_target(cfg: Config, spec_path: str, n: int, log, what: str) -> dict[str, Any]:
+    """`cfg`'s step lowered for CUDA and compiled for `n` target GPUs: the findings, the custom calls of the
+    optimised program (cuDNN's attention among them) and the seconds, or the error as the finding."""
+    low, _ = lower(cfg, "cuda")
+    try:
+        exe, secs = gpu_compile(low, spec_path, n)
+    except Exception as e:  # recorded as the finding
+        log(f"deviceless compile of {what} failed: {type(e).__name__}")
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    text = exe.hlo_modules()[0].to_string()
+    out = compiled_findings(text, exe.get_compiled_memory_stats())
+    out["custom_call_targets"] = dict(Counter(re.findall(r'custom_call_target="([^"]+)"', text)))
+    out["compile_s"] = round(secs, 1)
+    log(f"deviceless GPU compile of {what}: {secs:.0f} s")
+    return out
+
+
 def deviceless(spec_path: str, log, cpu_two: dict | None = None) -> dict[str, Any]:
-    """(a) at 2 layers compiled for 4 target GPUs, beside `cpu_two` (the same step compiled for the 4
-    simulated CPU devices: `seven_b`'s `cpu_compile_two_layers`)."""
+    """(a) at 2 layers compiled for 4 target GPUs (attention `auto`: cuDNN in bf16), beside `cpu_two` (the
+    same step with chunked attention compiled for the 4 simulated CPU devices: `seven_b`'s
+    `cpu_compile_two_layers`)."""
     p = SEVEN_B
     cfg = configs(p["preset"], 2, p["seq"], batch=p["batch"], strategy=p["strategy"], mesh=p["mesh"], remat=p["remat"])
-    cfg = replace(cfg, model=replace(cfg.model, attention="chunked"))  # cuDNN does not lower at data=1 (docs)
-    low, _ = lower(cfg, "cuda")
-    out: dict[str, Any] = {"target": pathlib.Path(spec_path).name, "config": "7b BTP TP4, 2 layers, chunked attention"}
-    try:
-        exe, secs = gpu_compile(low, spec_path, 4)
-    except Exception as e:  # recorded as the finding
-        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-        log(f"deviceless compile failed: {out['error']}")
+    out: dict[str, Any] = {"target": pathlib.Path(spec_path).name,
+                           "config": "7b BTP TP4, 2 layers, attention auto (cuDNN for the GPU, chunked on the CPU)"}
+    found = compile_for_target(cfg, spec_path, 4, log, "(a)")
+    if "error" in found:
+        out["error"] = found["error"]
         return out
-    out["gpu"] = compiled_findings(exe.hlo_modules()[0].to_string(), exe.get_compiled_memory_stats())
-    out["gpu"]["compile_s"] = round(secs, 1)
-    log(f"deviceless GPU compile: {secs:.0f} s")
+    out["gpu"] = found
     if cpu_two is not None:
         out["cpu"] = cpu_two
     return out
+
+
+def deviceless_offloaded(spec_path: str, plan_path: str, log) -> dict[str, Any]:
+    """(b) at full depth with its plan, compiled for one target GPU (pinned_host state, cuDNN attention)."""
+    o = ONE_B
+    cfg = configs(o["preset"], preset(o["preset"]).n_layers, o["seq"], batch=o["batch"], optimizer=o["optimizer"],
+                  offload_plan=plan_path)
+    found = compile_for_target(cfg, spec_path, 1, log, "(b)")
+    return {"target": pathlib.Path(spec_path).name, "config": f"1b CoLA, {cfg.model.n_layers} layers, the plan's "
+            "placements, attention auto", **found}
 
 
 # ----------------------------------------------------------------------------- report
@@ -481,7 +504,25 @@ def deviceless_lines(d: dict) -> list[str]:
                                                        f"{gib(x['memory']['temp_bytes'])}"),
                   row("collectives after optimisation", coll),
                   row("fusions / instructions", lambda x: f"{x['fusions']} / {x['instructions']}"),
+                  row("cuDNN custom calls", lambda x: _kv({k: v for k, v in x.get("custom_call_targets", {}).items()
+                                                           if "cudnn" in k}) if "custom_call_targets" in x else "-"),
                   row("compile s", lambda x: x.get("compile_s", "-")), ""]
+
+
+def deviceless_offloaded_lines(d: dict) -> list[str]:
+    out = ["### (b) compiled for one GPU", "", f"{d['config']}, compiled for 1 x `{d['target']}` (no GPU)."]
+    if "error" in d:
+        return out + ["", f"Failed: `{d['error']}`", ""]
+    m = d["memory"]
+    gib = lambda x: f"{x / 2**30:.2f}"  # noqa: E731
+    return out + ["", "| | |", "|---|---|",
+                  f"| peak GiB on the device (argument + output - alias + temp) | {gib(m['peak_bytes_per_device'])} |",
+                  f"| device argument / temp GiB | {gib(m['argument_bytes'])} / {gib(m['temp_bytes'])} |",
+                  f"| host argument / output / temp GiB | {gib(m['host_argument_bytes'])} / "
+                  f"{gib(m['host_output_bytes'])} / {gib(m['host_temp_bytes'])} |",
+                  f"| fusions / instructions | {d['fusions']} / {d['instructions']} |",
+                  f"| cuDNN custom calls | {_kv({k: v for k, v in d['custom_call_targets'].items() if 'cudnn' in k})} |",
+                  f"| compile s | {d['compile_s']} |", ""]
 
 
 def markdown(res: dict) -> str:
@@ -554,6 +595,8 @@ def markdown(res: dict) -> str:
         lines += ["## `--attention cudnn` (a), 1 layer", "", note, ""]
     if res.get("deviceless"):
         lines += deviceless_lines(res["deviceless"])
+    if res.get("deviceless_offloaded"):
+        lines += deviceless_offloaded_lines(res["deviceless_offloaded"])
     lines += [f"Environment: jax {res['jax']}, backend {res['backend']}; took {res['wall_s']} s on a shared "
               "2-core CPU.", "", f"Reproduce: `{res['command']}`"]
     return "\n".join(lines) + "\n"
@@ -594,8 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", default=None, help="use this plan file for (b) instead of running boostjax plan")
     ap.add_argument("--plan-time-limit", type=float, default=10.0, help="CP-SAT time limit for (b)'s plan, seconds")
     ap.add_argument("--deviceless", default=None, metavar="TARGET_TXTPB",
-                    help="also compile (a) at 2 layers for 4 GPUs described by this XLA GPU target config, with no "
-                         "GPU (needs jax-cuda12-plugin with its CUDA libraries and JAX_PLATFORMS=cpu)")
+                    help="also compile (a) at 2 layers for 4 GPUs and (b) for one, described by this XLA GPU target "
+                         "config, with no GPU (needs jax-cuda12-plugin with its CUDA libraries and JAX_PLATFORMS=cpu)")
     ap.add_argument("--from-json", default=None, help="re-render the markdown of an earlier gpu_export.json")
     ap.add_argument("--out", default=str(RESULTS), help="folder for gpu_export.{json,md}")
     args = ap.parse_args(argv)
@@ -627,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             path, words = (args.plan, ["plan", "--out", args.plan]) if args.plan else make_plan(tmp, args.plan_time_limit, log)
             res["offloaded"] = offloaded(path, words, log)
+            if args.deviceless:
+                res["deviceless_offloaded"] = deviceless_offloaded(args.deviceless, path, log)
     res["wall_s"] = round(time.perf_counter() - t0)
     res["command"] = "python -m experiments.gpu.gpu_export" + ("".join(f" {shlex.quote(a)}" for a in argv or sys.argv[1:]))
     write(args.out, "gpu_export", res, markdown(res))

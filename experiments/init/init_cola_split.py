@@ -27,9 +27,15 @@ from experiments import common
 DENSE = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_out(ap, "init_cola_split", from_json=False)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     md = common.Lines()
     rng = np.random.default_rng(0)

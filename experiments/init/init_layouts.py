@@ -50,9 +50,15 @@ CASES = [  # (kind, rank, strategy, mesh, zero)
 ]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_out(ap, "init_layouts", from_json=False)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="init-layouts-"))
     rng = np.random.default_rng(0)

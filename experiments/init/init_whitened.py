@@ -51,7 +51,8 @@ def linearised(grams, eps: float) -> pretrained.Factor:
     return factor
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf", required=True, help="Hugging Face LLaMA folder")
     ap.add_argument("--data", required=True, help="data tokenised with the checkpoint's tokenizer")
@@ -65,6 +66,11 @@ def main() -> None:
                     help="compare CoLA's splits of the whitened start (first --calib-tokens), linearised at EPS")
     ap.add_argument("--finetune", type=int, default=0, metavar="N", help="with --cola-split: N training steps each")
     common.add_out(ap, "init_whitened", from_json=False)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     md = common.Lines()
 

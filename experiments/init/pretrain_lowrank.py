@@ -564,7 +564,8 @@ def fail(msg: str) -> None:
     sys.exit(2)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a tiny corpus and model, a few steps (a smoke run): "
                    f"{NAME}_quick.*")
@@ -585,6 +586,11 @@ def main(argv: list[str] | None = None) -> None:
             p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(getattr(QUICK, f.name)),
                            default=None, help=f"override {f.name} (default {getattr(Settings(), f.name)}; quick "
                            f"{getattr(QUICK, f.name)})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
     args = p.parse_args(argv)
     name = args.name or (f"{NAME}_quick" if args.quick else NAME)
     out = pathlib.Path(args.out)

@@ -248,11 +248,17 @@ def plot(res: dict):
     return fig
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT time limit per instance (s)")
     ap.add_argument("--skip-cpu", action="store_true", help="skip the CPU memory check")
     common.add_out(ap, "offload")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if common.rerender(args, "offload", markdown, plot) is None:
         t0 = time.perf_counter()

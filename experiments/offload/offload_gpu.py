@@ -171,24 +171,25 @@ def table(runs: list[dict]) -> list[str]:
 def parser() -> argparse.ArgumentParser:
     """The command-line flags (also the settings `worker` reads)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="1b")
+    ap.add_argument("--preset", default="1b", help="model preset whose shapes are trained (default: 1b)")
     ap.add_argument("--model", default=None, help="model kind (default: the preset's)")
     ap.add_argument("--vocab", type=int, default=0, help="vocabulary size, 0 = the preset's (default: 0)")
     ap.add_argument("--layers", type=int, default=0, help="transformer layers, 0 = the preset's (default: 0)")
     ap.add_argument("--attention", default="", choices=("", "auto", "xla", "cudnn", "chunked"),
                     help="ModelConfig.attention (default: the config's own default)")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step (default: 8)")
+    ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default: 1024)")
     ap.add_argument("--memory-cap", type=float, default=20.0, help="device memory cap in GB")
     ap.add_argument("--budget-fraction", type=float, default=0.85,
                     help="planner budget = cap x this (room for what the cost model does not see)")
     ap.add_argument("--hardware", default="measure", help="profile name, or 'measure' (time this GPU's link)")
-    ap.add_argument("--optimizer", default="adam8bit", choices=("adam8bit", "adamw"))
-    ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--time-limit", type=float, default=60.0)
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--optimizer", default="adam8bit", choices=("adam8bit", "adamw"), help="optimizer (default: adam8bit)")
+    ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm (default: 1.0)")
+    ap.add_argument("--steps", type=int, default=10, help="timed training steps per policy (default: 10)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per policy first (default: 2)")
+    ap.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT time limit of the plan, seconds (default: 60)")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help=f"comma-separated policies to run, of {', '.join(POLICIES)} (default: all)")
     ap.add_argument("--allow-cpu", action="store_true", help="smoke mode on CPU (only with --preset tiny)")
     common.add_out(ap, "offload_gpu", from_json=False)
     ap.add_argument("--policy", default=None, help=argparse.SUPPRESS)  # worker mode

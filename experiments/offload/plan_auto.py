@@ -521,7 +521,8 @@ def chart(res: dict):
     return fig
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("boost", "cpu", "memory", "timing", "all"), default="all",
                     help="which validation to run (timing: 7B on 8x8 A100s, wall time from an empty cache; "
@@ -536,6 +537,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="cpu part: in-process rounds of one compiled step per configuration in turn")
     ap.add_argument("--cache", default="/tmp/boostjax-plan-cache", help="compiled-measurement cache folder")
     common.add_out(ap, "plan_auto")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     path = pathlib.Path(args.out) / "plan_auto.json"
     if common.rerender(args, "plan_auto", markdown, chart) is not None:

@@ -198,12 +198,18 @@ def plot(data: dict):
     return fig
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--micro", type=int, nargs="+", default=list(MICRO), help="micro-batch counts M to compile")
     ap.add_argument("--speed", action="store_true", help="also time both schedules on a small model (with "
                     "--from-json: added to that result, written to --out)")
     common.add_out(ap, "pipeline_schedules")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if not args.speed and common.rerender(args, "pipeline_schedules", markdown, plot) is not None:

@@ -695,7 +695,8 @@ def _check_settings(p: argparse.ArgumentParser, s: Settings) -> None:
         p.error(bad[0] + "; fix: pass a value in range")
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="minutes-long smoke version (8 layers, S in 1,4,8, 120 steps)")
     p.add_argument("--regime", choices=tuple(REGIMES), default="default",
@@ -727,6 +728,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         p.add_argument(f"--{flag}", type=kind, help=what)
     p.add_argument("--rot-damping", type=float, help="rotation rows: the refreshes' damping (default: "
                                                      "--rot-damping's, 4; 0 = the paper's exact eigh)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = parser()
     args = p.parse_args(argv)
     command = common.command_line("staleness", argv)
     log = functools.partial(print, flush=True)

@@ -81,14 +81,23 @@ def op_time(t: int, block: int, rounds: int) -> dict:
             "chunked_ms": round(1e3 * med["chunked"], 1), "chunked_over_xla": round(med["chunked"] / med["xla"], 2)}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="13b")  # d_model 5120: no width equals a seq below
-    ap.add_argument("--seqs", default="2048,4096")
-    ap.add_argument("--block", type=int, default=512)
-    ap.add_argument("--time-seqs", default="1024,2048")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--preset", default="13b",  # d_model 5120: no width equals a seq below
+                    help="preset whose layer is compiled for the memory table (default: 13b)")
+    ap.add_argument("--seqs", default="2048,4096", help="comma-separated sequence lengths of the memory table "
+                    "(default: 2048,4096)")
+    ap.add_argument("--block", type=int, default=512, help="chunked attention's block size (default: 512)")
+    ap.add_argument("--time-seqs", default="1024,2048", help="comma-separated sequence lengths the op is timed at "
+                    "(default: 1024,2048)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds, the median kept (default: 5)")
     common.add_out(ap, "attention_memory", from_json=False)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     t0 = time.perf_counter()
     seqs = [int(s) for s in args.seqs.split(",")]

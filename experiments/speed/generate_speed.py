@@ -123,15 +123,22 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--presets", default="tiny,60m")
-    ap.add_argument("--kind", default="cola", choices=("llama", "cola", "svd", "lax"))
+    ap.add_argument("--presets", default="tiny,60m", help="comma-separated presets (random weights; default: tiny,60m)")
+    ap.add_argument("--kind", default="cola", choices=("llama", "cola", "svd", "lax"),
+                    help="model kind of every preset (default: cola)")
     ap.add_argument("--new", default="32,256", help="numbers of new tokens, comma-separated")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     ap.add_argument("--full-steps", type=int, default=32, help="full-forward steps timed (0 = all N)")
     ap.add_argument("--note", default="", help="conditions of the run, e.g. 'shared machine, 2 cores'")
     common.add_out(ap, "generate_speed", from_json=False)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows = []

@@ -147,7 +147,8 @@ def cpu_name() -> str:
     return f"{name.group(1) if name else 'unknown'} ({isa}, {os.cpu_count()} cores visible)"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(common.RESULTS),
                     help="folder for isa_matrix.json and .md (default: experiments/results)")
@@ -155,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated cells to run, of: " + ", ".join(CELLS) + " (default: all)")
     ap.add_argument("--files", nargs="+", default=list(FILES), help="test files per cell (default: the numeric ones)")
     ap.add_argument("--redo", action="store_true", help="run cells already recorded again")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     cells = [c.strip() for c in args.cells.split(",") if c.strip()]
     unknown = [c for c in cells if c not in CELLS]

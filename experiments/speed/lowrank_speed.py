@@ -369,8 +369,8 @@ def plot(res: dict):
     return fig
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="60m,130m", help="comma-separated presets (default: 60m,130m)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of llama,cola,svd,lax,cola-btgr (default: all)")
@@ -385,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", type=int, default=2, help="steps traced for the breakdown (default: 2)")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiled op breakdown")
     common.add_out(ap, "lowrank_speed", from_json=False)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = parser()
     args = ap.parse_args(argv)
     if min(args.batch, args.seq, args.vocab, args.profile_steps) < 1 or min(args.warmup, args.rounds, args.layers) < 0:
         ap.error("--batch, --seq, --vocab, --profile-steps must be >= 1; --warmup, --rounds, --layers >= 0")

@@ -420,8 +420,8 @@ NOTES = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="60m", help="boostjax preset of the synthetic comparison (default: 60m)")
     ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0: keep)")
@@ -443,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="vs_transformers", help="results file name (default: vs_transformers)")
     ap.add_argument("--render", action="store_true",
                     help="only rewrite <name>.md from the <name>.json in --out (no measuring)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = parser()
     args = ap.parse_args(argv)
     if args.render:
         res = json.loads((pathlib.Path(args.out) / f"{args.name}.json").read_text())

@@ -67,9 +67,15 @@ def run(model: ModelConfig, t: TrainConfig, steps: int = 3):
     return np.asarray(losses), flat
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_out(ap, "accum_zero", from_json=False)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     rows = []
     for name, model, ref_t, change in CASES:

@@ -52,9 +52,15 @@ def _losses(run: pathlib.Path) -> tuple[dict[int, float], float]:
             next(r["val_loss"] for r in reversed(records) if "val_loss" in r))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_out(ap, "all_three", from_json=False)
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     t0 = time.perf_counter()
     work = pathlib.Path(tempfile.mkdtemp(prefix="all_three_"))

@@ -169,12 +169,18 @@ def chart(res: dict):
     return fig
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="1b,3b,7b,13b", help="comma-separated subset of 1b,3b,7b,13b")
     ap.add_argument("--vocab", type=int, default=VOCAB,
                     help=f"vocabulary size (default {VOCAB}, BOOST's; the committed results used {BYTE_VOCAB})")
     common.add_out(ap, "comm_table")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     presets = [p.strip().lower() for p in args.presets.split(",") if p.strip()]

@@ -202,11 +202,18 @@ def chart(res: dict):
     return fig
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
+    ap.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS,
+                    help=f"presets to compile (default: {' '.join(PRESETS)})")
     ap.add_argument("--full", action="store_true", help="compile every row at full depth (slow)")
     common.add_out(ap, "memory_table")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if common.rerender(args, "memory_table", markdown, chart) is None:
         t0 = time.perf_counter()

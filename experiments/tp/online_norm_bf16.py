@@ -92,9 +92,15 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_out(ap, NAME)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if common.rerender(args, NAME, markdown) is not None:
         return 0

@@ -436,10 +436,16 @@ def chart(res: dict):
     return fig
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (`main` parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1B and 7B only, no 30B/40B projection")
     common.add_out(ap, "scaling_model")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if common.rerender(args, "scaling_model", markdown, chart) is None:
         from boostjax.runtime.devices import exact_low_precision, simulate_devices

@@ -1,0 +1,50 @@
+"""Every flag of every experiment script says what it does: each `experiments.<system>.<name>` module
+that builds its command line in a `parser()` function is imported (importing runs nothing) and every
+option of that parser but -h has non-empty help text (hidden ones, `argparse.SUPPRESS`, excepted) that
+`--help` renders."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _with_parser() -> list[str]:
+    """The dotted names of the experiment modules that define a top-level `parser()`."""
+    names = []
+    for path in sorted((ROOT / "experiments").glob("*/*.py")):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.FunctionDef) and n.name == "parser" for n in tree.body):
+            names.append(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    return names
+
+
+MODULES = _with_parser()
+
+
+def test_the_scripts_are_found():
+    assert len(MODULES) >= 25 and "experiments.speed.gemm_peak" in MODULES
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_flag_has_help(name):
+    env = dict(os.environ)
+    try:
+        ap = importlib.import_module(name).parser()
+    finally:  # a script may set its XLA flags or thread counts on import: not this process's
+        os.environ.clear()
+        os.environ.update(env)
+    assert isinstance(ap, argparse.ArgumentParser)
+    flags = [a for a in ap._actions if not isinstance(a, argparse._HelpAction)]
+    assert flags, f"{name}: parser() has no options"
+    bare = [a.option_strings[0] if a.option_strings else a.dest for a in flags
+            if a.help != argparse.SUPPRESS and not (a.help or "").strip()]
+    assert not bare, f"{name}: these options have no help text: {bare}"
+    assert all(a.option_strings[0] in ap.format_help() for a in flags if a.help != argparse.SUPPRESS)  # --help renders
