@@ -72,6 +72,7 @@ def test_btp_step_for_cuda_attention_gemms_and_collectives(cudnn_version):
 @pytest.mark.parametrize("mesh, strategy, extra", [
     ("data=1,model=4", "btp", {}),
     ("data=1,stage=2,model=2", "btp", {}),
+    ("data=1,stage=2,model=2", "btp", {"pipeline_schedule": "1f1b", "microbatches": 2}),
 ])
 def test_cudnn_lowers_on_a_mesh_with_one_data_row(cudnn_version, mesh, strategy, extra):
     """cuDNN attention goes through custom_partitioning, which refuses a loss shard_map over a mesh
