@@ -1,4 +1,4 @@
-"""The branch and bound of `plan_auto` (steps 3 and 4 of docs/planning.md, "How `plan_auto` searches"):
+"""The branch and bound of `plan_auto` (docs/planning.md, "Pruning"):
 compile keys in the order of their bounds, predict and place their candidates, then solve offload plans
 for the candidates over the budget. `Search` holds what the steps share."""
 

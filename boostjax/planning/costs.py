@@ -1,26 +1,10 @@
 """Seconds from a compiled program: a roofline over its GEMMs, its other memory traffic and its collectives.
 
-`program_cost(text, seq, batch)` reads one compiled program's HLO (per device): every dot's FLOPs and
-bytes (`hlo.gemms`), the operand + result bytes of every other top-level instruction (fusions,
-copies, reductions; an in-place dynamic-update-slice its slot, a sliced operand its slices:
-`traffic_bytes`), and every non-trivial collective (`hlo.collectives`, at its logical element type:
-bf16 where the CPU backend widened it). `program_time(cost, hw, eta)` turns that into seconds on
-`hw`: per dot `max(FLOPs / (eta * peak), bytes / (hbm_efficiency * HBM))`, the other bytes at
-`hbm_efficiency * HBM`, ring collectives `alpha + 2(T-1)/T * bytes / bus` (all-reduce),
-`alpha + (T-1)/T * bytes / bus` (all-gather, all-to-all), `alpha + (T-1) * bytes / bus`
-(reduce-scatter, bytes = its result), `alpha + bytes / bus` (collective-permute); nothing overlaps.
-
-A calibrated CPU (`cpu.calibrate`) replaces the two peaks by measured seconds per instruction at a few
-sizes (`hw.gemm_curve` in a dot's FLOPs, `hw.stream_curve` in an instruction's bytes; `instruction_s`):
-small programs there are dominated by what small instructions cost (dispatch, cache-sized arrays,
-small GEMMs), which no peak rate describes; a dot whose lhs contracts a major dimension has a curve of
-its own (`lhs_major`), and a collective's latency its group's (`Hardware.alpha`). Each executed instruction (top-level, not free, outside
-reducers) is charged once: `other_sizes` lists the bytes of those charged to `other_bytes`.
-
-With `fused_attention` (a GPU's flash kernel keeps the scores on chip) the score dots count FLOPs only
-and the score arrays' traffic is excluded, and so are pure convert / transpose / copy passes (the CPU
-backend upcasts bf16 dots to f32 and picks its own layouts; a GPU's bf16 GEMMs need neither). Without
-it (the program is what runs, e.g. on the CPU) every byte counts.
+`program_cost(text, seq, batch)` reads one compiled program's HLO (per device): dots, the bytes of every
+other executed instruction, collectives. `program_time(cost, hw, eta)` turns that into seconds on `hw`
+(a GPU profile's peaks, or a calibrated CPU's measured curves: `instruction_s`); nothing overlaps. The
+formulas, what is charged once, and what `fused_attention` leaves out: docs/planning.md ("Cost model",
+"The CPU profile").
 """
 
 from __future__ import annotations

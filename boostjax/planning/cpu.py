@@ -1,44 +1,11 @@
 """The CPU profile of `--cluster NxD:cpu`, measured by a micro-benchmark on this machine's simulated devices.
 
-The simulated devices are threads of one process sharing the machine's cores: what an instruction
-costs a device depends on how many devices run at once and on the instruction's size (a small one
-pays a fixed dispatch cost, small arrays stay in cache, small GEMMs reach a fraction of the peak).
-So the curves below are timed on all `devices` devices at once (`shard_map`, each device the same
-work), as seconds per instruction at a few sizes: after a compiling warm-up, every chain of a curve is
-timed in turn, PASSES passes over them, and each chain's best time is kept (a burst of the shared
-machine's other work spoils one pass, not the curve: one pass of 5 repeats measured the 128^3 GEMM link
-at 419 us under load against 200-250 us in eleven quiet calibrations):
-- GEMM curves: chains of dependent `v @ w_i` at a few n (`[n, n]`, 32 different weights read in turn;
-  dots are never fused with each other); `(t(K2) - t(K1)) / (K2 - K1)` (fixed costs cancel) at
-  `2 n^3` FLOPs. A second curve chains `v^T @ w_i` (the lhs contracts its major dimension, as a
-  weight gradient does): XLA:CPU runs those through another GEMM library, up to 2x slower.
-- memory curve: chains of `s = w / (1 + s)` (`s` and `w` [size] per device, w read in turn from up to 32
-  different arrays, like the GEMM chain's weights), each link's first element
-  also feeding the result (`TAPPED`). XLA fuses an element-wise chain into one kernel, barriers or not;
-  a divide is an instruction it will not duplicate into a second consumer, so with the tap every link is
-  one loop kernel of its own, the commonest kind in a training step. At `3 size` bytes per link, the
-  operand + result bytes `costs.program_cost` charges an instruction. (The earlier link, a chain of
-  row reductions, compiles to one YNNPACK fusion for the whole chain at 64 and 256 KiB on jax 0.10:
-  a link was not a kernel of its own.)
-  Known limit: past about 32K elements XLA:CPU splits a loop kernel over its thread pool and the chain's
-  cost per link jumps 5-20x; a step's large kernels, timed in a profile, cost far less than the chain's,
-  so the curve samples 8 KiB, 64 KiB, 512 KiB and 4 MiB and interpolates across the jump.
-  Each curve is made non-decreasing in size (a larger instruction is never cheaper).
-- both chains are longer than XLA:CPU's threshold for running a program's kernels one after the other
-  (8 thunks): like every training step, they run on its dataflow executor, which pays a dispatch per
-  kernel that a short chain does not.
-- all-reduce: chains of `psum` over all devices at two sizes likewise; the ring formula
-  `t = alpha + 2 (T-1)/T * bytes / bus` through both points gives `alpha` and `bus` (a collective inside
-  a running program: the cost of launching a program on every device, which a single jitted `psum`
-  would time too, cancels). The latency depends on the group (its threads meet): the small psum is
-  timed again over groups of every size g dividing the devices (all groups at once), `alpha_by_group`
-  (about 30 us for pairs, 100-250 us for 8 devices on the 2-core machines measured).
-- the machine's peak: one `[768, 768]` matmul and one 64 MiB `x * a + b` on one device (XLA spreads them
-  over the cores); a device of an n-device mesh gets 1/n of them (`shared_rates`: the time lower bound
-  and MFU), never below the rates the curves reached.
-The cost model (`costs.program_time`) charges a dot the GEMM curve at its FLOPs and every other
-instruction the memory curve at its bytes (`costs.instruction_s`). Nothing is fitted to training runs:
-every constant is one of these timings.
+The simulated devices are threads of one process sharing the cores, so every curve is timed on all
+`devices` at once (`shard_map`) as seconds per instruction at a few sizes, each chain's best of
+`PASSES` passes: GEMM curves (`v @ w_i` and `v^T @ w_i`), a memory curve (a tapped divide chain,
+`TAPPED`), all-reduce latency per group size and bus, and the machine's peaks (`shared_rates`). The
+cost model charges a dot the GEMM curve and every other instruction the memory curve. Nothing is
+fitted to training runs. Every curve's design and limits: docs/planning.md ("The CPU profile").
 """
 
 from __future__ import annotations

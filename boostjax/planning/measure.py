@@ -1,31 +1,11 @@
 """What one micro-batch costs on one model-parallel group, read from compiled programs (no weights).
 
-`measure(key)` compiles, abstractly (ShapeDtypeStructs with the training shardings, simulated devices),
-for the model with 1 and with 2 layers on a `data=1,model=T` mesh:
-- the training step `boostjax train` compiles for one micro-batch (`analysis.memory.train_step_compiled`:
-  forward, backward, clipping, the optimizer update), and
-- its optimizer update alone (`tx.update` + `apply_updates` + the gradient norm on the same layout,
-  gradients shaped as the parameters).
-Each program gives its HLO cost (`costs.program_cost`) and the step its memory (`memory.memory_parts`:
-the peak and its weights / optimizer / activation split). The 2-layer minus the 1-layer program is one
-layer; an L-layer stage is `rest + L x layer` (`costs.split_layers`). Beside them,
-`layer_residual_bytes`: one layer's backward residuals for one micro-batch, traced
-(`planning.residuals`), what a pipeline stage keeps per layer and micro-batch in flight.
-
-Attention: the time cost is read from a compile with materialised attention (`attention="xla"`), so
-that every score dot is in the HLO once (the chunked kernel's loops would hide them). Its memory is
-not what a GPU step holds: it keeps [t, t] fp32 scores per head (at seq 4096 over 100 GiB for 1B).
-With `Key.fused_attention` (GPUs, where `boostjax train` runs cuDNN flash attention) and a sequence
-longer than one attention block, the memory parts come from a second compile of the same step with
-`attention="chunked"` (`models.attention`: blockwise, no [t, t] buffer; each tile is `attention_block`
-squared). That is the memory the chunked path holds, an upper bound of cuDNN's (which keeps no
-tiles in device memory at all) by the tiles and blocked copies, small beside the activations.
-Without `fused_attention` (the CPU, whose `train_command` passes `--attention xla`) the xla
-compile's memory is the memory.
-
-Results are cached by configuration: in this process, and as JSON files under `cache_dir` when given
-(the key's fields, the JAX version and backend hashed into the file name), so a second plan of the same
-model compiles nothing (`boostjax plan --auto` keeps them under the user's cache folder by default).
+`measure(key)` compiles abstractly, on a `data=1,model=T` mesh with 1 and with 2 layers, the training
+step `boostjax train` compiles for one micro-batch and its optimizer update alone: their HLO cost
+(`costs.program_cost`), the step's memory (`memory.memory_parts`), and one layer's traced backward
+residuals (`layer_residual_bytes`). Time comes from a compile with materialised attention; on GPUs the
+memory from a second, chunked one. Results are cached in the process and, with `cache_dir`, on disk.
+Detail: docs/planning.md ("Cost model", and "Pruning" for the cache).
 """
 
 from __future__ import annotations
@@ -69,7 +49,7 @@ class Key:
 
     @property
     def memory_attention(self) -> str:
-        """The attention the memory parts are compiled with (module docstring)."""
+        """The attention the memory parts are compiled with (docs/planning.md)."""
         return "chunked" if self.fused_attention and self.seq > self.model.attention_block else "xla"
 
     def config(self, layers: int, attention: str = "xla") -> Config:

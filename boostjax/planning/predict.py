@@ -1,43 +1,10 @@
 """Predicted step time and per-device memory of a candidate, from its compiled measurement.
 
-Time (one optimizer step, per device; nothing overlaps):
-- `slots + stage - 1` slots of one micro-batch's forward + backward on the stage (the compiled step
-  minus its compiled update, `rest + L/stage x layer`; every slot is charged the `rest`: the stage
-  with the head sets the pace), its TP collectives from the HLO at the node's bus bandwidth (between
-  nodes when the model axis spans several);
-- with several micro-batches, each one's fp32 gradients added into the accumulator: one element-wise add
-  per parameter array of the stage (W / arrays bytes each: both read, one written; in the compiled
-  accumulating step of the tiny preset 39 of its 47 arrays' adds are kernels of their own, the rest fused
-  into a gradient's last kernel), once per micro-batch (`--grad-accum`) or per tick of a pipeline's
-  schedule (`accumulation_s`);
-- the update once, under ZeRO >= 1 priced as the same instructions on 1/data of their FLOPs and bytes
-  (the time divided by data at fixed rates; on a calibrated CPU small instructions cost their dispatch
-  whatever their size);
-- data-parallel gradient traffic on the stage's fp32 parameter bytes W (read from the compiled step's
-  arguments): ZeRO 0 an all-reduce once per step; ZeRO 1 and 3 a reduce-scatter of the gradients and an
-  all-gather of the parameters once per step (the same ring volume; under ZeRO 3 the step gathers the
-  parameters before its first micro-batch and keeps them for all, as its compiled program does); at the
-  bus, or between nodes when the data axis spans several; on the CPU under ZeRO >= 1 one such collective
-  per parameter array of the stage (each pays `alpha`: its compiled step has one reduce-scatter and one
-  all-gather per array, not combined; a pipeline's stage stacks its layers' arrays), otherwise one;
-- a pipeline's collectives over `stage` (`space.pipeline_collectives`, as its compiled schedule runs them):
-  the sends, one `[micro_batch, seq, width]` output (compute dtype; width d_model / model under BTP, whose
-  residual is sharded; d_model otherwise) forward and its gradient back at the end of every tick of the
-  lockstep schedule, between nodes at the inter-node link; the head's split over the stages; GPipe's
-  per-tick sums of the embedded micro-batch's cotangent; the replicated embedding, norm and head's
-  gradients (`top_weight_bytes`).
-Bubble fraction `(stage - 1) / (slots + stage - 1)`, GPipe and 1F1B alike.
-
-Memory (bytes per device, from the compiled step's `memory_analysis()` split at L/stage layers):
-weights W and optimizer state O (divided by data under ZeRO 3 and ZeRO >= 1), the step's other
-buffers A - W (activations of one micro-batch, workspace), the fp32 gradient W, and one more W as
-the accumulator when several micro-batches add up (`--grad-accum`, or a pipeline schedule's loop);
-under ZeRO 3 the gathered stage parameters (W - W/data) on top. With stages, the step's layer
-activations give way to what the schedule keeps: per layer of the stage, its traced backward
-residuals (`measure`'s `layer_residual_bytes`, materialised in the schedule's ring or scan) for
-every activation slot (`space.in_flight`: GPipe's M + P - 1 ticks, 1F1B's ring of 2P - 1), and
-GPipe's two stacked [slots, micro_batch, seq, width] streams (the embedded micro-batches and the
-scan's outputs).
+Time: `slots + stage - 1` slots of one micro-batch's forward + backward, the gradient accumulation
+(`accumulation_s`), the update once (split under ZeRO), the data-parallel gradient traffic and a
+pipeline's collectives over `stage`; nothing overlaps. Memory: the compiled step's parts at L/stage
+layers, with ZeRO's splits, the accumulator, and with stages what the schedule keeps per activation
+slot. Every term: docs/planning.md ("Cost model").
 """
 
 from __future__ import annotations
@@ -108,7 +75,7 @@ def _stage_collectives(c: Candidate, feature_bytes: float, top_bytes: float, clu
 
 def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, eta: float, cluster: Cluster,
             seq: int, dtype: str) -> dict[str, Any]:
-    """Seconds per step and bytes per device of `c` (module docstring); `m` from `measure.measure`,
+    """Seconds per step and bytes per device of `c` (docs/planning.md); `m` from `measure.measure`,
     `hw` one device's rates."""
     layers = model.n_layers / c.stage
     tp_bus = axis_bus(cluster, hw, c.model, 1)
@@ -148,7 +115,7 @@ def predict(model: ModelConfig, c: Candidate, m: dict[str, Any], hw: Hardware, e
     other = mem["activation_bytes"] - w  # the step's buffers besides its fp32 gradient
     if c.stage == 1:
         extra_flight = (in_flight(c) - 1) * max(per_layer_act, 0.0) * layers
-    else:  # the schedule's residuals replace the one micro-batch's layer activations (module docstring)
+    else:  # the schedule's residuals replace the one micro-batch's layer activations (docs/planning.md)
         streams = 2 * in_flight(c) * p2p_bytes if c.schedule == "gpipe" else 0.0
         extra_flight = (in_flight(c) * m["layer_residual_bytes"] - max(per_layer_act, 0.0)) * layers + streams
     weights = w / (d if c.zero >= 3 else 1)

@@ -2,34 +2,12 @@
 
 1. `space.enumerate_space`: every configuration of the cluster `boostjax train` accepts.
 2. Memory bound: a candidate whose `memory_lower_bound` exceeds the device budget is dropped.
-3. Branch and bound over compile keys (TP strategy and size, micro-batch rows, remat, dtype: what one
-   compiled measurement covers; data, stages, schedule, accumulation and ZeRO are priced from it): keys
-   are compiled in the order of their candidates' best time bound (`time_lower_bound` +
-   `comm_lower_bound`), except that the best key of each TP size comes first (the bound leaves out
-   the model axis's collectives, read from the HLO, so it favours the widest TP); once `top` candidates fit,
-   a key whose bound exceeds the `top`-th predicted time is not compiled (its candidates cannot enter
-   the list); a key with remat lowrank (full) is compiled only where the same key with the next lighter
-   remat had a candidate over the budget (remat trades time for memory and is never faster here); and
-   at most `max_compiles` keys are compiled, and none is started once `compile_seconds` have passed
-   since the search began (the rest are counted as skipped by the compile budget; a second plan
-   with the same `cache_dir` reads the compiled ones from the cache, past both budgets, and goes
-   further).
-4. `predict.predict` for every candidate of a compiled key; one over the budget is dropped, unless
-   (GPU clusters) `boostjax train` takes an offload plan with it (`offloading.eligible`: no
-   accumulation except a pipeline's micro-batches, ZeRO 0, remat none) and the CP-SAT offload plan
-   of its mesh fits (`offloading.offload`). Plans are solved after the compile loop, fastest
-   candidate first (a plan only adds time, so its compiled prediction bounds the offloaded one), at
-   most `max_offloads` of them and none for a candidate slower than the `top`-th ranked one. A
-   candidate with a plan is ranked with the plan's memory saving and its added seconds, and its
-   `train_command` passes `--offload-plan` (the plan's JSON is in the row; `boostjax plan --auto
-   --out` writes it beside the plan). Such a candidate is pruned by its memory bound only beyond the
-   device budget plus the profile's host memory (the plan may move parameters and optimizer state to
-   the host), and keys all of whose candidates need an offload plan are compiled after the others.
-The result is ranked by predicted step time (then by peak memory). When nothing fits,
-`NothingFits` names the smallest shortfall.
-5. With `measure_top` K (the cluster's devices this process's: `planning.timing`), the K best-predicted
-   candidates' training steps are compiled and timed, interleaved; the measured fastest is the
-   `winner` (the ranking stays the prediction's, each timed row gains `measured_step_s`).
+3. Branch and bound over compile keys (`planning.branch`): best time bound first, remat only where a
+   lighter one overflows, within `max_compiles` and `compile_seconds`.
+4. `predict.predict` for every candidate of a compiled key; one over the budget is dropped unless an
+   offload plan fits (`offloading`). The result is ranked by predicted step time, then peak memory.
+5. With `measure_top` K, the K best-predicted candidates are timed (`planning.timing`).
+Every rule, and why: docs/planning.md ("Pruning", "Search space").
 """
 
 from __future__ import annotations
@@ -169,7 +147,7 @@ def plan_auto(model: ModelConfig, cluster: Cluster | str, global_batch: int, seq
               compile_seconds: float | None = None, measure_top: int = 0, measure_rounds: int = 20,
               run_args: Sequence[str] = RUN_PLACEHOLDERS, vocab_source: str | None = None) -> PlanResult:
     """Rank the configurations of `model` on `cluster` (`"2x8:A100-80GB"`, `"1x8:cpu"`) for `global_batch`
-    sequences of `seq` tokens per optimizer step (module docstring). `dtype`: bfloat16 on GPUs, float32
+    sequences of `seq` tokens per optimizer step (docs/planning.md). `dtype`: bfloat16 on GPUs, float32
     on the CPU by default. `hardware` / `eta` / `budget_bytes` override the cluster's rates (machine
     rates: on the CPU they are shared by the devices). JAX must see at least the largest model axis's
     devices (simulated on the CPU: `boostjax.runtime.devices.simulate_devices`). Raises ConfigError

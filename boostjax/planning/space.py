@@ -1,26 +1,11 @@
 """The search space of `boostjax plan --auto`: every configuration that divides a cluster, checked as
 `boostjax train` would check it, with analytic lower bounds on its memory and time.
 
-A `Candidate` uses every device: `data x stage x model = devices`. Its global batch G (sequences per
-optimizer step) is `data x micro_batch x slots`: without stages, `slots` micro-batches are accumulated
-(`--grad-accum`); with stages they are the pipeline's micro-batches (`--microbatches`, GPipe or 1F1B).
-The model axis stays inside one node (TP's per-layer collectives
-between nodes never pay). TP strategies are those serving the model kind (none on a model axis of 1), remat none / lowrank /
-full where the kind allows, ZeRO 0 / 1 / 3 on a data axis > 1. A split (mesh, strategy,
-micro-batching) is kept when `config.validate` and `placement.check` accept its `Config` with remat
-none and ZeRO 0 (the shape checks `boostjax train` runs); `accepted` checks each candidate in full
-before it is compiled (`search.plan_auto` drops one it refuses).
-
-Bounds (no compile): `memory_lower_bound` is the fp32 parameters, gradients and AdamW moments of one
-device's share (`param_count / (stage x model)`, divided by data where ZeRO splits them) plus, for
-every layer of a stage and every micro-batch in flight, the one [micro_batch, seq, d_model / model]
-residual any remat keeps; `time_lower_bound` is the PaLM-convention model FLOPs of one device
-(`flops_per_token x tokens / devices`) stretched by the pipeline's idle slots, at `eta x peak`. Both
-lie below what the compiled model predicts (the HLO does at least those FLOPs and holds at least that
-state), so a candidate over the device memory by its lower bound, or slower by its lower bound than
-the planned list's last entry, is dropped without compiling. `comm_lower_bound` adds the data-axis
-gradient traffic and the pipeline sends `predict` charges, on the analytic parameter bytes (the
-bound that rules out, e.g., a 64-way data axis all-reducing 7B fp32 gradients between nodes).
+A `Candidate` uses every device (`data x stage x model`) and splits the global batch as
+`data x micro_batch x slots`; `enumerate_space` keeps the splits train's checks accept, `accepted`
+checks one candidate in full. `memory_lower_bound`, `time_lower_bound` and `comm_lower_bound` lie below
+what the compiled model predicts, so the search drops by them without compiling. Detail:
+docs/planning.md ("Search space", "Pruning").
 """
 
 from __future__ import annotations
@@ -133,7 +118,7 @@ def in_flight(c: Candidate) -> int:
 
 
 def memory_lower_bound(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimizer: str) -> float:
-    """Bytes one device holds at least (module docstring)."""
+    """Bytes one device holds at least (docs/planning.md)."""
     share = param_count(model) / (c.stage * c.model)
     opt = ADAM_STATE_BYTES if optimizer == "adamw" else 0
     state = share * (4 / (c.data if c.zero >= 3 else 1) + 4 / (c.data if c.zero >= 3 else 1)
@@ -143,7 +128,7 @@ def memory_lower_bound(model: ModelConfig, c: Candidate, seq: int, dtype: str, o
 
 
 def time_lower_bound(model: ModelConfig, c: Candidate, seq: int, global_batch: int, flops_per_s: float) -> float:
-    """Seconds per optimizer step at least (module docstring); `flops_per_s`: one device's eta x peak."""
+    """Seconds per optimizer step at least (docs/planning.md); `flops_per_s`: one device's eta x peak."""
     devices = c.data * c.stage * c.model
     work = flops_per_token(model, seq) * global_batch * seq / devices
     stretch = (c.slots + c.stage - 1) / c.slots

@@ -1,15 +1,8 @@
 """Timing the best-predicted candidates on this process's devices: `boostjax plan --auto --measure-top K`.
 
-The cost model ranks, but its best few candidates can lie closer together than its error: in the
-CPU validation (`experiments/offload/plan_auto.py`) the three best of the tiny preset were predicted within
-0.7-2.4 % of each other while their measured steps spread over 17-20 %. Where the cluster's devices
-are this process's (`--cluster NxD:cpu`, or one node of GPUs the plan runs on), running them decides:
-`time_steps` compiles each candidate's training step as `boostjax train` compiles it
-(`training.step.jit_step`, with the placement's compiler options), on zero-filled state and batch, and
-runs one step of each in turn, `rounds` times, the order reversed every other round, so that a change
-in the machine's load reaches every candidate alike; `plan_auto` keeps the one with the smallest
-median step. A candidate with an offload plan is not timed (its host placement needs
-`boostjax train`'s offload path).
+`time_steps` compiles each candidate's training step as `boostjax train` does, runs one step of each in
+turn for `rounds` rounds (the order reversed every other round) and `plan_auto` keeps the smallest
+median. Why, and what is not timed: docs/planning.md ("Measuring the best few").
 """
 
 from __future__ import annotations
@@ -72,7 +65,7 @@ def compiled_step(model: ModelConfig, c: Candidate, seq: int, dtype: str, optimi
 def time_steps(model: ModelConfig, candidates: list[Candidate], seq: int, dtype: str, optimizer: str = "adamw",
                rounds: int = 20, cpu: bool = True, log: Callable[[str], None] | None = None) -> dict[Candidate, list[float]]:
     """Seconds of every step of each candidate, all compiled in this process and run one step each in turn,
-    `rounds` times (module docstring)."""
+    `rounds` times (docs/planning.md)."""
     if rounds < 1:
         raise ConfigError(f"plan.measure_rounds: must be >= 1, got {rounds}; fix: pass --measure-rounds 20")
     runs: dict[Candidate, list] = {}
