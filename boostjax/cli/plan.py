@@ -3,31 +3,11 @@ and compare it with the baseline policies (no offload, full remat, MegaTrain-sty
 
     boostjax plan --preset tiny --optimizer rotation --out plan.json
     boostjax train --preset tiny --optimizer rotation --offload-plan plan.json
-    boostjax plan --preset 7b --model llama --hardware H800-80GB --memory-cap 70 --batch 8 --seq 2048 \
-        --dtype bfloat16 --optimizer adam8bit
-    boostjax plan --instance lazytrain-27b --json
-    boostjax plan --preset 7b --strategy btp --mesh data=2,stage=2,model=2 --batch 16 --seq 1024 \
-        --dtype bfloat16 --optimizer adam8bit --out plan.json
 
-The run's flags (`--preset`, `--model`, the shape flags, `--batch`, `--seq`, `--dtype`, `--optimizer` and
-the flags that shape its state, `--strategy`, `--mesh`, `--attention`, `--data`) are `boostjax train`'s,
-with train's defaults (`boostjax.cli.flags`): a plan made with the same flags as a run is made for that
-run. The optimizer state is priced by what the optimizer allocates (`boostjax.offload.optstate`); the
-vocabulary is `--vocab-size`, else a tokenised `--data` folder's (`vocab_from_args`); the attention
-memory is what train's `--attention` kernel keeps on a CUDA GPU (`attention_memory`), or
-`--attention-memory materialized|flash` (`--attention materialized|flash`, its old spelling, still works).
-
-`--strategy` and `--mesh` plan ONE device's share of a mesh, as `boostjax train` with the same flags
-lays it out: batch / data rows, one stage's n_layers / stage layers (the same plan serves every
-stage; with stages, all layers share one parameter placement) and the device's shard of every layer
-and activation under the TP strategy (BTP: the d/TP residual stream and replicated r-dim latents;
-vanilla TP: r/TP latents beside replicated [b, t, d] residuals; fullrank-tp: heads and d_ff / TP).
-
-`--out` writes the plan (`Plan.to_json`) that `boostjax train --offload-plan` applies; the file records
-the model shapes, batch, seq, dtype, optimizer (and its state's size), strategy and mesh it was planned
-for, and train refuses a run that differs. `--out` never replaces a file that is not a boostjax plan.
-A budget no plan fits exits with status 2 and one line giving the smallest budget that works. The
-report, the summary and the plan file are `boostjax.offload.report`'s.
+The run's flags are `boostjax train`'s, with train's defaults (`boostjax.cli.flags`): a plan made with
+the same flags as a run is made for that run, and `--strategy` / `--mesh` plan one device's share of
+that mesh. `--out` writes the plan `boostjax train --offload-plan` applies. More commands, the
+vocabulary, the attention memory and what a plan file records: docs/offload.md.
 """
 
 from __future__ import annotations

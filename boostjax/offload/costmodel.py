@@ -1,33 +1,11 @@
 """Cost model for offload planning: bytes and seconds per layer of a (low-rank) LLaMA, and the
 `PlanInstance` the planner consumes.
 
-The block's tensors and the remat options come from `boostjax.offload.blockgraph`; this module adds
-parameter, gradient and optimizer-state bytes, per-layer costs (`layer_cost`) and the planner's
-input (`PlanInstance`, `build_instance`, LazyTrain's 27B instance, the 3B-27B family).
-
-Conventions (documented assumptions of the model, not measurements):
-- FLOPs: a GEMM of m x n per token costs 2mn (the LM head's logits too, tied or not; the embedding
-  lookup none); causal attention costs 2·seq·H·hd per token forward (QKᵀ and PV, halved for the
-  causal mask); norms and elementwise ops cost 0. Backward = 2x forward. Seconds = FLOPs /
-  (bf16_flops · mfu). The reported model FLOPs (`model_flops`, TFLOPS) are `flops_per_token`'s.
-- Activations are stored in the compute dtype (`dtype_bytes`, 2 for bf16); norm statistics and the
-  softmax probabilities in fp32. `attention="flash"` (LazyTrain's instances) keeps the fp32
-  log-sum-exp instead of the probabilities.
-- Parameters: the model's own tensors (`boostjax.models.llama.param_shapes`, one device's shards of
-  them: `device_param_shapes`); fp32 master (4 B), Adam m and v (8 B, or the hybrid 8-bit layout of
-  `boostjax.optim.adam8bit`: 1 B + 4/256 B per moment for tensors of >= 4096 elements), or, for a
-  run's instance (`boostjax.offload.apply.instance_for`, `boostjax plan`), the state the run's
-  optimizer allocates (`boostjax.offload.optstate`: `jax.eval_shape` of its init), resident;
-  the fp32 gradient of a layer (4 B) from its backward window to the epilogue (the optimizer).
-  Streamed copies (parameter fetches, gradient sends) travel in the compute dtype.
-- Working set: the forward of layer k holds what its backward reads (`full`) plus its output; the
-  backward holds `full`, the output's cotangent and two cotangents of the largest tensor.
-- The LM head holds fp32 logits, their `exp` and their gradient for `logits_chunk` tokens (None: all
-  tokens, as `vocab_parallel_cross_entropy` computes them) plus the final features; the embedding
-  lookup's rows stay for the whole step.
-
-Checked against XLA's `memory_analysis()` of compiled CPU steps in tests/test_offload_apply.py and
-experiments/offload/offload.py (measured ÷ predicted within 15 % for CoLA and dense LLaMA).
+The block's tensors come from `boostjax.offload.blockgraph`; this module adds parameter, gradient and
+optimizer-state bytes, per-layer costs (`layer_cost`) and the planner's input (`PlanInstance`,
+`build_instance`, LazyTrain's 27B instance, the 3B-27B family). Its conventions (FLOPs, activation
+dtypes, parameters, working sets, the LM head) and how it was checked against compiled steps:
+docs/offload.md ("The cost model's conventions").
 """
 
 from __future__ import annotations

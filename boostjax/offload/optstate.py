@@ -1,19 +1,9 @@
 """One device's optimizer-state bytes as the planner prices them, read from the optimizer itself.
 
-`optimizer_bytes(model, train)` builds the optimizer training builds (`boostjax.optim.build_optimizer`,
-with the rotation mask from the parameters' logical axes and each leaf's pipeline stage) and runs
-`jax.eval_shape` of its `init` on the model's abstract parameters, in the layout training uses: the
-canonical per-layer tree, or a pipeline's stacked layers when the mesh has stage > 1. Each state leaf
-is then attributed by its key path, and divided over the mesh as `state_specs` lays it out (a moment
-follows its parameter's TP / stage shard; the rotation bases and statistics and the 8-bit codes and
-scales are replicated):
-
-- `per_layer`: the leaves under `layers`, per device, per layer of the device's stage (a replicated
-  leaf of the stacked layout holds every stage's layers on every device: they count here too);
-- `fixed`: the other leaves of parameters (embedding, LM head, final norm);
-- `scalars`: 0-d leaves (step counts, the injected learning rate), which the planner does not price.
-
-Nothing here knows an optimizer's layout: a new optimizer is priced by what its `init` returns.
+`optimizer_bytes(model, train)` runs `jax.eval_shape` of the `init` of the optimizer training builds on
+the model's abstract parameters, in training's layout, and attributes each state leaf by its key path
+(`per_layer`, `fixed`, `scalars`) and its shard on the mesh. Nothing here knows an optimizer's layout.
+Detail: docs/offload.md ("How the state is attributed").
 """
 
 from __future__ import annotations
@@ -39,7 +29,7 @@ STATE_FIELDS: tuple[str, ...] = ("optimizer", "rot_source", "rot_geometry", "rot
 
 @dataclass(frozen=True)
 class OptimizerBytes:
-    """Optimizer-state bytes on one device (see the module docstring)."""
+    """Optimizer-state bytes on one device (docs/offload.md)."""
 
     name: str  # the optimizer (`TrainConfig.optimizer`)
     per_layer: int
@@ -63,7 +53,7 @@ def _local(leaf: Any, spec: Any, sizes: dict[str, int]) -> int:
 
 @functools.lru_cache(maxsize=64)
 def optimizer_bytes(model: ModelConfig, train: TrainConfig) -> OptimizerBytes:
-    """The optimizer state of the run `model` x `train`, on one device of its mesh (module docstring).
+    """The optimizer state of the run `model` x `train`, on one device of its mesh (docs/offload.md).
     Only the model's shapes, the mesh, the strategy and the optimizer fields matter."""
     sizes = train.sizes
     stacked = sizes.stage > 1

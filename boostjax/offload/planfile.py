@@ -1,16 +1,7 @@
 """The shared cost model of a plan (`simulate`), the result types (`Evaluation`, `Plan`,
 `PlanInfeasible`) and plan files (`Plan.to_json`/`from_json`, `read_plan`, `is_plan_file`); whether a
-plan fits a training run is `boostjax.offload.fit.check_plan_for`.
-
-`simulate` is what the CP-SAT model, the baselines and the brute force all score with: each window
-lasts max(compute + recompute, H2D bytes / h2d rate, D2H bytes / d2h rate) (full-duplex link,
-transfers of a window run under its compute); step = Σ windows. Device memory is checked in every
-window (the data a transfer brings lives from the start of its window; the device copy an offload
-reads is freed at the end of its window) against `budget_bytes`: fixed bytes, device-resident
-parameter states, each device layer's gradient from B_k to E, boundaries, saved in-block tensors
-(F_k+1..B_k-1), regenerated boundaries, flat segments' full tensors, streamed buffers and each
-window's working set. Host bytes (parameter states of host layers + offloaded boundaries) are
-checked against `host_budget_bytes`.
+plan fits a training run is `boostjax.offload.fit.check_plan_for`. What `simulate` charges and
+checks in every window: docs/offload.md ("The shared evaluator").
 """
 
 from __future__ import annotations

@@ -1,45 +1,11 @@
 """LazyTrain-style offload planning with OR-Tools CP-SAT, baseline policies and one shared evaluator.
 
-Timeline of one step (window index in brackets, L layers): P [0], F_k [1+k], T [L+1] (LM head),
-B_k [2L+1-k] (backward of layer k, in the order k = L-1..0), E [2L+2]. Decisions:
-
-- boundary k (input of layer k): `device`, `host` (offloaded to pinned host memory, fetched back) or
-  `recompute`. Materialised boundaries form a path 0 = p_0 < p_1 < ... < L of edges (s, e), at most
-  `max_segment` layers long; the backward of layer e-1 first re-runs layers s..e-2 (cost Σρ of those
-  layers) to regenerate boundaries s+1..e-1, which then stay on device until their own backward.
-  A segment is `nested` (each layer then recomputes its own block per its inner option, like a
-  per-layer jax.checkpoint inside a segment checkpoint) or `flat` (Chen-style, one jax.checkpoint
-  around the segment: the re-run keeps every tensor of layers s..e-2, so only layer e-1 recomputes its
-  block; the segment's layers save nothing in the forward and its full activations sit on device
-  during its backward).
-- inner option of layer k: which named in-block tensors it saves on device (from F_k to B_k); the
-  rest is recomputed in B_k (seconds from the cost model). `all` = no remat.
-- parameter mode of layer k (`MODES`): `device`; `opt-host` (master + Adam on host, compute copy on
-  device: params H2D before F_k, grads D2H after B_k); `host` (MegaTrain streaming: params H2D before
-  F_k and again before B_k, grads D2H after B_k).
-- the window of every transfer: offload of boundary k in F_{k+lag}; fetches `lead` windows before
-  the window that needs them; gradient sends `lag` windows after B_k.
-
-Cost model (`simulate` in `boostjax.offload.planfile`, shared by the CP-SAT model, baselines and the
-brute force): each window lasts max(compute + recompute, H2D time, D2H time); step = Σ windows.
-Objective = recompute + exposed transfer seconds. Device memory is checked in every window against
-`budget_bytes`, host bytes against `host_budget_bytes`. Not modelled: the CPU optimizer's own time
-(assumed to overlap), a step-to-step overlap of the epilogue with the next prologue, NVMe.
-
-Modules: `decisions` (windows, `Decisions`, checks), `planfile` (`simulate`, `Plan`, result types, plan files and `check_plan_for`),
-`reference_policies` (the named baseline policies, brute force), `formulation` (the CP-SAT model), this one (`solve`,
-`min_budget`; it re-exports the public names of the others).
-
-Solving (`solve`): CP-SAT on integer microseconds and power-of-two byte units (memory rounded up,
-so accepted plans fit exactly). Phase 1 solves a relaxation (B windows hide transfers under the
-largest possible inner recompute) in which identical consecutive layers are interchangeable, so their
-inner options are ordered (symmetry breaking); its optimum is a proven lower bound. Phase 2 solves the
-exact model hinted with that solution and constrained by objective >= bound, which usually closes the
-gap at once. `brute_force` enumerates tiny instances for the tests; `baseline_plan` scores the named
-baselines with the same `simulate`.
-
-NVMe: profiles may list a disk, but JAX has no disk memory kind (only `device`, `pinned_host`,
-`unpinned_host`), so no placement puts tensors there.
+Per layer the plan decides each boundary's place (device, host, recompute, in segments), the inner
+tensors saved, the parameter mode (`MODES`) and every transfer's window; `simulate`
+(`boostjax.offload.planfile`) scores it. `solve` runs CP-SAT in two phases (a relaxation's proven bound,
+then the exact model hinted with it); `min_budget` finds the smallest budget that fits. This module
+re-exports the public names of `decisions`, `planfile`, `reference_policies` and `formulation`. The
+timeline, the decisions and the solver: docs/offload.md ("The planner's timeline, decisions and solver").
 """
 
 from __future__ import annotations
