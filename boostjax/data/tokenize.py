@@ -2,32 +2,12 @@
 
     boostjax tokenize --tokenizer train:4096 --data my_texts/ --out data/my_texts
 
-Documents: a folder gives one document per ``*.txt``/``*.md``/``*.py`` file (sorted by relative path,
-as `boostjax.data` reads folders); a single file gives one document per blank-line-separated block
-(``--doc-sep blank``, the default for a file), per non-empty line (``line``) or the whole file
-(``file``). A record of a JSONL, Parquet or Arrow file (`boostjax.data.records`) is one document. Documents
-that are empty or only whitespace are skipped; text must be UTF-8. The input is read once, as a stream:
-documents are checked, encoded (by ``workers`` processes for a `tokenizers` tokenizer, a bounded number
-of batches in flight) and written in order as they come, so memory stays flat whatever the corpus size
-and the output does not depend on the number of workers. A bad record is refused (or counted,
-``skip_bad``) when it is met, and the files written so far are removed. ``train:VOCAB`` reads the input
-twice more (count and check, train) before that pass.
-
-Split: document ``i`` (in that order) is held out for validation iff ``i % val_every == val_every - 1``
-(every 50th by default, like the built-in corpus); with fewer than ``val_every`` documents the last one
-is. A trained tokenizer (``train:VOCAB``) sees the training documents only.
-
-The folder (read back by `boostjax.data.token_folder`): ``meta.json``, ``tokenizer.json`` (unless
-byte level), the shards ``train-00000.bin``, ... / ``val-00000.bin``, ... (raw ids; every document is
-followed by the tokenizer's end-of-document id, or by the bytes ``"\\n\\n"`` at byte level, and lies in
-one shard, closed at the first document end from ``shard_tokens`` tokens on) and ``train.docs.npy`` /
-``val.docs.npy`` (int64 start offsets in the split's stream, its shards in order). ``bytes`` per split
-counts the UTF-8 bytes its tokens stand for (the documents and, at byte level, their separators; an
-end-of-document token stands for none), so bits per byte are comparable between tokenizers.
-``fingerprint`` in ``meta.json`` is the content of the splits' streams and offsets
-(`boostjax.data.fingerprint`; the same for any shard size), hashed as they are written. Everything is
-written under temporary names and renamed into place with ``meta.json`` last: a crash never leaves a
-``meta.json`` describing incomplete files.
+Documents (files of a folder, blocks or lines of a file, records of JSONL / Parquet / Arrow) are read
+once as a stream, checked, encoded by `workers` processes and written in order, so memory stays flat
+and the output does not depend on the worker count. Document `i` is held out for validation iff
+`i % val_every == val_every - 1`. The folder (`meta.json`, `tokenizer.json`, the split's shards and
+document offsets, a content `fingerprint`) is written under temporary names, `meta.json` last. Detail:
+docs/tokenised-data.md ("Speed", "The folder `boostjax tokenize` writes").
 """
 
 from __future__ import annotations

@@ -2,29 +2,9 @@
 `measure()` for the device JAX runs on; `check_hardware` for `--hardware`. The table itself lives in
 `boostjax.runtime.profiles` (no JAX: the command line lists it), re-exported here.
 
-Numbers are per GPU. Sources and assumptions:
-- `device_bytes`: the total that `nvidia-smi` reports (H100/H800 80GB 81559 MiB, H200 143771 MiB,
-  A100 40GB 40960 MiB, A100 80GB 81920 MiB, RTX 3090 24576 MiB).
-- `bf16_flops`: dense (no sparsity) BF16 tensor-core peak from the vendor data sheets: H100/H800 SXM
-  989.4 TFLOPS, H200 SXM 989.4 TFLOPS (same GH100 compute as H100), A100 312 TFLOPS. RTX 3090: the
-  GA102 whitepaper lists 71 TFLOPS dense FP16/BF16 with FP32 accumulate (GeForce runs FP32-accumulate
-  tensor ops at half rate; 142 TFLOPS is the FP16-accumulate figure), and training accumulates in FP32.
-- Host link: LazyTrain's setting takes PCIe Gen5 x16 at about 12 GB/s effective each way for H800/H200
-  (LazyTrain's measured value, far below the 64 GB/s nominal). For the PCIe Gen4 x16 parts (A100,
-  RTX 3090) we assume 20 GB/s each way, the usual pinned-memory `cudaMemcpy` measurement on Gen4 x16
-  (nominal 32 GB/s; 12-25 GB/s is the range seen in practice).
-- `host_bytes`: assumed host RAM available to the one training process (1 TiB on the data-centre
-  servers, 2 TiB for H200 nodes, 128 GiB for an RTX 3090 workstation).
-- NVMe: only the workstation profile lists one (2 TB PCIe Gen4 SSD, 5 GB/s). The planner does not place
-  tensors on NVMe: JAX has no disk memory kind (`device`, `pinned_host`, `unpinned_host` only).
-- `mfu`: the achievable fraction of `bf16_flops` that turns FLOPs into seconds in the cost model.
-- The auto planner's links (`boostjax.planning`), nominal figures: HBM 3.35 TB/s (H800 SXM), 4.8 TB/s (H200),
-  1.555 / 2.039 TB/s (A100 40 / 80 GB), 936 GB/s (RTX 3090); all-reduce bus bandwidth inside a node
-  (NCCL's large-message figure) 200 GB/s on A100 NVLink3, 360 GB/s on H200 NVLink4/NVSwitch, 160 GB/s on
-  H800 (its NVLink is cut to 400 GB/s), 16 GB/s over PCIe Gen4 between RTX 3090s; between nodes per GPU
-  25 GB/s (A100: Slingshot/HDR-class), 50 GB/s (H800, H200: InfiniBand NDR), 12.5 GB/s (3090: 100 Gb/s
-  Ethernet); collective latency 15 us; GEMM efficiency 0.8 (the scaling model fits 0.80 on BOOST's 1B
-  A100 time). The planner's CPU profile is measured instead (`boostjax.planning.cpu`).
+Numbers are per GPU; every figure's source and assumption (memory, BF16 peak, host link, host RAM,
+NVMe, MFU, and the auto planner's HBM, bus, inter-node and latency figures): docs/planning.md
+("Hardware profiles").
 """
 
 from __future__ import annotations

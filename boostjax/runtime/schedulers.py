@@ -1,29 +1,10 @@
 """The job environments a multi-host run is read from: one table, `SCHEDULERS`.
 
-Each entry reads the variables its launcher sets in every process and reports where this process
-sits: the coordinator (process 0's node and a port), the process count, this process's id and its
-rank on its node. `detect` turns the first entry present into a `ProcessGroup`, whose
-`local_device_ids` are the GPUs of the process's node it drives: with `k` devices per process (the
-mesh's device count over the processes), local rank `r` drives devices `r·k .. r·k+k-1`, so one
-process per GPU (`k = 1`) drives GPU `r` and one process per node drives all `k` GPUs of its node;
-a process that sees exactly `k` GPUs in `CUDA_VISIBLE_DEVICES` (the launcher bound them) drives them all.
-
-- `slurm`: tasks started by `srun` (one per GPU, or one per node): SLURM_PROCID, SLURM_NTASKS,
-  SLURM_LOCALID; the coordinator is the first node of SLURM_STEP_NODELIST.
-- `mpiexec`: ranks started by `mpiexec` / `mpirun` (Cray PALS under PBS as on ALCF Polaris, MPICH,
-  Open MPI): PALS_RANKID / PMI_RANK / PMIX_RANK / OMPI_COMM_WORLD_RANK, PMI_SIZE / OMPI_COMM_WORLD_SIZE,
-  PALS_LOCAL_RANKID / PMI_LOCAL_RANK / MPI_LOCALRANKID / OMPI_COMM_WORLD_LOCAL_RANK; the coordinator is
-  the first line of PBS_NODEFILE (else Open MPI 4's launcher node from OMPI_MCA_orte_hnp_uri).
-- `k8s`: the pods of a Kubernetes JobSet's indexed Job, one per process (docs/k8s/jobset.yaml):
-  JOB_COMPLETION_INDEX, BOOSTJAX_K8S_PROCESSES; the coordinator is pod 0, `<jobset>-<job>-0-0.<jobset>`
-  from JOBSET_NAME and REPLICATED_JOB_NAME.
-
-In each, process 0 runs on the coordinator's node (the launchers' default placement). The port is
-JAX_COORDINATOR_PORT, else one derived from the job id (SLURM_JOB_ID, PBS_JOBID) in 61440..65535 as
-JAX does, else `DEFAULT_PORT`; JAX_COORDINATOR_ADDRESS (HOST:PORT) overrides both. A job of one
-process is a single-process run. A variable that is missing or not an integer stops the run with one
-line naming it and the fix. `emulated_env` gives an entry's variables for N local processes on
-loopback (`boostjax launch --scheduler`): the real job's code path, testable on one machine.
+Each entry (`slurm`, `mpiexec`, `k8s`) reads the variables its launcher sets in every process: the
+coordinator, the process count, this process's id and its rank on its node. `detect` turns the first
+entry present into a `ProcessGroup` (with the `local_device_ids` the process drives); `emulated_env`
+gives an entry's variables for N local processes (`boostjax launch --scheduler`). The variables, the
+port and the GPUs each process drives: docs/multihost.md ("Where the process group comes from").
 """
 
 from __future__ import annotations

@@ -2,32 +2,11 @@
 Megatron-LM's interleaving-free 1F1B, https://arxiv.org/abs/2104.04473): activation memory bounded by
 the number of stages instead of the number of micro-batches.
 
-The stage layout, parameter specs and head split are GPipe's (`boostjax.sharding.pipeline`); only the
-order of work differs. Every stage runs the same program in lockstep (SPMD) over ticks; an idle slot
-is computed and masked with `where` (collectives stay unconditional: XLA's CPU runtime deadlocks on
-collectives under a stage-dependent `cond`). Stage `s` runs
-
-- the forward of micro-batch `i` at tick `i + s` (stage 0 embeds it; the others receive it from
-  `s - 1` by `ppermute`), keeping the `jax.vjp` residuals of its layers in a ring of `2P - 1` slots
-  indexed by `i mod (2P - 1)` (a remat policy decides what the residuals are; a residual an offload
-  plan's policy moves to pinned host keeps its ring there too);
-- on the last stage, in the same tick, the head and loss of micro-batch `i`: its features are
-  `psum_scatter`-ed over `stage` so every stage computes the head on 1/P of the tokens, and the
-  feature cotangents are `all_gather`-ed back;
-- the backward of micro-batch `i` at tick `i + 2(P - 1) - s` from the ring and the cotangent sent by
-  `s + 1` (the last stage's own from the head), accumulating fp32 parameter gradients in the carry.
-
-Ticks `0 .. P-2` hold forwards only, `P-1 .. M+P-2` a forward and a backward, `M+P-1 .. M+2P-3`
-backwards only, so a stage is busy `M (F + B)` out of `(M + P - 1)(F + B)`: the bubble is GPipe's
-`(P - 1) / (M + P - 1)`. Micro-batch `i` stays in flight at stage `s` for `2(P - 1 - s)` ticks
-(lockstep: a forward takes a whole tick to reach the next stage), so the ring holds `2P - 1` slots
-(stage 0's count; SPMD sizes every stage alike) where GPipe's autodiff keeps all `M + P - 1` ticks.
-
-`onef1b_loss_fn` is a `jax.custom_vjp`: its forward runs the whole schedule and returns the loss, its
-backward the saved gradients times the incoming cotangent, so `jax.value_and_grad` of it is the
-schedule's gradient. Evaluated without a gradient it is GPipe's forward. The schedule sums its
-gradients over `stage`; the sum over `data` is `boostjax.sharding.zero`'s (all-reduced here, and in
-`onef1b_grad_fn`, the train step's gradient on a `data` axis, reduce-scattered where ZeRO splits it).
+The stage layout is GPipe's (`boostjax.sharding.pipeline`); only the order of work differs. Every stage
+runs the same program in lockstep over ticks (`_Device`): a forward, the last stage's head split over
+the stages, and a backward from a ring of `2P - 1` residual slots. `onef1b_loss_fn` is a
+`jax.custom_vjp` whose backward returns the schedule's gradient. The ticks, the ring and the bubble:
+docs/pipelines.md ("How 1F1B runs").
 """
 
 from __future__ import annotations

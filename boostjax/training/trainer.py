@@ -4,15 +4,10 @@
     result = train(Config(ModelConfig(kind="cola"), TrainConfig(steps=200, out="runs/nb")))
     result.metrics[-1]["loss"], result.model(tokens)
 
-`train` prepares the run in one pass (`boostjax.training.prepare`: the configuration, validated; the
-processes; the run folder; the data), then builds the state (fresh, pretrained or restored) and loops.
-
-A run folder (`boostjax.runs.folder`) holds `config.json`, `metrics.jsonl` (one JSON object per logged
-step) and checksummed Orbax `checkpoints/` (`boostjax.runs.checkpoint`). Starting a run in a folder that
-has checkpoints resumes from the newest one that verifies; the data iterator's position is part of
-the checkpoint, so the resumed losses equal an uninterrupted run's. SIGINT / SIGTERM stop the run
-after the current step with a consistent checkpoint (`boostjax.runtime.interrupt`). In a multi-host job
-(`boostjax.runtime.multihost`) every process runs `train`; process 0 writes the files.
+`train` prepares the run in one pass (`boostjax.training.prepare`), builds the state (fresh, pretrained
+or restored from the newest checkpoint that verifies) and loops; SIGINT / SIGTERM stop it after a step
+with a consistent checkpoint, and in a multi-host job process 0 writes the files. The run folder, resume
+and signals: docs/training.md and docs/run-folders.md.
 """
 
 from __future__ import annotations
