@@ -78,6 +78,36 @@ def test_ridge_refit_is_the_least_squares_solution(kind):
     assert rel(refit.ridge_refit(x, a, y, kind, ridge=0.1), np.linalg.solve(h.T @ h + lam * np.eye(5), h.T @ y)) < 1e-4
 
 
+def test_ridge_refit_pull_by_hand():
+    """With `pull` = (P, Q): (HᵀH + λ I + P)⁻¹ (HᵀY + Q) by hand."""
+    x, w = _inputs(3)
+    rng = np.random.default_rng(4)
+    a, m = rng.normal(size=(12, 5)) * 0.3, rng.normal(size=(5, 5))
+    p, q = m @ m.T, rng.normal(size=(5, 20))
+    h = _silu(x @ a)
+    lam = 0.01 * np.mean(np.diag(h.T @ h))
+    want = np.linalg.solve(h.T @ h + lam * np.eye(5) + p, h.T @ (x @ w) + q)
+    assert rel(refit.ridge_refit(x, a, x @ w, "cola", ridge=0.01, pull=(p, q)), want) < 1e-4
+
+
+def test_sequential_cola_refit_keeps_the_svd_fit_pull():
+    """The sequential cola refit pays the svd fit's pull towards W on its linear part, so in SiLU's
+    small-signal regime it lands on the svd sequential fit's map: with A = S̃⁻ᵀU_r fixed, the minimiser of
+    ‖X̃ A B − X W‖² + λ‖A B − W‖² is B = Σ_r V_rᵀ exactly (Aᵀ(G̃ + λI)A = I). Without the pull it fits the
+    calibration inputs closer and moves away from that map."""
+    x, w = _inputs(5, n=4000)  # z's per-token scale, the regime's ε, falls as 1/√n: 4,000 rows, ε ≈ 0.004
+    xt = x + 0.05 * np.random.default_rng(6).normal(size=x.shape) * np.std(x, axis=0)  # the factored model's inputs
+    r = 4
+    svd_a, svd_b = refit.fit(w, "svd", r, "sequential", x, xt)
+    cola_a, cola_b = refit.fit(w, "cola", r, "sequential", x, xt)
+    m_svd = np.asarray(svd_a, np.float64) @ np.asarray(svd_b, np.float64)
+    h = _silu(xt @ np.asarray(cola_a, np.float64))
+    map_err = np.linalg.norm(h @ cola_b - xt @ m_svd) / np.linalg.norm(xt @ m_svd)
+    assert map_err < 5e-3, map_err  # O(ε) of the small-signal regime and the 1e-4 ridge
+    free = refit.ridge_refit(xt, cola_a, x @ w, "cola")  # no pull: a different map
+    assert np.linalg.norm(h @ free - xt @ m_svd) / np.linalg.norm(xt @ m_svd) > 5 * map_err
+
+
 def _features(cfg, params, tokens_bt):
     from boostjax.interop.hf import build_model
 

@@ -86,14 +86,20 @@ def activation(kind: str) -> Callable[[Any], Any]:
     return (lambda h: h) if kind == "svd" else jax.nn.silu
 
 
-def ridge_refit(x_ni: Any, a_ir: Any, y_no: Any, kind: str, ridge: float = REFIT_RIDGE) -> np.ndarray:
-    """B [r, out] = argmin ‖σ(X A) B − Y‖² + λ‖B‖² = (HᵀH + λ I)⁻¹ HᵀY, H = σ(X A), λ = ridge · mean diag HᵀH
-    (the products in fp32 at full precision, the solve in float64)."""
+def ridge_refit(x_ni: Any, a_ir: Any, y_no: Any, kind: str, ridge: float = REFIT_RIDGE,
+                pull: tuple[Any, Any] | None = None) -> np.ndarray:
+    """B [r, out] = argmin ‖σ(X A) B − Y‖² + λ‖B‖² (+ a quadratic pull with `pull` = (P [r, r], Q [r, out]):
+    + tr(Bᵀ P B) − 2 tr(Bᵀ Q)), that is (HᵀH + λ I + P)⁻¹ (HᵀY + Q), H = σ(X A), λ = ridge · mean diag HᵀH;
+    the products in fp32 at full precision, the solve in float64."""
     hth, hty = _normal(kind, jnp.asarray(x_ni, jnp.float32), jnp.asarray(a_ir, jnp.float32),
                        jnp.asarray(y_no, jnp.float32))
     hth, hty = np.asarray(hth, np.float64), np.asarray(hty, np.float64)
     lam = ridge * (float(np.mean(np.diag(hth))) or 1.0)
-    return np.linalg.solve(hth + lam * np.eye(len(hth)), hty)
+    lhs = hth + lam * np.eye(len(hth))
+    if pull is not None:
+        p_rr, q_ro = (np.asarray(v, np.float64) for v in pull)
+        lhs, hty = lhs + p_rr, hty + q_ro
+    return np.linalg.solve(lhs, hty)
 
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -119,10 +125,18 @@ def fit(w_io: Any, kind: str, r: int, how: str, x_ni: Any, xt_ni: Any | None = N
     a, b = balanced(a0, sig, vt) if kind == "svd" else linearise(a0, sig, vt, eps_max)[:2]
     if how != "linearised" and not (kind == "svd" and seq):  # svd: the sequential fit is already B's best
         y = jnp.dot(x, jnp.asarray(w_io, jnp.float32), precision=HIGHEST)
-        b = ridge_refit(xt, a, y, kind)
+        b = ridge_refit(xt, a, y, kind, pull=_seq_pull(gram, a, w_io, seq_ridge) if seq else None)
         if kind == "svd":  # keep the pairs balanced (the map unchanged)
             a, b = balanced(a, np.ones(r), b)
     return a.astype(np.float32), b.astype(np.float32)
+
+
+def _seq_pull(gram_ii: np.ndarray, a_ir: np.ndarray, w_io: Any, seq_ridge: float) -> tuple[np.ndarray, np.ndarray]:
+    """The sequential fit's pull towards W, λ‖M − W‖² (λ = `seq_ridge` · mean diag G̃), in a refit of B with A
+    fixed: the map's linear part is M = (A/2) B (silu'(0) = 1/2), so (P, Q) = λ ((A/2)ᵀ(A/2), (A/2)ᵀ W)."""
+    lam = seq_ridge * (float(np.mean(np.diag(gram_ii))) or 1.0)
+    half = np.asarray(a_ir, np.float64) / 2
+    return lam * half.T @ half, lam * half.T @ np.asarray(w_io, np.float64)
 
 
 @jax.jit
