@@ -33,6 +33,16 @@ def test_the_scripts_are_found():
     assert len(MODULES) >= 25 and "experiments.speed.gemm_peak" in MODULES
 
 
+def test_every_script_builds_its_flags_in_parser():
+    """A script (a top-level `main`) keeps its command line in `parser()`, so the test below reads it."""
+    bare = []
+    for path in sorted((ROOT / "experiments").glob("*/*.py")):
+        names = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+        if "main" in names and "parser" not in names:
+            bare.append(str(path.relative_to(ROOT)))
+    assert not bare, f"scripts whose flags are built inside main(): {bare}"
+
+
 @pytest.mark.parametrize("name", MODULES)
 def test_every_flag_has_help(name):
     env = dict(os.environ)

@@ -627,7 +627,7 @@ def cudnn_probe(seq: int) -> dict[str, Any]:
                     f"{a['tt_tensor_mentions']}."}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="(a) at sequence 2048 and without the CPU compile "
                     "comparison or the full-depth lowering (a smoke run)")
@@ -641,6 +641,11 @@ def main(argv: list[str] | None = None) -> int:
                          "config, with no GPU (needs jax-cuda12-plugin with its CUDA libraries and JAX_PLATFORMS=cpu)")
     ap.add_argument("--from-json", default=None, help="re-render the markdown of an earlier gpu_export.json")
     ap.add_argument("--out", default=str(RESULTS), help="folder for gpu_export.{json,md}")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.plan is not None and not os.path.isfile(args.plan):
         print(f"gpu_export: --plan {args.plan} is not a file; fix: pass a plan written by boostjax plan --out",

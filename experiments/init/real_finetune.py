@@ -954,7 +954,7 @@ def overrides(args) -> dict[str, Any]:
                                           "calib_tokens", "rank_policy") if getattr(args, k) is not None}
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a few steps per row (a smoke run): <name>_quick.*")
     p.add_argument("--rows", default="", help="comma-separated row names to run (default: all); "
@@ -976,6 +976,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--starts-only", dest="starts_only", action="store_true",
                    help=f"score the factored starts alone, no training (the 'before' column): {STARTS_NAME}.*; "
                    "--rows then names starts: " + ", ".join(st.name for st in starts_of()))
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
     args = p.parse_args(argv)
     if args.starts_only and args.render:
         res = json.loads((pathlib.Path(args.out) / f"{STARTS_NAME}.json").read_text())

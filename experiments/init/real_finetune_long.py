@@ -279,7 +279,7 @@ def refuse(msg: str) -> None:
     sys.exit(2)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a few steps per row (a smoke run): <name>_quick.*")
     p.add_argument("--rows", default="", help="comma-separated row names to run (default: all, in order); names: "
@@ -297,6 +297,11 @@ def main(argv: list[str] | None = None) -> None:
                              ("eval_batches", int, "held-out batches"),
                              ("calib_tokens", int, "calibration tokens of the sequential start")):
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=f"{what} (override)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
     args = p.parse_args(argv)
     name = NAME + ("_quick" if args.quick else "")
     out = pathlib.Path(args.out)
