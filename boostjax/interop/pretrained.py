@@ -1,29 +1,13 @@
-"""Start a run from pretrained weights: a Hugging Face LLaMA folder, dense or factored by SVD.
+"""Start a run from pretrained weights: a Hugging Face LLaMA folder (or GGUF), dense or factored.
 
     train --init-from-hf PATH                                 # the dense LLaMA, its weights as they are
     train --init-from-hf PATH --model svd|cola|lax --rank r   # each projection a rank-r factorisation
 
-The model's shapes come from the checkpoint (`hf.config_from_hf`); the flags that choose what is built
-from them (`--model`, `--rank`, the attention kernel) and every training flag apply. A low-rank kind
-gets its factors from a truncated SVD of each dense projection `W [in, out] = U Σ Vᵀ`:
-
-- `svd` (`x ↦ x A B`): `A = U_r √Σ_r`, `B = √Σ_r V_rᵀ` (balanced, so both factors have the same
-  scale and gradients); `A B` is the best rank-r approximation (Eckart–Young).
-- `cola` / `lax` (`x ↦ silu(x A) B`): SiLU has no linear regime to hide in, but
-  `silu(z) - silu(-z) = z` exactly, so `r // 2` singular triplets go in as ± pairs,
-  `A = [U_m √Σ_m, -U_m √Σ_m]`, `B = [√Σ_m V_mᵀ; -√Σ_m V_mᵀ]` with `m = r // 2`, and the projection
-  computes `x U_m Σ_m V_mᵀ` exactly, through the nonlinearity (an odd r's last column gets a random
-  `A` column and a zero `B` row: no effect at step 0, trainable). LaX's crossing gates start at zero.
-  The MLP keeps the checkpoint's `silu(gate) * up` (`only_lr_act=False`), not CoLA's `gate * up`.
-
-`--init-factor whitened` (`factor_whitened`) truncates by output instead of weight error: the same
-splits of `S⁻ᵀ U_k Σ_k V_kᵀ`, where `Sᵀ W = U Σ Vᵀ` and `S Sᵀ` is the Gram matrix of the projection's
-inputs on calibration tokens (`boostjax.interop.calibration`; SVD-LLM, https://arxiv.org/abs/2403.07378).
-
-The report gives, per matrix, `‖W − W_eff‖_F / ‖W‖_F` where `W_eff` is the linear map the factored
-projection computes at initialisation (`A B` for svd, `U_m Σ_m V_mᵀ` for cola/lax), from the
-singular values: `sqrt(Σ_{j>k} σ_j² / Σ_j σ_j²)` (whitened: computed from `W_eff`); given the run's
-data, also `‖X W − f(X)‖_F / ‖X W‖_F` on held-out inputs X (`"output"`, f the factored map).
+The model's shapes come from the checkpoint; `--model`, the ranks, `--init-factor` and every training
+flag apply. svd splits each projection's truncated SVD into balanced factors; cola / lax enter it as
+± pairs (`silu(z) - silu(-z) = z`), keep the checkpoint's `silu(gate) * up` MLP and start LaX's gates
+at zero; `whitened` truncates by output error on calibration tokens. The splits, the report's fields and
+measured errors: docs/init_from_hf.md ("Factoring a dense projection", "The report").
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """An fp32 sum of non-negative partial statistics carried exactly through a bf16 all-reduce.
 
-BTP's Online-RMSNorm sums each device's `Σx²` (fp32) in the same all-reduce as the bf16 latents. One
-bf16 buffer means one collective, but a bf16 all-reduce rounds every partial sum to 8 significant
-bits (a GPU ring adds in bf16; XLA's CPU backend adds in f32 and rounds the result), so a plain
-`hi = bf16(s)`, `lo = bf16(s - hi)` split still loses `2⁻⁸` relative: the sum of the `hi` parts is
-rounded, and the `lo` parts cannot repair it.
-
-`split` cuts `s` into `n_parts(P)` bf16 parts on an absolute grid instead: part `j` holds the bits of
-`s` with weights `2^(k·j) .. 2^(k·j + k - 1)` (`k = 8 - ceil(log2 P)` bits), the `W` highest windows
-of `s`, the last one rounded. Window `j` goes to slot `j mod W`, so every device puts the same window
-in the same slot. Any partial sum of one window over `P` devices is an integer multiple of `2^(k·j)`
-below `2^(k·j + 8)`, exactly representable in bf16: the all-reduce adds the slots exactly, in any
-order and at any precision. A device whose top window is `m` below another's sends its `m` lowest
-windows into that device's top slots, `W` windows lower: with `k (W - 1) ≥ 12 + log2 P` they are below
-half an ulp of the slot and dropped. `join` adds the slots in fp32. Bound:
-
-    |join(psum(split(s))) - Σ s| ≤ (½ + (P - 1)) · 2^(-k (W - 1)) · Σ s  ≤  2⁻¹² · Σ s
-
-(the rounded last window of each device, and what collisions drop), plus fp32 rounding. `W` is 3 at
-TP 2, 4 at TP 4 and 8, 5 at TP 16: 6 to 10 bytes per token where the fp32 statistic takes 4.
-
-Gradients: `split` and `join` are a `custom_vjp` pair whose composition's VJP is the identity. The
-transpose of a `psum` with a replicated output moves no data and changes no value, so `join`'s
-backward sends the fp32 cotangent as two bf16 parts (hi, lo) and `split`'s adds them back: the
-statistic's cotangent reaches each device to `2⁻¹⁶` relative.
+BTP's Online-RMSNorm sums each device's `Σx²` in the same all-reduce as the bf16 latents. `split` cuts
+it into `n_parts(P)` bf16 parts on an absolute grid of k-bit windows (`k = 8 - ceil(log2 P)`) whose
+partial sums over P devices are exact in bf16, in any order; `join` adds them back in fp32, within
+2⁻¹² of the exact sum, relative. `split` / `join` are a `custom_vjp` pair whose backward sends the
+cotangent as hi + lo bf16 parts. The grid, the bound and why a plain hi + lo split fails:
+docs/tensor-parallelism.md ("The statistic in one bf16 collective").
 """
 
 from __future__ import annotations
