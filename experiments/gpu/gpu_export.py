@@ -470,8 +470,14 @@ def deviceless_offloaded(spec_path: str, plan_path: str, log) -> dict[str, Any]:
     cfg = configs(o["preset"], preset(o["preset"]).n_layers, o["seq"], batch=o["batch"], optimizer=o["optimizer"],
                   offload_plan=plan_path)
     found = compile_for_target(cfg, spec_path, 1, log, "(b)")
-    return {"target": pathlib.Path(spec_path).name, "config": f"1b CoLA, {cfg.model.n_layers} layers, the plan's "
-            "placements, attention auto", **found}
+    out = {"target": pathlib.Path(spec_path).name, "config": f"1b CoLA, {cfg.model.n_layers} layers, the plan's "
+           "placements, attention auto", **found, "without_plan": {}}
+    for remat in ("none", "full"):  # the same model and batch without a plan, for scale
+        plain = configs(o["preset"], preset(o["preset"]).n_layers, o["seq"], batch=o["batch"], optimizer=o["optimizer"],
+                        remat=remat)
+        got = compile_for_target(plain, spec_path, 1, log, f"(b) without a plan, remat {remat}")
+        out["without_plan"][remat] = got.get("memory", got)
+    return out
 
 
 # ----------------------------------------------------------------------------- report
@@ -522,7 +528,10 @@ def deviceless_offloaded_lines(d: dict) -> list[str]:
                   f"{gib(m['host_output_bytes'])} / {gib(m['host_temp_bytes'])} |",
                   f"| fusions / instructions | {d['fusions']} / {d['instructions']} |",
                   f"| cuDNN custom calls | {_kv({k: v for k, v in d['custom_call_targets'].items() if 'cudnn' in k})} |",
-                  f"| compile s | {d['compile_s']} |", ""]
+                  f"| compile s | {d['compile_s']} |"] + [
+                  f"| without a plan, `--remat {r}`: peak GiB on the device | "
+                  + (gib(m2["peak_bytes_per_device"]) if "peak_bytes_per_device" in m2 else f"failed: {m2.get('error')}")
+                  + " |" for r, m2 in d.get("without_plan", {}).items()] + [""]
 
 
 def markdown(res: dict) -> str:
