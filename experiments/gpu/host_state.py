@@ -1,0 +1,97 @@
+"""Does state on the host lower a GPU step's device memory? A small CoLA model compiled for one H100 without a GPU.
+
+One plan per placement of every layer's parameters and optimizer state (all on the device, parameters and
+state on the host, optimizer state only on the host), each with every boundary kept on the device, the
+layers' inner checkpoints saving everything and the prefetch leads of 1. Each step is lowered for CUDA and
+compiled against an XLA GPU target description (`gpu_export.gpu_compile`); the table gives the device
+arguments, temporaries and peak, and the host arguments. Needs `jax-cuda12-plugin` with its CUDA libraries
+and `JAX_PLATFORMS=cpu` (docs/gpu-program.md).
+
+    JAX_PLATFORMS=cpu python -m experiments.gpu.host_state --target experiments/gpu/targets/h100_sxm.txtpb
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import tempfile
+import time
+
+from experiments import common
+
+NAME = "host_state_gpu"
+MODES = ("device", "host", "opt-host")
+MiB = 2**20
+
+
+def measure(target: str, n_layers: int) -> list[dict]:
+    from boostjax.config import Config, ModelConfig, TrainConfig, validate
+    from boostjax.offload.costmodel import build_instance
+    from boostjax.offload.planner import Decisions, make_plan
+    from experiments.gpu import gpu_export as gx
+
+    m = ModelConfig(d_model=512, n_layers=n_layers, n_heads=8, d_ff=1408, rank=128, max_seq_len=256, kind="cola",
+                    vocab_size=4096)
+    inst = build_instance(m, 2, 256, "H800-80GB", budget_bytes=1e12, dtype_bytes=2, eight_bit=True, attention="flash")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in MODES:
+            n = n_layers
+            d = Decisions(boundary=("device",) * n, inner=("all",) * n, mode=(mode,) * n, offload_lag=(0,) * n,
+                          fetch_lead=(0,) * n, param_fwd_lead=(1,) * n, param_bwd_lead=(1,) * n, grad_lag=(1,) * n,
+                          flat=(False,) * n)
+            path = pathlib.Path(tmp) / f"{mode}.json"
+            path.write_text(make_plan(inst, d, "manual").to_json())
+            cfg = validate(Config(m, TrainConfig(batch=2, seq=256, dtype="bfloat16", optimizer="adam8bit",
+                                                 offload_plan=str(path))))
+            found = gx.compile_for_target(cfg, target, 1, common.log, mode)
+            rows.append({"mode": mode, **({"error": found["error"]} if "error" in found else found["memory"])})
+    return rows
+
+
+def markdown(res: dict) -> str:
+    lines = ["# State on the host against a GPU step's device memory", "",
+             f"Command: `{res['command']}` (wall time {res['wall_s']:.0f} s).", "",
+             f"CoLA d 512, {res['n_layers']} layers, rank 128, batch 2 x 256, bf16, 8-bit Adam; every boundary on the "
+             f"device, inner checkpoints save everything; compiled for one `{res['target']}` with no GPU.", "",
+             "| every layer's params / optimizer state | device arguments MiB | device temporaries MiB | device peak "
+             "MiB | host arguments MiB |", "|---|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['mode']} | failed: `{r['error']}` | | | |")
+            continue
+        lines.append(f"| {r['mode']} | {r['argument_bytes'] / MiB:.1f} | {r['temp_bytes'] / MiB:.1f} | "
+                     f"{r['peak_bytes_per_device'] / MiB:.1f} | {r['host_argument_bytes'] / MiB:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="an XLA GPU target description (GpuTargetConfigProto text), e.g. "
+                    "experiments/gpu/targets/h100_sxm.txtpb")
+    ap.add_argument("--layers", type=int, default=8, help="layers of the small CoLA model")
+    common.add_out(ap, NAME)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if common.rerender(args, NAME, markdown) is not None:
+        return 0
+    if not os.path.isfile(args.target):
+        ap.error(f"--target {args.target} is not a file; fix: pass a GpuTargetConfigProto text file")
+    if args.layers < 1:
+        ap.error("--layers must be >= 1; fix: e.g. --layers 8")
+    t0 = time.time()
+    res = {"rows": measure(args.target, args.layers), "n_layers": args.layers,
+           "target": pathlib.Path(args.target).name,
+           "command": "JAX_PLATFORMS=cpu " + common.command_line("gpu.host_state", argv)}
+    res["wall_s"] = time.time() - t0
+    common.write(args.out, NAME, data=res, md=lambda: markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
