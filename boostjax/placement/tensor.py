@@ -14,10 +14,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from boostjax.config import DATA, MODEL, Config
-from boostjax.models import attention
 from boostjax.models.ops import cast_params
 from boostjax.placement.base import Canonical, Role, is_spec, named
-from boostjax.sharding.mesh import loss_mesh
+from boostjax.sharding.mesh import loss_mesh_for
 from boostjax.sharding import rules, zero
 
 
@@ -31,7 +30,7 @@ def _local_loss(cfg: Config, graphdef, mesh: Mesh, specs: Any, remat: Any, objec
     if mesh.shape[MODEL] == 1:
         coll = rules.STRATEGIES["none"].collectives
         specs = jax.tree.map(lambda _: P(), specs, is_leaf=is_spec)
-    inner, rows = loss_mesh(mesh, attention.needs_program_mesh(cfg.model.attention, cfg.train.dtype))
+    inner, rows = loss_mesh_for(cfg, mesh)
 
     def local(params, inputs_bt, targets_bt, segments_bt=None, **extra):
         model = nnx.merge(graphdef, cast_params(params, cfg.train.dtype))

@@ -8,7 +8,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from boostjax.config import DATA, MODEL, STAGE, ConfigError, MeshShape
+from boostjax.config import DATA, MODEL, STAGE, Config, ConfigError, MeshShape
+from boostjax.models import attention
 
 
 def make_mesh(shape: MeshShape | None) -> Mesh | None:
@@ -24,6 +25,11 @@ def make_mesh(shape: MeshShape | None) -> Mesh | None:
     if p > 1:
         return Mesh(np.asarray(jax.devices()[: d * p * t]).reshape(d, p, t), (DATA, STAGE, MODEL))
     return Mesh(np.asarray(jax.devices()[: d * t]).reshape(d, t), (DATA, MODEL))
+
+
+def loss_mesh_for(cfg: Config, mesh: Mesh) -> tuple[Mesh, P]:
+    """`loss_mesh` for `cfg`'s step: the size-1 data axis kept where its attention needs the program's mesh."""
+    return loss_mesh(mesh, attention.needs_program_mesh(cfg.model.attention, cfg.train.dtype))
 
 
 def loss_mesh(mesh: Mesh, keep_data: bool = False) -> tuple[Mesh, P]:

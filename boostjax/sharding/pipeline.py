@@ -34,13 +34,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from boostjax.config import DATA, MODEL, STAGE, Config, TrainConfig
-from boostjax.models import attention, ops
+from boostjax.models import ops
 from boostjax.models.llama import LLaMA, Block, resolve_remat, run_schedule
 from boostjax.models.ops import cast_params
 from boostjax.models.remat import tied_checkpoint
 from boostjax.models.collectives import vocab_parallel_cross_entropy
 from boostjax.sharding import zero
-from boostjax.sharding.mesh import loss_mesh
+from boostjax.sharding.mesh import loss_mesh_for
 from boostjax.sharding.pipeline_1f1b import ring_slots
 from boostjax.sharding.rules import STRATEGIES
 
@@ -141,7 +141,7 @@ def pipeline_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int, remat: A
                      ) -> Callable[[Any, dict], jax.Array]:
     """The mean loss over the global batch, GPipe-scheduled over `stage` inside `shard_map`
     (`remat` as in `stage_loss`)."""
-    inner, rows = loss_mesh(mesh, attention.needs_program_mesh(cfg.model.attention, cfg.train.dtype))
+    inner, rows = loss_mesh_for(cfg, mesh)
     local = stage_loss(cfg, mesh, n_micro, remat)
 
     def mean(*args):
@@ -157,7 +157,7 @@ def pipeline_grad_fn(cfg: Config, mesh: Mesh, specs: Any, split: Any, n_micro: i
     """`(params, batch) -> (loss, grads)` of the GPipe loss with ZeRO's gradient
     (`boostjax.sharding.zero`): every leaf reduce-scattered over `data` onto its spec in `split`
     (all-reduced where `split` leaves it whole); the batch holds `grad_accum` micro-batches."""
-    inner, rows = loss_mesh(mesh, attention.needs_program_mesh(cfg.model.attention, cfg.train.dtype))
+    inner, rows = loss_mesh_for(cfg, mesh)
     f = zero.zero_value_and_grad(stage_loss(cfg, mesh, n_micro, remat), inner, specs, split, rows,
                                  gather=cfg.train.zero >= 3, accum=cfg.train.grad_accum,
                                  cast=lambda p: cast_params(p, cfg.train.dtype))

@@ -20,12 +20,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from boostjax.config import DATA, MODEL, STAGE, Config
-from boostjax.models import attention, ops
+from boostjax.models import ops
 from boostjax.models.llama import LLaMA, Block, resolve_remat, run_schedule
 from boostjax.models.ops import cast_params
 from boostjax.models.collectives import vocab_parallel_cross_entropy
 from boostjax.sharding import zero
-from boostjax.sharding.mesh import loss_mesh
+from boostjax.sharding.mesh import loss_mesh_for
 from boostjax.sharding.rules import STRATEGIES
 
 
@@ -52,7 +52,7 @@ def onef1b_loss_fn(cfg: Config, mesh: Mesh, specs: Any, n_micro: int,
     """The mean loss over the global batch whose gradient runs the 1F1B schedule (`forward`: the same
     loss without a gradient, GPipe's forward; `remat` as in `pipeline.pipeline_loss_fn`); the
     gradient is all-reduced over `data`."""
-    inner, rows = loss_mesh(mesh, attention.needs_program_mesh(cfg.model.attention, cfg.train.dtype))
+    inner, rows = loss_mesh_for(cfg, mesh)
     sharded = zero.reduced_value_and_grad(_local_schedule(cfg, mesh, n_micro, inner.axis_names, remat), inner,
                                           specs, specs, rows, gather=False)
 
@@ -76,7 +76,7 @@ def onef1b_grad_fn(cfg: Config, mesh: Mesh, specs: Any, split: Any, n_micro: int
     """`(params, batch) -> (loss, grads)` of the 1F1B schedule with ZeRO's gradient
     (`boostjax.sharding.zero`): every leaf's fp32 sum reduce-scattered over `data` onto its spec in
     `split` (all-reduced where `split` leaves it whole); the batch holds `grad_accum` micro-batches."""
-    inner, rows = loss_mesh(mesh, attention.needs_program_mesh(cfg.model.attention, cfg.train.dtype))
+    inner, rows = loss_mesh_for(cfg, mesh)
     f = zero.reduced_value_and_grad(_local_schedule(cfg, mesh, n_micro, inner.axis_names, remat), inner, specs,
                                     split, rows, gather=cfg.train.zero >= 3, accum=cfg.train.grad_accum,
                                     cast=lambda p: cast_params(p, cfg.train.dtype))
