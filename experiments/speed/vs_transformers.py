@@ -383,12 +383,13 @@ def markdown(res: dict) -> str:
 
 
 NOTES = [
-    "- **Where the dense step's time went** (before this work; CPU time per call, which the load disturbs "
-    "least, 60m shape, 8 layers): forward + loss 411 ms, forward + backward 1840 ms, the whole step 1794 ms "
-    "(clip + AdamW within the noise of the gradient alone). The backward cost 3.5x the forward where its "
-    "FLOPs are 2x. Per block: MLP forward 19.6 ms (221 GFLOP per CPU-second, the GEMM peak of this CPU: a "
-    "lone `[1024, 512] @ [512, 1376]` YNNPACK GEMM reaches 230), MLP forward + backward 102 ms where its "
-    "GEMMs need 59; attention core forward 9.3 ms, forward + backward 41 ms.",
+    "- **Where the dense step's time went** (before the fixes below, on the AMD EPYC Zen 4 where they were "
+    "made; CPU time per call, which the load disturbs least, 60m shape, 8 layers): forward + loss 411 ms, "
+    "forward + backward 1840 ms, the whole step 1794 ms (clip + AdamW within the noise of the gradient "
+    "alone). The backward cost 3.5x the forward where its FLOPs are 2x. Per block: MLP forward 19.6 ms (221 "
+    "GFLOP per CPU-second, that CPU's GEMM peak: a lone `[1024, 512] @ [512, 1376]` YNNPACK GEMM reached "
+    "230), MLP forward + backward 102 ms where its GEMMs need 59; attention core forward 9.3 ms, forward + "
+    "backward 41 ms. This Intel Xeon's peak is 160 GFLOP/s on one core, 312 on two (`gemm_peak.md`).",
     "- **Fixed: transposed copies in front of every weight gradient.** `x_btd @ w` makes the weight gradient "
     "contract b and t at once; XLA's CPU dot decomposer turns such a dot into a canonical 2-D one by "
     "transposing an operand (`copy_bitcast_fusion` `[1376, 1024]` per MLP projection, `[8192, 1024]` (32 MB) "
@@ -407,7 +408,7 @@ NOTES = [
     "one, CoLA 1.35 (1.26-1.44) / 1.30 (1.22-1.46); with the `Attention` / `MLP` edit as well: dense 1.28 "
     "(1.20-1.40) / 1.32 (1.27-1.45), CoLA 1.45 (1.33-1.56) on one core. Every variant gave the same loss and "
     "gradient norm to the last bit (or within 1 ulp) on the same batch.",
-    "- **Tried, not kept**: XLA CPU without YNNPACK dot fusions (`xla_cpu_experimental_ynn_fusion_type=''`: "
+    "- **Tried, not kept** (on the AMD machine): XLA CPU without YNNPACK dot fusions (`xla_cpu_experimental_ynn_fusion_type=''`: "
     "0.95), oneDNN dot fusions instead (0.96), `xla_cpu_prefer_vector_width=512` (no change, and it moves "
     "the loss by rounding), the concurrency-optimised scheduler (0.94 wall), causal query blocks that skip "
     "the keys above the diagonal (2 or 4 blocks: 1.01-1.02, more ops for little). The optimizer (optax clip "
