@@ -25,25 +25,29 @@ MODES = ("device", "host", "opt-host")
 MiB = 2**20
 
 
-def measure(target: str, n_layers: int) -> list[dict]:
+INNER = {"all": "inner checkpoints save everything", "latents": "every layer checkpointed, saving its latents",
+         "boundary": "every layer checkpointed, saving its input only"}
+
+
+def measure(target: str, n_layers: int, inner: str = "all", d: int = 512, batch: int = 2, seq: int = 256) -> list[dict]:
     from boostjax.config import Config, ModelConfig, TrainConfig, validate
     from boostjax.offload.costmodel import build_instance
     from boostjax.offload.planner import Decisions, make_plan
     from experiments.gpu import gpu_export as gx
 
-    m = ModelConfig(d_model=512, n_layers=n_layers, n_heads=8, d_ff=1408, rank=128, max_seq_len=256, kind="cola",
-                    vocab_size=4096)
-    inst = build_instance(m, 2, 256, "H800-80GB", budget_bytes=1e12, dtype_bytes=2, eight_bit=True, attention="flash")
+    m = ModelConfig(d_model=d, n_layers=n_layers, n_heads=8, d_ff=11 * d // 4, rank=d // 4, max_seq_len=seq,
+                    kind="cola", vocab_size=4096)
+    inst = build_instance(m, batch, seq, "H800-80GB", budget_bytes=1e12, dtype_bytes=2, eight_bit=True, attention="flash")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in MODES:
             n = n_layers
-            d = Decisions(boundary=("device",) * n, inner=("all",) * n, mode=(mode,) * n, offload_lag=(0,) * n,
+            d = Decisions(boundary=("device",) * n, inner=(inner,) * n, mode=(mode,) * n, offload_lag=(0,) * n,
                           fetch_lead=(0,) * n, param_fwd_lead=(1,) * n, param_bwd_lead=(1,) * n, grad_lag=(1,) * n,
                           flat=(False,) * n)
             path = pathlib.Path(tmp) / f"{mode}.json"
             path.write_text(make_plan(inst, d, "manual").to_json())
-            cfg = validate(Config(m, TrainConfig(batch=2, seq=256, dtype="bfloat16", optimizer="adam8bit",
+            cfg = validate(Config(m, TrainConfig(batch=batch, seq=seq, dtype="bfloat16", optimizer="adam8bit",
                                                  offload_plan=str(path))))
             found = gx.compile_for_target(cfg, target, 1, common.log, mode)
             rows.append({"mode": mode, **({"error": found["error"]} if "error" in found else found["memory"])})
@@ -53,8 +57,9 @@ def measure(target: str, n_layers: int) -> list[dict]:
 def markdown(res: dict) -> str:
     lines = ["# State on the host against a GPU step's device memory", "",
              f"Command: `{res['command']}` (wall time {res['wall_s']:.0f} s).", "",
-             f"CoLA d 512, {res['n_layers']} layers, rank 128, batch 2 x 256, bf16, 8-bit Adam; every boundary on the "
-             f"device, inner checkpoints save everything; compiled for one `{res['target']}` with no GPU.", "",
+             f"CoLA d {res.get('d_model', 512)}, {res['n_layers']} layers, rank {res.get('d_model', 512) // 4}, batch "
+             f"{res.get('batch', 2)} x {res.get('seq', 256)}, bf16, 8-bit Adam; every boundary on the "
+             f"device, {INNER[res.get('inner', 'all')]}; compiled for one `{res['target']}` with no GPU.", "",
              "| every layer's params / optimizer state | device arguments MiB | device temporaries MiB | device peak "
              "MiB | host arguments MiB |", "|---|---:|---:|---:|---:|"]
     for r in res["rows"]:
@@ -71,6 +76,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", required=True, help="an XLA GPU target description (GpuTargetConfigProto text), e.g. "
                     "experiments/gpu/targets/h100_sxm.txtpb")
     ap.add_argument("--layers", type=int, default=8, help="layers of the small CoLA model")
+    ap.add_argument("--d-model", type=int, default=512, help="width of the small CoLA model (d_ff 11 d / 4, rank d / 4)")
+    ap.add_argument("--batch", type=int, default=2, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    ap.add_argument("--inner", default="all", choices=tuple(INNER), help="every layer's inner option in the plans: "
+                    "all (no remat; results host_state_gpu.*) or a checkpoint (results host_state_gpu_<inner>.*)")
     common.add_out(ap, NAME)
     return ap
 
@@ -78,18 +88,20 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    if common.rerender(args, NAME, markdown) is not None:
+    name = NAME if args.inner == "all" else f"{NAME}_{args.inner}_d{args.d_model}"
+    if common.rerender(args, name, markdown) is not None:
         return 0
     if not os.path.isfile(args.target):
         ap.error(f"--target {args.target} is not a file; fix: pass a GpuTargetConfigProto text file")
-    if args.layers < 1:
-        ap.error("--layers must be >= 1; fix: e.g. --layers 8")
+    if min(args.layers, args.batch, args.seq) < 1 or args.d_model < 64 or args.d_model % 64:
+        ap.error("--layers, --batch, --seq must be >= 1 and --d-model a multiple of 64; fix: e.g. --d-model 512")
     t0 = time.time()
-    res = {"rows": measure(args.target, args.layers), "n_layers": args.layers,
+    res = {"rows": measure(args.target, args.layers, args.inner, args.d_model, args.batch, args.seq),
+           "n_layers": args.layers, "inner": args.inner, "d_model": args.d_model, "batch": args.batch, "seq": args.seq,
            "target": pathlib.Path(args.target).name,
            "command": "JAX_PLATFORMS=cpu " + common.command_line("gpu.host_state", argv)}
     res["wall_s"] = time.time() - t0
-    common.write(args.out, NAME, data=res, md=lambda: markdown(res))
+    common.write(args.out, name, data=res, md=lambda: markdown(res))
     return 0
 
 
