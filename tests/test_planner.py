@@ -257,6 +257,35 @@ def test_planner_beats_baselines_on_the_family():
             assert base.status == "OVER_BUDGET" or plan.predicted_step_s <= base.predicted_step_s, (name, b)
 
 
+def _hand_instance() -> cm.PlanInstance:
+    ms = 1e-3
+    return cm.PlanInstance(
+        name="hand", boundary_bytes=(4.0 * MiB, 2.0 * MiB), fwd_s=(2 * ms, 3 * ms), bwd_s=(4 * ms, 6 * ms),
+        work_fwd_bytes=(1.0 * MiB, 1.0 * MiB), work_bwd_bytes=(2.0 * MiB, 2.0 * MiB),
+        option_names=("all", "boundary"), option_saves=((), ()), option_bytes=((8.0 * MiB, 0.0), (6.0 * MiB, 0.0)),
+        option_recompute_s=((0.0, 1 * ms), (0.0, 2 * ms)), stream_bytes=(3.0 * MiB, 5.0 * MiB),
+        stream_mem_bytes=(3.0 * MiB, 5.0 * MiB), mode_device_bytes=((0.0,) * 3,) * 2,
+        mode_host_bytes=((0.0, 0.0, 10.0 * MiB), (0.0, 0.0, 20.0 * MiB)), budget_bytes=1e12,
+        h2d_bytes_per_s=BW, d2h_bytes_per_s=BW, param_modes=("device", "host"), head_s=1 * ms,
+        head_work_bytes=2.0 * MiB, prologue_s=1 * ms, fixed_bytes=1.0 * MiB, h2d_lead=1, d2h_lag=1)
+
+
+def test_a_plan_with_host_memory_carries_the_gpu_note():
+    """`boostjax plan` warns when a plan keeps anything on the host (the GPU program does not honour remat
+    around host moves yet), naming how much; a plan that only keeps and recomputes gets no note."""
+    from boostjax.offload.planner import make_plan
+    from boostjax.offload.report import gpu_host_note
+
+    inst = _hand_instance()
+    common = dict(inner=("boundary", "all"), offload_lag=(0, 0), fetch_lead=(1, 0), param_fwd_lead=(1, 1),
+                  param_bwd_lead=(1, 1), grad_lag=(1, 1))
+    hosted = make_plan(inst, Decisions(boundary=("host", "device"), mode=("host", "device"), **common), "manual")
+    note = gpu_host_note(hosted)
+    assert note is not None and "1 boundaries, 1 layers' parameters and 1 layers' optimizer state" in note
+    on_device = make_plan(inst, Decisions(boundary=("device", "device"), mode=("device", "device"), **common), "manual")
+    assert gpu_host_note(on_device) is None
+
+
 def test_plan_json_roundtrip_and_policies():
     inst, _ = with_mid_budget(rand_instance(3, L=4, n_opt=3, lead=2, lag=2), 0.3)
     plan = solve(inst, workers=2)

@@ -230,7 +230,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"plan: {flag} plans a whole configuration; fix: add --auto, or drop {flag}")
     inst = instance_from_args(args)
     from boostjax.offload.planner import BASELINES, PlanInfeasible, baseline_plan
-    from boostjax.offload.report import check_out, report, summary, write_plan
+    from boostjax.offload.report import check_out, gpu_host_note, report, summary, write_plan
 
     out = check_out(args.out) if args.out else None  # before the solve: a bad --out costs nothing
     baselines = {n: baseline_plan(inst, n) for n in BASELINES}
@@ -246,6 +246,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         write_plan(plan, out)
         rep["out"] = args.out
     print(json.dumps(rep, indent=1) if args.json else summary(rep))
+    if (note := gpu_host_note(plan)) is not None:
+        print(note, file=sys.stderr)
     if args.out and not args.json:
         print(f"plan written to {args.out} (apply it with boostjax train --offload-plan {args.out})", file=sys.stderr)
     return 0

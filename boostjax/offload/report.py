@@ -20,6 +20,21 @@ from boostjax.offload.planfile import Plan, is_plan_file
 GB = 1e9
 
 
+def gpu_host_note(plan: Plan) -> str | None:
+    """A warning when `plan` keeps anything in pinned host memory: on a GPU, XLA (jax 0.10's CUDA plugin)
+    keeps the activations remat was to drop once a step moves host memory (docs/gpu-program.md), so the
+    compiled peak can be far above the prediction there. None when the plan only keeps and recomputes."""
+    d = plan.decisions
+    hosted = sum(b == "host" for b in d.boundary), sum(p == "host" for p in plan.param_place), \
+        sum(o == "host" for o in plan.opt_place)
+    if not any(hosted):
+        return None
+    return (f"note: this plan keeps {hosted[0]} boundaries, {hosted[1]} layers' parameters and {hosted[2]} layers' "
+            "optimizer state in pinned host memory; on a GPU the compiled step does not yet honour the remat "
+            "around such moves and can peak well above the prediction (docs/gpu-program.md); a larger "
+            "--memory-cap keeps more on the device")
+
+
 def layer_runs(plan: Plan) -> list[dict[str, Any]]:
     """Per-layer decisions compressed into runs of consecutive identical layers."""
     d = plan.decisions
