@@ -76,6 +76,12 @@ def with_root(env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def add_gpu_target(ap: argparse.ArgumentParser) -> None:
+    """`--target`: the XLA GPU target description a deviceless GPU compile is made for."""
+    ap.add_argument("--target", required=True, help="an XLA GPU target description (GpuTargetConfigProto text), e.g. "
+                    "experiments/gpu/targets/h100_sxm.txtpb")
+
+
 def add_out(ap: argparse.ArgumentParser, name: str, *, from_json: bool = True) -> None:
     """`--out` (default experiments/results) and, when `from_json`, `--from-json PATH` (re-render
     <name>.md and .png from an earlier <name>.json without measuring)."""

@@ -132,13 +132,12 @@ def markdown(res: dict) -> str:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True, help="an XLA GPU target description (GpuTargetConfigProto text), e.g. "
-                    "experiments/gpu/targets/h100_sxm.txtpb")
+    common.add_gpu_target(ap)
     ap.add_argument("--plan", default=None, help="a plan file from boostjax plan for the 1B step (default: make one)")
     ap.add_argument("--plan-time-limit", type=float, default=10.0, help="CP-SAT time limit when making the plan, s")
     ap.add_argument("--slop", type=int, default=6, help="the lower scheduler memory limit, percent of the device's "
                     "memory (6: about the plan's 5 GB cap on an 80 GB H100)")
-    ap.add_argument("--out", default=str(common.RESULTS), help="results folder")
+    common.add_out(ap, NAME, from_json=False)
     return ap
 
 
