@@ -98,8 +98,9 @@ def test_sequential_cola_refit_keeps_the_svd_fit_pull():
     x, w = _inputs(5, n=4000)  # z's per-token scale, the regime's ε, falls as 1/√n: 4,000 rows, ε ≈ 0.004
     xt = x + 0.05 * np.random.default_rng(6).normal(size=x.shape) * np.std(x, axis=0)  # the factored model's inputs
     r = 4
-    svd_a, svd_b = refit.fit(w, "svd", r, "sequential", x, xt)
-    cola_a, cola_b = refit.fit(w, "cola", r, "sequential", x, xt)
+    lam = 0.1  # a pull strong enough that dropping it moves the map well past the small-signal error
+    svd_a, svd_b = refit.fit(w, "svd", r, "sequential", x, xt, seq_ridge=lam)
+    cola_a, cola_b = refit.fit(w, "cola", r, "sequential", x, xt, seq_ridge=lam)
     m_svd = np.asarray(svd_a, np.float64) @ np.asarray(svd_b, np.float64)
     h = _silu(xt @ np.asarray(cola_a, np.float64))
     map_err = np.linalg.norm(h @ cola_b - xt @ m_svd) / np.linalg.norm(xt @ m_svd)

@@ -822,6 +822,7 @@ def start_flags(st: Start, s: Settings, hf: pathlib.Path, data: pathlib.Path, ru
 def score_start(ctx: Context, st: Start) -> dict:
     """The start's held-out scores on the fine-tune's batches, its ranks and where the parameters went."""
     from boostjax import resolve_config, validate
+    from boostjax.interop import refit
 
     t0 = time.perf_counter()
     flags = start_flags(st, ctx.s, ctx.hf, ctx.data, ctx.runs)
@@ -833,6 +834,7 @@ def score_start(ctx: Context, st: Start) -> dict:
     _LOSS.clear()
     return {"name": st.name, "label": st.label, "kind": st.kind, "budget": st.budget,
             "init_factor": START_SHORT[st.short], "policy": st.policy, **param_facts(cfg.model),
+            "seq_ridge": refit.SEQ_RIDGE if st.short == "seq" else None,
             "before": score, "init": init_summary(report), "allocation": report.get("budget"),
             "command": command_of({k: v for k, v in flags.items() if k != "out"}),
             "start_s": round(t1 - t0, 1), "wall_s": round(time.perf_counter() - t0, 1)}
@@ -875,6 +877,10 @@ def starts_markdown(res: dict) -> str:
             lines.append(f"| {'SVD' if kind == 'svd' else 'CoLA'} {pct}% | {_ppl(today)} | "
                          + (_ppl(here["before"]) if here else "-") + f" | {best['label']} | {_ppl(best['before'])} | "
                          f"{today['ppl'] / best['before']['ppl']:.2f} |")
+    ridges = sorted({r["seq_ridge"] for r in rows if r.get("seq_ridge") is not None})
+    if ridges:
+        lines += ["", "Sequential starts: pull towards W with λ = " + ", ".join(f"{x:g}" for x in ridges)
+                  + " · mean diag G̃ (`boostjax.interop.refit.SEQ_RIDGE` when the row was made)."]
     lines += ["", "Output error: `‖X W − f(X)‖_F / ‖X W‖_F` per matrix on held-out inputs of the dense model "
               "(`init_report.json`); weight error: against the factored map's linear part at 0 (A B; A B / 2 for "
               "CoLA).", "", "## Where the parameters went (sensitivity)", ""]
