@@ -281,7 +281,7 @@ def test_a_plan_with_host_memory_carries_the_gpu_note():
                   param_bwd_lead=(1, 1), grad_lag=(1, 1))
     hosted = make_plan(inst, Decisions(boundary=("host", "device"), mode=("host", "device"), **common), "manual")
     note = gpu_host_note(hosted)
-    assert note is not None and "1 boundaries, 1 layers' parameters and 1 layers' optimizer state" in note
+    assert note is not None and "the input boundary of 1 layers, the parameters of 1 and the optimizer state of 1;" in note
     on_device = make_plan(inst, Decisions(boundary=("device", "device"), mode=("device", "device"), **common), "manual")
     assert gpu_host_note(on_device) is None
 

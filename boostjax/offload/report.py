@@ -29,10 +29,10 @@ def gpu_host_note(plan: Plan) -> str | None:
         sum(o == "host" for o in plan.opt_place)
     if not any(hosted):
         return None
-    return (f"note: this plan keeps {hosted[0]} boundaries, {hosted[1]} layers' parameters and {hosted[2]} layers' "
-            "optimizer state in pinned host memory; on a GPU the compiled step does not yet honour the remat "
-            "around such moves and can peak well above the prediction (docs/gpu-program.md); a larger "
-            "--memory-cap keeps more on the device")
+    return (f"note: this plan keeps in pinned host memory the input boundary of {hosted[0]} layers, the "
+            f"parameters of {hosted[1]} and the optimizer state of {hosted[2]}; on a GPU the compiled step does not "
+            "yet honour the remat around such moves and can peak well above the prediction (docs/gpu-program.md); "
+            "a larger --memory-cap keeps more on the device")
 
 
 def layer_runs(plan: Plan) -> list[dict[str, Any]]:
