@@ -35,6 +35,7 @@ import platform
 import shlex
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
@@ -74,6 +75,16 @@ def with_root(env: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An experiment's command line: a bad one is one line (`<script>: <what>; fix: see <script> --help`)
+    and exit status 2, before anything is read or written."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        text = " ".join(message.split())
+        sys.stderr.write(f"{self.prog}: {text}" + ("" if "fix:" in text else f"; fix: see {self.prog} --help") + "\n")
+        sys.exit(2)
 
 
 def add_gpu_target(ap: argparse.ArgumentParser) -> None:

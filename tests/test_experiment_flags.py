@@ -1,7 +1,7 @@
 """Every flag of every experiment script says what it does: each `experiments.<system>.<name>` module
 that builds its command line in a `parser()` function is imported (importing runs nothing) and every
 option of that parser but -h has non-empty help text (hidden ones, `argparse.SUPPRESS`, excepted) that
-`--help` renders."""
+`--help` renders; a bad command line is one line and exit status 2."""
 
 from __future__ import annotations
 
@@ -43,14 +43,29 @@ def test_every_script_builds_its_flags_in_parser():
     assert not bare, f"scripts whose flags are built inside main(): {bare}"
 
 
-@pytest.mark.parametrize("name", MODULES)
-def test_every_flag_has_help(name):
+def _parser(name: str) -> argparse.ArgumentParser:
     env = dict(os.environ)
     try:
-        ap = importlib.import_module(name).parser()
+        return importlib.import_module(name).parser()
     finally:  # a script may set its XLA flags or thread counts on import: not this process's
         os.environ.clear()
         os.environ.update(env)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_a_bad_command_line_is_one_line(name, capsys):
+    ap = _parser(name)
+    with pytest.raises(SystemExit) as e:
+        ap.parse_args(["--no-such-flag"])
+    err = capsys.readouterr().err
+    # (a script with required flags names those first)
+    assert e.value.code == 2 and err.count("\n") == 1 and "fix:" in err, err
+    assert "--no-such-flag" in err or "required" in err, err
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_flag_has_help(name):
+    ap = _parser(name)
     assert isinstance(ap, argparse.ArgumentParser)
     flags = [a for a in ap._actions if not isinstance(a, argparse._HelpAction)]
     assert flags, f"{name}: parser() has no options"

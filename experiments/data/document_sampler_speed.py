@@ -28,7 +28,7 @@ def per_batch_ms(it: data.BatchIterator, n: int) -> float:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_out(ap, "document_sampler_speed", from_json=False)
     return ap
 

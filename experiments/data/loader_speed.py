@@ -184,7 +184,7 @@ def markdown(res: dict) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    ap = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
     ap.add_argument("--out", default=str(common.RESULTS),
                     help="folder for loader_speed.json and .md (default: experiments/results)")

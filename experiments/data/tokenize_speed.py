@@ -153,7 +153,7 @@ def markdown(res: dict) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(common.RESULTS),
                     help="folder for tokenize_speed.json and .md (default: experiments/results)")
     ap.add_argument("--sizes", type=float, nargs="+", default=[3, 30, 300],

@@ -193,7 +193,7 @@ def markdown(res: dict) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes-gb", type=float, nargs="+", default=[1.0, 4.0], help="state sizes to save and restore")
     p.add_argument("--hash-mb", type=int, default=1024, help="size of the file the hashes are timed on")
     p.add_argument("--repeats", type=int, default=2, help="tries per measurement (the best is kept)")

@@ -116,7 +116,7 @@ def run_campaign(s: Settings, out: pathlib.Path, scratch: pathlib.Path | None = 
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke version: 2 signals, 1 damaged checkpoint, 40 steps")
     common.add_out(p, "faults")
     p.add_argument("--scratch", type=pathlib.Path, help="folder for the run folders, logs and JAX cache (kept)")

@@ -40,6 +40,8 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
+from experiments import common
+
 from boostjax.runtime.devices import exact_low_precision, simulate_devices
 
 simulate_devices(8)  # before JAX starts
@@ -637,7 +639,7 @@ def cudnn_probe(seq: int) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="(a) at sequence 2048 and without the CPU compile "
                     "comparison or the full-depth lowering (a smoke run)")
     ap.add_argument("--full-depth", action="store_true", help="also lower (a) at the preset's 32 layers (slow: "

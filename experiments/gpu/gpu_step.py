@@ -188,7 +188,7 @@ def markdown(res: dict) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command-line flags (also the settings `measure` reads)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="1b", help="model shapes (default: 1b)")
     ap.add_argument("--vocab", type=int, default=32000, help="vocabulary size, 0 = the preset's (default: 32000)")
     ap.add_argument("--layers", type=int, default=0, help="transformer layers, 0 = the preset's (default: 0)")

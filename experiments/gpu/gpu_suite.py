@@ -508,7 +508,7 @@ def markdown(res: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="every section on CPU at tiny shapes (numbers mean nothing)")
     ap.add_argument("--out", default=None, help="results folder (default: experiments/results; with --smoke a new "
                                                 "temporary folder)")

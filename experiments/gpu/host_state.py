@@ -72,7 +72,7 @@ def markdown(res: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_gpu_target(ap)
     ap.add_argument("--layers", type=int, default=8, help="layers of the small CoLA model")
     ap.add_argument("--d-model", type=int, default=512, help="width of the small CoLA model (d_ff 11 d / 4, rank d / 4)")

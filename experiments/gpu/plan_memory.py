@@ -131,7 +131,7 @@ def markdown(res: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_gpu_target(ap)
     ap.add_argument("--plan", default=None, help="a plan file from boostjax plan for the 1B step (default: make one)")
     ap.add_argument("--plan-time-limit", type=float, default=10.0, help="CP-SAT time limit when making the plan, s")

@@ -29,7 +29,7 @@ DENSE = ModelConfig(kind="llama", vocab_size=256, d_model=32, n_layers=2, n_head
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_out(ap, "init_cola_split", from_json=False)
     return ap
 

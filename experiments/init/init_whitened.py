@@ -53,7 +53,7 @@ def linearised(grams, eps: float) -> pretrained.Factor:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf", required=True, help="Hugging Face LLaMA folder")
     ap.add_argument("--data", required=True, help="data tokenised with the checkpoint's tokenizer")
     ap.add_argument("--rank", type=int, default=192, help="rank of every factored projection")

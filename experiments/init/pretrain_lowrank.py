@@ -566,7 +566,7 @@ def fail(msg: str) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a tiny corpus and model, a few steps (a smoke run): "
                    f"{NAME}_quick.*")
     p.add_argument("--out", default=str(common.RESULTS), help="results folder")

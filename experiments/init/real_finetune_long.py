@@ -280,7 +280,7 @@ def refuse(msg: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a few steps per row (a smoke run): <name>_quick.*")
     p.add_argument("--rows", default="", help="comma-separated row names to run (default: all, in order); names: "
                    + ", ".join(r.name for r in planned_rows()) + " (best50: the 50 %% row of the better 75 %% kind)")

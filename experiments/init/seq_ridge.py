@@ -75,7 +75,7 @@ def markdown(res: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ridges", default="0.005,0.02,0.05,0.1", help="comma-separated values of λ / mean diag G̃")
     p.add_argument("--kind", default="svd", choices=("svd", "cola"), help="the factored model")
     p.add_argument("--budget", type=float, default=0.75, help="share of the dense projection parameters kept")

@@ -250,7 +250,7 @@ def plot(res: dict):
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--time-limit", type=float, default=60.0, help="CP-SAT time limit per instance (s)")
     ap.add_argument("--skip-cpu", action="store_true", help="skip the CPU memory check")
     common.add_out(ap, "offload")

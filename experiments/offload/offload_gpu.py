@@ -170,7 +170,7 @@ def table(runs: list[dict]) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     """The command-line flags (also the settings `worker` reads)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="1b", help="model preset whose shapes are trained (default: 1b)")
     ap.add_argument("--model", default=None, help="model kind (default: the preset's)")
     ap.add_argument("--vocab", type=int, default=0, help="vocabulary size, 0 = the preset's (default: 0)")

@@ -523,7 +523,7 @@ def chart(res: dict):
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("boost", "cpu", "memory", "timing", "all"), default="all",
                     help="which validation to run (timing: 7B on 8x8 A100s, wall time from an empty cache; "
                          "memory: (c) again on the stored cpu rows, planned and compiled peaks, nothing trained)")

@@ -200,7 +200,7 @@ def plot(data: dict):
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--micro", type=int, nargs="+", default=list(MICRO), help="micro-batch counts M to compile")
     ap.add_argument("--speed", action="store_true", help="also time both schedules on a small model (with "
                     "--from-json: added to that result, written to --out)")

@@ -697,7 +697,7 @@ def _check_settings(p: argparse.ArgumentParser, s: Settings) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="minutes-long smoke version (8 layers, S in 1,4,8, 120 steps)")
     p.add_argument("--regime", choices=tuple(REGIMES), default="default",
                    help="default: lr 3e-4, 2000 steps, 10%% warmup; harsh: lr 1e-3, 1000 steps, 5%% warmup")

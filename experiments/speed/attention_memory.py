@@ -83,7 +83,7 @@ def op_time(t: int, block: int, rounds: int) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="13b",  # d_model 5120: no width equals a seq below
                     help="preset whose layer is compiled for the memory table (default: 13b)")
     ap.add_argument("--seqs", default="2048,4096", help="comma-separated sequence lengths of the memory table "

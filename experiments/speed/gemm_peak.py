@@ -113,7 +113,7 @@ def markdown(res: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts to measure, each in its "
                     "own pinned process (at most the usable cores)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds per thread count")

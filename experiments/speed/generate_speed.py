@@ -125,7 +125,7 @@ def markdown(res: dict) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", default="tiny,60m", help="comma-separated presets (random weights; default: tiny,60m)")
     ap.add_argument("--kind", default="cola", choices=("llama", "cola", "svd", "lax"),
                     help="model kind of every preset (default: cola)")

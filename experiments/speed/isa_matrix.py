@@ -149,7 +149,7 @@ def cpu_name() -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(common.RESULTS),
                     help="folder for isa_matrix.json and .md (default: experiments/results)")
     ap.add_argument("--cells", default=",".join(CELLS),

@@ -371,7 +371,7 @@ def plot(res: dict):
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="60m,130m", help="comma-separated presets (default: 60m,130m)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of llama,cola,svd,lax,cola-btgr (default: all)")
     ap.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default: 8192)")

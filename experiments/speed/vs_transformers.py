@@ -423,7 +423,7 @@ NOTES = [
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="60m", help="boostjax preset of the synthetic comparison (default: 60m)")
     ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0: keep)")
     ap.add_argument("--vocab", type=int, default=8192, help="vocabulary size of the preset comparison (default: 8192)")

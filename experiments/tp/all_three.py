@@ -54,7 +54,7 @@ def _losses(run: pathlib.Path) -> tuple[dict[int, float], float]:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_out(ap, "all_three", from_json=False)
     return ap
 

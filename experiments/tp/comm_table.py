@@ -171,7 +171,7 @@ def chart(res: dict):
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="1b,3b,7b,13b", help="comma-separated subset of 1b,3b,7b,13b")
     ap.add_argument("--vocab", type=int, default=VOCAB,
                     help=f"vocabulary size (default {VOCAB}, BOOST's; the committed results used {BYTE_VOCAB})")

@@ -204,7 +204,7 @@ def chart(res: dict):
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS,
                     help=f"presets to compile (default: {' '.join(PRESETS)})")
     ap.add_argument("--full", action="store_true", help="compile every row at full depth (slow)")

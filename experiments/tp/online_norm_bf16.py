@@ -94,7 +94,7 @@ def markdown(res: dict) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_out(ap, NAME)
     return ap
 

@@ -438,7 +438,7 @@ def chart(res: dict):
 
 def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1B and 7B only, no 30B/40B projection")
     common.add_out(ap, "scaling_model")
     return ap
