@@ -800,9 +800,10 @@ class Start:
                 f"{self.policy} ranks")
 
 
-def starts_of(budgets=(0.75, 0.5)) -> list[Start]:
-    """The starts in the order they run, 50 % first: sequential, linearised CoLA, today's whitened ones,
-    sequential with sensitivity ranks; then CoLA's refit alone. svd's linearised start is its whitened one."""
+def starts_of(budgets=(0.75, 0.5, 0.3)) -> list[Start]:
+    """The starts in the order they run, the smallest budget first: sequential, linearised CoLA, today's
+    whitened ones, sequential with sensitivity ranks; then CoLA's refit alone. svd's linearised start is its
+    whitened one."""
     out = []
     for b in sorted(budgets):
         for short, policy, kinds in (("seq", "uniform", ("svd", "cola")), ("lin", "uniform", ("cola",)),
@@ -909,7 +910,7 @@ def reference(out: pathlib.Path) -> dict:
     fine = json.loads(path.read_text())
     return {"calib_tokens": fine["settings"]["calib_tokens"],
             "before": {f"{r['kind']}:{round(100 * r['budget'])}": r["before"] for r in fine["rows"].values()
-                       if r.get("init_factor") == "whitened" and r.get("budget") in (0.5, 0.75)}}
+                       if r.get("init_factor") == "whitened" and r.get("budget") in (0.3, 0.5, 0.75)}}
 
 
 def starts_main(args, s: Settings, argv) -> None:
@@ -961,7 +962,7 @@ def overrides(args) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a few steps per row (a smoke run): <name>_quick.*")
     p.add_argument("--rows", default="", help="comma-separated row names to run (default: all); "
                    "names: " + ", ".join(r.name for r in rows_of(Settings())))
