@@ -41,7 +41,7 @@ from boostjax.models.llama import Block, param_shapes, projections
 
 EPS_MAX = 0.25  # the largest scale ε of the linearised CoLA start (on latents of unit norm over the tokens)
 REFIT_RIDGE = 1e-4  # relative ridge of the refit's normal equations
-SEQ_RIDGE = 0.02  # relative ridge pulling a sequential fit towards W (`fit_linear`; real_starts.md)
+SEQ_RIDGE = 0.02  # relative ridge pulling a sequential fit towards W (`fit_linear`; chosen: seq_ridge.md)
 STARTS = ("linearised", "refit", "sequential")  # the --init-factor values this module fits
 
 
