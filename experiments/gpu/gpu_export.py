@@ -393,15 +393,16 @@ def gpu_topology(spec_path: str, n: int):
     return topologies.get_topology_desc(platform="cuda", topology=f"1x1x{n}", target_config=spec)
 
 
-def gpu_compile(lowered, spec_path: str, n: int):
+def gpu_compile(lowered, spec_path: str, n: int, env: dict[str, str] | None = None):
     """Compile a step lowered for CUDA (on simulated CPU devices) for `n` target GPUs, with no GPU:
-    (executable, seconds)."""
+    (executable, seconds). `env`: XLA debug options for this compile (e.g. `xla_dump_to`)."""
     import numpy as np
     from jax._src import compiler
     from jax._src.lib import _jax
 
     devices = np.asarray(gpu_topology(spec_path, n).devices[:n])
-    opts = compiler.get_compile_options(num_replicas=1, num_partitions=n, device_assignment=devices.reshape(1, n))
+    opts = compiler.get_compile_options(num_replicas=1, num_partitions=n, device_assignment=devices.reshape(1, n),
+                                        env_options_overrides=env)
     t0 = time.perf_counter()
     exe = devices[0].client.compile(lowered.compiler_ir("stablehlo"), executable_devices=_jax.DeviceList(tuple(devices)),
                                     compile_options=opts)

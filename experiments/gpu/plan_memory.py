@@ -67,24 +67,14 @@ def peak_report(dump: str, top: int = 6) -> dict:
 
 
 def compile_case(cfg, target: str, slop: int | None) -> dict:
-    import numpy as np
-    from jax._src import compiler
-    from jax._src.lib import _jax
-
     from experiments.gpu import gpu_export as gx
 
     low, _ = gx.lower(cfg, "cuda")
-    devices = np.asarray(gx.gpu_topology(target, 1).devices[:1])
     with tempfile.TemporaryDirectory() as dump:
         env = {"xla_dump_to": dump, "xla_dump_hlo_pass_re": "^$"}
         if slop is not None:
             env["xla_gpu_memory_limit_slop_factor"] = str(slop)
-        opts = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=devices.reshape(1, 1),
-                                            env_options_overrides=env)
-        t0 = time.perf_counter()
-        exe = devices[0].client.compile(low.compiler_ir("stablehlo"), executable_devices=_jax.DeviceList(tuple(devices)),
-                                        compile_options=opts)
-        secs = time.perf_counter() - t0
+        exe, secs = gx.gpu_compile(low, target, 1, env)
         found = gx.compiled_findings(exe.hlo_modules()[0].to_string(), exe.get_compiled_memory_stats())
         return {"memory": found["memory"], "compile_s": round(secs, 1), "peak": peak_report(dump)}
 
@@ -92,10 +82,16 @@ def compile_case(cfg, target: str, slop: int | None) -> dict:
 def measure(target: str, plan: str | None, time_limit: float, slop: int) -> dict:
     from experiments.gpu import gpu_export as gx
 
+    with tempfile.TemporaryDirectory() as tmp:
+        path, words = (plan, ["plan", "--out", plan]) if plan else gx.make_plan(tmp, time_limit, common.log)
+        plan_json = json.loads(pathlib.Path(path).read_text())
+        return _measure_plan(target, path, words, plan_json, slop)
+
+
+def _measure_plan(target: str, path: str, words: list[str], plan_json: dict, slop: int) -> dict:
+    from experiments.gpu import gpu_export as gx
+
     o = gx.ONE_B
-    tmp = tempfile.mkdtemp()
-    path, words = (plan, ["plan", "--out", plan]) if plan else gx.make_plan(tmp, time_limit, common.log)
-    plan_json = json.loads(pathlib.Path(path).read_text())
     res = {"plan": {k: plan_json.get(k) for k in ("predicted_peak_bytes", "budget_bytes", "status")},
            "plan_command": "boostjax " + " ".join(words), "rows": []}
     cases = [("plan", dict(offload_plan=path)), ("remat none", dict(remat="none")), ("remat full", dict(remat="full"))]
