@@ -1,6 +1,6 @@
-"""Chunked (blockwise, FlashAttention-2) attention against the materialised reference: the op, the
-whole model on every strategy, a pipeline and the remat policies; no `[t, t]` buffer in the compiled
-step; the choice's validation and what a resumed run or an export does with it."""
+"""Chunked (blockwise, FlashAttention-2) and row-blocked attention against the materialised reference:
+the ops, the whole model on every strategy, a pipeline and the remat policies; no `[t, t]` buffer in
+the compiled step; the choice's validation and what a resumed run or an export does with it."""
 
 import re
 from dataclasses import replace
@@ -64,25 +64,77 @@ def test_chunked_op_matches_reference_bf16():
         assert err < 2 * BF16_EPS and err < 2 * ref_err + BF16_EPS / 4, (name, err, ref_err)
 
 
+@pytest.mark.parametrize("t,rows,segments", [(100, 32, False), (64, 16, True), (20, 64, False)])
+def test_row_blocked_op_matches_reference_fp32(monkeypatch, t, rows, segments):
+    """The single-tile path (t <= block) in blocks of `rows` query positions (grouped-query heads): four
+    blocks of 32 over t = 100 (the last one 4 positions), four of 16 with packed documents, and one block
+    shorter than a row block; output and gradients against the materialised reference."""
+    monkeypatch.setattr(attention, "ROW_BLOCK", rows)
+    q, k, v, w = _qkv(t, jnp.float32, seed=t)
+    seg = jnp.sort(jax.random.randint(jax.random.key(t + 1), (2, t), 0, 3), axis=1) if segments else None
+
+    def run(impl):
+        def f(q, k, v):
+            o = ops.causal_attention(q, k, v, impl=impl, block=128, segments_bt=seg)
+            return jnp.sum(o * w), o
+
+        (_, o), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        return [np.asarray(x) for x in (o, *grads)]
+
+    with jax.default_matmul_precision("highest"):
+        errs = [_rel(a, b) for a, b in zip(run("chunked"), run("xla"))]  # out, dq, dk, dv
+    assert max(errs) < 1e-5, errs  # measured <= 3.7e-7
+
+
+def test_row_blocked_op_matches_reference_bf16(monkeypatch):
+    """bf16 inputs, 32-position row blocks: the row-blocked path's error against the fp32 computation on
+    the same inputs is of the reference's size (both round the probabilities and the gradients' operands)."""
+    monkeypatch.setattr(attention, "ROW_BLOCK", 32)
+    q, k, v, w = _qkv(128, jnp.bfloat16, seed=2)
+    with jax.default_matmul_precision("highest"):
+        exact = _out_and_grads("xla", 128, *(x.astype(jnp.float32) for x in (q, k, v)), w)
+        ref = _out_and_grads("xla", 128, q, k, v, w)
+        got = _out_and_grads("chunked", 128, q, k, v, w)
+    for name, g, r, x in zip(("out", "dq", "dk", "dv"), got, ref, exact):
+        err, ref_err = _rel(g, x), _rel(r, x)
+        assert err < 2 * BF16_EPS and err < 2 * ref_err + BF16_EPS / 4, (name, err, ref_err)
+
+
+def test_row_blocked_compiles_only_the_tiles_at_or_below_the_diagonal(monkeypatch):
+    """t = 128 in 32-position blocks: the compiled forward holds score tiles [.., 32, 32·(i+1)] for i = 0..3
+    (10 of the 16 [32, 32] tiles), and no [.., t, t] buffer."""
+    monkeypatch.setattr(attention, "ROW_BLOCK", 32)
+    q, k, v, _ = _qkv(128, jnp.float32)
+    f = jax.jit(lambda q, k, v: ops.causal_attention(q, k, v, impl="chunked", block=128))
+    hlo = f.lower(q, k, v).compile(FAST_CPU).as_text()
+    # rows = 32 positions x g = 2 query heads per kv head
+    assert {f"f32[2,2,64,{32 * (i + 1)}]" for i in range(4)} <= {m.group(0) for m in SHAPE.finditer(hlo)}
+    assert not _square_buffers(hlo, 128)
+
+
 # TINY with seq 64 and 16-position tiles: four blocks, six of the sixteen tiles skipped as fully masked
 ATTN = replace(TINY, attention="chunked", attention_block=16, max_seq_len=64)
 
 
-@pytest.mark.parametrize("strategy,kind,mesh,remat,layers", [
-    ("none", "cola", "", "none", 1),
-    ("btp", "cola", "data=1,model=2", "lowrank", 1),
-    ("vanilla-tp", "lax", "data=2,model=2", "none", 1),
-    ("fullrank-tp", "llama", "data=1,model=4", "full", 1),
-    ("btp", "svd", "data=1,stage=2,model=2", "none", 2),
+@pytest.mark.parametrize("strategy,kind,mesh,remat,layers,block", [
+    ("none", "cola", "", "none", 1, 16),
+    ("btp", "cola", "data=1,model=2", "lowrank", 1, 16),
+    ("vanilla-tp", "lax", "data=2,model=2", "none", 1, 16),
+    ("fullrank-tp", "llama", "data=1,model=4", "full", 1, 16),
+    ("btp", "svd", "data=1,stage=2,model=2", "none", 2, 16),
+    ("btp", "cola", "data=2,model=2", "lowrank", 1, 64),
+    ("none", "llama", "", "full", 1, 64),
 ])
-def test_model_matches_the_reference_attention(strategy, kind, mesh, remat, layers):
+def test_model_matches_the_reference_attention(monkeypatch, strategy, kind, mesh, remat, layers, block):
     """Loss and every gradient of the chunked model, on each strategy, against the one-device model
-    with the materialised attention (fp32)."""
-    model = replace(ATTN, kind=kind, n_layers=layers)
+    with the materialised attention (fp32). Block 16: four tiles; block 64: the whole sequence in one
+    tile, so the row-blocked path runs (in four 16-position row blocks)."""
+    monkeypatch.setattr(attention, "ROW_BLOCK", 16)
+    model = replace(ATTN, kind=kind, n_layers=layers, attention_block=block)
     cfg = validate(Config(model, TrainConfig(strategy=strategy, mesh=mesh, remat=remat, batch=4, seq=64)))
     ref = replace(cfg, model=replace(model, attention="xla"))
     # measured <= 7.8e-7 (loss <= 1.6e-7), LaX's scalar gates 1.7e-6 (their bound: test_tp.GATE_TOL)
-    assert_matches(*_compare(cfg, seed=seed_of(strategy, kind, "attention"), ref=ref), tol=1e-5)
+    assert_matches(*_compare(cfg, seed=seed_of(strategy, kind, "attention", str(block)), ref=ref), tol=1e-5)
 
 
 SHAPE = re.compile(r"\b[a-z]+\d*\[([\d,]+)\]")

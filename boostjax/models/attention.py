@@ -113,6 +113,107 @@ def cudnn_attention(q_bthe: Float[Array, "b t h e"], k_btke: Float[Array, "b t k
     return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True, implementation="cudnn")
 
 
+# ------------------------------------------------------------------------------ row-blocked
+
+ROW_BLOCK = 64  # query positions per row block (CPU: the fastest of 32/64/128 at t = 256, see docs/attention.md)
+
+
+def _row_blocks(t: int, rows: int) -> list[tuple[int, int]]:
+    """Query position ranges [lo, hi) of `rows` positions (the last one shorter)."""
+    return [(lo, min(t, lo + rows)) for lo in range(0, t, rows)]
+
+
+def _by_kv_head(x_bthe: Array, kv: int) -> Array:
+    """[b, t, h, e] -> [b, k, t·g, e]: the g query heads of a kv head as rows, position-major, so a block
+    of positions is a contiguous block of rows."""
+    b, t, h, e = x_bthe.shape
+    return _grouped(x_bthe, kv).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * (h // kv), e)
+
+
+def _from_kv_head(x_bkne: Array, h: int) -> Array:
+    """[b, k, t·g, e] -> [b, t, h, e]."""
+    b, kv, n, e = x_bkne.shape
+    g = h // kv
+    return x_bkne.reshape(b, kv, n // g, g, e).transpose(0, 2, 1, 3, 4).reshape(b, n // g, h, e)
+
+
+def _row_tile(q_bkne, k_bkse, lo: int, hi: int, g: int, segments_bt=None):
+    """exp(scale · (s − rowmax s)) [b, k, (hi−lo)·g, hi] of the query rows at positions [lo, hi) against
+    keys 0..hi−1 (causal, and with segments same-document; a row always sees itself, so every row max is
+    finite), and its row sums [b, k, rows, 1], both fp32."""
+    s = jnp.einsum("bkne,bkse->bkns", q_bkne, k_bkse, preferred_element_type=jnp.float32)
+    pos = np.repeat(np.arange(lo, hi), g)
+    keep = jnp.asarray(pos[:, None] >= np.arange(hi)[None, :])
+    if segments_bt is not None:
+        seg_q = jnp.repeat(segments_bt[:, lo:hi], g, axis=1)
+        keep = keep & (seg_q[:, None, :, None] == segments_bt[:, None, None, :hi])
+    s = jnp.where(keep, s, -jnp.inf)
+    e_bkns = jnp.exp((s - s.max(-1, keepdims=True)) / jnp.sqrt(jnp.float32(q_bkne.shape[-1])))
+    return e_bkns, e_bkns.sum(-1, keepdims=True)
+
+
+def _row_forward(q_bthe, k_btke, v_btke, rows: int, segments_bt=None):
+    """Output [b, t, h, e] and the residuals: each block's unnormalised probabilities and row sums."""
+    b, t, h, e = q_bthe.shape
+    kv = k_btke.shape[2]
+    g = h // kv
+    q_bkne, k_bkse, v_bkse = _by_kv_head(q_bthe, kv), _by_kv_head(k_btke, kv), _by_kv_head(v_btke, kv)
+    outs, tiles = [], []
+    for lo, hi in _row_blocks(t, rows):
+        e_bkns, l_bkn1 = _row_tile(q_bkne[:, :, lo * g:hi * g], k_bkse[:, :, :hi], lo, hi, g, segments_bt)
+        acc = jnp.einsum("bkns,bkse->bkne", e_bkns.astype(v_btke.dtype), v_bkse[:, :, :hi],
+                         preferred_element_type=jnp.float32)
+        outs.append((acc / l_bkn1).astype(v_btke.dtype))  # the normalisation on [rows, e], not [rows, hi]
+        tiles.append((e_bkns, l_bkn1))
+    return _from_kv_head(jnp.concatenate(outs, axis=2), h), tiles
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def row_blocked_attention(q_bthe: Float[Array, "b t h e"], k_btke: Float[Array, "b t k e"],
+                          v_btke: Float[Array, "b t k e"], rows: int,
+                          segments_bt: Int[Array, "b t"] | None = None) -> Float[Array, "b t h e"]:
+    """Exact causal attention, `rows` query positions per block, each block against all its keys at once
+    (no running max): the tiles above the diagonal are skipped ((n+1)/2n of the [t, t] work for n blocks)
+    and the blocks are independent GEMMs the executor can run side by side. The backward uses each
+    block's saved exp-scores (`dS = E ⊙ (dP/l − rowsum(dO/l ⊙ O))`), the 1/l folded into the [rows, e]
+    operands. With `segments_bt` a query attends only to keys of its segment."""
+    return checkpoint_name(_row_forward(q_bthe, k_btke, v_btke, rows, segments_bt)[0], "attn_out")
+
+
+def _row_fwd(q_bthe, k_btke, v_btke, rows, segments_bt=None):
+    o_bthe, tiles = _row_forward(q_bthe, k_btke, v_btke, rows, segments_bt)
+    o_bthe = checkpoint_name(o_bthe, "attn_out")
+    return o_bthe, (q_bthe, k_btke, v_btke, o_bthe, tiles, segments_bt)
+
+
+def _row_bwd(rows, res, do_bthe):
+    q_bthe, k_btke, v_btke, o_bthe, tiles, segments_bt = res
+    b, t, h, e = q_bthe.shape
+    kv, dt = k_btke.shape[2], q_bthe.dtype
+    g = h // kv
+    scale = 1.0 / jnp.sqrt(jnp.float32(e))
+    q_bkne, k_bkse, v_bkse = _by_kv_head(q_bthe, kv), _by_kv_head(k_btke, kv), _by_kv_head(v_btke, kv)
+    do_bkne, o_bkne = _by_kv_head(do_bthe.astype(jnp.float32), kv), _by_kv_head(o_bthe.astype(jnp.float32), kv)
+    dq, dk, dv = [], jnp.zeros(k_bkse.shape, jnp.float32), jnp.zeros(v_bkse.shape, jnp.float32)
+    for (lo, hi), (e_bkns, l_bkn1) in zip(_row_blocks(t, rows), tiles):
+        n = slice(lo * g, hi * g)
+        dol = do_bkne[:, :, n] / l_bkn1  # dO / l: P = E / l never formed
+        dv = dv.at[:, :, :hi].add(jnp.einsum("bkns,bkne->bkse", e_bkns.astype(dt), dol.astype(dt),
+                                             preferred_element_type=jnp.float32))
+        dp = jnp.einsum("bkne,bkse->bkns", dol.astype(dt), v_bkse[:, :, :hi], preferred_element_type=jnp.float32)
+        ds = (e_bkns * (dp - jnp.sum(dol * o_bkne[:, :, n], -1, keepdims=True))).astype(dt)
+        dq.append(jnp.einsum("bkns,bkse->bkne", ds, k_bkse[:, :, :hi], preferred_element_type=jnp.float32))
+        dk = dk.at[:, :, :hi].add(jnp.einsum("bkns,bkne->bkse", ds, q_bkne[:, :, n],
+                                             preferred_element_type=jnp.float32))
+    dq_bthe = _from_kv_head(jnp.concatenate(dq, axis=2) * scale, h).astype(dt)
+    dk_btke, dv_btke = _from_kv_head(dk * scale, kv).astype(k_btke.dtype), _from_kv_head(dv, kv).astype(v_btke.dtype)
+    dseg = None if segments_bt is None else np.zeros(segments_bt.shape, jax.dtypes.float0)  # integer input
+    return dq_bthe, dk_btke, dv_btke, dseg
+
+
+row_blocked_attention.defvjp(_row_fwd, _row_bwd)
+
+
 # ------------------------------------------------------------------------------------ chunked
 
 

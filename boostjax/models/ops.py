@@ -149,15 +149,18 @@ def causal_attention(
 
     `impl` (`ModelConfig.attention`, resolved by `attention.resolve`): `xla` materialises the fp32
     scores `[b, k, g·t, t]` (the reference the others are tested against); `cudnn` is cuDNN's flash
-    attention; `chunked` is blockwise attention with `block`-position tiles (`attention.chunked_attention`),
-    which for `t <= block` is one tile, the whole `t x t` anyway, and runs the reference instead.
+    attention; `chunked` is blockwise attention with `block`-position tiles (`attention.chunked_attention`);
+    for `t <= block` (one tile, the whole `t x t` anyway) it runs `attention.row_blocked_attention`:
+    the exact softmax per block of query rows, the tiles above the diagonal skipped.
     The output is tagged `attn_out` for remat and offload policies.
     `segments_bt` (packed documents, `--doc-mask`): a query attends only to keys with its segment id;
     `auto` then runs `chunked` (cuDNN's kernel takes no segment ids), and `cudnn` is refused."""
     impl = attention.resolve(impl, q_bthe.dtype) if segments_bt is None else attention.resolve_segments(impl)
     b, t, h, e = q_bthe.shape
-    if impl == "chunked" and t > block:
-        return attention.chunked_attention(q_bthe, k_btke, v_btke, block, segments_bt)  # tags attn_out itself
+    if impl == "chunked":  # both tag attn_out themselves
+        if t > block:
+            return attention.chunked_attention(q_bthe, k_btke, v_btke, block, segments_bt)
+        return attention.row_blocked_attention(q_bthe, k_btke, v_btke, attention.ROW_BLOCK, segments_bt)
     if impl == "cudnn":
         return checkpoint_name(attention.cudnn_attention(q_bthe, k_btke, v_btke), "attn_out")
     kv = k_btke.shape[2]
