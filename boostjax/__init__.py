@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "resolve_config": "boostjax.training.prepare", "train": "boostjax.training.trainer",
     "TrainResult": "boostjax.training.trainer", "NonFiniteLoss": "boostjax.training.trainer",
     "init_model": "boostjax.models.llama", "load_run": "boostjax.runs.load", "simulate_devices": "boostjax.runtime.devices",
+    "keep_scratch_memory": "boostjax.runtime.allocator",  # call first in a notebook, like simulate_devices
     # generation (KV cache; greedy, top-k, top-p)
     "generate": "boostjax.inference.generation",
     # interop

@@ -216,10 +216,27 @@ def machine_facts() -> dict:
     import jax
     import jaxlib
 
+    from boostjax.runtime.allocator import in_force
+
     return {"cpu_count": os.cpu_count(), "cpus_usable": cores_usable(), "cpu_model": cpu_info()[0],
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": jax.devices()[0].platform,
             "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "loadavg_start": list(os.getloadavg())}
+            "keep_scratch": in_force(), "loadavg_start": list(os.getloadavg())}
+
+
+def keep_scratch() -> bool:
+    """Set glibc's allocator up as a training process does (`boostjax.runtime.allocator`): call before
+    JAX starts; `BOOSTJAX_KEEP_SCRATCH=0` measures glibc's defaults. Returns whether it is in force."""
+    from boostjax.runtime.allocator import keep_scratch_memory
+
+    return keep_scratch_memory()
+
+
+def allocation_text(facts: dict) -> str:
+    """How the steps' scratch memory was allocated, for a result's machine line."""
+    if facts.get("keep_scratch"):
+        return "scratch memory kept between steps (glibc, as `boostjax train` does)"
+    return "glibc's default allocation (`BOOSTJAX_KEEP_SCRATCH=0` or not glibc)"
 
 
 def machine_line() -> str:

@@ -19,6 +19,10 @@ os.environ["XLA_FLAGS"] = (
     " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# glibc's default allocation for the suite's processes (a training process keeps its steps' scratch memory,
+# boostjax.runtime.allocator): thousands of small programs, whose freed memory should go back to the system;
+# tests/test_allocator.py sets it for its own subprocesses
+os.environ.setdefault("BOOSTJAX_KEEP_SCRATCH", "0")
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process (pytest, or xdist's controller) makes it
     _cache = tempfile.mkdtemp(prefix="boostjax-test-jax-cache-")

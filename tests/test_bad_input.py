@@ -117,6 +117,12 @@ def test_cudnn_attention_off_a_cuda_gpu(capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_bad_allocator_setting(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("BOOSTJAX_KEEP_SCRATCH", "yes")
+    _refused(capsys, [*TRAIN, "--out", tmp_path / "run"], "BOOSTJAX_KEEP_SCRATCH='yes'", "export BOOSTJAX_KEEP_SCRATCH=1")
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_command_and_flag(capsys):
     _refused(capsys, ["bogus"], "command", "invalid choice")
     _refused(capsys, ["plan", "--batch", "x"], "plan.batch", "invalid int")

@@ -40,7 +40,7 @@ from boostjax.models.llama import abstract_model
 from boostjax.runs import relayout
 from boostjax.runs.checkpoint import step_dirs
 from boostjax.runs.folder import FOLLOW_STORED, FOLLOW_STORED_TRAIN, RunFolder
-from boostjax.runtime import multihost
+from boostjax.runtime import allocator, multihost
 from boostjax.runtime.devices import simulate_for_mesh
 from boostjax.training import checks
 
@@ -165,8 +165,10 @@ def check_host(cfg: Config) -> None:
 def setup_processes(cfg: Config, simulate: bool = False) -> None:
     """Join the multi-host job `cfg` describes (a no-op for one process) before JAX starts, then
     `check_host`; once per job (a second call for the same config does nothing). ``simulate``: a
-    single process simulates the mesh's CPU devices (the CLI; from Python, `boostjax.simulate_devices`)."""
+    single process simulates the mesh's CPU devices (the CLI; from Python, `boostjax.simulate_devices`).
+    A process that starts JAX here keeps its steps' scratch memory (`boostjax.runtime.allocator`)."""
     t = cfg.train
+    allocator.keep_scratch_memory()  # reads BOOSTJAX_KEEP_SCRATCH every time: a bad value is refused
     if multihost.is_set_up(t):
         return
     if multihost.setup(t) is None and simulate:

@@ -300,7 +300,7 @@ def markdown(res: dict) -> str:
              "are medians over rounds; `x dense` is the median (and quartiles) of the per-round ratio "
              "dense step time / model step time; GFLOP/s counts model FLOPs (PaLM convention, `flops.py`).", "",
              f"Machine: {mf['cpu_model'] or 'unknown CPU'}, {mf['cpus_usable']} usable CPUs, {mf['platform']}, "
-             f"jax {mf['jax']}; load average at start {mf['loadavg_start'][0]:.1f}, at end "
+             f"jax {mf['jax']}, {common.allocation_text(mf)}; load average at start {mf['loadavg_start'][0]:.1f}, at end "
              f"{mf['loadavg_end'][0]:.1f}; other runnable tasks per round (median / max): "
              + ", ".join(f"{s['shape']} {s['other_runnable_tasks_median']:.0f} / {s['other_runnable_tasks_max']}"
                          for s in res["shapes"]) + ".", ""]
@@ -405,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     if not shapes or any(s not in PRESETS for s in shapes):
         ap.error(f"--shapes: use presets from {','.join(PRESETS)}")
 
+    common.keep_scratch()  # as a training process does, before JAX starts
     t_start = time.perf_counter()
     machine = common.machine_facts()
     results = []

@@ -59,6 +59,8 @@ def cpu_facts() -> dict:
     import torch
     import transformers
 
+    from boostjax.runtime.allocator import in_force
+
     model, flags = common.cpu_info()
     isa = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"),
                                           ("sse4_2", "SSE4.2")) if flag in flags), "unknown")
@@ -68,7 +70,7 @@ def cpu_facts() -> dict:
             "torch_threads": torch.get_num_threads(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "loadavg_start": list(os.getloadavg())}
+            "keep_scratch": in_force(), "loadavg_start": list(os.getloadavg())}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +362,8 @@ def markdown(res: dict) -> str:
              + (f" ({', '.join(m['avx512_flags'][:6])}{', ...' if len(m['avx512_flags']) > 6 else ''})" if m["avx512_flags"] else "")
              + f", {m['cpus_usable']} usable core(s) of {m['cpu_count']}; torch {m['torch']} with `torch.set_num_threads({m['torch_threads']})` "
              f"(capability {m['torch_cpu_capability']}), transformers {m['transformers']}, jax {m['jax']} (XLA CPU, its "
-             f"thread pool sized to the usable cores{', XLA_FLAGS ' + repr(m['xla_flags']) if m['xla_flags'] else ''}); load average at start "
+             f"thread pool sized to the usable cores{', XLA_FLAGS ' + repr(m['xla_flags']) if m['xla_flags'] else ''}); "
+             f"{common.allocation_text(m)}, for both frameworks (one process); load average at start "
              f"{m['loadavg_start'][0]:.1f}, at end {m['loadavg_end'][0]:.1f}.", ""]
     if res["shared"]:
         lines += ["**The machine was shared** (other processes were runnable during the rounds): absolute numbers "
@@ -464,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.shape not in PRESETS:
         ap.error(f"--shape: use a preset from {','.join(PRESETS)}")
+    common.keep_scratch()  # as `boostjax train` does, before JAX (or torch) starts; both run in this process
     import torch
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))  # every core this process may use (taskset: fewer)
