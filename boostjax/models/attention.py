@@ -10,6 +10,10 @@ the saved log-sum-exp: `dS = P ⊙ (dP − D)` with `D = rowsum(dO ⊙ O)`. Ever
 the HLO does not grow with `t`. With segment ids (packed documents) each tile is also masked to
 query/key pairs of the same segment, and a row whose keys so far are all masked contributes nothing.
 
+`row_blocked_attention` is the single-tile case (`t <= block`): the exact softmax per block of query
+rows against all of its keys, the tiles above the diagonal skipped, its exp-scores kept for the
+backward (fast on CPU, where XLA runs each batched GEMM on one thread; docs/attention.md).
+
 `resolve` turns a `ModelConfig.attention` choice into the path that runs (at trace time, from the
 backend and the compute dtype); `check_backend` refuses, before anything compiles, a choice the
 backend cannot run. Shape letters as in `boostjax.models.ops`; `n` counts blocks, `q`/`s` index the
@@ -115,7 +119,7 @@ def cudnn_attention(q_bthe: Float[Array, "b t h e"], k_btke: Float[Array, "b t k
 
 # ------------------------------------------------------------------------------ row-blocked
 
-ROW_BLOCK = 64  # query positions per row block (CPU: the fastest of 32/64/128 at t = 256, see docs/attention.md)
+ROW_BLOCK = 64  # query positions per row block: the fastest of 32-256 at t = 256 on CPU (docs/attention.md)
 
 
 def _row_blocks(t: int, rows: int) -> list[tuple[int, int]]:

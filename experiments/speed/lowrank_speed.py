@@ -58,9 +58,20 @@ NOTES = [
     "GEMMs (slower than the leading-group batched GEMM), scaling `A`'s rows by the norm gain instead of the "
     "activations in `online_norm_down` (about 1 %, within the noise), and XLA CPU without its YNNPACK dot "
     "fusions (`xla_cpu_experimental_ynn_fusion_type=''`: CoLA about 5 % slower).",
+    "- **Scratch memory kept (shared, fixed).** XLA's CPU runtime mallocs each step's temporary buffer "
+    "(622 MiB at 60m) on a worker thread and frees it after the step; glibc served it with a fresh `mmap`, so "
+    "every step faulted it in again (169,000 page faults, 0.25 s of system time per step). A training process "
+    "keeps it (`boostjax.runtime.allocator`); this script sets it up as training does. With glibc's default "
+    "(`BOOSTJAX_KEEP_SCRATCH=0 ... --shapes 60m --no-breakdown --out experiments/results/glibc_default`): "
+    "dense 937 ms, CoLA 646 ms, 1.51x. It helps CoLA more: its element-wise ops and small GEMMs wrote "
+    "fresh pages at a higher rate.",
+    "- **Row-blocked attention (shared, fixed).** At t <= `--attention-block` the chunked path ran the "
+    "materialised reference; `attention.row_blocked_attention` skips the tiles above the diagonal and has "
+    "its own backward: the attention core 1.59x faster on two cores (`attention_speed.md`).",
     "- **What is left** is in the table above: the attention core and the LM head + loss cost dense and "
-    "low-rank the same, and the low-rank GEMMs (inner or outer dimension r = 128) reach fewer GFLOP/s than "
-    "the dense ones, so the step ratio stays below the FLOP ratio.",
+    "low-rank the same; the low-rank GEMMs (inner or outer dimension r = 128) reach fewer GFLOP/s than the "
+    "dense ones; on two cores XLA runs independent GEMMs side by side, each with half the pool, and CoLA has "
+    "more, smaller ops, so CoLA gains less from the second core (1 core: see `vs_transformers_1core.md`).",
 ]
 
 
@@ -384,7 +395,7 @@ def parser() -> argparse.ArgumentParser:
                     help="timed rounds per shape (default 0: 10 for the first shape, 3 for the others)")
     ap.add_argument("--profile-steps", type=int, default=2, help="steps traced for the breakdown (default: 2)")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiled op breakdown")
-    common.add_out(ap, "lowrank_speed", from_json=False)
+    common.add_out(ap, "lowrank_speed")
     return ap
 
 
@@ -392,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = parser()
     args = ap.parse_args(argv)
+    if args.from_json:  # the findings are this script's, not the run's
+        common.rerender(args, "lowrank_speed", md=lambda res: markdown({**res, "notes": NOTES}),
+                        figure=lambda res: plot(res))
+        return 0
     if min(args.batch, args.seq, args.vocab, args.profile_steps) < 1 or min(args.warmup, args.rounds, args.layers) < 0:
         ap.error("--batch, --seq, --vocab, --profile-steps must be >= 1; --warmup, --rounds, --layers >= 0")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]

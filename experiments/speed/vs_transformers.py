@@ -411,10 +411,22 @@ NOTES = [
     "one, CoLA 1.35 (1.26-1.44) / 1.30 (1.22-1.46); with the `Attention` / `MLP` edit as well: dense 1.28 "
     "(1.20-1.40) / 1.32 (1.27-1.45), CoLA 1.45 (1.33-1.56) on one core. Every variant gave the same loss and "
     "gradient norm to the last bit (or within 1 ulp) on the same batch.",
+    "- **Fixed (on this Intel Xeon): every step faulted its scratch memory in again.** XLA's CPU runtime "
+    "mallocs the step's temporary buffer (622 MiB at this shape) on a worker thread and frees it after the "
+    "step; glibc served it with a fresh `mmap` each time: 169,000 page faults and 0.25 s of system time per "
+    "step. A training process now keeps it (`boostjax.runtime.allocator`: one heap, no private maps, no trim; "
+    "this script sets it up before either framework starts, so torch runs with it too): "
+    "`glibc_default/lowrank_speed.md` against `lowrank_speed.md`, dense 937 -> 827 ms, CoLA 646 -> 530 ms.",
+    "- **Fixed: the single-tile attention.** At t <= `--attention-block` the chunked path ran the "
+    "materialised reference, whose batched GEMMs XLA runs on one thread each and whose autodiff reads the "
+    "`[t, t]` scores many times. `attention.row_blocked_attention` computes 64-query-row blocks against their "
+    "keys only (5/8 of the work at t = 256) with its own backward: 1.59x the reference on two cores, 1.55x "
+    "on one (`attention_speed.md`).",
     "- **Tried, not kept** (on the AMD machine): XLA CPU without YNNPACK dot fusions (`xla_cpu_experimental_ynn_fusion_type=''`: "
     "0.95), oneDNN dot fusions instead (0.96), `xla_cpu_prefer_vector_width=512` (no change, and it moves "
     "the loss by rounding), the concurrency-optimised scheduler (0.94 wall), causal query blocks that skip "
-    "the keys above the diagonal (2 or 4 blocks: 1.01-1.02, more ops for little). The optimizer (optax clip "
+    "the keys above the diagonal through the reference's autodiff (2 or 4 blocks: 1.01-1.02; with their own "
+    "backward they are the row-blocked path above). The optimizer (optax clip "
     "+ AdamW) is memory-bound and already fused; it is not where the time goes.",
     "- **Shared machine**: torch's OpenMP workers split each operator statically and spin at barriers, so "
     "when other processes take the cores transformers slows down far more than XLA's work-stealing pool "
