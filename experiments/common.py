@@ -93,12 +93,23 @@ def add_gpu_target(ap: argparse.ArgumentParser) -> None:
                     "experiments/gpu/targets/h100_sxm.txtpb")
 
 
+def json_file(path: str) -> str:
+    """An argparse `type`: `path` names a readable JSON file (a bad one is one line, exit 2)."""
+    try:
+        json.loads(pathlib.Path(path).read_text())
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path} ({e.strerror or e}); fix: pass an earlier result's .json")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{path} is not JSON; fix: pass an earlier result's .json")
+    return path
+
+
 def add_out(ap: argparse.ArgumentParser, name: str, *, from_json: bool = True) -> None:
     """`--out` (default experiments/results) and, when `from_json`, `--from-json PATH` (re-render
     <name>.md and .png from an earlier <name>.json without measuring)."""
     ap.add_argument("--out", default=str(RESULTS), help=f"results folder for {name}.* (default: experiments/results)")
     if from_json:
-        ap.add_argument("--from-json", default=None, metavar="PATH",
+        ap.add_argument("--from-json", default=None, metavar="PATH", type=json_file,
                         help=f"re-render {name}.md (and .png) into --out from an earlier {name}.json; measures nothing")
 
 
@@ -227,9 +238,14 @@ def machine_facts() -> dict:
 def keep_scratch() -> bool:
     """Set glibc's allocator up as a training process does (`boostjax.runtime.allocator`): call before
     JAX starts; `BOOSTJAX_KEEP_SCRATCH=0` measures glibc's defaults. Returns whether it is in force."""
+    from boostjax.config import ConfigError
     from boostjax.runtime.allocator import keep_scratch_memory
 
-    return keep_scratch_memory()
+    try:
+        return keep_scratch_memory()
+    except ConfigError as e:  # a bad BOOSTJAX_KEEP_SCRATCH: one line, exit 2, before anything is measured
+        sys.stderr.write(f"{pathlib.Path(sys.argv[0]).name}: {e}\n")
+        sys.exit(2)
 
 
 def allocation_text(facts: dict) -> str:
