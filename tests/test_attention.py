@@ -30,10 +30,10 @@ def _qkv(t: int, dtype, seed: int = 0):
     return q, k, v, jax.random.normal(ks[3], (2, t, 4, 8), jnp.float32)
 
 
-def _out_and_grads(impl: str, block: int, q, k, v, w):
+def _out_and_grads(impl: str, block: int, q, k, v, w, segments=None):
     """Attention output and the gradients of <out, w> for q, k, v (fp32 copies), jitted."""
     def f(q, k, v):
-        o = ops.causal_attention(q, k, v, impl=impl, block=block)
+        o = ops.causal_attention(q, k, v, impl=impl, block=block, segments_bt=segments)
         return jnp.sum(o.astype(jnp.float32) * w), o
 
     (_, o), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
@@ -50,14 +50,17 @@ def test_chunked_op_matches_reference_fp32():
     assert max(errs) < 1e-5, errs  # measured <= 3.2e-7
 
 
-def test_chunked_op_matches_reference_bf16():
-    """In bf16 both paths round p before p·v and the gradients' operands; their errors against the
+@pytest.mark.parametrize("block,rows", [(32, 64), (128, 32)])
+def test_op_matches_reference_bf16(monkeypatch, block, rows):
+    """t = 128 in bf16, chunked over 32-position tiles or row-blocked (one tile, 32-position rows): both
+    paths round p before p·v and the gradients' operands, like the reference; their errors against the
     fp32 computation on the same (bf16) inputs are of one size, a few bf16 ulps."""
-    q, k, v, w = _qkv(128, jnp.bfloat16, seed=1)
+    monkeypatch.setattr(attention, "ROW_BLOCK", rows)
+    q, k, v, w = _qkv(128, jnp.bfloat16, seed=block)
     with jax.default_matmul_precision("highest"):
-        exact = _out_and_grads("xla", 32, *(x.astype(jnp.float32) for x in (q, k, v)), w)
-        ref = _out_and_grads("xla", 32, q, k, v, w)
-        got = _out_and_grads("chunked", 32, q, k, v, w)
+        exact = _out_and_grads("xla", block, *(x.astype(jnp.float32) for x in (q, k, v)), w)
+        ref = _out_and_grads("xla", block, q, k, v, w)
+        got = _out_and_grads("chunked", block, q, k, v, w)
     for name, g, r, x in zip(("out", "dq", "dk", "dv"), got, ref, exact):
         err, ref_err = _rel(g, x), _rel(r, x)
         # measured: chunked 1.8e-3..3.2e-3, xla 2.2e-3..3.0e-3 (at most 1.1x the reference's error)
@@ -72,32 +75,10 @@ def test_row_blocked_op_matches_reference_fp32(monkeypatch, t, rows, segments):
     monkeypatch.setattr(attention, "ROW_BLOCK", rows)
     q, k, v, w = _qkv(t, jnp.float32, seed=t)
     seg = jnp.sort(jax.random.randint(jax.random.key(t + 1), (2, t), 0, 3), axis=1) if segments else None
-
-    def run(impl):
-        def f(q, k, v):
-            o = ops.causal_attention(q, k, v, impl=impl, block=128, segments_bt=seg)
-            return jnp.sum(o * w), o
-
-        (_, o), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-        return [np.asarray(x) for x in (o, *grads)]
-
     with jax.default_matmul_precision("highest"):
-        errs = [_rel(a, b) for a, b in zip(run("chunked"), run("xla"))]  # out, dq, dk, dv
+        got, ref = (_out_and_grads(impl, 128, q, k, v, w, seg) for impl in ("chunked", "xla"))
+    errs = [_rel(a, b) for a, b in zip(got, ref)]  # out, dq, dk, dv
     assert max(errs) < 1e-5, errs  # measured <= 3.7e-7
-
-
-def test_row_blocked_op_matches_reference_bf16(monkeypatch):
-    """bf16 inputs, 32-position row blocks: the row-blocked path's error against the fp32 computation on
-    the same inputs is of the reference's size (both round the probabilities and the gradients' operands)."""
-    monkeypatch.setattr(attention, "ROW_BLOCK", 32)
-    q, k, v, w = _qkv(128, jnp.bfloat16, seed=2)
-    with jax.default_matmul_precision("highest"):
-        exact = _out_and_grads("xla", 128, *(x.astype(jnp.float32) for x in (q, k, v)), w)
-        ref = _out_and_grads("xla", 128, q, k, v, w)
-        got = _out_and_grads("chunked", 128, q, k, v, w)
-    for name, g, r, x in zip(("out", "dq", "dk", "dv"), got, ref, exact):
-        err, ref_err = _rel(g, x), _rel(r, x)
-        assert err < 2 * BF16_EPS and err < 2 * ref_err + BF16_EPS / 4, (name, err, ref_err)
 
 
 def test_row_blocked_compiles_only_the_tiles_at_or_below_the_diagonal(monkeypatch):
