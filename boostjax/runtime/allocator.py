@@ -12,7 +12,8 @@ page faults and 0.25 s of system time per step on a 2-core Xeon, which is 10-15 
 (`M_TRIM_THRESHOLD` at its maximum), so the next step reuses the same pages. The price: the process
 keeps its peak memory, plus what the heap fragments (about 0.5 GB more resident memory for that
 step). It only takes effect before JAX's backend starts (its thread pool's first allocations pick
-their heaps), like `devices.simulate_devices`. `BOOSTJAX_KEEP_SCRATCH=0` turns it off.
+their heaps), like `devices.simulate_devices`, and only on a CPU-only JAX (with a GPU/TPU plugin the
+steps run on the accelerator). `BOOSTJAX_KEEP_SCRATCH=0` turns it off.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import platform
 
 from boostjax.config import ConfigError
-from boostjax.runtime.devices import _backend_started
+from boostjax.runtime.devices import _backend_started, accelerator_installed
 
 ENV = "BOOSTJAX_KEEP_SCRATCH"
 # glibc's mallopt parameters (malloc.h)
@@ -44,13 +45,15 @@ def wanted() -> bool:
 def keep_scratch_memory() -> bool:
     """Set glibc's allocator up to reuse the step's scratch memory; returns whether it is in force.
 
-    A no-op (False) off glibc, with `BOOSTJAX_KEEP_SCRATCH=0`, or once JAX's backend has started
-    (then call it first, before any JAX computation, e.g. at the top of a notebook)."""
+    A no-op (False) off glibc, with `BOOSTJAX_KEEP_SCRATCH=0`, where JAX could start a GPU/TPU backend
+    (`devices.accelerator_installed`: the steps run there, not in host scratch), or once JAX's backend
+    has started (then call it first, before any JAX computation, e.g. at the top of a notebook)."""
     global _done
     keep = wanted()  # read every time, so that a bad value is refused wherever it is read
     if _done is not None:
         return _done
-    if not keep or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or _backend_started():
+    if (not keep or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or _backend_started()
+            or accelerator_installed()):  # the steps run on the accelerator: the host keeps glibc's defaults
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
