@@ -157,7 +157,8 @@ def _row_tile(q_bkne, k_bkse, lo: int, hi: int, g: int, segments_bt=None):
 
 
 def _row_forward(q_bthe, k_btke, v_btke, rows: int, segments_bt=None):
-    """Output [b, t, h, e] and the residuals: each block's unnormalised probabilities and row sums."""
+    """Output [b, t, h, e] and the residuals: each block's unnormalised probabilities, transposed to
+    [keys, rows] for the backward's key-side GEMMs, and row sums."""
     b, t, h, e = q_bthe.shape
     kv = k_btke.shape[2]
     g = h // kv
@@ -168,8 +169,15 @@ def _row_forward(q_bthe, k_btke, v_btke, rows: int, segments_bt=None):
         acc = jnp.einsum("bkns,bkse->bkne", e_bkns.astype(v_btke.dtype), v_bkse[:, :, :hi],
                          preferred_element_type=jnp.float32)
         outs.append((acc / l_bkn1).astype(v_btke.dtype))  # the normalisation on [rows, e], not [rows, hi]
-        tiles.append((e_bkns, l_bkn1))
+        tiles.append((_materialised(jnp.swapaxes(e_bkns, -1, -2)), l_bkn1))
     return _from_kv_head(jnp.concatenate(outs, axis=2), h), tiles
+
+
+def _materialised(x: Array) -> Array:
+    """`x` as its own buffer: XLA folds a transpose into the dot that reads it, and a dot whose left
+    operand is contracted along its rows runs as a slower transposed GEMM on the CPU (measured in
+    docs/attention.md); behind a barrier the transposed copy is made once and the dots read it row-major."""
+    return jax.lax.optimization_barrier(x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -199,15 +207,17 @@ def _row_bwd(rows, res, do_bthe):
     q_bkne, k_bkse, v_bkse = _by_kv_head(q_bthe, kv), _by_kv_head(k_btke, kv), _by_kv_head(v_btke, kv)
     do_bkne, o_bkne = _by_kv_head(do_bthe.astype(jnp.float32), kv), _by_kv_head(o_bthe.astype(jnp.float32), kv)
     dq, dk, dv = [], jnp.zeros(k_bkse.shape, jnp.float32), jnp.zeros(v_bkse.shape, jnp.float32)
-    for (lo, hi), (e_bkns, l_bkn1) in zip(_row_blocks(t, rows), tiles):
+    for (lo, hi), (e_bksn, l_bkn1) in zip(_row_blocks(t, rows), tiles):  # E saved transposed: [keys, rows]
         n = slice(lo * g, hi * g)
         dol = do_bkne[:, :, n] / l_bkn1  # dO / l: P = E / l never formed
-        dv = dv.at[:, :, :hi].add(jnp.einsum("bkns,bkne->bkse", e_bkns.astype(dt), dol.astype(dt),
+        dv = dv.at[:, :, :hi].add(jnp.einsum("bksn,bkne->bkse", e_bksn.astype(dt), dol.astype(dt),
                                              preferred_element_type=jnp.float32))
-        dp = jnp.einsum("bkne,bkse->bkns", dol.astype(dt), v_bkse[:, :, :hi], preferred_element_type=jnp.float32)
-        ds = (e_bkns * (dp - jnp.sum(dol * o_bkne[:, :, n], -1, keepdims=True))).astype(dt)
-        dq.append(jnp.einsum("bkns,bkse->bkne", ds, k_bkse[:, :, :hi], preferred_element_type=jnp.float32))
-        dk = dk.at[:, :, :hi].add(jnp.einsum("bkns,bkne->bkse", ds, q_bkne[:, :, n],
+        dp_bksn = jnp.einsum("bkse,bkne->bksn", v_bkse[:, :, :hi], dol.astype(dt), preferred_element_type=jnp.float32)
+        delta_bk1n = jnp.swapaxes(jnp.sum(dol * o_bkne[:, :, n], -1, keepdims=True), -1, -2)
+        ds_bksn = (e_bksn * (dp_bksn - delta_bk1n)).astype(dt)
+        dq.append(jnp.einsum("bkns,bkse->bkne", _materialised(jnp.swapaxes(ds_bksn, -1, -2)), k_bkse[:, :, :hi],
+                             preferred_element_type=jnp.float32))
+        dk = dk.at[:, :, :hi].add(jnp.einsum("bksn,bkne->bkse", ds_bksn, q_bkne[:, :, n],
                                              preferred_element_type=jnp.float32))
     dq_bthe = _from_kv_head(jnp.concatenate(dq, axis=2) * scale, h).astype(dt)
     dk_btke, dv_btke = _from_kv_head(dk * scale, kv).astype(k_btke.dtype), _from_kv_head(dv, kv).astype(v_btke.dtype)

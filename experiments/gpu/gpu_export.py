@@ -209,7 +209,8 @@ def memory_kinds(text: str) -> dict[str, Any]:
 
 def barriers(text: str) -> dict[str, Any]:
     """`stablehlo.optimization_barrier` ops (the rematerialised layers' saved values meet the output
-    cotangent there, `boostjax.models.remat.tied_checkpoint`): count, operands and their bytes."""
+    cotangent there, `boostjax.models.remat.tied_checkpoint`; the row-blocked attention adds its own,
+    for the transposed tiles, where a step runs it): count, operands and their bytes."""
     ops = [ln for ln in text.splitlines() if "stablehlo.optimization_barrier" in ln]
     types = [t for ln in ops for t in _tensors(ln.rsplit(" : ", 1)[-1])]
     return {"count": len(ops), "operands": len(types), "bytes": sum(tensor_bytes(t) for t in types),
