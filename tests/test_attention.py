@@ -81,6 +81,25 @@ def test_row_blocked_op_matches_reference_fp32(monkeypatch, t, rows, segments):
     assert max(errs) < 1e-5, errs  # measured <= 3.7e-7
 
 
+def test_the_benchmarks_first_row_blocked_version_is_the_same_attention():
+    """`attention_speed` times the row-blocked backward against its first version (E saved as computed):
+    both give the reference's output and gradients, so the comparison is between equal computations."""
+    from experiments.speed.attention_speed import first_row_blocked
+
+    q, k, v, w = _qkv(40, jnp.float32, seed=5)
+    first = first_row_blocked(16)
+
+    def f(q, k, v):
+        o = first(q, k, v)
+        return jnp.sum(o * w), o
+
+    with jax.default_matmul_precision("highest"):
+        (_, o), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        ref = _out_and_grads("xla", 128, q, k, v, w)
+    errs = [_rel(np.asarray(a), b) for a, b in zip((o, *grads), ref)]  # out, dq, dk, dv
+    assert max(errs) < 1e-5, errs
+
+
 def test_row_blocked_compiles_only_the_tiles_at_or_below_the_diagonal(monkeypatch):
     """t = 128 in 32-position blocks: the compiled forward holds score tiles [.., 32, 32·(i+1)] for i = 0..3
     (10 of the 16 [32, 32] tiles), and no [.., t, t] buffer."""

@@ -1,5 +1,6 @@
 """Causal attention's forward and backward on this CPU: the materialised reference, the row-blocked path
-at several row-block sizes, the chunked (flash) path and PyTorch's `scaled_dot_product_attention`.
+at several row-block sizes (and the default size's first version, `first_row_blocked`), the chunked
+(flash) path and PyTorch's `scaled_dot_product_attention`.
 
 The 60m step's attention (batch 4 x 256, 8 heads of 64, fp32): eight layers chained (each layer's
 output, plus its input, is the next layer's queries, so the layers cannot run side by side; keys and
@@ -25,6 +26,54 @@ from experiments import common
 ROWS = (32, 64, 128, 256)
 
 
+def first_row_blocked(rows: int):
+    """The row-blocked attention as first written: `E` saved as computed (`[rows, keys]`), so `dV = E^T dO/l`
+    and `dK = dS^T Q` contract their left operand along its rows, which XLA's CPU backend runs as Eigen
+    GEMMs. Kept here so the current backward is timed against it in the same rounds."""
+    import jax
+    import jax.numpy as jnp
+
+    from boostjax.models import attention as A
+
+    def forward(q, k, v):
+        kv, g = k.shape[2], q.shape[2] // k.shape[2]
+        q_, k_, v_ = A._by_kv_head(q, kv), A._by_kv_head(k, kv), A._by_kv_head(v, kv)
+        outs, tiles = [], []
+        for lo, hi in A._row_blocks(q.shape[1], rows):
+            e_bkns, l_bkn1 = A._row_tile(q_[:, :, lo * g:hi * g], k_[:, :, :hi], lo, hi, g)
+            outs.append(jnp.einsum("bkns,bkse->bkne", e_bkns, v_[:, :, :hi]) / l_bkn1)
+            tiles.append((e_bkns, l_bkn1))
+        return A._from_kv_head(jnp.concatenate(outs, axis=2), q.shape[2]), tiles
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return forward(q, k, v)[0]
+
+    def fwd(q, k, v):
+        o, tiles = forward(q, k, v)
+        return o, (q, k, v, o, tiles)
+
+    def bwd(res, do):
+        q, k, v, o, tiles = res
+        kv, g = k.shape[2], q.shape[2] // k.shape[2]
+        q_, k_, v_, do_, o_ = (A._by_kv_head(x, kv) for x in (q, k, v, do, o))
+        dq, dk, dv = [], jnp.zeros(k_.shape), jnp.zeros(v_.shape)
+        for (lo, hi), (e_bkns, l_bkn1) in zip(A._row_blocks(q.shape[1], rows), tiles):
+            n = slice(lo * g, hi * g)
+            dol = do_[:, :, n] / l_bkn1
+            dv = dv.at[:, :, :hi].add(jnp.einsum("bkns,bkne->bkse", e_bkns, dol))
+            dp = jnp.einsum("bkne,bkse->bkns", dol, v_[:, :, :hi])
+            ds = e_bkns * (dp - jnp.sum(dol * o_[:, :, n], -1, keepdims=True))
+            dq.append(jnp.einsum("bkns,bkse->bkne", ds, k_[:, :, :hi]))
+            dk = dk.at[:, :, :hi].add(jnp.einsum("bkns,bkne->bkse", ds, q_[:, :, n]))
+        scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[3]))
+        return (A._from_kv_head(jnp.concatenate(dq, axis=2) * scale, q.shape[2]), A._from_kv_head(dk * scale, kv),
+                A._from_kv_head(dv, kv))
+
+    attend.defvjp(fwd, bwd)
+    return attend
+
+
 def _jax_paths(b: int, t: int, h: int, e: int, layers: int, rows: tuple[int, ...]) -> dict[str, Callable[[], Any]]:
     import jax
     import jax.numpy as jnp
@@ -34,11 +83,13 @@ def _jax_paths(b: int, t: int, h: int, e: int, layers: int, rows: tuple[int, ...
     ks = jax.random.split(jax.random.key(0), 4)
     q, k, v, w = (jax.random.normal(key, (b, t, h, e), jnp.float32) for key in ks)
 
-    def chain(impl: str, block: int):
+    def chain(impl: str, block: int, attend=None):
+        attend = attend or (lambda q, k, v: ops.causal_attention(q, k, v, impl=impl, block=block))
+
         def loss(q, k, v):
             x = q
             for _ in range(layers):
-                x = ops.causal_attention(x, k, v, impl=impl, block=block) + q
+                x = attend(x, k, v) + q
             return jnp.vdot(x, w)
 
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -50,6 +101,9 @@ def _jax_paths(b: int, t: int, h: int, e: int, layers: int, rows: tuple[int, ...
             paths[f"row-blocked, {r}-position rows"] = chain("chunked", t).lower(q, k, v).compile()
         finally:
             attention.ROW_BLOCK = old
+    if attention.ROW_BLOCK in rows:
+        paths[f"row-blocked, {attention.ROW_BLOCK}-position rows, first version (E saved as computed)"] = chain(
+            "chunked", t, first_row_blocked(attention.ROW_BLOCK))
     paths[f"chunked (flash), {t // 2}-position tiles"] = chain("chunked", t // 2)
     return {name: (lambda f=f: jax.block_until_ready(f(q, k, v))) for name, f in paths.items()}
 
