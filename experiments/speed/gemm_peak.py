@@ -28,6 +28,14 @@ SQUARE = (512, 1024, 2048)
 STEP_SHAPES = {"dense q/o (1024 x 512 x 512)": (1024, 512, 512), "dense up (1024 x 512 x 1376)": (1024, 512, 1376),
                "dense down (1024 x 1376 x 512)": (1024, 1376, 512), "factor A (1024 x 512 x 128)": (1024, 512, 128),
                "factor B (1024 x 128 x 1376)": (1024, 128, 1376), "head (1024 x 512 x 8192)": (1024, 512, 8192)}
+# the weight gradients `x^T dy` of the same GEMMs (m x k x n with k = the 1024 rows, x stored [k, m]): XLA's CPU
+# backend runs a dot that contracts its left operand's rows as an Eigen GEMM, not an XNNPACK (YNN) one
+GRAD_SHAPES = {"grad dense q/o (512 x 1024 x 512)": (512, 1024, 512),
+               "grad dense up (512 x 1024 x 1376)": (512, 1024, 1376),
+               "grad factor A (512 x 1024 x 128)": (512, 1024, 128),
+               "grad factor B (128 x 1024 x 512)": (128, 1024, 512),
+               "grad factor A down (1376 x 1024 x 128)": (1376, 1024, 128),
+               "grad head (512 x 1024 x 8192)": (512, 1024, 8192)}
 
 
 def _measure_here(rounds: int) -> dict[str, Any]:
@@ -36,13 +44,14 @@ def _measure_here(rounds: int) -> dict[str, Any]:
     import jax.numpy as jnp
     import numpy as np
 
-    shapes = {f"square {n}": (n, n, n) for n in SQUARE} | STEP_SHAPES
+    shapes = {f"square {n}": (n, n, n) for n in SQUARE} | STEP_SHAPES | GRAD_SHAPES
     fns = {}
     for name, (m, k, n) in shapes.items():
         rng = np.random.default_rng(0)
-        a = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        grad = name in GRAD_SHAPES
+        a = jnp.asarray(rng.standard_normal((k, m) if grad else (m, k)), jnp.float32)
         b = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
-        f = jax.jit(jnp.dot).lower(a, b).compile()
+        f = jax.jit((lambda x, y: x.T @ y) if grad else jnp.dot).lower(a, b).compile()
         f(a, b).block_until_ready()
         fns[name] = (lambda f=f, a=a, b=b: f(a, b).block_until_ready())
     wall = common.interleaved(fns, rounds).wall
@@ -88,16 +97,22 @@ def step_fractions(peak_per_core: float) -> list[dict[str, Any]]:
 
 
 def markdown(res: dict) -> str:
+    by_threads = {t["threads"]: t["shapes"] for t in res["runs"]}
+    scaling = 1 in by_threads and 2 in by_threads and all(n in by_threads[1] for n in by_threads[2])
     lines = ["# fp32 GEMM peak of this CPU through XLA", "",
              f"Command: `{res['command']}` (wall time {res['wall_s']:.0f} s).  ",
              f"Machine: {res['machine_line']}.", "",
              "Each shape jitted (`jnp.dot`, fp32), warmed up, then timed as the median of "
              f"{res['rounds']} interleaved rounds in a process pinned to that many cores. GFLOP/s = 2 m k n / time.", "",
-             "| shape (m x k x n) | " + " | ".join(f"{t['threads']} thread(s) GFLOP/s" for t in res["runs"]) + " |",
-             "|---|" + "---:|" * len(res["runs"])]
-    names = list(res["runs"][0]["shapes"])
-    for name in names:
-        lines.append(f"| {name} | " + " | ".join(f"{t['shapes'][name]['gflops']:.1f}" for t in res["runs"]) + " |")
+             "`grad` rows are weight gradients `x^T dy` (x stored `[k, m]`, contracted along its rows, as the "
+             "backward does). `2 ÷ 1`: the speed-up from the second core.", "",
+             "| shape (m x k x n) | " + " | ".join(f"{t['threads']} thread(s) GFLOP/s" for t in res["runs"])
+             + (" | 2 ÷ 1 |" if scaling else " |"),
+             "|---|" + "---:|" * (len(res["runs"]) + bool(scaling))]
+    for name in res["runs"][0]["shapes"]:
+        cells = [f"{t['shapes'][name]['gflops']:.1f}" for t in res["runs"]] + (
+            [f"{by_threads[2][name]['gflops'] / by_threads[1][name]['gflops']:.2f}x"] if scaling else [])
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"**Peak per core** (the best shape on one thread): {res['peak_per_core']:.1f} GFLOP/s."]
     if res.get("steps"):
         lines += ["", "Training steps measured on this CPU model (`lowrank_speed.json`: batch 4 x 256, fp32) "
