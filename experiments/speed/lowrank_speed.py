@@ -57,21 +57,33 @@ NOTES = [
     "- **Tried, not kept** (CPU time per step, interleaved, shared machine): the group split into separate 2-D "
     "GEMMs (slower than the leading-group batched GEMM), scaling `A`'s rows by the norm gain instead of the "
     "activations in `online_norm_down` (about 1 %, within the noise), and XLA CPU without its YNNPACK dot "
-    "fusions (`xla_cpu_experimental_ynn_fusion_type=''`: CoLA about 5 % slower).",
+    "fusions (`xla_cpu_experimental_ynn_fusion_type=''`: CoLA about 5 % slower). Probes in one process with "
+    "interleaved rounds (ms per step, dense / CoLA, against the unchanged step in the same rounds): every "
+    "weight gradient as a plain GEMM on a transposed copy of the activations (906 / 580 against 899 / 556), "
+    "XLA's concurrency-optimised scheduler (906 / 557 against 919 / 566: both about 1.5 % faster, the ratio "
+    "unchanged), a fused cross-entropy with its own backward (the loss's element-wise work costs the step "
+    "under 10 ms: replacing it by a mean changed dense 909 -> 912 and CoLA 588 -> 580), and the LM head "
+    "stored `[vocab, d]` (1.4x faster alone, no change in the step).",
     "- **Scratch memory kept (shared, fixed).** XLA's CPU runtime mallocs each step's temporary buffer "
     "(622 MiB at 60m) on a worker thread and frees it after the step; glibc served it with a fresh `mmap`, so "
     "every step faulted it in again (169,000 page faults, 0.25 s of system time per step). A training process "
     "keeps it (`boostjax.runtime.allocator`); this script sets it up as training does. With glibc's default "
     "(`BOOSTJAX_KEEP_SCRATCH=0 ... --shapes 60m --no-breakdown --out experiments/results/glibc_default`): "
-    "dense 937 ms, CoLA 646 ms, 1.51x. It helps CoLA more: its element-wise ops and small GEMMs wrote "
+    "dense 1018 ms, CoLA 681 ms, 1.50x (the same day as the table above). It helps CoLA more: its "
+    "element-wise ops and small GEMMs wrote "
     "fresh pages at a higher rate.",
     "- **Row-blocked attention (shared, fixed).** At t <= `--attention-block` the chunked path ran the "
     "materialised reference; `attention.row_blocked_attention` skips the tiles above the diagonal and has "
-    "its own backward: the attention core 1.59x faster on two cores (`attention_speed.md`).",
+    "its own backward, which reads the exp-scores saved transposed so that every backward GEMM reads its "
+    "left operand row-major (XLA's CPU backend runs a dot contracting its left operand's rows as an Eigen "
+    "GEMM, not a YNN one): the attention core 1.85x faster than the reference on two cores "
+    "(`attention_speed.md`).",
     "- **What is left** is in the table above: the attention core and the LM head + loss cost dense and "
     "low-rank the same; the low-rank GEMMs (inner or outer dimension r = 128) reach fewer GFLOP/s than the "
     "dense ones; on two cores XLA runs independent GEMMs side by side, each with half the pool, and CoLA has "
-    "more, smaller ops, so CoLA gains less from the second core (1 core: see `vs_transformers_1core.md`).",
+    "more, smaller ops, so CoLA gains less from the second core (1 core: see `vs_transformers_1core.md`). "
+    "The weight gradients (`x^T dy`, Eigen GEMMs here) gain least from it, dense and low-rank alike, the "
+    "128-row factor-B gradient least of all (the `grad` rows of `gemm_peak.md`).",
 ]
 
 

@@ -416,12 +416,14 @@ NOTES = [
     "step; glibc served it with a fresh `mmap` each time: 169,000 page faults and 0.25 s of system time per "
     "step. A training process now keeps it (`boostjax.runtime.allocator`: one heap, no private maps, no trim; "
     "this script sets it up before either framework starts, so torch runs with it too): "
-    "`glibc_default/lowrank_speed.md` against `lowrank_speed.md`, dense 937 -> 827 ms, CoLA 646 -> 530 ms.",
+    "`glibc_default/lowrank_speed.md` against `lowrank_speed.md` (same day), dense 1018 -> 913 ms, CoLA 681 -> "
+    "575 ms.",
     "- **Fixed: the single-tile attention.** At t <= `--attention-block` the chunked path ran the "
     "materialised reference, whose batched GEMMs XLA runs on one thread each and whose autodiff reads the "
     "`[t, t]` scores many times. `attention.row_blocked_attention` computes 64-query-row blocks against their "
-    "keys only (5/8 of the work at t = 256) with its own backward: 1.59x the reference on two cores, 1.55x "
-    "on one (`attention_speed.md`).",
+    "keys only (5/8 of the work at t = 256) with its own backward, which reads the exp-scores saved "
+    "transposed so that its GEMMs run as YNN ones: 1.85x the reference on two cores, 1.48x on one "
+    "(`attention_speed.md`).",
     "- **Tried, not kept** (on the AMD machine): XLA CPU without YNNPACK dot fusions (`xla_cpu_experimental_ynn_fusion_type=''`: "
     "0.95), oneDNN dot fusions instead (0.96), `xla_cpu_prefer_vector_width=512` (no change, and it moves "
     "the loss by rounding), the concurrency-optimised scheduler (0.94 wall), causal query blocks that skip "
