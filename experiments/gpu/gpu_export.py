@@ -433,12 +433,14 @@ def compiled_findings(hlo_text: str, mem) -> dict[str, Any]:
             "custom_calls": ops.get("custom-call", 0), "instructions": sum(ops.values())}
 
 
-def compile_for_target(cfg: Config, spec_path: str, n: int, log, what: str) -> dict[str, Any]:
-    """`cfg`'s step lowered for CUDA and compiled for `n` target GPUs: the findings, the custom calls of the
-    optimised program (cuDNN's attention among them) and the seconds, or the error as the finding."""
+def compile_for_target(cfg: Config, spec_path: str, n: int, log, what: str,
+                       env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`cfg`'s step lowered for CUDA and compiled for `n` target GPUs (`env`: XLA options for the compile):
+    the findings, the custom calls of the optimised program (cuDNN's attention among them) and the seconds,
+    or the error as the finding."""
     low, _ = lower(cfg, "cuda")
     try:
-        exe, secs = gpu_compile(low, spec_path, n)
+        exe, secs = gpu_compile(low, spec_path, n, env)
     except Exception as e:  # recorded as the finding
         log(f"deviceless compile of {what} failed: {type(e).__name__}")
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}

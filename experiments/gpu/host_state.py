@@ -29,7 +29,8 @@ INNER = {"all": "inner checkpoints save everything", "latents": "every layer che
          "boundary": "every layer checkpointed, saving its input only"}
 
 
-def measure(target: str, n_layers: int, inner: str = "all", d: int = 512, batch: int = 2, seq: int = 256) -> list[dict]:
+def measure(target: str, n_layers: int, inner: str = "all", d: int = 512, batch: int = 2, seq: int = 256,
+            slop: int | None = None) -> list[dict]:
     from boostjax.config import Config, ModelConfig, TrainConfig, validate
     from boostjax.offload.costmodel import build_instance
     from boostjax.offload.planner import Decisions, make_plan
@@ -49,7 +50,8 @@ def measure(target: str, n_layers: int, inner: str = "all", d: int = 512, batch:
             path.write_text(make_plan(inst, d, "manual").to_json())
             cfg = validate(Config(m, TrainConfig(batch=batch, seq=seq, dtype="bfloat16", optimizer="adam8bit",
                                                  offload_plan=str(path))))
-            found = gx.compile_for_target(cfg, target, 1, common.log, mode)
+            env = None if slop is None else {"xla_gpu_memory_limit_slop_factor": str(slop)}
+            found = gx.compile_for_target(cfg, target, 1, common.log, mode, env)
             rows.append({"mode": mode, **({"error": found["error"]} if "error" in found else found["memory"])})
     return rows
 
@@ -59,7 +61,9 @@ def markdown(res: dict) -> str:
              f"Command: `{res['command']}` (wall time {res['wall_s']:.0f} s).", "",
              f"CoLA d {res.get('d_model', 512)}, {res['n_layers']} layers, rank {res.get('d_model', 512) // 4}, batch "
              f"{res.get('batch', 2)} x {res.get('seq', 256)}, bf16, 8-bit Adam; every boundary on the "
-             f"device, {INNER[res.get('inner', 'all')]}; compiled for one `{res['target']}` with no GPU.", "",
+             f"device, {INNER[res.get('inner', 'all')]}; compiled for one `{res['target']}` with no GPU"
+             + ("." if res.get("slop") is None else f", XLA's scheduler memory limit at "
+                f"`xla_gpu_memory_limit_slop_factor={res['slop']}`."), "",
              "| every layer's params / optimizer state | device arguments MiB | device temporaries MiB | device peak "
              "MiB | host arguments MiB |", "|---|---:|---:|---:|---:|"]
     for r in res["rows"]:
@@ -80,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     ap.add_argument("--inner", default="all", choices=tuple(INNER), help="every layer's inner option in the plans: "
                     "all (no remat; results host_state_gpu.*) or a checkpoint (results host_state_gpu_<inner>.*)")
+    ap.add_argument("--slop", type=int, default=None, help="XLA's scheduler memory limit, percent of the device's "
+                    "memory (xla_gpu_memory_limit_slop_factor; default: XLA's own); results get a _slop<N> suffix")
     common.add_out(ap, NAME)
     return ap
 
@@ -87,16 +93,20 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    name = NAME if args.inner == "all" else f"{NAME}_{args.inner}_d{args.d_model}"
+    name = (NAME if args.inner == "all" else f"{NAME}_{args.inner}_d{args.d_model}") + (
+        "" if args.slop is None else f"_slop{args.slop}")
     if common.rerender(args, name, markdown) is not None:
         return 0
     if not os.path.isfile(args.target):
         ap.error(f"--target {args.target} is not a file; fix: pass a GpuTargetConfigProto text file")
     if min(args.layers, args.batch, args.seq) < 1 or args.d_model < 64 or args.d_model % 64:
         ap.error("--layers, --batch, --seq must be >= 1 and --d-model a multiple of 64; fix: e.g. --d-model 512")
+    if args.slop is not None and not 0 <= args.slop <= 100:
+        ap.error(f"--slop {args.slop} is not a percentage; fix: an integer in 0..100, e.g. --slop 0")
     t0 = time.time()
-    res = {"rows": measure(args.target, args.layers, args.inner, args.d_model, args.batch, args.seq),
+    res = {"rows": measure(args.target, args.layers, args.inner, args.d_model, args.batch, args.seq, args.slop),
            "n_layers": args.layers, "inner": args.inner, "d_model": args.d_model, "batch": args.batch, "seq": args.seq,
+           "slop": args.slop,
            "target": pathlib.Path(args.target).name,
            "command": "JAX_PLATFORMS=cpu " + common.command_line("gpu.host_state", argv)}
     res["wall_s"] = time.time() - t0
