@@ -14,7 +14,7 @@ import pytest
 from boostjax.config import Config, ConfigError, ModelConfig, TrainConfig, preset
 from boostjax.training.checks import validate
 from boostjax.runtime.hardware import HardwareProfile
-from boostjax.models.llama import RematSegment
+from boostjax.models.llama import RematSegment, TiedLayer
 from boostjax.offload import apply, check_plan_for
 from boostjax.offload.costmodel import build_instance
 from boostjax.offload.planner import Decisions, baseline_plan, make_plan
@@ -90,11 +90,14 @@ def reference(model):
 def test_schedule_follows_the_plan():
     sched = apply.schedule(PLANS["nested"])
     assert isinstance(sched[0], RematSegment) and len(sched[0].inner) == 2 and len(sched) == 3
-    assert all(p is not None for p in sched[0].inner)  # nested: per-layer checkpoints inside
+    assert all(isinstance(p, TiedLayer) for p in sched[0].inner)  # nested: per-layer checkpoints, tied
     flat = apply.schedule(PLANS["flat"])
     assert isinstance(flat[0], RematSegment) and flat[0].inner == (None, None, None)
+    # state on the host: the checkpointed single layers are tied both ways (weight gradients first)
+    assert [type(e) for e in sched[1:]] == [TiedLayer, TiedLayer] and all(callable(e.policy) for e in sched[1:])
     single = apply.schedule(PLANS["single"])
     assert single[0] is None and all(callable(p) for p in single[1:])  # `all` on a device boundary: no remat
+    assert not any(isinstance(e, TiedLayer) for e in single)  # every layer's state on the device: untied
     assert apply.describe(PLANS["nested"])[0].startswith("layers 0-1: nested segment, input boundary host")
 
 

@@ -271,8 +271,8 @@ def _hand_instance() -> cm.PlanInstance:
 
 
 def test_a_plan_with_host_memory_carries_the_gpu_note():
-    """`boostjax plan` warns when a plan keeps anything on the host (the GPU program does not honour remat
-    around host moves yet), naming how much; a plan that only keeps and recomputes gets no note."""
+    """`boostjax plan` warns when a plan keeps anything on the host (on a GPU its compiled step can peak above
+    the prediction), naming how much; a plan that only keeps and recomputes gets no note."""
     from boostjax.offload.planner import make_plan
     from boostjax.offload.report import gpu_host_note
 

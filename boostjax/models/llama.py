@@ -49,13 +49,24 @@ class RematSegment(NamedTuple):
     """Consecutive layers under one outer `jax.checkpoint` with `policy` (an offload plan's recompute
     segment): the forward keeps only what `policy` selects (the segment input is tagged
     `segment_boundary`), the backward re-runs the segment. `inner[i]` is the per-layer policy of
-    the segment's i-th layer (None = no per-layer checkpoint: a flat, Chen-style segment)."""
+    the segment's i-th layer, or a `TiedLayer` (None = no per-layer checkpoint: a flat, Chen-style
+    segment)."""
 
     policy: Callable
-    inner: tuple[Callable | None, ...]
+    inner: tuple[Callable | TiedLayer | None, ...]
 
 
-RematSchedule = Sequence["Callable | None | RematSegment"]
+class TiedLayer(NamedTuple):
+    """One layer checkpointed with `policy` and tied both ways (`remat.tied_checkpoint(...,
+    tie_grads=True)`): its recomputation waits for its output cotangent, and its input cotangent leaves
+    with its weight gradients. An offload plan that keeps state on the host gives its single layers
+    this form (`offload.apply.schedule`): XLA's GPU scheduler otherwise left the weight gradients for
+    later and kept every layer's recomputed activations live (docs/gpu-program.md)."""
+
+    policy: Callable
+
+
+RematSchedule = Sequence["Callable | None | RematSegment | TiedLayer"]
 
 
 def run_schedule(apply: Callable[[Any, Array], Array], params: Sequence[Any], x: Array,
@@ -63,6 +74,8 @@ def run_schedule(apply: Callable[[Any, Array], Array], params: Sequence[Any], x:
     """`x` through the layers `apply(params[k], x)` in order under a per-layer remat schedule (entries
     as in `LLaMA.features`): what a pipeline stage runs on its own layers under an offload plan."""
     def one(p, y, policy):
+        if isinstance(policy, TiedLayer):
+            return tied_checkpoint(apply, policy.policy, tie_grads=True)(p, y)
         return apply(p, y) if policy is None else jax.checkpoint(apply, policy=policy)(p, y)
 
     def segment(inner):
@@ -360,26 +373,29 @@ class LLaMA(nnx.Module):
         """Final-normed hidden states (full width, after the one BTP gather).
 
         `remat`: a name from `REMAT_POLICIES` or one policy for every block, or a per-layer schedule
-        (a list or tuple): each entry is a policy or None (no remat) for one layer, or a
-        `RematSegment` covering `len(inner)` consecutive layers; entries cover all layers in order."""
+        (a list or tuple): each entry is a policy or None (no remat) for one layer, a `TiedLayer`, or
+        a `RematSegment` covering `len(inner)` consecutive layers; entries cover all layers in order."""
         cfg = self.cfg
         cos_te, sin_te = ops.model_rope_tables(cfg, tokens_bt.shape[1])
         x_btd = self.embed_tokens(tokens_bt)
 
-        def run(blk, x, policy, tied=False, seg=segments):
+        def run(blk, x, policy, tied=False, seg=segments, tie_grads=False):
             if policy is None:
                 return blk(x, cos_te, sin_te, coll, seg)
             if tied:  # the recomputation waits for this layer's cotangent (boostjax.models.remat)
                 block_def, state = nnx.split(blk)
                 fn = lambda s, y, c, si, sg: nnx.merge(block_def, s)(y, c, si, coll, sg)  # noqa: E731
-                return tied_checkpoint(fn, policy)(state, x, cos_te, sin_te, seg)
+                return tied_checkpoint(fn, policy, tie_grads=tie_grads)(state, x, cos_te, sin_te, seg)
             return nnx.remat(lambda b, y, sg: b(y, cos_te, sin_te, coll, sg), policy=policy)(blk, x, seg)
 
         def segment_fn(inner):
             def segment(blks, x, seg):
                 x = checkpoint_name(x, "segment_boundary")
                 for blk, pol in zip(blks, inner):
-                    x = run(blk, x, pol, seg=seg)
+                    if isinstance(pol, TiedLayer):
+                        x = run(blk, x, pol.policy, tied=True, seg=seg, tie_grads=True)
+                    else:
+                        x = run(blk, x, pol, seg=seg)
                 return x
             return segment
 
@@ -390,6 +406,9 @@ class LLaMA(nnx.Module):
                     blks = nnx.List([self.layers[j] for j in range(k, k + len(entry.inner))])
                     x_btd = nnx.remat(segment_fn(entry.inner), policy=entry.policy)(blks, x_btd, segments)
                     k += len(entry.inner)
+                elif isinstance(entry, TiedLayer):  # weight gradients before the next layer's backward
+                    x_btd = run(self.layers[k], x_btd, entry.policy, tied=True, tie_grads=True)
+                    k += 1
                 else:
                     x_btd = run(self.layers[k], x_btd, entry)
                     k += 1

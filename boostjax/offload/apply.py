@@ -19,7 +19,7 @@ import jax
 
 from boostjax.config import Config
 from boostjax.runtime.hardware import HardwareProfile
-from boostjax.models.llama import RematSegment
+from boostjax.models.llama import RematSegment, TiedLayer
 from boostjax.offload.costmodel import PlanInstance, build_instance
 from boostjax.offload.optstate import optimizer_bytes
 from boostjax.offload.planfile import Plan, simulate
@@ -68,21 +68,29 @@ def layer_checkpoint(pol: dict[str, Any], *, in_segment: bool = False) -> Callab
 
 
 def schedule(plan: Plan) -> list:
-    """The per-layer remat schedule for `LLaMA.features(..., remat=schedule(plan))`."""
+    """The per-layer remat schedule for `LLaMA.features(..., remat=schedule(plan))`. When the plan keeps
+    any layer's parameters or optimizer state on the host, its checkpointed layers (alone or inside a
+    segment) are `TiedLayer`s (their weight gradients computed before the next layer's backward)."""
     out: list = []
+    host_state = any(m != "device" for m in plan.decisions.mode)
     for s, e in plan.segments:
         pols = [plan.layer_policy(k) for k in range(s, e)]
         if e - s == 1:
-            out.append(layer_checkpoint(pols[0]))
+            out.append(_tied(layer_checkpoint(pols[0]), host_state))
             continue
         host = plan.decisions.boundary[s] == "host"
         outer = jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=() if host else ("segment_boundary",),
             names_which_can_be_offloaded=("segment_boundary",) if host else (), **_OFFLOAD)
         flat = pols[0]["segment_kind"] == "flat"
-        inner = tuple(None if flat else layer_checkpoint(p, in_segment=True) for p in pols)
+        inner = tuple(None if flat else _tied(layer_checkpoint(p, in_segment=True), host_state) for p in pols)
         out.append(RematSegment(outer, inner))
     return out
+
+
+def _tied(policy: Callable | None, tie: bool) -> Callable | TiedLayer | None:
+    """`policy` as a `TiedLayer` when `tie` (the plan keeps state on the host) and it checkpoints at all."""
+    return TiedLayer(policy) if tie and policy is not None else policy
 
 
 def describe(plan: Plan) -> list[str]:

@@ -22,17 +22,19 @@ GB = 1e9
 
 def gpu_host_note(plan: Plan) -> str | None:
     """A warning when `plan` keeps anything in pinned host memory: on a GPU, XLA (jax 0.10's CUDA plugin)
-    keeps the activations remat was to drop once a step moves host memory (docs/gpu-program.md), so the
-    compiled peak can be far above the prediction there. None when the plan only keeps and recomputes."""
+    schedules such a step for latency, not memory, so even with its layers tied (`offload.apply.schedule`)
+    the compiled peak can be above the prediction there (docs/gpu-program.md). None when the plan only
+    keeps and recomputes."""
     d = plan.decisions
     hosted = sum(b == "host" for b in d.boundary), sum(p == "host" for p in plan.param_place), \
         sum(o == "host" for o in plan.opt_place)
     if not any(hosted):
         return None
     return (f"note: this plan keeps in pinned host memory the input boundary of {hosted[0]} layers, the "
-            f"parameters of {hosted[1]} and the optimizer state of {hosted[2]}; on a GPU the compiled step does not "
-            "yet honour the remat around such moves and can peak well above the prediction (docs/gpu-program.md); "
-            "a larger --memory-cap keeps more on the device")
+            f"parameters of {hosted[1]} and the optimizer state of {hosted[2]}; on a GPU the compiled step can peak "
+            "above the prediction (docs/gpu-program.md; giving XLA's scheduler the cap, XLA_FLAGS="
+            "--xla_gpu_memory_limit_slop_factor=<cap as a percent of the GPU's memory>, brings it closer); a larger "
+            "--memory-cap keeps more on the device")
 
 
 def layer_runs(plan: Plan) -> list[dict[str, Any]]:

@@ -6,8 +6,10 @@ blocks (`h + tanh(h W1) W2`, bf16, `rows x d` activations, `d x 4d` hidden), eac
 the gradient of `sum(h)`, jitted with explicit memory kinds. Cases: everything on the device; the
 weights on the host, moved to the device in the step (`jax.device_put`) outside or inside the
 checkpoint; momentum-style optimizer state on the host, moved in, updated with the gradient and moved
-back. Each with and without the checkpoints, at XLA's default scheduler memory limit and at
-`xla_gpu_memory_limit_slop_factor=0`. Reported: the compiled program's device temporaries. Needs
+back. Each with plain checkpoints, with checkpoints tied both ways (`boostjax.models.remat.tied_checkpoint(...,
+tie_grads=True)`: a block's weight gradients before the next block's backward), and without remat, at
+XLA's default scheduler memory limit and at `xla_gpu_memory_limit_slop_factor=0`. Reported: the compiled
+program's device temporaries. Needs
 `jax-cuda12-plugin` with its CUDA libraries and `JAX_PLATFORMS=cpu` (docs/gpu-program.md).
 
     JAX_PLATFORMS=cpu python -m experiments.gpu.host_schedule --target experiments/gpu/targets/h100_sxm.txtpb
@@ -29,13 +31,16 @@ CASES = {"device": "everything on the device",
          "weights-host-inside": "weights on the host, moved in inside the checkpoint (again in the recompute)",
          "state-host": "weights on the device, optimizer state on the host (moved in, updated, moved out)"}
 SLOPS = (None, 0)
+REMATS = ("checkpoints", "tied", "none")
 
 
-def program(case: str, remat: bool, layers: int, rows: int, d: int):
-    """(jitted step, its abstract arguments) for one case."""
+def program(case: str, remat: str, layers: int, rows: int, d: int):
+    """(jitted step, its abstract arguments) for one case and one of `REMATS`."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
+
+    from boostjax.models.remat import tied_checkpoint
 
     dev = jax.devices()[0]
     on_dev, on_host = (SingleDeviceSharding(dev, memory_kind=k) for k in ("device", "pinned_host"))
@@ -51,7 +56,9 @@ def program(case: str, remat: bool, layers: int, rows: int, d: int):
         for w1, w2 in ws:
             if fetch_outside:
                 w1, w2 = jax.device_put(w1, on_dev), jax.device_put(w2, on_dev)
-            h = jax.checkpoint(block)(h, w1, w2) if remat else block(h, w1, w2)
+            wrap = {"checkpoints": jax.checkpoint, "tied": lambda f: tied_checkpoint(f, None, tie_grads=True),
+                    "none": lambda f: f}[remat]
+            h = wrap(block)(h, w1, w2)
         return jnp.sum(h.astype(jnp.float32))
 
     def step(ws, ms, x):
@@ -79,7 +86,7 @@ def measure(target: str, layers: int, rows: int, d: int) -> list[dict]:
 
     rows_out = []
     for case in CASES:
-        for remat in (True, False):
+        for remat in REMATS:
             fn, args = program(case, remat, layers, rows, d)
             low = fn.trace(*args).lower(lowering_platforms=("cuda",))
             for slop in SLOPS:
@@ -100,12 +107,12 @@ def markdown(res: dict) -> str:
              f"{a['layers']} residual MLP blocks (`h + tanh(h W1) W2`), activations {a['rows']} x {a['d']}, hidden "
              f"{4 * a['d']}, bf16, the gradient of sum(h); compiled for one `{res['target']}` with no GPU. Device "
              "temporaries in MiB, at XLA's default scheduler memory limit and at "
-             "`xla_gpu_memory_limit_slop_factor=0`.", "",
-             "| case | checkpoints: default | checkpoints: limit 0 | no remat: default | no remat: limit 0 |",
-             "|---|---:|---:|---:|---:|"]
+             "`xla_gpu_memory_limit_slop_factor=0`; `tied`: `tied_checkpoint(..., tie_grads=True)`.", "",
+             "| case | " + " | ".join(f"{r}: {lim}" for r in REMATS for lim in ("default", "limit 0")) + " |",
+             "|---|" + "---:|" * (2 * len(REMATS))]
     temp = {(r["case"], r["remat"], r["slop"]): r["temp_bytes"] / MiB for r in res["rows"]}
     for case, words in CASES.items():
-        cells = [f"{temp[(case, remat, slop)]:.0f}" for remat in (True, False) for slop in SLOPS]
+        cells = [f"{temp[(case, remat, slop)]:.0f}" for remat in REMATS for slop in SLOPS]
         lines.append(f"| {words} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
