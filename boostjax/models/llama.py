@@ -384,8 +384,11 @@ class LLaMA(nnx.Module):
                 return blk(x, cos_te, sin_te, coll, seg)
             if tied:  # the recomputation waits for this layer's cotangent (boostjax.models.remat)
                 block_def, state = nnx.split(blk)
+                if tie_grads:  # the RoPE tables closed over: no cotangent (its mesh-axis type could differ)
+                    fn = lambda s, y, sg: nnx.merge(block_def, s)(y, cos_te, sin_te, coll, sg)  # noqa: E731
+                    return tied_checkpoint(fn, policy, tie_grads=True)(state, x, seg)
                 fn = lambda s, y, c, si, sg: nnx.merge(block_def, s)(y, c, si, coll, sg)  # noqa: E731
-                return tied_checkpoint(fn, policy, tie_grads=tie_grads)(state, x, cos_te, sin_te, seg)
+                return tied_checkpoint(fn, policy)(state, x, cos_te, sin_te, seg)
             return nnx.remat(lambda b, y, sg: b(y, cos_te, sin_te, coll, sg), policy=policy)(blk, x, seg)
 
         def segment_fn(inner):

@@ -59,11 +59,16 @@ def tied_checkpoint(fn: Callable[..., Any], policy: Callable | None, *, tie_grad
 
 
 def _released_together(grads: Any) -> Any:
-    """`grads` with every floating-point leaf passed through one `optimization_barrier` (integer
-    inputs' `float0` cotangents pass by), so none is available before all are computed."""
+    """`grads` with its floating-point leaves passed through an `optimization_barrier` (integer inputs'
+    `float0` cotangents pass by), so none is available before all are computed. Under `shard_map` one
+    barrier per set of varying mesh axes: a barrier gives all its operands the union of their axes, and
+    a cotangent must keep its input's type (a replicated input's cotangent stays replicated)."""
     leaves, tree = jax.tree.flatten(grads)
-    idx = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    tied = jax.lax.optimization_barrier([leaves[i] for i in idx])
-    for i, x in zip(idx, tied):
-        leaves[i] = x
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            groups.setdefault(getattr(jax.typeof(x), "vma", frozenset()), []).append(i)
+    for idx in groups.values():
+        for i, x in zip(idx, jax.lax.optimization_barrier([leaves[i] for i in idx])):
+            leaves[i] = x
     return jax.tree.unflatten(tree, leaves)
