@@ -59,9 +59,10 @@ class RematSegment(NamedTuple):
 class TiedLayer(NamedTuple):
     """One layer checkpointed with `policy` and tied both ways (`remat.tied_checkpoint(...,
     tie_grads=True)`): its recomputation waits for its output cotangent, and its input cotangent leaves
-    with its weight gradients. An offload plan that keeps state on the host gives its single layers
-    this form (`offload.apply.schedule`): XLA's GPU scheduler otherwise left the weight gradients for
-    later and kept every layer's recomputed activations live (docs/gpu-program.md)."""
+    with its weight gradients. An offload plan that keeps state on the host gives its checkpointed
+    layers this form, alone or inside a segment (`offload.apply.schedule`): XLA's GPU scheduler
+    otherwise left the weight gradients for later and kept every layer's recomputed activations live
+    (docs/gpu-program.md)."""
 
     policy: Callable
 
