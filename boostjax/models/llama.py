@@ -380,14 +380,15 @@ class LLaMA(nnx.Module):
         cos_te, sin_te = ops.model_rope_tables(cfg, tokens_bt.shape[1])
         x_btd = self.embed_tokens(tokens_bt)
 
-        def run(blk, x, policy, tied=False, seg=segments, tie_grads=False):
+        def run(blk, x, policy, tied=False, seg=segments):
             if policy is None:
                 return blk(x, cos_te, sin_te, coll, seg)
+            if isinstance(policy, TiedLayer):  # weight gradients before the next layer's backward; the RoPE
+                block_def, state = nnx.split(blk)  # tables closed over (a cotangent's mesh-axis type could differ)
+                fn = lambda s, y, sg: nnx.merge(block_def, s)(y, cos_te, sin_te, coll, sg)  # noqa: E731
+                return tied_checkpoint(fn, policy.policy, tie_grads=True)(state, x, seg)
             if tied:  # the recomputation waits for this layer's cotangent (boostjax.models.remat)
                 block_def, state = nnx.split(blk)
-                if tie_grads:  # the RoPE tables closed over: no cotangent (its mesh-axis type could differ)
-                    fn = lambda s, y, sg: nnx.merge(block_def, s)(y, cos_te, sin_te, coll, sg)  # noqa: E731
-                    return tied_checkpoint(fn, policy, tie_grads=True)(state, x, seg)
                 fn = lambda s, y, c, si, sg: nnx.merge(block_def, s)(y, c, si, coll, sg)  # noqa: E731
                 return tied_checkpoint(fn, policy)(state, x, cos_te, sin_te, seg)
             return nnx.remat(lambda b, y, sg: b(y, cos_te, sin_te, coll, sg), policy=policy)(blk, x, seg)
@@ -396,10 +397,7 @@ class LLaMA(nnx.Module):
             def segment(blks, x, seg):
                 x = checkpoint_name(x, "segment_boundary")
                 for blk, pol in zip(blks, inner):
-                    if isinstance(pol, TiedLayer):
-                        x = run(blk, x, pol.policy, tied=True, seg=seg, tie_grads=True)
-                    else:
-                        x = run(blk, x, pol, seg=seg)
+                    x = run(blk, x, pol, seg=seg)
                 return x
             return segment
 
@@ -410,9 +408,6 @@ class LLaMA(nnx.Module):
                     blks = nnx.List([self.layers[j] for j in range(k, k + len(entry.inner))])
                     x_btd = nnx.remat(segment_fn(entry.inner), policy=entry.policy)(blks, x_btd, segments)
                     k += len(entry.inner)
-                elif isinstance(entry, TiedLayer):  # weight gradients before the next layer's backward
-                    x_btd = run(self.layers[k], x_btd, entry.policy, tied=True, tie_grads=True)
-                    k += 1
                 else:
                     x_btd = run(self.layers[k], x_btd, entry)
                     k += 1
