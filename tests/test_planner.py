@@ -286,6 +286,51 @@ def test_a_plan_with_host_memory_carries_the_gpu_note():
     assert gpu_host_note(on_device) is None
 
 
+def test_gpu_scheduler_limit_follows_the_plan_budget(monkeypatch):
+    """A plan that keeps anything on the host compiles on a GPU with XLA's scheduler limit at its budget (a
+    percent of the GPU's memory, rounded, 1 to 95); a device-only plan, a CPU, an unknown GPU and an
+    XLA_FLAGS that sets the limit itself leave the options alone."""
+    from types import SimpleNamespace
+
+    from boostjax.offload.apply import SLOP_FLAG, gpu_scheduler_options
+    from boostjax.offload.planner import make_plan
+    from boostjax.placement import offload as placement_offload
+
+    inst = _hand_instance()
+    common = dict(inner=("boundary", "all"), offload_lag=(0, 0), fetch_lead=(1, 0), param_fwd_lead=(1, 1),
+                  param_bwd_lead=(1, 1), grad_lag=(1, 1))
+    hosted = make_plan(inst, Decisions(boundary=("host", "device"), mode=("device", "device"), **common), "manual")
+    on_device = make_plan(inst, Decisions(boundary=("device", "device"), mode=("device", "device"), **common), "manual")
+    state_host = make_plan(inst, Decisions(boundary=("device", "device"), mode=("device", "host"), **common),
+                           "manual")
+    assert gpu_scheduler_options(on_device, 80e9) == {}
+    for plan in (hosted, state_host):
+        assert gpu_scheduler_options(plan, plan.budget_bytes * 100 / 6) == {SLOP_FLAG: 6}
+    h100 = get_profile("h100").device_bytes
+    # the 1B plan of experiments/results/plan_memory_gpu.md (--memory-cap 5.0 on an H100), measured at 6 %
+    assert gpu_scheduler_options(replace(hosted, budget_bytes=5e9), h100) == {SLOP_FLAG: 6}
+    assert gpu_scheduler_options(replace(hosted, budget_bytes=1e6), h100) == {SLOP_FLAG: 1}
+    assert gpu_scheduler_options(replace(hosted, budget_bytes=2 * h100), h100) == {SLOP_FLAG: 95}
+    with pytest.raises(ValueError, match="device_bytes"):
+        gpu_scheduler_options(hosted, 0)
+
+    base = SimpleNamespace(compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True})
+    plan = replace(hosted, budget_bytes=5e9)
+    gpu = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(placement_offload.jax, "devices", lambda: [gpu])
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert placement_offload.Offloaded(base, plan).compiler_options == {**base.compiler_options, SLOP_FLAG: 6}
+    assert placement_offload.Offloaded(base, on_device).compiler_options == base.compiler_options
+    monkeypatch.setenv("XLA_FLAGS", f"--{SLOP_FLAG}=20")
+    assert placement_offload.Offloaded(base, plan).compiler_options == base.compiler_options
+    monkeypatch.delenv("XLA_FLAGS")
+    gpu.device_kind = "NVIDIA Tesla K80"  # no profile: its memory is unknown
+    assert placement_offload.Offloaded(base, plan).compiler_options == base.compiler_options
+    gpu.platform = "cpu"
+    assert placement_offload.Offloaded(base, plan).compiler_options == {
+        "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
 def test_plan_json_roundtrip_and_policies():
     inst, _ = with_mid_budget(rand_instance(3, L=4, n_opt=3, lead=2, lag=2), 0.3)
     plan = solve(inst, workers=2)

@@ -93,6 +93,22 @@ def _tied(policy: Callable | None, tie: bool) -> Callable | TiedLayer | None:
     return TiedLayer(policy) if tie and policy is not None else policy
 
 
+SLOP_FLAG = "xla_gpu_memory_limit_slop_factor"
+
+
+def gpu_scheduler_options(plan: Plan, device_bytes: float) -> dict[str, int]:
+    """XLA GPU compile options for `plan` on a GPU of `device_bytes`: when the plan keeps anything on the
+    host, the scheduler's memory limit at the plan's budget (`xla_gpu_memory_limit_slop_factor`, a percent
+    of the GPU's memory, rounded, 1 to 95). At XLA's default (95) the scheduler orders such a step for
+    latency and the compiled peak lands far above the plan (docs/gpu-program.md). Empty for a plan that
+    keeps everything on the device."""
+    if "host" not in plan.boundary + plan.opt_place:  # a layer's parameters on the host: its state too
+        return {}
+    if device_bytes <= 0:
+        raise ValueError(f"device_bytes: must be positive, got {device_bytes}; fix: pass the GPU's memory in bytes")
+    return {SLOP_FLAG: int(min(95, max(1, round(100 * plan.budget_bytes / device_bytes))))}
+
+
 def describe(plan: Plan) -> list[str]:
     """One line per segment saying what `schedule` applies (for logs and reports)."""
     lines = []
@@ -178,4 +194,4 @@ def lower_for_gpu(fn: Callable, *args: Any) -> str:
 
 
 __all__ = ["DEVICE", "HOST", "annotated_placements", "compiled_memory", "cpu_equivalent", "describe",
-           "host_memory_report", "instance_for", "layer_checkpoint", "lower_for_gpu", "schedule"]
+           "gpu_scheduler_options", "host_memory_report", "instance_for", "layer_checkpoint", "lower_for_gpu", "schedule"]

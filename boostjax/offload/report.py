@@ -32,9 +32,9 @@ def gpu_host_note(plan: Plan) -> str | None:
         return None
     return (f"note: this plan keeps in pinned host memory the input boundary of {hosted[0]} layers, the "
             f"parameters of {hosted[1]} and the optimizer state of {hosted[2]}; on a GPU the compiled step can peak "
-            "above the prediction (docs/gpu-program.md; giving XLA's scheduler the cap, XLA_FLAGS="
-            "--xla_gpu_memory_limit_slop_factor=<cap as a percent of the GPU's memory>, brings it closer); a larger "
-            "--memory-cap keeps more on the device")
+            "above the prediction (docs/gpu-program.md); `boostjax train` gives XLA's GPU scheduler the plan's "
+            "budget as its memory limit (xla_gpu_memory_limit_slop_factor, unless XLA_FLAGS sets it), which brings "
+            "it closer; a larger --memory-cap keeps more on the device")
 
 
 def layer_runs(plan: Plan) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ See `boostjax.offload.apply` for what a plan's decisions turn into and what the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -22,8 +23,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from boostjax.config import DATA
+from boostjax.offload.apply import SLOP_FLAG, gpu_scheduler_options
 from boostjax.offload.planfile import Plan
 from boostjax.placement.base import DEVICE, HOST, Placement, Role, on_host
+from boostjax.runtime.profiles import profile_for_device
 
 
 def _layer_key(path) -> int | str | None:
@@ -79,10 +82,16 @@ class Offloaded:
     @property
     def compiler_options(self) -> dict[str, Any] | None:
         """On CPU, XLA's memory-optimised scheduler: the default CPU scheduler optimises for
-        concurrency and keeps recomputed activations alive, undoing remat."""
-        if jax.devices()[0].platform == "cpu":
+        concurrency and keeps recomputed activations alive, undoing remat. On a GPU with a hardware
+        profile, when the plan keeps state on the host, the scheduler's memory limit at the plan's
+        budget (`apply.gpu_scheduler_options`), unless XLA_FLAGS sets that limit itself."""
+        dev = jax.devices()[0]
+        if dev.platform == "cpu":
             return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-        return self.base.compiler_options
+        prof = profile_for_device(dev.device_kind) if dev.platform == "gpu" else None
+        if prof is None or SLOP_FLAG in os.environ.get("XLA_FLAGS", ""):
+            return self.base.compiler_options
+        return {**(self.base.compiler_options or {}), **gpu_scheduler_options(self.plan, prof.device_bytes)} or None
 
     def to_state(self, params: Any) -> Any:
         return self.base.to_state(params)
