@@ -217,6 +217,29 @@ def test_weight_gradient_reads_its_operands_in_place():
     assert "transpose" in ops_of(lambda a, b: a @ b)  # the 3-D form still does (else the helper is moot)
 
 
+def test_wide_matmul_is_matmul_with_its_gradient_read_from_a_copy():
+    """`ops.wide_matmul` (the LM head): the values and both gradients of `ops.matmul`, fp32 and bf16 with
+    fp32 logits; its weight gradient's dot reads a transposed copy of `x` (the copy is in the compiled
+    gradient, and no dot contracts dimension 0 of its left operand)."""
+    k = jax.random.split(jax.random.key(11), 3)
+    x, w, dy = jax.random.normal(k[0], (2, 5, 16)), jax.random.normal(k[1], (16, 24)), jax.random.normal(k[2], (2, 5, 24))
+    for dt, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
+        a, b = x.astype(dt), w.astype(dt)
+        got, vjp = jax.vjp(lambda u, v: ops.wide_matmul(u, v, preferred_element_type=jnp.float32), a, b)
+        ref, ref_vjp = jax.vjp(lambda u, v: ops.matmul(u, v, preferred_element_type=jnp.float32), a, b)
+        assert got.dtype == ref.dtype == jnp.float32
+        with jax.default_matmul_precision("highest"):
+            for u, v in zip((got, *vjp(dy)), (ref, *ref_vjp(dy))):
+                assert u.dtype == v.dtype and rel(u.astype(jnp.float32), v.astype(jnp.float32)) < tol
+
+    def dots(mm):  # contracting dimension of every dot's left operand in the compiled weight gradient
+        text = jax.jit(jax.grad(lambda w: jnp.sum(jax.nn.silu(mm(x, w)) ** 2))).lower(w).compile().as_text()
+        return re.findall(r" dot\(.*?lhs_contracting_dims=\{(\d+)\}", text)
+
+    assert dots(ops.wide_matmul) and "0" not in dots(ops.wide_matmul)
+    assert "0" in dots(ops.matmul)  # the plain form contracts the activations' rows (else the copy is moot)
+
+
 def _attention_grouped_reference(q_bthe, k_btke, v_btke, segments_bt=None):
     """The former `xla` attention (`btkge,bske->bkgts`, scores `[b, k, g, t, s]`): the reference."""
     b, t, h, e = q_bthe.shape

@@ -169,11 +169,11 @@ def _row_forward(q_bthe, k_btke, v_btke, rows: int, segments_bt=None):
         acc = jnp.einsum("bkns,bkse->bkne", e_bkns.astype(v_btke.dtype), v_bkse[:, :, :hi],
                          preferred_element_type=jnp.float32)
         outs.append((acc / l_bkn1).astype(v_btke.dtype))  # the normalisation on [rows, e], not [rows, hi]
-        tiles.append((_materialised(jnp.swapaxes(e_bkns, -1, -2)), l_bkn1))
+        tiles.append((materialised(jnp.swapaxes(e_bkns, -1, -2)), l_bkn1))
     return _from_kv_head(jnp.concatenate(outs, axis=2), h), tiles
 
 
-def _materialised(x: Array) -> Array:
+def materialised(x: Array) -> Array:
     """`x` as its own buffer: XLA folds a transpose into the dot that reads it, and a dot whose left
     operand is contracted along its rows runs as a slower transposed GEMM on the CPU (measured in
     docs/attention.md); behind a barrier the transposed copy is made once and the dots read it row-major."""
@@ -215,7 +215,7 @@ def _row_bwd(rows, res, do_bthe):
         dp_bksn = jnp.einsum("bkse,bkne->bksn", v_bkse[:, :, :hi], dol.astype(dt), preferred_element_type=jnp.float32)
         delta_bk1n = jnp.swapaxes(jnp.sum(dol * o_bkne[:, :, n], -1, keepdims=True), -1, -2)
         ds_bksn = (e_bksn * (dp_bksn - delta_bk1n)).astype(dt)
-        dq.append(jnp.einsum("bkns,bkse->bkne", _materialised(jnp.swapaxes(ds_bksn, -1, -2)), k_bkse[:, :, :hi],
+        dq.append(jnp.einsum("bkns,bkse->bkne", materialised(jnp.swapaxes(ds_bksn, -1, -2)), k_bkse[:, :, :hi],
                              preferred_element_type=jnp.float32))
         dk = dk.at[:, :, :hi].add(jnp.einsum("bksn,bkne->bkse", ds_bksn, q_bkne[:, :, n],
                                              preferred_element_type=jnp.float32))

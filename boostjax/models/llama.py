@@ -439,9 +439,9 @@ class LLaMA(nnx.Module):
         return ops.rms_norm(coll.gather_features(x_btd), self.norm[...], self.cfg.norm_eps)
 
     def logits(self, xn_btd: Float[Array, "b t d"]) -> Float[Array, "b t v"]:
-        """fp32 logits, one 2-D GEMM (`ops.matmul`); tied: against the embedding transposed."""
+        """fp32 logits, one 2-D GEMM (`ops.wide_matmul`); tied: against the embedding transposed."""
         w_dv = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
-        return ops.matmul(xn_btd, w_dv, preferred_element_type=jnp.float32)
+        return ops.wide_matmul(xn_btd, w_dv, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens_bt: Int[Array, "b t"], coll: Collectives = LOCAL,
                  remat: str | Callable | None | RematSchedule = "none", *,

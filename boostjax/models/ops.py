@@ -6,6 +6,7 @@ heads, k kv heads, e head dim, g group (grouped projections), v vocabulary.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -31,6 +32,47 @@ def matmul(x: Float[Array, "... i"], w: Float[Array, "i ..."], *,
     rows_i = x.reshape(-1, x.shape[-1])
     y = jnp.matmul(rows_i, w.reshape(w.shape[0], -1), preferred_element_type=preferred_element_type)
     return y.reshape(*x.shape[:-1], *w.shape[1:])
+
+
+def wide_matmul(x: Float[Array, "... i"], w: Float[Array, "i o"], *,
+                preferred_element_type=None) -> Float[Array, "... o"]:
+    """`matmul` for a wide output (the LM head, `o` = the vocabulary), whose weight gradient `x^T dy`
+    reads a transposed copy of `x` (`[i, rows]`, made once behind an optimization barrier).
+
+    XLA's CPU backend runs a dot that contracts its left operand's rows as an Eigen GEMM; on the copy it
+    is an XNNPACK (YNN) one. For the 60m head (`512 x 1024 x 8192`) that halves the weight gradient on an
+    AVX2 CPU (`experiments.speed.gemm_peak`'s `grad head` row, `epyc_zen3/`) and is level on AVX-512;
+    for the narrower projections the copy does not pay (docs/cpu-speed.md). Values and gradients are
+    those of `matmul`, up to the GEMM kernels' rounding."""
+    rows_i = x.reshape(-1, x.shape[-1])
+    y = _copied_grad_matmul(rows_i, w, preferred_element_type)
+    return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+def _plain_matmul(x_ni, w_io, preferred_element_type):
+    return jnp.matmul(x_ni, w_io, preferred_element_type=preferred_element_type)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _copied_grad_matmul(x_ni, w_io, preferred_element_type):
+    return _plain_matmul(x_ni, w_io, preferred_element_type)
+
+
+def _copied_grad_fwd(x_ni, w_io, preferred_element_type):
+    return _plain_matmul(x_ni, w_io, preferred_element_type), (x_ni, w_io)
+
+
+def _copied_grad_bwd(preferred_element_type, res, dy_no):
+    """Both cotangents as autodiff forms them (same dtypes and precision); the weight's from `x` read
+    through its transposed copy, so the dot contracts the copy's last axis."""
+    x_ni, w_io = res
+    (dx_ni,) = jax.vjp(lambda x: _plain_matmul(x, w_io, preferred_element_type), x_ni)[1](dy_no)
+    x_copy_ni = attention.materialised(x_ni.T).T
+    (dw_io,) = jax.vjp(lambda w: _plain_matmul(x_copy_ni, w, preferred_element_type), w_io)[1](dy_no)
+    return dx_ni, dw_io
+
+
+_copied_grad_matmul.defvjp(_copied_grad_fwd, _copied_grad_bwd)
 
 
 def rms_norm(x_btd: Float[Array, "b t d"], g_d: Float[Array, " d"], eps: float) -> Float[Array, "b t d"]:
