@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -79,10 +80,10 @@ def run_threads(threads: int, rounds: int) -> dict[str, Any]:
     return {"threads": threads, "cores": cores, "shapes": json.loads(line[len("RESULT "):])}
 
 
-def step_fractions(peak_per_core: float) -> list[dict[str, Any]]:
-    """The training steps' GFLOP/s in `lowrank_speed.json` over the peak of the cores they ran on; [] when that
-    file was measured on another CPU model (rerun `experiments.speed.lowrank_speed` here first)."""
-    path = common.RESULTS / "lowrank_speed.json"
+def step_fractions(peak_per_core: float, folder: str | pathlib.Path) -> list[dict[str, Any]]:
+    """The training steps' GFLOP/s in `folder`'s `lowrank_speed.json` over the peak of the cores they ran on; []
+    when that file was measured on another CPU model (rerun `experiments.speed.lowrank_speed` here first)."""
+    path = pathlib.Path(folder) / "lowrank_speed.json"
     if not path.is_file():
         return []
     res = json.loads(path.read_text())
@@ -122,8 +123,8 @@ def markdown(res: dict) -> str:
         lines += [f"| {r['size']} | {r['model']} | {r['gflops']:.0f} | {r['cores']} | {r['fraction']:.0%} | "
                   f"{r['x_dense']:.2f} | {r['flop_ratio']:.2f} |" for r in res["steps"]]
     else:
-        lines += ["", "No training step of this CPU model in `lowrank_speed.json`: run "
-                  "`python -m experiments.speed.lowrank_speed` here, then this again."]
+        lines += ["", "No training step of this CPU model in this folder's `lowrank_speed.json`: run "
+                  "`python -m experiments.speed.lowrank_speed` here (the same `--out`), then this again."]
     return "\n".join(lines) + "\n"
 
 
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run_threads(t, args.rounds))
     one = next((r for r in runs if r["threads"] == 1), runs[0])
     peak = max(v["gflops"] for v in one["shapes"].values()) / one["threads"]
-    res = {"runs": runs, "rounds": args.rounds, "peak_per_core": peak, "steps": step_fractions(peak),
+    res = {"runs": runs, "rounds": args.rounds, "peak_per_core": peak, "steps": step_fractions(peak, args.out),
            "machine": common.machine_facts(), "machine_line": common.machine_line(),
            "command": common.command_line(NAME, argv), "wall_s": time.time() - t0}
     common.write(args.out, NAME, data=res, md=lambda: markdown(res), started=t0)

@@ -12,7 +12,9 @@ The breakdown (on unless `--no-breakdown`) profiles a few steps of every model o
 `jax.profiler` and attributes each executed HLO op (thunk) to the part of the model that emitted
 it (from the compiled HLO's stack frames): the table says where dense and CoLA spend their time.
 `cola-btgr` is CoLA compiled with the grouped up-projection's former layout (`stacked_grouped_up`),
-timed in the same rounds: the before/after of the layout fix.
+timed in the same rounds: the before/after of the layout fix. `llama-head-inplace` / `cola-head-inplace`
+compute the LM head with `ops.matmul`, whose weight gradient reads the activations in place (an Eigen GEMM
+on XLA's CPU backend), where `ops.wide_matmul` reads a transposed copy (a YNN one).
 
     python -m experiments.speed.lowrank_speed                          # the definitive run (~4 min quiet)
     python -m experiments.speed.lowrank_speed --shapes 60m --rounds 2 --warmup 1 --no-breakdown --layers 2
@@ -37,8 +39,9 @@ import time
 
 from experiments import common
 
-KINDS = ("llama", "cola", "svd", "lax", "cola-btgr")
-NAMES = {"llama": "dense", "cola": "CoLA", "svd": "SVD", "lax": "LaX", "cola-btgr": "CoLA, former layout"}
+KINDS = ("llama", "cola", "svd", "lax", "cola-btgr", "llama-head-inplace", "cola-head-inplace")
+NAMES = {"llama": "dense", "cola": "CoLA", "svd": "SVD", "lax": "LaX", "cola-btgr": "CoLA, former layout",
+         "llama-head-inplace": "dense, former head gradient", "cola-head-inplace": "CoLA, former head gradient"}
 
 NOTES = [
     "- **Grouped up-projections (CoLA-specific, fixed).** `b_kv` and `b_gate_up` ran as `btgr,grk->btgk` with "
@@ -110,13 +113,19 @@ def build(kind: str, shape: str, args: argparse.Namespace):
     from boostjax.training.step import build_step_fns
     from boostjax.models.llama import init_model
 
-    if kind == "cola-btgr":
-        fast = llama.grouped_up
-        llama.grouped_up = stacked_grouped_up
+    from boostjax.models import ops
+
+    former = {"cola-btgr": ("cola", llama, "grouped_up", stacked_grouped_up),
+              "llama-head-inplace": ("llama", ops, "wide_matmul", ops.matmul),
+              "cola-head-inplace": ("cola", ops, "wide_matmul", ops.matmul)}
+    if kind in former:  # the model compiled with a former implementation, for before/after in the same rounds
+        base, module, attr, old = former[kind]
+        fast = getattr(module, attr)
+        setattr(module, attr, old)
         try:
-            return build("cola", shape, args)
+            return build(base, shape, args)
         finally:
-            llama.grouped_up = fast
+            setattr(module, attr, fast)
     overrides = {"kind": kind, "max_seq_len": args.seq, "vocab_size": args.vocab}
     if args.layers:
         overrides["n_layers"] = args.layers
@@ -396,7 +405,7 @@ def parser() -> argparse.ArgumentParser:
     """The command line's flags (`main` parses them)."""
     ap = common.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="60m,130m", help="comma-separated presets (default: 60m,130m)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of llama,cola,svd,lax,cola-btgr (default: all)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)} (default: all)")
     ap.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default: 8192)")
     ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0: keep)")
     ap.add_argument("--batch", type=int, default=4, help="sequences per step (default: 4)")
