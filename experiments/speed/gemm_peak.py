@@ -37,6 +37,8 @@ GRAD_SHAPES = {"grad dense q/o (512 x 1024 x 512)": (512, 1024, 512),
                "grad factor B (128 x 1024 x 512)": (128, 1024, 512),
                "grad factor A down (1376 x 1024 x 128)": (1376, 1024, 128),
                "grad head (512 x 1024 x 8192)": (512, 1024, 8192)}
+# the LM head's weight gradient as `ops.wide_matmul` computes it: on a transposed copy of x (copy included)
+COPY_SHAPES = {"grad head, transposed copy (512 x 1024 x 8192)": (512, 1024, 8192)}
 
 
 def _measure_here(rounds: int) -> dict[str, Any]:
@@ -45,14 +47,17 @@ def _measure_here(rounds: int) -> dict[str, Any]:
     import jax.numpy as jnp
     import numpy as np
 
-    shapes = {f"square {n}": (n, n, n) for n in SQUARE} | STEP_SHAPES | GRAD_SHAPES
+    from boostjax.models.attention import materialised
+
+    shapes = {f"square {n}": (n, n, n) for n in SQUARE} | STEP_SHAPES | GRAD_SHAPES | COPY_SHAPES
     fns = {}
     for name, (m, k, n) in shapes.items():
         rng = np.random.default_rng(0)
-        grad = name in GRAD_SHAPES
+        grad = name in GRAD_SHAPES or name in COPY_SHAPES
         a = jnp.asarray(rng.standard_normal((k, m) if grad else (m, k)), jnp.float32)
         b = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
-        f = jax.jit((lambda x, y: x.T @ y) if grad else jnp.dot).lower(a, b).compile()
+        fn = (lambda x, y: materialised(x.T) @ y) if name in COPY_SHAPES else (lambda x, y: x.T @ y) if grad else jnp.dot
+        f = jax.jit(fn).lower(a, b).compile()
         f(a, b).block_until_ready()
         fns[name] = (lambda f=f, a=a, b=b: f(a, b).block_until_ready())
     wall = common.interleaved(fns, rounds).wall

@@ -81,6 +81,11 @@ NOTES = [
     "left operand row-major (XLA's CPU backend runs a dot contracting its left operand's rows as an Eigen "
     "GEMM, not a YNN one): the attention core 1.85x faster than the reference on two cores "
     "(`attention_speed.md`).",
+    "- **The LM head's weight gradient from a transposed copy (shared, fixed).** `x^T dy` for the head "
+    "(`512 x 1024 x 8192` at 60m) ran as an Eigen GEMM: on an AVX2 CPU (AMD EPYC, Zen 3) at about half the speed "
+    "of the head's forward YNN GEMM (`gemm_peak.md`'s `grad head` rows). `ops.wide_matmul` computes it on a "
+    "transposed copy of the activations, a YNN GEMM; the `former head gradient` rows are the previous program "
+    "in the same rounds. Only the head: for the narrower weight gradients the copy does not pay.",
     "- **What is left** is in the table above: the attention core and the LM head + loss cost dense and "
     "low-rank the same; the low-rank GEMMs (inner or outer dimension r = 128) reach fewer GFLOP/s than the "
     "dense ones; on two cores XLA runs independent GEMMs side by side, each with half the pool, and CoLA has "
