@@ -238,6 +238,11 @@ def test_wide_matmul_is_matmul_with_its_gradient_read_from_a_copy():
 
     assert dots(ops.wide_matmul) and "0" not in dots(ops.wide_matmul)
     assert "0" in dots(ops.matmul)  # the plain form contracts the activations' rows (else the copy is moot)
+    # only the CPU program copies: lowered for CUDA the gradient is autodiff's own (no barrier, no copy)
+    from boostjax.offload.apply import lower_for_gpu
+    grad = jax.grad(lambda w: jnp.sum(ops.wide_matmul(x, w) ** 2))
+    assert "optimization_barrier" in jax.jit(grad).lower(w).as_text()
+    assert "optimization_barrier" not in lower_for_gpu(grad, w)
 
 
 def _attention_grouped_reference(q_bthe, k_btke, v_btke, segments_bt=None):

@@ -42,8 +42,8 @@ def wide_matmul(x: Float[Array, "... i"], w: Float[Array, "i o"], *,
     XLA's CPU backend runs a dot that contracts its left operand's rows as an Eigen GEMM; on the copy it
     is an XNNPACK (YNN) one. For the 60m head (`512 x 1024 x 8192`) that halves the weight gradient on an
     AVX2 CPU (`experiments.speed.gemm_peak`'s `grad head` row, `epyc_zen3/`) and is level on AVX-512;
-    for the narrower projections the copy does not pay (docs/cpu-speed.md). Values and gradients are
-    those of `matmul`, up to the GEMM kernels' rounding."""
+    for the narrower projections the copy does not pay (docs/cpu-speed.md). Only the CPU program copies.
+    Values and gradients are those of `matmul`, up to the GEMM kernels' rounding."""
     rows_i = x.reshape(-1, x.shape[-1])
     y = _copied_grad_matmul(rows_i, w, preferred_element_type)
     return y.reshape(*x.shape[:-1], w.shape[1])
@@ -63,12 +63,18 @@ def _copied_grad_fwd(x_ni, w_io, preferred_element_type):
 
 
 def _copied_grad_bwd(preferred_element_type, res, dy_no):
-    """Both cotangents as autodiff forms them (same dtypes and precision); the weight's from `x` read
-    through its transposed copy, so the dot contracts the copy's last axis."""
+    """Both cotangents as autodiff forms them (same dtypes and precision); on the CPU the weight's from
+    `x` read through its transposed copy, so the dot contracts the copy's last axis. Elsewhere (a GPU's
+    GEMMs read either layout) the program is autodiff's own: `platform_dependent` picks at lowering."""
     x_ni, w_io = res
     (dx_ni,) = jax.vjp(lambda x: _plain_matmul(x, w_io, preferred_element_type), x_ni)[1](dy_no)
-    x_copy_ni = attention.materialised(x_ni.T).T
-    (dw_io,) = jax.vjp(lambda w: _plain_matmul(x_copy_ni, w, preferred_element_type), w_io)[1](dy_no)
+
+    def weight_grad(x_ni, dy_no, copy: bool):
+        x_read_ni = attention.materialised(x_ni.T).T if copy else x_ni
+        return jax.vjp(lambda w: _plain_matmul(x_read_ni, w, preferred_element_type), w_io)[1](dy_no)[0]
+
+    dw_io = jax.lax.platform_dependent(x_ni, dy_no, cpu=functools.partial(weight_grad, copy=True),
+                                       default=functools.partial(weight_grad, copy=False))
     return dx_ni, dw_io
 
 
