@@ -77,6 +77,7 @@ def worker(args: argparse.Namespace) -> dict:
     from boostjax.config import Config, TrainConfig, preset
     from boostjax.offload import apply
     from boostjax.runtime.hardware import get_profile, measure
+    from boostjax.models.attention import memory_kind
     from boostjax.offload.planner import PlanInfeasible, baseline_plan, solve
     from boostjax.training.step import build_step_fns
     from boostjax.models.llama import init_model
@@ -98,7 +99,8 @@ def worker(args: argparse.Namespace) -> dict:
         cfg = Config(model, TrainConfig(batch=args.batch, seq=args.seq, dtype="bfloat16", optimizer=args.optimizer,
                                         clip=args.clip, steps=args.steps + args.warmup, out=tmp,
                                         offload_plan=plan_path))
-        inst = apply.instance_for(cfg, hw, budget_bytes=args.memory_cap * GB * args.budget_fraction)
+        inst = apply.instance_for(cfg, hw, budget_bytes=args.memory_cap * GB * args.budget_fraction,
+                                  attention=memory_kind(model, args.seq, "bfloat16"))  # what this run keeps
         rec: dict = {"policy": args.policy, "device": dev.device_kind, "platform": dev.platform, "instance": inst.name}
         try:
             plan = solve(inst, time_limit_s=args.time_limit) if args.policy == "plan" else baseline_plan(inst, args.policy)
