@@ -76,7 +76,7 @@ def worker(args: argparse.Namespace) -> dict:
 
     from boostjax.config import Config, TrainConfig, preset
     from boostjax.offload import apply
-    from boostjax.runtime.hardware import get_profile, measure
+    from boostjax.runtime.hardware import get_profile, measure, profile_for_device
     from boostjax.models.attention import memory_kind
     from boostjax.offload.planner import PlanInfeasible, baseline_plan, solve
     from boostjax.training.step import build_step_fns
@@ -106,8 +106,14 @@ def worker(args: argparse.Namespace) -> dict:
             plan = solve(inst, time_limit_s=args.time_limit) if args.policy == "plan" else baseline_plan(inst, args.policy)
         except PlanInfeasible as e:
             return {**rec, "status": "infeasible", "min_budget_gb": e.min_budget_bytes / GB}
+        prof = profile_for_device(dev.device_kind) if dev.platform == "gpu" else None
         rec.update(predicted_step_s=plan.predicted_step_s, predicted_peak_bytes=plan.predicted_peak_bytes,
-                   plan_status=plan.status, schedule=apply.describe(plan))
+                   plan_status=plan.status, schedule=apply.describe(plan),
+                   # what the printed line keeps of the schedule: layers with anything on the host, and the
+                   # GPU scheduler limit `Offloaded.compiler_options` compiles such a plan with (unless XLA_FLAGS)
+                   host_layers={"boundary": plan.boundary.count("host"), "params": plan.param_place.count("host"),
+                                "opt_state": plan.opt_place.count("host")},
+                   scheduler_options=apply.gpu_scheduler_options(plan, prof.device_bytes) if prof else None)
         with open(plan_path, "w") as f:
             f.write(plan.to_json())
         with jax.default_device(jax.devices("cpu")[0]):  # initialise on the host; the plan places it
