@@ -102,7 +102,7 @@ def gpu_scheduler_options(plan: Plan, device_bytes: float) -> dict[str, int]:
     of the GPU's memory, rounded, 1 to 95). At XLA's default (95) the scheduler orders such a step for
     latency and the compiled peak lands far above the plan (docs/gpu-program.md). Empty for a plan that
     keeps everything on the device."""
-    if "host" not in plan.boundary + plan.opt_place:  # a layer's parameters on the host: its state too
+    if not any(plan.host_layers.values()):
         return {}
     if device_bytes <= 0:
         raise ValueError(f"device_bytes: must be positive, got {device_bytes}; fix: pass the GPU's memory in bytes")

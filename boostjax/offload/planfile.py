@@ -183,6 +183,12 @@ class Plan:
         return tuple("device" if m == "device" else "host" for m in self.decisions.mode)
 
     @property
+    def host_layers(self) -> dict[str, int]:
+        """How many layers keep their input boundary, parameters and optimizer state in pinned host memory."""
+        return {"boundary": self.boundary.count("host"), "params": self.param_place.count("host"),
+                "opt_state": self.opt_place.count("host")}
+
+    @property
     def segments(self) -> list[tuple[int, int]]:
         return self.decisions.segments()
 

@@ -25,13 +25,12 @@ def gpu_host_note(plan: Plan) -> str | None:
     schedules such a step for latency, not memory, so even with its layers tied (`offload.apply.schedule`)
     the compiled peak can be above the prediction there (docs/gpu-program.md). None when the plan only
     keeps and recomputes."""
-    d = plan.decisions
-    hosted = sum(b == "host" for b in d.boundary), sum(p == "host" for p in plan.param_place), \
-        sum(o == "host" for o in plan.opt_place)
-    if not any(hosted):
+    hosted = plan.host_layers
+    if not any(hosted.values()):
         return None
-    return (f"note: this plan keeps in pinned host memory the input boundary of {hosted[0]} layers, the "
-            f"parameters of {hosted[1]} and the optimizer state of {hosted[2]}; on a GPU the compiled step can peak "
+    return (f"note: this plan keeps in pinned host memory the input boundary of {hosted['boundary']} layers, the "
+            f"parameters of {hosted['params']} and the optimizer state of {hosted['opt_state']}; on a GPU the "
+            "compiled step can peak "
             "above the prediction (docs/gpu-program.md); `boostjax train` gives XLA's GPU scheduler the plan's "
             "budget as its memory limit (xla_gpu_memory_limit_slop_factor, unless XLA_FLAGS sets it), which brings "
             "it closer; a larger --memory-cap keeps more on the device")

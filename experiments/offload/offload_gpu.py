@@ -111,8 +111,7 @@ def worker(args: argparse.Namespace) -> dict:
                    plan_status=plan.status, schedule=apply.describe(plan),
                    # what the printed line keeps of the schedule: layers with anything on the host, and the
                    # GPU scheduler limit `Offloaded.compiler_options` compiles such a plan with (unless XLA_FLAGS)
-                   host_layers={"boundary": plan.boundary.count("host"), "params": plan.param_place.count("host"),
-                                "opt_state": plan.opt_place.count("host")},
+                   host_layers=plan.host_layers,
                    scheduler_options=apply.gpu_scheduler_options(plan, prof.device_bytes) if prof else None)
         with open(plan_path, "w") as f:
             f.write(plan.to_json())
