@@ -7,16 +7,18 @@ import os
 import shutil
 import tempfile
 
+import cheap_codegen  # tests/: no jax import
+
 # exact bf16: collectives keep their bf16 payload in the compiled HLO that tests/test_comm.py counts;
-# XLA's cheap CPU codegen (helpers.FAST_CPU: LLVM at -O0 without its expensive passes, and the element-wise
+# XLA's cheap CPU codegen (cheap_codegen.FAST_CPU: LLVM at -O0 without its expensive passes, and the element-wise
 # emitter instead of the MLIR fusion emitters) for every compile, subprocesses included. The optimised HLO
 # has the same collectives; its fusions differ a little (a tiny BTP step's temp bytes by <= 192 of ~0.9 MB,
 # its rounding: a sharded and a replicated update 2.6e-10 apart after three ZeRO steps). The suite's tiny programs compile in about a third
 # of the time (a 2-layer BTP LaX loss and gradient with remat: LLVM codegen 1.8 s instead of 6.2 s) and
 # run a little slower. The suite ran in 920 s instead of 1225 s on a 2-core AMD EPYC.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_allow_excess_precision=false"
-    " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_allow_excess_precision=false "
+    + cheap_codegen.xla_flags()
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # glibc's default allocation for the suite's processes (a training process keeps its steps' scratch memory,

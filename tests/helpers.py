@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cheap_codegen
 from boostjax.config import ModelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -213,12 +214,11 @@ def beyond_code_flips(ref_weights: list, got_weights: list, flips: dict[str, np.
     return out
 
 
-# XLA's cheap CPU codegen (LLVM at -O0, no expensive passes, the element-wise emitter instead of the MLIR
-# fusion emitters) as compiler options; conftest.py sets the same for the whole session, these are for the
-# compiles a test overrides. The optimised HLO has the same collectives and nearly the same buffers (see
-# conftest.py); a test's tiny program compiles in about half the time and runs a little slower.
-FAST_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-            "xla_cpu_use_fusion_emitters": False}
+# XLA's cheap CPU codegen as compiler options (tests/cheap_codegen.py); conftest.py sets the same for the
+# whole session, these are for the compiles a test overrides. The optimised HLO has the same collectives and
+# nearly the same buffers (see conftest.py); a test's tiny program compiles in about half the time and runs
+# a little slower.
+FAST_CPU = cheap_codegen.FAST_CPU
 
 
 def compile_with(monkeypatch, options: dict) -> None:
