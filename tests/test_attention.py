@@ -112,6 +112,20 @@ def test_row_blocked_compiles_only_the_tiles_at_or_below_the_diagonal(monkeypatc
     assert not _square_buffers(hlo, 128)
 
 
+
+def test_row_blocked_gradient_has_no_empty_index_scatter():
+    """The backward adds each block's dk, dv into the keys it covers: the block that covers all of them
+    (t = 100 in 32-position rows: keys 0..99) as a plain add, the shorter ones as scatter-adds. A scatter
+    with an empty index vector (what `.at[:, :, :t].add` lowers to) segfaults jax 0.11.2's Shardy inside a
+    `shard_map` (docs/gpu-program.md); the lowered gradient holds none."""
+    q, k, v, _ = _qkv(100, jnp.float32)
+    grad = jax.grad(lambda q, k, v: jnp.sum(attention.row_blocked_attention(q, k, v, 32)), argnums=(0, 1, 2))
+    text = jax.jit(grad).lower(q, k, v).as_text()
+    operands = re.findall(r"stablehlo\.scatter.*?: \((tensor<[^>]*>), (tensor<[^>]*>), (tensor<[^>]*>)\) ->",
+                          text, re.S)
+    index_shapes = sorted({index for _, index, _ in operands})
+    assert len(operands) == 2 * 3 and index_shapes == ["tensor<1xi32>"], operands  # dk, dv of blocks 1-3
+
 # TINY with seq 64 and 16-position tiles: four blocks, six of the sixteen tiles skipped as fully masked
 ATTN = replace(TINY, attention="chunked", attention_block=16, max_seq_len=64)
 

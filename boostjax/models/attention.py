@@ -210,15 +210,15 @@ def _row_bwd(rows, res, do_bthe):
     for (lo, hi), (e_bksn, l_bkn1) in zip(_row_blocks(t, rows), tiles):  # E saved transposed: [keys, rows]
         n = slice(lo * g, hi * g)
         dol = do_bkne[:, :, n] / l_bkn1  # dO / l: P = E / l never formed
-        dv = dv.at[:, :, :hi].add(jnp.einsum("bksn,bkne->bkse", e_bksn.astype(dt), dol.astype(dt),
-                                             preferred_element_type=jnp.float32))
+        dv = _add_to_keys(dv, jnp.einsum("bksn,bkne->bkse", e_bksn.astype(dt), dol.astype(dt),
+                                         preferred_element_type=jnp.float32))
         dp_bksn = jnp.einsum("bkse,bkne->bksn", v_bkse[:, :, :hi], dol.astype(dt), preferred_element_type=jnp.float32)
         delta_bk1n = jnp.swapaxes(jnp.sum(dol * o_bkne[:, :, n], -1, keepdims=True), -1, -2)
         ds_bksn = (e_bksn * (dp_bksn - delta_bk1n)).astype(dt)
         dq.append(jnp.einsum("bkns,bkse->bkne", materialised(jnp.swapaxes(ds_bksn, -1, -2)), k_bkse[:, :, :hi],
                              preferred_element_type=jnp.float32))
-        dk = dk.at[:, :, :hi].add(jnp.einsum("bksn,bkne->bkse", ds_bksn, q_bkne[:, :, n],
-                                             preferred_element_type=jnp.float32))
+        dk = _add_to_keys(dk, jnp.einsum("bksn,bkne->bkse", ds_bksn, q_bkne[:, :, n],
+                                         preferred_element_type=jnp.float32))
     dq_bthe = _from_kv_head(jnp.concatenate(dq, axis=2) * scale, h).astype(dt)
     dk_btke, dv_btke = _from_kv_head(dk * scale, kv).astype(k_btke.dtype), _from_kv_head(dv, kv).astype(v_btke.dtype)
     dseg = None if segments_bt is None else np.zeros(segments_bt.shape, jax.dtypes.float0)  # integer input
@@ -226,6 +226,15 @@ def _row_bwd(rows, res, do_bthe):
 
 
 row_blocked_attention.defvjp(_row_fwd, _row_bwd)
+
+
+def _add_to_keys(acc_bkse: Array, x_bkse: Array) -> Array:
+    """`acc` plus `x` on its first keys (`x` covers keys 0..hi-1). The block that covers every key is a
+    plain add: as `acc.at[:, :, :t].add(x)` it lowers to a scatter with an empty index vector, on which
+    jax 0.11.2's Shardy canonicalizer segfaults inside a `shard_map` (docs/gpu-program.md). The shorter
+    blocks stay scatter-adds, which XLA's CPU backend runs faster than a zero-padded add."""
+    hi = x_bkse.shape[2]
+    return acc_bkse + x_bkse if hi == acc_bkse.shape[2] else acc_bkse.at[:, :, :hi].add(x_bkse)
 
 
 # ------------------------------------------------------------------------------------ chunked
