@@ -179,7 +179,10 @@ def test_cli_json_bf16_with_data_parallel(cli):
     assert r["forward_allreduce_bytes_per_layer"] == tokens * (7 * m.rank + 2 * w) * 2
     assert r["forward_allreduce_bytes_per_layer"] == r["expected_per_layer"]["forward_bytes"]
     assert r["forward_allreduce_bytes_compiled_per_layer"] == tokens * (7 * m.rank + 2 * w) * 4
-    assert r["allreduce_bytes_per_layer_by_axis"]["model"] == tokens * (2 * 7 * m.rank + 2 * w) * 2
+    # over `model` per layer: the latents both ways, and the gradient norm's partial sums of squares of the
+    # layer's 11 model-sharded leaves (two f32 per leaf as compiled, in one tuple all-reduce per step)
+    assert r["allreduce_scalar_bytes_per_layer"] == 2 * 11 * 4
+    assert r["allreduce_bytes_per_layer_by_axis"]["model"] == tokens * (2 * 7 * m.rank + 2 * w) * 2 + 2 * 11 * 4
     # data parallelism: one gradient all-reduce of the block's local (d- or r-sharded) tensors, in bf16
     # because the parameters are cast to the compute dtype inside the shard_map
     d, f, r_, he = m.d_model, m.d_ff, m.rank, m.n_heads * m.head_dim
@@ -268,6 +271,19 @@ def test_hlo_collectives():
     assert hlo.collective_summary(HLO_TEXT, include_trivial=True)["all-reduce"]["count"] == 3
     assert set(summary) == {"all-reduce", "all-gather", "reduce-scatter", "collective-permute"}
 
+
+
+@pytest.mark.parametrize("groups,want", [
+    ("mesh['data'=2,'model'=2] {'model'}", [[0, 1], [2, 3]]),
+    ("mesh['data'=2,'model'=2] {'data'}", [[0, 2], [1, 3]]),
+    # jax 0.10's CPU compile of a BTP step wrote its clip-norm all-reduce over `model` this way: the
+    # ids as an iota transposed, [[0, 2], [1, 3]], read before as the listed ids 2, 2, 1, 0
+    ("mesh['axis_0'=2,'axis_1'=2], device_ids=([2,2]T(1,0)) {'axis_0'}", [[0, 1], [2, 3]]),
+    ("mesh['axis_0'=2,'axis_1'=2], device_ids=(0,2,1,3) {'axis_0'}", [[0, 1], [2, 3]]),
+    ("mesh['a'=2,'b'=4], device_ids=([8]<=[4,2]T(1,0)) {'a'}", [[0, 1], [2, 3], [4, 5], [6, 7]]),
+])
+def test_mesh_replica_groups_with_device_ids_listed_or_as_an_iota(groups, want):
+    assert hlo.comms._mesh_groups(groups) == want
 
 def test_hlo_gemms():
     gs = {g.name: g for g in hlo.gemms(HLO_TEXT)}

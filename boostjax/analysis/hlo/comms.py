@@ -10,6 +10,18 @@ import numpy as np
 from boostjax.analysis.hlo.parse import Array, COLLECTIVE_KINDS, FLOAT_BITS, Instr, Module, MOVE_OPS, parse_module
 
 
+# XLA's iota form of a device list: `[dims]` (ids 0..n-1 in that shape), or `[dims]<=[reshape]` (the ids
+# laid out in `reshape`, then read as `dims`), either with `T(perm)` (`reshape` transposed first)
+IOTA = r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?"
+
+
+def _iota_ids(m: re.Match) -> np.ndarray:
+    """The device ids of an `IOTA` match, in the shape of its `reshape` (or `dims`) after the transpose."""
+    shape = [int(x) for x in (m.group(2) or m.group(1)).split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(x) for x in m.group(3).split(",")]) if m.group(3) else ids
+
+
 def _groups(instr: Instr) -> list[list[int]]:
     """Replica groups as lists of device ids ([] = one group of all devices, size unknown)."""
     if instr.opcode.startswith("collective-permute"):
@@ -18,16 +30,13 @@ def _groups(instr: Instr) -> list[list[int]]:
     text = instr.attr("replica_groups")
     if not text or text == "{}":
         return []
-    if text.startswith("mesh["):
-        return _mesh_groups(text)
-    iota = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if text.startswith("mesh["):  # the attribute runs on past its first comma: `, device_ids=(...) {...}`
+        whole = re.search(r"replica_groups=(mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\})",
+                          instr.attrs)
+        return _mesh_groups(whole.group(1) if whole else text)
+    iota = re.match(IOTA, text)
     if iota:
-        gshape = [int(x) for x in iota.group(1).split(",")]
-        rshape = [int(x) for x in iota.group(2).split(",")]
-        ids = np.arange(int(np.prod(rshape))).reshape(rshape)
-        if iota.group(3):
-            ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
-        return ids.reshape(gshape[0], -1).tolist()
+        return _iota_ids(iota).reshape(int(iota.group(1).split(",")[0]), -1).tolist()
     return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", text)]
 
 
@@ -44,9 +53,12 @@ def _mesh_groups(text: str) -> list[list[int]]:
     rest = head.group(2)
     sizes = [s for _, s in axes]
     ids = np.arange(int(np.prod(sizes)))
-    dev = re.search(r"device_ids=\(([^)]*)\)", rest)
+    dev = re.search(r"device_ids=\(" + IOTA + r"\)", rest)  # an iota form: `[2,2]T(1,0)`
     if dev:
-        found = [int(x) for x in re.findall(r"\d+", dev.group(1))]
+        ids = _iota_ids(dev).reshape(-1)
+    else:
+        dev = re.search(r"device_ids=\(([\d,\s]*)\)", rest)  # or the ids listed
+        found = [int(x) for x in re.findall(r"\d+", dev.group(1))] if dev else []
         if len(found) == ids.size:
             ids = np.asarray(found)
     brace = re.search(r"\{([^}]*)\}\s*$", rest)
