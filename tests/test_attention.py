@@ -112,7 +112,6 @@ def test_row_blocked_compiles_only_the_tiles_at_or_below_the_diagonal(monkeypatc
     assert not _square_buffers(hlo, 128)
 
 
-
 def test_row_blocked_gradient_has_no_empty_index_scatter():
     """The backward adds each block's dk, dv into the keys it covers: the block that covers all of them
     (t = 100 in 32-position rows: keys 0..99) as a plain add, the shorter ones as scatter-adds. A scatter
@@ -125,6 +124,7 @@ def test_row_blocked_gradient_has_no_empty_index_scatter():
                           text, re.S)
     index_shapes = sorted({index for _, index, _ in operands})
     assert len(operands) == 2 * 3 and index_shapes == ["tensor<1xi32>"], operands  # dk, dv of blocks 1-3
+
 
 # TINY with seq 64 and 16-position tiles: four blocks, six of the sixteen tiles skipped as fully masked
 ATTN = replace(TINY, attention="chunked", attention_block=16, max_seq_len=64)

@@ -272,7 +272,6 @@ def test_hlo_collectives():
     assert set(summary) == {"all-reduce", "all-gather", "reduce-scatter", "collective-permute"}
 
 
-
 @pytest.mark.parametrize("groups,want", [
     ("mesh['data'=2,'model'=2] {'model'}", [[0, 1], [2, 3]]),
     ("mesh['data'=2,'model'=2] {'data'}", [[0, 2], [1, 3]]),
@@ -284,6 +283,7 @@ def test_hlo_collectives():
 ])
 def test_mesh_replica_groups_with_device_ids_listed_or_as_an_iota(groups, want):
     assert hlo.comms._mesh_groups(groups) == want
+
 
 def test_hlo_gemms():
     gs = {g.name: g for g in hlo.gemms(HLO_TEXT)}

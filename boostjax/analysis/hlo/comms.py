@@ -30,10 +30,9 @@ def _groups(instr: Instr) -> list[list[int]]:
     text = instr.attr("replica_groups")
     if not text or text == "{}":
         return []
-    if text.startswith("mesh["):  # the attribute runs on past its first comma: `, device_ids=(...) {...}`
-        whole = re.search(r"replica_groups=(mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\})",
-                          instr.attrs)
-        return _mesh_groups(whole.group(1) if whole else text)
+    if text.startswith("mesh["):
+        devices = instr.attr("device_ids")  # `mesh[...], device_ids=(...) {...}`: the axes come after it
+        return _mesh_groups(f"{text}, device_ids={devices}" if devices else text)
     iota = re.match(IOTA, text)
     if iota:
         return _iota_ids(iota).reshape(int(iota.group(1).split(",")[0]), -1).tolist()
