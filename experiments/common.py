@@ -21,8 +21,8 @@ markdown (unless `echo=False`) and one line naming the files. A JSON object reco
 `command_line` spells a script's command line, `subplots` makes a headless (Agg) figure for the charts
 and `log` prints a progress line stamped with the time of day. `machine_facts` / `machine_line` describe
 the machine a result was measured on; `timed` and `interleaved` time calls (rounds of every contender
-in turn, so that other jobs on a shared machine slow all of them alike); `procs_running` counts the
-runnable tasks.
+in turn, so that other jobs on a shared machine slow all of them alike); `others_running` counts the
+runnable tasks of other processes.
 """
 
 from __future__ import annotations
@@ -193,12 +193,35 @@ def write(out: str | pathlib.Path, name: str, *, data: Any = None, md: str | Cal
 
 
 def procs_running() -> int:
-    """Runnable tasks on the machine right now (this process included), from /proc/stat; -1 unknown."""
+    """Runnable tasks (threads) on the machine right now (this process's included), from /proc/stat;
+    -1 unknown."""
     try:
         with open("/proc/stat") as fh:
             return next(int(ln.split()[1]) for ln in fh if ln.startswith("procs_running"))
     except (OSError, StopIteration):
         return -1
+
+
+def own_running() -> int:
+    """This process's threads that are runnable right now (the caller's included): XLA's pool or torch's
+    OpenMP workers still spinning after a call; 1 where /proc/self/task cannot be read."""
+    n = 0
+    try:
+        for task in os.scandir("/proc/self/task"):
+            try:
+                with open(os.path.join(task.path, "stat")) as fh:
+                    n += fh.read().rpartition(")")[2].split()[0] == "R"
+            except (OSError, IndexError):
+                continue  # the thread ended while we looked
+    except OSError:
+        return 1
+    return max(n, 1)
+
+
+def others_running() -> int:
+    """Runnable tasks of other processes right now: `procs_running` less this process's own; -1 unknown."""
+    total = procs_running()
+    return -1 if total < 0 else max(total - own_running(), 0)
 
 
 def cpu_info() -> tuple[str, set[str]]:
@@ -290,7 +313,7 @@ def interleaved(calls: dict[Hashable, Callable[[], Any]], rounds: int,
     runs after round k (progress lines)."""
     out = Rounds({k: [] for k in calls}, {k: [] for k in calls})
     for k in range(rounds):
-        out.others.append(procs_running() - 1)
+        out.others.append(others_running())
         for key in (order(k) if order is not None else calls):
             wall_s, cpu_s = timed(calls[key])
             out.wall[key].append(wall_s)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import os
+import threading
 
 import pytest
 
@@ -58,6 +60,29 @@ def test_rerender_writes_only_with_from_json(tmp_path, capsys):
     assert (tmp_path / "out" / "x.md").read_text() == "rows [1, 2]\n"
     assert not (tmp_path / "out" / "x.json").exists()  # the measurement is not rewritten
     assert "rows [1, 2]" in capsys.readouterr().out
+
+
+def test_a_busy_thread_of_this_process_is_not_another_process():
+    """The rounds' `others` count other processes' runnable tasks: a thread of ours that computes (as
+    XLA's pool or torch's OpenMP workers do after a call) is this process's, not a sign of a shared
+    machine."""
+    stop = threading.Event()
+
+    def work():  # hashing a large buffer releases the GIL: the thread stays runnable
+        while not stop.is_set():
+            hashlib.sha256(bytes(1 << 24)).digest()
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    try:
+        seen = [common.own_running() for _ in range(200)]
+        total, others = common.procs_running(), common.others_running()
+    finally:
+        stop.set()
+        thread.join()
+    assert max(seen) >= 2, seen  # the worker and the caller
+    assert min(seen) >= 1
+    assert -1 <= others <= max(total - 1, 0)
 
 
 def test_interleaved_rounds_and_order():
