@@ -37,7 +37,7 @@ import sys
 import time
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent  # the repository
@@ -222,6 +222,14 @@ def others_running() -> int:
     """Runnable tasks of other processes right now: `procs_running` less this process's own; -1 unknown."""
     total = procs_running()
     return -1 if total < 0 else max(total - own_running(), 0)
+
+
+def was_shared(parts: Iterable[Mapping[str, Any]], machine: Mapping[str, Any]) -> bool:
+    """Whether a timed run shared its machine: other processes were runnable in most rounds of one of its
+    `parts` (their `other_runnable_tasks_median` is 1 or more), or the 1-minute load average was above 0.5
+    when it started. A lone round that met a runnable kernel thread does not make a machine shared: the
+    per-round ratios are medians."""
+    return (any(p["other_runnable_tasks_median"] >= 1 for p in parts) or machine["loadavg_start"][0] > 0.5)
 
 
 def cpu_info() -> tuple[str, set[str]]:

@@ -341,7 +341,7 @@ def markdown(res: dict) -> str:
              f"{mf['loadavg_end'][0]:.1f}; other runnable tasks per round (median / max): "
              + ", ".join(f"{s['shape']} {s['other_runnable_tasks_median']:.0f} / {s['other_runnable_tasks_max']}"
                          for s in res["shapes"]) + ".", ""]
-    if res["shared"]:
+    if common.was_shared(res["shapes"], mf):
         lines += ["**The machine was shared** (other processes were runnable while this ran): absolute "
                   "times are inflated and noisy; the per-round ratios are the more robust figures.", ""]
     for s in res["shapes"]:
@@ -401,7 +401,7 @@ def plot(res: dict):
         ax.tick_params(axis="x", labelsize=7)
         ax.set_ylabel("tokens/s (median)")
         ax.set_title(s["shape"])
-    fig.suptitle("Training step on one device" + (" (shared machine)" if res["shared"] else ""))
+    fig.suptitle("Training step on one device" + (" (shared machine)" if common.was_shared(res["shapes"], res["machine"]) else ""))
     fig.tight_layout()
     return fig
 
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results[1:]:
         r.pop("breakdown")
     machine["loadavg_end"] = list(os.getloadavg())
-    shared = (max(s["other_runnable_tasks_max"] for s in results) >= 1 or machine["loadavg_start"][0] > 0.5)
+    shared = common.was_shared(results, machine)
     res = {"args": vars(args), "command": common.command_line("lowrank_speed", argv),
            "machine": machine, "shared": shared, "shapes": results, "breakdown": bd,
            "notes": NOTES, "runtime_s": time.perf_counter() - t_start}

@@ -365,7 +365,7 @@ def markdown(res: dict) -> str:
              f"thread pool sized to the usable cores{', XLA_FLAGS ' + repr(m['xla_flags']) if m['xla_flags'] else ''}); "
              f"{common.allocation_text(m)}, for both frameworks (one process); load average at start "
              f"{m['loadavg_start'][0]:.1f}, at end {m['loadavg_end'][0]:.1f}.", ""]
-    if res["shared"]:
+    if common.was_shared([res["preset"]] + ([res["real"]] if res.get("real") else []), m):
         lines += ["**The machine was shared** (other processes were runnable during the rounds): absolute numbers "
                   "are inflated and noisy; the per-round ratios (`x transformers`, `x dense`) are the robust "
                   "figures.", ""]
@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vs_transformers: --real {res['real_skipped']}", flush=True)
     machine["loadavg_end"] = list(os.getloadavg())
     parts = [res["preset"]] + ([res["real"]] if res.get("real") else [])
-    res["shared"] = max(p["other_runnable_tasks_max"] for p in parts) >= 1 or machine["loadavg_start"][0] > 0.5
+    res["shared"] = common.was_shared(parts, machine)
     res["notes"] = NOTES
     res["runtime_s"] = time.perf_counter() - t_start
     common.write(args.out, args.name, data=res, md=lambda: markdown(res), command=res["command"],

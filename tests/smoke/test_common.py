@@ -85,6 +85,13 @@ def test_a_busy_thread_of_this_process_is_not_another_process():
     assert -1 <= others <= max(total - 1, 0)
 
 
+def test_a_machine_is_shared_when_most_rounds_met_another_task_or_it_started_loaded():
+    quiet = {"loadavg_start": [0.2, 0.5, 0.9]}
+    assert not common.was_shared([{"other_runnable_tasks_median": 0, "other_runnable_tasks_max": 1}], quiet)
+    assert common.was_shared([{"other_runnable_tasks_median": 0}, {"other_runnable_tasks_median": 1}], quiet)
+    assert common.was_shared([{"other_runnable_tasks_median": 0}], {"loadavg_start": [0.6, 0.1, 0.1]})
+
+
 def test_interleaved_rounds_and_order():
     seen = []
     calls = {k: (lambda k=k: seen.append(k)) for k in "abc"}
