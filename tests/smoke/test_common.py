@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -75,7 +76,9 @@ def test_a_busy_thread_of_this_process_is_not_another_process():
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
     try:
-        seen = [common.own_running() for _ in range(200)]
+        seen, deadline = [], time.monotonic() + 10.0
+        while time.monotonic() < deadline and max(seen, default=0) < 2:  # a few ms unless the machine is busy
+            seen.append(common.own_running())
         total, others = common.procs_running(), common.others_running()
     finally:
         stop.set()
