@@ -460,9 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results[1:]:
         r.pop("breakdown")
     machine["loadavg_end"] = list(os.getloadavg())
-    shared = common.was_shared(results, machine)
     res = {"args": vars(args), "command": common.command_line("lowrank_speed", argv),
-           "machine": machine, "shared": shared, "shapes": results, "breakdown": bd,
+           "machine": machine, "shapes": results, "breakdown": bd,
            "notes": NOTES, "runtime_s": time.perf_counter() - t_start}
     common.write(args.out, "lowrank_speed", data=res, md=lambda: markdown(res), figure=lambda: plot(res))
     return 0

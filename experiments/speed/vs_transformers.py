@@ -354,6 +354,11 @@ def _section(title: str, r: dict, args: dict) -> list[str]:
     return lines
 
 
+def timed_parts(res: dict) -> list[dict]:
+    """The comparisons a result timed: the preset shape and, with `--real`, the real model."""
+    return [res["preset"]] + ([res["real"]] if res.get("real") else [])
+
+
 def markdown(res: dict) -> str:
     a, m = res["args"], res["machine"]
     lines = ["# boostjax vs Hugging Face transformers on CPU", "",
@@ -365,7 +370,7 @@ def markdown(res: dict) -> str:
              f"thread pool sized to the usable cores{', XLA_FLAGS ' + repr(m['xla_flags']) if m['xla_flags'] else ''}); "
              f"{common.allocation_text(m)}, for both frameworks (one process); load average at start "
              f"{m['loadavg_start'][0]:.1f}, at end {m['loadavg_end'][0]:.1f}.", ""]
-    if common.was_shared([res["preset"]] + ([res["real"]] if res.get("real") else []), m):
+    if common.was_shared(timed_parts(res), m):
         lines += ["**The machine was shared** (other processes were runnable during the rounds): absolute numbers "
                   "are inflated and noisy; the per-round ratios (`x transformers`, `x dense`) are the robust "
                   "figures.", ""]
@@ -503,8 +508,6 @@ def main(argv: list[str] | None = None) -> int:
             res["real_skipped"] = f"skipped: no Hugging Face folder at {folder} (config.json absent)"
             print(f"vs_transformers: --real {res['real_skipped']}", flush=True)
     machine["loadavg_end"] = list(os.getloadavg())
-    parts = [res["preset"]] + ([res["real"]] if res.get("real") else [])
-    res["shared"] = common.was_shared(parts, machine)
     res["notes"] = NOTES
     res["runtime_s"] = time.perf_counter() - t_start
     common.write(args.out, args.name, data=res, md=lambda: markdown(res), command=res["command"],
